@@ -1,0 +1,172 @@
+"""`moepass convert`: GGUF -> ONNX decoder with QMoE experts, written atomically.
+
+Read (moepass.gguf_reader) -> lower (moepass.passes.lower) -> passes (moepass.passes.PIPELINE)
+-> write: model.onnx + model.onnx.data (weights streamed tensor by tensor) + moepass.json
+(hyperparameters, MoE layers and the per-tensor conversion report).
+
+Everything is written into a temporary directory beside the output and renamed at the end, so a
+failure leaves nothing at the output path, and an existing output is replaced only on request.
+The files depend only on the input and the options: converting twice gives identical bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import onnx_ir as ir
+
+from moepass import __version__
+from moepass.architectures import architecture_of
+from moepass.errors import MoepassError
+from moepass.gguf_reader import GGUFModel
+from moepass.passes import run_pipeline
+from moepass.passes.lower import LowerOptions, lower_gguf
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+REPORT_FILE = "moepass.json"
+# Bound on tensor bytes the writer materializes at once (the largest single tensor may exceed it alone).
+MAX_IN_FLIGHT_BYTES = 256 << 20
+
+ProgressFn = Callable[[int, int], None]  # (tensors written, total tensors)
+
+
+@dataclasses.dataclass
+class ConvertResult:
+    """What a conversion produced; `summary_lines()` is what the CLI prints."""
+
+    output_dir: Path
+    source: Path
+    architecture: str
+    n_layers: int
+    moe_layers: list[dict[str, Any]]
+    bytes_by_target: dict[str, int]
+    weights: list[dict[str, Any]]
+    source_bytes: int
+    output_bytes: int
+    seconds: float
+
+    @property
+    def model_path(self) -> Path:
+        return self.output_dir / MODEL_FILE
+
+    @property
+    def n_exact(self) -> int:
+        return sum(all(w["exact"]) for w in self.weights)
+
+    @property
+    def max_rel_rms_error(self) -> float:
+        return max((e for w in self.weights for e in w["rel_rms_error"]), default=0.0)
+
+    def summary_lines(self) -> list[str]:
+        experts = self.moe_layers[0]["experts"] if self.moe_layers else 0
+        top_k = self.moe_layers[0]["top_k"] if self.moe_layers else 0
+        forms = collections.Counter(m["form"] for m in self.moe_layers)
+        lines = [
+            f"converted {self.source.name} ({self.architecture}) -> {self.output_dir}",
+            f"  layers        {self.n_layers} ({len(self.moe_layers)} MoE, {experts} experts, top-{top_k})",
+            "  expert form   " + ", ".join(f"{form} x{n}" for form, n in sorted(forms.items())),
+            f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
+        ]
+        for target, nbytes in sorted(self.bytes_by_target.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {target:<12}{nbytes:>16,} bytes")
+        inexact = len(self.weights) - self.n_exact
+        lines.append(f"  weights       {self.n_exact} exact, {inexact} requantized"
+                     + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
+        rate = self.source_bytes / self.seconds / 1e9 if self.seconds else 0.0
+        lines.append(f"  time          {self.seconds:.2f} s ({rate:.2f} GB/s of GGUF)")
+        return lines
+
+
+def _prepare_output(output_dir: Path, overwrite: bool) -> Path:
+    """Check the output path and make the temporary directory beside it."""
+    if output_dir.exists() and not overwrite:
+        if not output_dir.is_dir() or any(output_dir.iterdir()):
+            raise MoepassError(f"{output_dir}: already exists; pass --force to replace it")
+    parent = output_dir.parent
+    if not parent.is_dir():
+        raise MoepassError(f"{output_dir}: parent directory {parent} does not exist")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise MoepassError(f"{output_dir}: cannot write there ({e.strerror})") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary directory
+    return tmp
+
+
+def _install(tmp: Path, output_dir: Path) -> None:
+    """Move the finished tmp directory to output_dir, replacing what was there only now."""
+    old = None
+    if output_dir.exists():
+        old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
+        output_dir.rename(old)
+    tmp.rename(output_dir)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_experts: str = "keep",
+            overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
+            echo: Callable[[str], None] = print) -> ConvertResult:
+    """Convert a GGUF model into an ONNX decoder directory.
+
+    Args:
+        model: the .gguf file (for split files, the first part).
+        output_dir: the directory to create (must not exist, or be empty, unless `overwrite`).
+        float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
+            (quantized into QMoE).
+        overwrite: replace an existing output_dir.
+        progress: called as progress(done, total) while weights are written.
+        print_after: print the graph after this pass (see moepass.passes.PASS_NAMES).
+    """
+    start = time.perf_counter()
+    source, output_dir = Path(model), Path(output_dir)
+    gguf = GGUFModel(source)
+    arch = architecture_of(gguf)
+    lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts))
+    onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo)
+
+    tmp = _prepare_output(output_dir, overwrite)
+    try:
+        done = 0
+
+        def on_tensor(_tensor: ir.TensorProtocol, info: Any) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, info.total)
+
+        ir.save(onnx_model, tmp / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor,
+                max_workers=2, max_in_flight_bytes=MAX_IN_FLIGHT_BYTES)
+        weights = [r.as_dict() for r in lowered.report.records.values()]
+        bytes_by_target: dict[str, int] = collections.Counter()
+        for w in weights:
+            bytes_by_target[w["target"]] += w["bytes"]
+        report = {
+            "moepass_version": __version__,
+            "source": {"file": source.name, "parts": [p.name for p in gguf.parts], "bytes": gguf.file_bytes},
+            "architecture": arch.gguf_arch,
+            "hparams": lowered.hparams,
+            "moe_layers": lowered.moe_layers,
+            "weights": weights,
+        }
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
+        _install(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConvertResult(output_dir=output_dir, source=source, architecture=arch.gguf_arch,
+                         n_layers=lowered.hparams["n_layers"], moe_layers=lowered.moe_layers,
+                         bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
+                         output_bytes=output_bytes, seconds=time.perf_counter() - start)

@@ -1,0 +1,249 @@
+"""Per-quantization facts and the packers that move GGUF blocks into ONNX Runtime's block forms.
+
+One table, `QUANT_TYPES`, says for every GGUF type moepass accepts how its values are stored:
+
+- "blocks": values are `scale * code` with small integer codes sharing one float scale per block
+  (Q8_0, Q4_0, Q6_K). Such a type moves *bit-exactly* into any `BlockForm` whose block divides
+  the native block and whose integer range holds the codes; `exact_forms()` derives which.
+- "float": F32/F16/BF16, kept as float unless the user asks for quantization.
+- "dequantize": formats with fractional minimums or codebooks (Q4_K, ...): their values come from
+  the gguf package's dequantizer and are requantized, with the error measured and reported.
+
+A `BlockForm` (bits, block_size) is the layout shared by com.microsoft::QMoE and MatMulNBits:
+per row, codes packed along K (for 4 bits element 2j in the low nibble, 2j+1 in the high nibble),
+one float scale per block, value = (u - 2**(bits-1)) * scale with the default zero point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT
+from gguf import quants as gguf_quants
+
+from moepass.errors import MoepassError
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class BlockForm:
+    """An integer block form of ONNX Runtime's QMoE / MatMulNBits."""
+
+    bits: int
+    block_size: int
+
+    @property
+    def zero_point(self) -> int:
+        return 1 << (self.bits - 1)
+
+    @property
+    def code_range(self) -> tuple[int, int]:
+        """Centered codes (u - zero_point) this form can hold."""
+        return -self.zero_point, self.zero_point - 1
+
+    def packed_bytes(self, k: int) -> int:
+        return k * self.bits // 8
+
+    def __str__(self) -> str:
+        return f"int{self.bits}/b{self.block_size}"
+
+
+# Forms the CPU EP runs: 4 and 8 bits; blocks are powers of two >= 16.
+CANDIDATE_FORMS = tuple(BlockForm(bits, bs) for bits in (4, 8) for bs in (16, 32, 64, 128))
+# Used when no form holds a tensor exactly: 8 bits keep the added error near 0.5 % (rel. RMS).
+REQUANTIZE_FORM = BlockForm(8, 32)
+
+
+def _blocks(raw: np.ndarray, ggml_type: GT) -> np.ndarray:
+    """View raw rows `[..., row_bytes]` as `[..., n_blocks, type_size]`."""
+    type_size = GGML_QUANT_SIZES[ggml_type][1]
+    return raw.reshape(*raw.shape[:-1], raw.shape[-1] // type_size, type_size)
+
+
+def _fp16_field(blocks: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def decode_q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0: fp16 d, 32 int8 codes; value = d * code."""
+    b = _blocks(raw, GT.Q8_0)
+    codes = b[..., 2:].view(np.int8)
+    return codes.reshape(*raw.shape[:-1], -1), _fp16_field(b, 0)
+
+
+def decode_q4_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0: fp16 d, 16 bytes; element j is the low nibble of byte j, element j+16 its high nibble."""
+    b = _blocks(raw, GT.Q4_0)
+    qs = b[..., 2:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).view(np.int8) - np.int8(8)
+    return codes.reshape(*raw.shape[:-1], -1), _fp16_field(b, 0)
+
+
+_Q6_K_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(2, 2, 1)
+
+
+def decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K: 256-element super-blocks of 16 sub-blocks; value = d * sc[j] * (q - 32), q 6-bit.
+
+    Per half of 128 elements, element nib*64 + part*32 + l takes its low 4 bits from
+    ql[part*32 + l] (low nibble if nib == 0 else high) and its high 2 bits from qh[l] at shift
+    4*nib + 2*part.
+    """
+    b = _blocks(raw, GT.Q6_K)
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 1, 2, 32)        # half, -, part, l
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 1, 32)      # half, -, -, l
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-3)   # half, nib, part, l
+    high = (qh >> _Q6_K_SHIFTS) & 0x03
+    codes = (low | (high << 4)).view(np.int8) - np.int8(32)
+    sub_scales = b[..., 192:208].view(np.int8).astype(np.float32)
+    scales = _fp16_field(b, 208)[..., None] * sub_scales
+    return codes.reshape(*raw.shape[:-1], -1), scales.reshape(*raw.shape[:-1], -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantType:
+    """What moepass knows about one GGUF tensor type."""
+
+    ggml_type: GT
+    storage: str  # "blocks", "float" or "dequantize"
+    native_block: int = 0
+    code_range: tuple[int, int] = (0, 0)
+    decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.ggml_type.name
+
+    def exact_forms(self) -> tuple[BlockForm, ...]:
+        """Forms that hold this type's values bit-exactly."""
+        if self.storage != "blocks":
+            return ()
+        lo, hi = self.code_range
+        return tuple(f for f in CANDIDATE_FORMS
+                     if self.native_block % f.block_size == 0
+                     and f.code_range[0] <= lo and hi <= f.code_range[1])
+
+
+QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
+    QuantType(GT.F32, "float"),
+    QuantType(GT.F16, "float"),
+    QuantType(GT.BF16, "float"),
+    QuantType(GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0),
+    QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0),
+    QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k),
+    QuantType(GT.Q4_K, "dequantize"),
+]}
+
+
+def quant_type(ggml_type: GT, tensor_name: str) -> QuantType:
+    """The table entry for a tensor's type, or a clear error naming the tensor."""
+    qt = QUANT_TYPES.get(ggml_type)
+    if qt is None:
+        supported = ", ".join(t.name for t in QUANT_TYPES)
+        raise MoepassError(f"tensor '{tensor_name}' has type {ggml_type.name}, which moepass cannot convert yet "
+                           f"(supported: {supported})")
+    return qt
+
+
+def dequantize(raw: np.ndarray, ggml_type: GT) -> np.ndarray:
+    """Float32 values of raw rows `[..., row_bytes]`, by the gguf package's own dequantizers."""
+    if ggml_type == GT.F32:
+        return raw.view(np.float32)
+    if ggml_type == GT.F16:
+        return raw.view(np.float16).astype(np.float32)
+    return gguf_quants.dequantize(raw, ggml_type).astype(np.float32, copy=False)
+
+
+@dataclasses.dataclass
+class Packed:
+    """Codes and scales of a stack of matrices in one BlockForm.
+
+    `weights`: uint8 `[..., N, K*bits/8]`; `scales`: float32 `[..., N, K/block_size]`.
+    `rel_rms_error` is 0.0 for an exact repack, else ||W' - W|| / ||W|| against the GGUF values.
+    """
+
+    form: BlockForm
+    weights: np.ndarray
+    scales: np.ndarray
+    exact: bool
+    rel_rms_error: float
+
+
+def pack_codes(centered: np.ndarray, form: BlockForm) -> np.ndarray:
+    """Centered int8 codes `[..., K]` -> packed uint8 `[..., K*bits/8]` with the default zero point."""
+    u = centered.view(np.uint8) + np.uint8(form.zero_point)  # wraps mod 256: exactly c + zp
+    if form.bits == 8:
+        return u
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_codes(packed: np.ndarray, form: BlockForm) -> np.ndarray:
+    """Inverse of `pack_codes`: centered int16 codes `[..., K]`."""
+    if form.bits == 8:
+        u = packed
+    else:
+        u = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return u.astype(np.int16) - form.zero_point
+
+
+def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm) -> np.ndarray:
+    """Float32 values of a packed stack: (u - zero_point) * scale."""
+    codes = unpack_codes(weights, form).astype(np.float32)
+    return codes * np.repeat(scales, form.block_size, axis=-1)
+
+
+def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm) -> Packed:
+    """Move GGUF blocks into `form` without changing a single value (form must be in exact_forms)."""
+    codes, scales = qt.decode(raw)
+    repeat = qt.native_block // form.block_size
+    if repeat > 1:
+        scales = np.repeat(scales, repeat, axis=-1)
+    return Packed(form, pack_codes(codes, form), np.ascontiguousarray(scales, dtype=np.float32), True, 0.0)
+
+
+def quantize_values(values: np.ndarray, form: BlockForm) -> Packed:
+    """Symmetric round-to-nearest block quantization of float values `[..., K]` into `form`.
+
+    The scale maps the block's largest magnitude onto the code range's most negative end
+    (as GGUF's Q4_0 does), which uses all 2**bits codes.
+    """
+    k = values.shape[-1]
+    blocks = values.reshape(*values.shape[:-1], k // form.block_size, form.block_size)
+    idx = np.abs(blocks).argmax(axis=-1)[..., None]
+    extreme = np.take_along_axis(blocks, idx, axis=-1)[..., 0]
+    scales = (extreme / -form.zero_point).astype(np.float32)
+    safe = np.where(scales == 0, np.float32(1), scales)
+    lo, hi = form.code_range
+    codes = np.clip(np.rint(blocks / safe[..., None]), lo, hi).astype(np.int8).reshape(values.shape)
+    packed = pack_codes(codes, form)
+    restored = codes.astype(np.float32) * np.repeat(scales, form.block_size, axis=-1)
+    norm = float(np.sqrt(np.sum(np.square(values, dtype=np.float64))))
+    err = float(np.sqrt(np.sum(np.square(restored - values, dtype=np.float64))))
+    return Packed(form, packed, scales, False, err / norm if norm else 0.0)
+
+
+def pack(raw: np.ndarray, qt: QuantType, form: BlockForm) -> Packed:
+    """Raw GGUF rows -> `form`: exact where the formats allow, else requantized with the error measured."""
+    if form in qt.exact_forms():
+        return repack_exact(raw, qt, form)
+    return quantize_values(dequantize(raw, qt.ggml_type), form)
+
+
+def best_exact_form(qt: QuantType) -> BlockForm | None:
+    """The smallest exact form: fewest bits, then the largest block (fewest scales)."""
+    forms = sorted(qt.exact_forms(), key=lambda f: (f.bits, -f.block_size))
+    return forms[0] if forms else None
+
+
+def choose_expert_form(types: list[QuantType]) -> BlockForm:
+    """One form for all expert matrices of a layer (QMoE takes one bit width and block size).
+
+    Picks the candidate that holds the most of the tensors exactly, then the fewest bits, then the
+    largest block; falls back to REQUANTIZE_FORM when none is exact.
+    """
+    candidates = {f for qt in types for f in qt.exact_forms()}
+    if not candidates:
+        return REQUANTIZE_FORM
+    return min(candidates, key=lambda f: (-sum(f in qt.exact_forms() for qt in types), f.bits, -f.block_size))

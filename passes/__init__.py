@@ -1,0 +1,41 @@
+"""Graph passes of moepass, in pipeline order.
+
+`lower` builds the graph from a GGUF model (`passes/lower.py`); the passes in `PIPELINE` then
+rewrite it in place. Each has a name for `--print-after NAME` and is usable alone from Python.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import onnx_ir as ir
+from onnx_ir.passes import PassBase
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+from moepass.passes.fuse_skip_norm import FuseSkipNormPass
+from moepass.passes.lower import LowerOptions, lower_gguf
+
+# name -> factory; the order is the pipeline's order.
+PIPELINE: dict[str, Callable[[], PassBase]] = {
+    "fuse-skip-norm": FuseSkipNormPass,
+    "remove-unused": RemoveUnusedNodesPass,
+    "topological-sort": TopologicalSortPass,
+}
+PASS_NAMES = ("lower", *PIPELINE)
+
+
+def run_pipeline(model: ir.Model, print_after: str | None = None,
+                 echo: Callable[[str], None] = print) -> ir.Model:
+    """Run every pass of PIPELINE; print the graph after the pass named `print_after` (or after `lower`)."""
+    if print_after is not None and print_after not in PASS_NAMES:
+        raise ValueError(f"no pass named {print_after!r}; passes: {', '.join(PASS_NAMES)}")
+    if print_after == "lower":
+        echo(str(model.graph))
+    for name, factory in PIPELINE.items():
+        model = factory()(model).model
+        if print_after == name:
+            echo(str(model.graph))
+    return model
+
+
+__all__ = ["FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE", "lower_gguf", "run_pipeline"]

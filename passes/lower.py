@@ -1,0 +1,400 @@
+"""Lowering: a GGUF model becomes an onnx-ir decoder graph.
+
+The graph uses ONNX Runtime's contrib operators where they are the fast CPU path:
+GroupQueryAttention (KV cache, causal mask and rotary embedding in one kernel), MatMulNBits
+(block-quantized matrices without dequantizing them), SimplifiedLayerNormalization (RMSNorm;
+`fuse-skip-norm` later folds residual adds into SkipSimplifiedLayerNormalization) and
+com.microsoft::QMoE (one node per MoE layer: routing, top-k and every expert).
+
+Weights are `onnx_ir.LazyTensor`s: nothing is read from the GGUF file until the model is saved,
+and then one tensor at a time, so memory does not grow with the size of the model. Each weight's
+conversion (source type, target form, measured error) is recorded in a `WeightReport`.
+
+Inputs and outputs are named as onnxruntime-genai expects: input_ids, attention_mask,
+past_key_values.N.key/value -> logits, present.N.key/value (KV cache in BNSH layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir import tape as ir_tape
+
+from moepass import __version__
+from moepass.architectures import Architecture
+from moepass.errors import MoepassError
+from moepass.gguf_reader import GGUFModel, GGUFTensor
+from moepass.quants import BlockForm, Packed, best_exact_form, choose_expert_form, dequantize, pack, quant_type
+
+OPSETS = {"": 21, "com.microsoft": 1}
+IR_VERSION = 10
+FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")
+META = "moepass."  # namespace of moepass's metadata_props
+
+
+@dataclasses.dataclass(frozen=True)
+class LowerOptions:
+    """What the user chose. `float_experts`: keep F32/F16/BF16 experts as float (com.microsoft::MoE)
+    or quantize them into QMoE int8 / int4 (block 32)."""
+
+    float_experts: str = "keep"
+
+
+@dataclasses.dataclass
+class WeightRecord:
+    """How one group of ONNX initializers was made from GGUF tensors."""
+
+    onnx_name: str
+    sources: list[str]
+    source_types: list[str]
+    target: str
+    bytes: int
+    # Per source, known once the tensor has been materialized: bit-exact?, and the relative RMS
+    # error ||W' - W|| / ||W|| against the gguf package's dequantization.
+    exact: list[bool] | None = None
+    rel_rms_error: list[float] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class WeightReport:
+    """Thread-safe collection of WeightRecords (tensors are materialized by onnx-ir's writer threads)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, WeightRecord] = {}
+        self._lock = threading.Lock()
+
+    def add(self, record: WeightRecord) -> WeightRecord:
+        self.records[record.onnx_name] = record
+        return record
+
+    def measured(self, name: str, exact: list[bool], error: list[float]) -> None:
+        with self._lock:
+            rec = self.records[name]
+            rec.exact = exact
+            rec.rel_rms_error = error
+
+
+class _PackCache:
+    """A packed tensor feeds two initializers (codes and scales); pack once, drop after both are taken."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[threading.Lock, list]] = {}
+
+    def get(self, key: str, users: int, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            lock, slot = self._entries.setdefault(key, (threading.Lock(), []))
+        with lock:
+            if not slot:
+                slot.extend([make(), users])
+            value = slot[0]
+            slot[1] -= 1
+            if slot[1] == 0:
+                with self._lock:
+                    del self._entries[key]
+        return value
+
+
+def rope_cache(n_positions: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables `[n_positions, head_dim/2]` for NeoX RoPE.
+
+    The angles follow llama.cpp's float32 recurrence (theta_i = theta_{i-1} * base^(-2/d)), so the
+    tables agree with llama.cpp's to the last bit of float32 for the positions tests reach.
+    """
+    theta_scale = np.float32(np.power(np.float32(base), np.float32(-2.0 / head_dim)))
+    theta = np.empty((n_positions, head_dim // 2), dtype=np.float32)
+    theta[:, 0] = np.arange(n_positions, dtype=np.float32)
+    for i in range(1, head_dim // 2):
+        theta[:, i] = theta[:, i - 1] * theta_scale
+    return np.cos(theta.astype(np.float64)).astype(np.float32), np.sin(theta.astype(np.float64)).astype(np.float32)
+
+
+class GraphBuilder:
+    """Emits nodes and lazy initializers on an onnx-ir tape; recipes call its domain-level methods."""
+
+    def __init__(self, gguf: GGUFModel, arch: Architecture, options: LowerOptions):
+        self.gguf = gguf
+        self.arch = arch
+        self.options = options
+        self.hp = arch.read_hparams(gguf)
+        self.tape = ir_tape.Tape()
+        self.report = WeightReport()
+        self._packs = _PackCache()
+        self._consts: dict[tuple, ir.Value] = {}
+        self.moe_layers: list[dict[str, Any]] = []
+
+    # ---- initializers -------------------------------------------------------------------------
+    def lazy_initializer(self, name: str, dtype: ir.DataType, shape: tuple[int, ...],
+                         make: Callable[[], np.ndarray]) -> ir.Value:
+        def materialize() -> ir.TensorProtocol:
+            array = make()
+            if tuple(array.shape) != tuple(shape):
+                raise AssertionError(f"{name}: built shape {array.shape}, declared {shape}")
+            return ir.Tensor(np.ascontiguousarray(array), name=name)
+
+        tensor = ir.LazyTensor(materialize, dtype=dtype, shape=ir.Shape(shape), name=name)
+        return self.tape.initializer(tensor, name=name)
+
+    def const(self, key: str, array: np.ndarray) -> ir.Value:
+        """A small constant initializer, shared by every node that needs the same value."""
+        cache_key = (key, array.dtype.str, array.shape, array.tobytes())
+        if cache_key not in self._consts:
+            self._consts[cache_key] = self.tape.initializer(ir.Tensor(array, name=key), name=key)
+        return self._consts[cache_key]
+
+    def ints(self, *values: int) -> ir.Value:
+        name = "const.i64." + "_".join(str(v).replace("-", "m") for v in values)
+        return self.const(name, np.array(values, dtype=np.int64))
+
+    def tensor(self, role: str, layer: int | None = None) -> GGUFTensor:
+        return self.gguf.tensor(self.arch.tensor_name(role, layer))
+
+    def float_weight(self, name: str, src: GGUFTensor, transpose: bool = False) -> ir.Value:
+        """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them)."""
+        qt = quant_type(src.ggml_type, src.name)
+        shape = src.shape[::-1] if transpose else src.shape
+        self.report.add(WeightRecord(name, [src.name], [qt.name], "float32",
+                                     int(np.prod(shape)) * 4, exact=[True], rel_rms_error=[0.0]))
+
+        def make() -> np.ndarray:
+            values = dequantize(src.read_raw(), qt.ggml_type).reshape(src.shape)
+            return values.T if transpose else values
+
+        return self.lazy_initializer(name, ir.DataType.FLOAT, shape, make)
+
+    def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm,
+                       interleave: bool = False, blob_layout: bool = False) -> tuple[ir.Value, ir.Value]:
+        """Codes and scales of one or more stacked GGUF matrices in `form`.
+
+        With `interleave`, two sources [.., N, K] become rows 0,2,4,.. and 1,3,5,.. of [.., 2N, K]:
+        QMoE's fused SwiGLU layout (row 2i = gate_i, row 2i+1 = up_i). With `blob_layout` the codes
+        are shaped [N, k_blocks, blob] as MatMulNBits wants them (the same bytes).
+        """
+        types = [quant_type(s.ggml_type, s.name) for s in sources]
+        lead, k = sources[0].shape[:-1], sources[0].shape[-1]
+        rows = (*lead[:-1], lead[-1] * len(sources))
+        k_blocks = k // form.block_size
+        w_shape = (*rows, k_blocks, form.packed_bytes(form.block_size)) if blob_layout else \
+            (*rows, form.packed_bytes(k))
+        s_shape = (*rows, k_blocks)
+        nbytes = int(np.prod(w_shape)) + 4 * int(np.prod(s_shape))
+        self.report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes))
+
+        def make() -> Packed:
+            parts = [pack(s.read_raw(), qt, form) for s, qt in zip(sources, types)]
+            self.report.measured(name, [p.exact for p in parts], [p.rel_rms_error for p in parts])
+            if interleave:
+                weights = np.stack([p.weights for p in parts], axis=-2)
+                scales = np.stack([p.scales for p in parts], axis=-2)
+            else:
+                weights = np.concatenate([p.weights for p in parts], axis=-2)
+                scales = np.concatenate([p.scales for p in parts], axis=-2)
+            return Packed(form, weights.reshape(w_shape), scales.reshape(s_shape), all(p.exact for p in parts),
+                          max(p.rel_rms_error for p in parts))
+
+        codes = self.lazy_initializer(f"{name}.q", ir.DataType.UINT8, w_shape,
+                                      lambda: self._packs.get(name, 2, make).weights)
+        scales = self.lazy_initializer(f"{name}.scales", ir.DataType.FLOAT, s_shape,
+                                       lambda: self._packs.get(name, 2, make).scales)
+        return codes, scales
+
+    # ---- layers ---------------------------------------------------------------------------------
+    def linear(self, x: ir.Value, src: GGUFTensor, name: str) -> ir.Value:
+        """y = x @ W^T for a GGUF matrix W [N, K]: MatMulNBits when W's blocks move exactly, else float32 MatMul."""
+        qt = quant_type(src.ggml_type, src.name)
+        n, k = src.shape
+        form = best_exact_form(qt) if qt.storage == "blocks" else None
+        if form is None:
+            w = self.float_weight(f"{src.name}.T", src, transpose=True)
+            return self.tape.op("MatMul", [x, w], name=name)
+        codes, scales = self.packed_weights(src.name, [src], form, blob_layout=True)
+        return self.tape.op("MatMulNBits", [x, codes, scales], {"K": k, "N": n, "bits": form.bits,
+                                                                  "block_size": form.block_size},
+                            domain="com.microsoft", name=name)
+
+    def rms_norm(self, x: ir.Value, src: GGUFTensor, name: str) -> ir.Value:
+        gamma = self.float_weight(src.name, src)
+        return self.tape.op("SimplifiedLayerNormalization", [x, gamma],
+                            {"axis": -1, "epsilon": self.hp["rms_eps"], "stash_type": 1}, name=name)
+
+    def per_head_rms_norm(self, x: ir.Value, src: GGUFTensor, n_heads: int, name: str) -> ir.Value:
+        d = self.hp["head_dim"]
+        heads = self.tape.op("Reshape", [x, self.ints(0, 0, n_heads, d)], name=f"{name}.split_heads")
+        normed = self.rms_norm(heads, src, name)
+        return self.tape.op("Reshape", [normed, self.ints(0, 0, n_heads * d)], name=f"{name}.merge_heads")
+
+    def embedding(self, input_ids: ir.Value) -> ir.Value:
+        table = self.float_weight(self.arch.tensor_name("token_embd"), self.tensor("token_embd"))
+        return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
+
+    def moe(self, x2d: ir.Value, layer: int, hidden_out: int) -> ir.Value:
+        """One MoE layer as a single QMoE node (or MoE, for float experts kept as float)."""
+        hp = self.hp
+        router = self.linear(x2d, self.tensor("ffn_gate_inp", layer), f"blk.{layer}.router")
+        gate, up, down = (self.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+        for t, rows, cols in ((gate, hp["expert_ff"], hp["hidden"]), (up, hp["expert_ff"], hp["hidden"]),
+                              (down, hp["hidden"], hp["expert_ff"])):
+            if t.shape != (hp["n_experts"], rows, cols):
+                raise MoepassError(f"{self.gguf.path}: tensor '{t.name}' has shape {list(t.shape)}, "
+                                   f"expected {[hp['n_experts'], rows, cols]}")
+        types = [quant_type(t.ggml_type, t.name) for t in (gate, up, down)]
+        attrs: dict[str, Any] = {"k": hp["n_experts_used"], "activation_type": "swiglu", "swiglu_fusion": 1,
+                                 "activation_alpha": 1.0, "activation_beta": 0.0,
+                                 "normalize_routing_weights": 1}
+        name = f"blk.{layer}.moe"
+        floats = [qt.storage == "float" for qt in types]
+        prefix = f"blk.{layer}.ffn_experts"
+        if all(floats) and self.options.float_experts == "keep":
+            fc1 = self.float_experts(f"{prefix}.fc1", [gate, up])
+            fc2 = self.float_experts(f"{prefix}.fc2", [down])
+            out = self.tape.op("MoE", [x2d, router, fc1, None, fc2, None], attrs, domain="com.microsoft", name=name)
+            form_name = "float32"
+        else:
+            if any(floats) and self.options.float_experts == "keep":
+                t = (gate, up, down)[floats.index(True)]
+                raise MoepassError(f"expert tensor '{t.name}' is {t.type_name} while the other experts of layer "
+                                   f"{layer} are quantized; pass --float-experts int8 (or int4) to quantize it")
+            if all(floats):
+                form = BlockForm(8 if self.options.float_experts == "int8" else 4, 32)
+            else:
+                form = choose_expert_form([qt for qt in types if qt.storage != "float"])
+            fc1_w, fc1_s = self.packed_weights(f"{prefix}.fc1", [gate, up], form, interleave=True)
+            fc2_w, fc2_s = self.packed_weights(f"{prefix}.fc2", [down], form)
+            attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
+            out = self.tape.op("QMoE", [x2d, router, fc1_w, fc1_s, None, fc2_w, fc2_s, None], attrs,
+                               domain="com.microsoft", name=name)
+            form_name = str(form)
+        out.name = f"{name}.output"
+        out.dtype = ir.DataType.FLOAT
+        out.shape = ir.Shape(["tokens", hidden_out])
+        out.producer().metadata_props.update({
+            META + "layer": str(layer),
+            META + "expert_form": form_name,
+            META + "source_types": ",".join(qt.name for qt in types),
+        })
+        self.moe_layers.append({"layer": layer, "node": name, "experts": hp["n_experts"], "top_k": hp["n_experts_used"],
+                                "form": form_name, "source_types": [qt.name for qt in types]})
+        return out
+
+    def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
+        """Float expert stacks [E, N, K] (two sources: interleaved gate/up rows) as float32."""
+        e, n, k = sources[0].shape
+        shape = (e, n * len(sources), k)
+        self.report.add(WeightRecord(name, [s.name for s in sources], [s.type_name for s in sources], "float32",
+                                     int(np.prod(shape)) * 4, exact=[True] * len(sources),
+                                     rel_rms_error=[0.0] * len(sources)))
+
+        def make() -> np.ndarray:
+            arrays = [dequantize(s.read_raw(), s.ggml_type).reshape(s.shape) for s in sources]
+            return np.stack(arrays, axis=-2).reshape(shape) if len(arrays) > 1 else arrays[0]
+
+        return self.lazy_initializer(name, ir.DataType.FLOAT, shape, make)
+
+
+# ---- recipes ----------------------------------------------------------------------------------------
+
+def moe_decoder(b: GraphBuilder) -> ir.Graph:
+    """Pre-norm decoder: RMSNorm -> GQA (optional per-head q/k RMSNorm, RoPE) -> residual ->
+    RMSNorm -> MoE -> residual; final RMSNorm and LM head (tied to the embedding when output.weight is absent)."""
+    hp, t, feats = b.hp, b.tape, b.arch.features
+    nh, nkv, d = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    input_ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64),
+                         shape=ir.Shape(["batch_size", "sequence_length"]))
+    mask = ir.Value(name="attention_mask", type=ir.TensorType(ir.DataType.INT64),
+                    shape=ir.Shape(["batch_size", "total_sequence_length"]))
+    inputs, outputs = [input_ids, mask], []
+
+    # GroupQueryAttention takes the cache length per sequence (seqlens_k = tokens - 1) and the total length.
+    tokens = t.op("ReduceSum", [mask, b.ints(1)], {"keepdims": 0}, name="attn_mask.reduce_sum")
+    seqlens_k = t.op("Cast", [t.op("Sub", [tokens, b.const("const.i64.one", np.array(1, np.int64))])],
+                     {"to": ir.DataType.INT32}, name="attn_mask.seqlens_k")
+    total_len = t.op("Cast", [t.op("Gather", [t.op("Shape", [mask]), b.const("const.i64.idx1", np.array(1, np.int64))],
+                                   {"axis": 0})], {"to": ir.DataType.INT32}, name="attn_mask.total_seq_len")
+    n_pos = hp["context_length"]
+
+    def rope_table(which: int) -> Callable[[], np.ndarray]:
+        def make() -> np.ndarray:
+            return rope_cache(n_pos, d, hp["rope_base"])[which]
+        return make
+
+    cos = b.lazy_initializer("rope.cos_cache", ir.DataType.FLOAT, (n_pos, d // 2), rope_table(0))
+    sin = b.lazy_initializer("rope.sin_cache", ir.DataType.FLOAT, (n_pos, d // 2), rope_table(1))
+
+    x = b.embedding(input_ids)
+    for i in range(hp["n_layers"]):
+        h = b.rms_norm(x, b.tensor("attn_norm", i), f"blk.{i}.attn_norm")
+        q = b.linear(h, b.tensor("attn_q", i), f"blk.{i}.attn_q")
+        k = b.linear(h, b.tensor("attn_k", i), f"blk.{i}.attn_k")
+        v = b.linear(h, b.tensor("attn_v", i), f"blk.{i}.attn_v")
+        if feats.get("qk_norm") == "head":
+            q = b.per_head_rms_norm(q, b.tensor("attn_q_norm", i), nh, f"blk.{i}.attn_q_norm")
+            k = b.per_head_rms_norm(k, b.tensor("attn_k_norm", i), nkv, f"blk.{i}.attn_k_norm")
+        past = []
+        for kind in ("key", "value"):
+            past.append(ir.Value(name=f"past_key_values.{i}.{kind}", type=f32,
+                                 shape=ir.Shape(["batch_size", nkv, "past_sequence_length", d])))
+        inputs += past
+        attn, present_k, present_v = t.op_multi_out(
+            "GroupQueryAttention", [q, k, v, past[0], past[1], seqlens_k, total_len, cos, sin],
+            {"num_heads": nh, "kv_num_heads": nkv, "do_rotary": 1, "rotary_interleaved": 0,
+             "scale": float(1.0 / np.sqrt(d))},
+            num_outputs=3, domain="com.microsoft", name=f"blk.{i}.attn")
+        for value, kind in ((present_k, "key"), (present_v, "value")):
+            value.name = f"present.{i}.{kind}"
+            value.type = f32
+            value.shape = ir.Shape(["batch_size", nkv, "total_sequence_length", d])
+        outputs += [present_k, present_v]
+        x = t.op("Add", [x, b.linear(attn, b.tensor("attn_output", i), f"blk.{i}.attn_output")],
+                 name=f"blk.{i}.attn_residual")
+        h = b.rms_norm(x, b.tensor("ffn_norm", i), f"blk.{i}.ffn_norm")
+        h2d = t.op("Reshape", [h, b.ints(-1, hp["hidden"])], name=f"blk.{i}.moe.flatten")
+        moe = b.moe(h2d, i, hp["hidden"])
+        moe = t.op("Reshape", [moe, t.op("Shape", [x], name=f"blk.{i}.moe.shape")], name=f"blk.{i}.moe.unflatten")
+        x = t.op("Add", [x, moe], name=f"blk.{i}.moe_residual")
+
+    h = b.rms_norm(x, b.tensor("output_norm"), "output_norm")
+    head = b.tensor("output") if b.gguf.has_tensor(b.arch.tensor_name("output")) else b.tensor("token_embd")
+    logits = b.linear(h, head, "lm_head")
+    logits.name = "logits"
+    logits.type = f32
+    logits.shape = ir.Shape(["batch_size", "sequence_length", hp["vocab"]])
+    return ir.Graph(inputs, [logits] + outputs, nodes=t.nodes, initializers=t.initializers,
+                    opset_imports=dict(OPSETS), name=f"moepass_{b.arch.gguf_arch}")
+
+
+RECIPES: dict[str, Callable[[GraphBuilder], ir.Graph]] = {"moe_decoder": moe_decoder}
+
+
+@dataclasses.dataclass
+class Lowered:
+    model: ir.Model
+    report: WeightReport
+    hparams: dict[str, Any]
+    moe_layers: list[dict[str, Any]]
+
+
+def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = LowerOptions()) -> Lowered:
+    """Build the ONNX decoder (as an onnx-ir model with lazy weights) for a GGUF model."""
+    if options.float_experts not in FLOAT_EXPERT_CHOICES:
+        raise MoepassError(f"float_experts must be one of {', '.join(FLOAT_EXPERT_CHOICES)}, "
+                           f"not {options.float_experts!r}")
+    b = GraphBuilder(gguf, arch, options)
+    for i in range(b.hp["n_layers"]):
+        for role in arch.block_tensors:
+            b.tensor(role, i)  # every block tensor present, before any work is done
+    graph = RECIPES[arch.recipe](b)
+    model = ir.Model(graph, ir_version=IR_VERSION, producer_name="moepass", producer_version=__version__,
+                     metadata_props={
+                         META + "version": __version__,
+                         META + "architecture": arch.gguf_arch,
+                         META + "source": gguf.path.name,
+                         META + "moe_layers": str(len(b.moe_layers)),
+                     })
+    return Lowered(model, b.report, b.hp, b.moe_layers)
