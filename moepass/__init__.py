@@ -1,3 +1,19 @@
-"""moepass: Mixture-of-Experts GGUF models -> ONNX decoders with com.microsoft::QMoE experts."""
+"""moepass: Mixture-of-Experts GGUF models -> ONNX decoders with com.microsoft::QMoE experts.
+
+Python API (the same capabilities as the CLI):
+
+    import moepass
+    result = moepass.convert("model.gguf", "out/")    # ConvertResult, .summary_lines()
+    info = moepass.inspect("out/")                     # dict: MoE layers, formats, bytes per group
+    decoder = moepass.load("out/")                     # moepass.runtime.Decoder
+    new_ids = list(decoder.generate([1, 2, 3], max_new_tokens=8))
+"""
 
 __version__ = "0.1.0"
+
+from moepass.errors import MoepassError  # noqa: E402
+from moepass.convert import ConvertResult, convert  # noqa: E402
+from moepass.inspection import inspect  # noqa: E402
+from moepass.runtime import load  # noqa: E402
+
+__all__ = ["ConvertResult", "MoepassError", "__version__", "convert", "inspect", "load"]

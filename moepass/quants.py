@@ -137,13 +137,14 @@ QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
 ]}
 
 
-def quant_type(ggml_type: GT, tensor_name: str) -> QuantType:
-    """The table entry for a tensor's type, or a clear error naming the tensor."""
+def quant_type(ggml_type: GT, tensor_name: str, file: object = None) -> QuantType:
+    """The table entry for a tensor's type, or a clear error naming the tensor (and its file)."""
     qt = QUANT_TYPES.get(ggml_type)
     if qt is None:
         supported = ", ".join(t.name for t in QUANT_TYPES)
-        raise MoepassError(f"tensor '{tensor_name}' has type {ggml_type.name}, which moepass cannot convert yet "
-                           f"(supported: {supported})")
+        where = f"{file}: " if file is not None else ""
+        raise MoepassError(f"{where}tensor '{tensor_name}' has type {ggml_type.name}, which moepass cannot convert "
+                           f"yet (supported: {supported})")
     return qt
 
 

@@ -157,7 +157,7 @@ class GraphBuilder:
 
     def float_weight(self, name: str, src: GGUFTensor, transpose: bool = False) -> ir.Value:
         """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them)."""
-        qt = quant_type(src.ggml_type, src.name)
+        qt = quant_type(src.ggml_type, src.name, src.path)
         shape = src.shape[::-1] if transpose else src.shape
         self.report.add(WeightRecord(name, [src.name], [qt.name], "float32",
                                      int(np.prod(shape)) * 4, exact=[True], rel_rms_error=[0.0]))
@@ -176,7 +176,7 @@ class GraphBuilder:
         QMoE's fused SwiGLU layout (row 2i = gate_i, row 2i+1 = up_i). With `blob_layout` the codes
         are shaped [N, k_blocks, blob] as MatMulNBits wants them (the same bytes).
         """
-        types = [quant_type(s.ggml_type, s.name) for s in sources]
+        types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
         rows = (*lead[:-1], lead[-1] * len(sources))
         k_blocks = k // form.block_size
@@ -207,7 +207,7 @@ class GraphBuilder:
     # ---- layers ---------------------------------------------------------------------------------
     def linear(self, x: ir.Value, src: GGUFTensor, name: str) -> ir.Value:
         """y = x @ W^T for a GGUF matrix W [N, K]: MatMulNBits when W's blocks move exactly, else float32 MatMul."""
-        qt = quant_type(src.ggml_type, src.name)
+        qt = quant_type(src.ggml_type, src.name, src.path)
         n, k = src.shape
         form = best_exact_form(qt) if qt.storage == "blocks" else None
         if form is None:
@@ -243,7 +243,7 @@ class GraphBuilder:
             if t.shape != (hp["n_experts"], rows, cols):
                 raise MoepassError(f"{self.gguf.path}: tensor '{t.name}' has shape {list(t.shape)}, "
                                    f"expected {[hp['n_experts'], rows, cols]}")
-        types = [quant_type(t.ggml_type, t.name) for t in (gate, up, down)]
+        types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
         attrs: dict[str, Any] = {"k": hp["n_experts_used"], "activation_type": "swiglu", "swiglu_fusion": 1,
                                  "activation_alpha": 1.0, "activation_beta": 0.0,
                                  "normalize_routing_weights": 1}
@@ -258,7 +258,7 @@ class GraphBuilder:
         else:
             if any(floats) and self.options.float_experts == "keep":
                 t = (gate, up, down)[floats.index(True)]
-                raise MoepassError(f"expert tensor '{t.name}' is {t.type_name} while the other experts of layer "
+                raise MoepassError(f"{t.path}: expert tensor '{t.name}' is {t.type_name} while the other experts of layer "
                                    f"{layer} are quantized; pass --float-experts int8 (or int4) to quantize it")
             if all(floats):
                 form = BlockForm(8 if self.options.float_experts == "int8" else 4, 32)
@@ -312,11 +312,11 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     inputs, outputs = [input_ids, mask], []
 
     # GroupQueryAttention takes the cache length per sequence (seqlens_k = tokens - 1) and the total length.
+    one = b.const("const.i64.one", np.array(1, np.int64))
     tokens = t.op("ReduceSum", [mask, b.ints(1)], {"keepdims": 0}, name="attn_mask.reduce_sum")
-    seqlens_k = t.op("Cast", [t.op("Sub", [tokens, b.const("const.i64.one", np.array(1, np.int64))])],
-                     {"to": ir.DataType.INT32}, name="attn_mask.seqlens_k")
-    total_len = t.op("Cast", [t.op("Gather", [t.op("Shape", [mask]), b.const("const.i64.idx1", np.array(1, np.int64))],
-                                   {"axis": 0})], {"to": ir.DataType.INT32}, name="attn_mask.total_seq_len")
+    seqlens_k = t.op("Cast", [t.op("Sub", [tokens, one])], {"to": ir.DataType.INT32}, name="attn_mask.seqlens_k")
+    total_len = t.op("Cast", [t.op("Gather", [t.op("Shape", [mask]), one], {"axis": 0})],
+                     {"to": ir.DataType.INT32}, name="attn_mask.total_seq_len")
     n_pos = hp["context_length"]
 
     def rope_table(which: int) -> Callable[[], np.ndarray]:

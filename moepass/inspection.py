@@ -1,0 +1,175 @@
+"""`moepass inspect`: what is in a GGUF file or a converted ONNX model, without reading weights.
+
+For both, the answer is a plain dict (for the API and `--json`) and the lines the CLI prints:
+architecture, MoE layers, quantization formats, and bytes per group of weights. Weight groups:
+"experts" (routed expert matrices), "attention", "embedding/output", "router" and "norms".
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from moepass.architectures import ARCHITECTURES
+from moepass.errors import MoepassError
+from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
+
+MOE_OPS = ("QMoE", "MoE")
+
+
+def _gguf_group(name: str) -> str:
+    if "_exps" in name:
+        return "experts"
+    if "ffn_gate_inp" in name:
+        return "router"
+    if name.endswith("norm.weight"):
+        return "norms"
+    if ".attn_" in name:
+        return "attention"
+    if name.startswith(("token_embd", "output")):
+        return "embedding/output"
+    return "other"
+
+
+def inspect_gguf(path: Path) -> dict[str, Any]:
+    gguf = GGUFModel(path)
+    arch_name = gguf.architecture
+    arch = ARCHITECTURES.get(arch_name)
+    groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    types: collections.Counter = collections.Counter()
+    for t in gguf.tensors.values():
+        groups[_gguf_group(t.name)][t.type_name] += t.nbytes
+        types[t.type_name] += 1
+    info: dict[str, Any] = {
+        "kind": "gguf",
+        "file": str(path),
+        "parts": [p.name for p in gguf.parts],
+        "file_bytes": gguf.file_bytes,
+        "architecture": arch_name,
+        "supported": arch is not None,
+        "tensor_types": dict(types),
+        "bytes_by_group": {g: dict(c) for g, c in sorted(groups.items())},
+    }
+    if arch is not None:
+        hp = arch.read_hparams(gguf)
+        info["hparams"] = hp
+        info["moe_layers"] = sum(gguf.has_tensor(arch.tensor_name("ffn_gate_exps", i)) for i in range(hp["n_layers"]))
+    return info
+
+
+def _tensor_bytes(value: ir.Value) -> int:
+    tensor = value.const_value
+    if tensor is None:
+        return 0
+    return int(np.prod(tensor.shape.numpy(), dtype=np.int64) * tensor.dtype.itemsize)
+
+
+def _as_ir_model(source: Any) -> tuple[ir.Model, str]:
+    """An onnx-ir model from a path, an onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph."""
+    if isinstance(source, ir.Model):
+        return source, "<onnx_ir.Model>"
+    if isinstance(source, onnx.ModelProto):
+        return ir.from_proto(source), "<onnx.ModelProto>"
+    if type(source).__module__.startswith("onnx_graphsurgeon"):
+        import onnx_graphsurgeon as gs
+        return ir.from_proto(gs.export_onnx(source)), "<onnx_graphsurgeon.Graph>"
+    path = Path(source)
+    if path.is_dir():
+        path = path / "model.onnx"
+    try:
+        return ir.load(path), str(path)
+    except Exception as e:  # onnx's decode errors have many types; report one line
+        raise MoepassError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def inspect_onnx(source: Any) -> dict[str, Any]:
+    model, label = _as_ir_model(source)
+    graph = model.graph
+    expert_inputs: set[str] = set()
+    moe_nodes = []
+    for node in graph:
+        if node.domain != "com.microsoft" or node.op_type not in MOE_OPS:
+            continue
+        weights = [v for v in node.inputs[2:] if v is not None and v.is_initializer()]
+        expert_inputs.update(v.name for v in weights)
+        fc1 = node.inputs[2]
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        bits = attrs.get("expert_weight_bits")
+        form = f"int{bits}/b{attrs['block_size']}" if node.op_type == "QMoE" and "block_size" in attrs else \
+            (f"int{bits}/row" if bits else "float32")
+        moe_nodes.append({
+            "node": node.name, "op": node.op_type, "form": form, "experts": fc1.shape[0] if fc1.shape else None,
+            "top_k": attrs.get("k"), "activation": attrs.get("activation_type"),
+            "bytes": sum(_tensor_bytes(v) for v in weights),
+            "metadata": dict(node.metadata_props),
+        })
+    groups: collections.Counter = collections.Counter()
+    dtypes: collections.Counter = collections.Counter()
+    for value in graph.initializers.values():
+        n = _tensor_bytes(value)
+        groups["experts" if value.name in expert_inputs else "non-expert"] += n
+        dtypes[value.const_value.dtype.name if value.const_value is not None else "?"] += n
+    ops = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in graph)
+    return {
+        "kind": "onnx",
+        "file": label,
+        "architecture": model.metadata_props.get("moepass.architecture"),
+        "metadata": dict(model.metadata_props),
+        "moe_nodes": moe_nodes,
+        "bytes_by_group": dict(groups),
+        "bytes_by_dtype": dict(dtypes),
+        "ops": dict(sorted(ops.items())),
+        "inputs": [v.name for v in graph.inputs],
+        "outputs": [v.name for v in graph.outputs],
+    }
+
+
+def inspect(source: Any) -> dict[str, Any]:
+    """Describe a GGUF file, an ONNX model (file or converted directory) or an in-memory graph."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.exists():
+            raise MoepassError(f"{path}: no such file or directory")
+        if path.is_file():
+            with open(path, "rb") as f:
+                if f.read(4) == GGUF_MAGIC:
+                    return inspect_gguf(path)
+    return inspect_onnx(source)
+
+
+def format_inspection(info: dict[str, Any]) -> list[str]:
+    lines = [f"file          {info['file']}"]
+    if info["kind"] == "gguf":
+        lines.append(f"format        GGUF, {len(info['parts'])} part(s), {info['file_bytes']:,} bytes")
+        lines.append(f"architecture  {info['architecture']}"
+                     + ("" if info["supported"] else "  (not supported by moepass convert)"))
+        if "hparams" in info:
+            hp = info["hparams"]
+            lines.append(f"model         {hp['n_layers']} layers, hidden {hp['hidden']}, "
+                         f"{hp['n_heads']} q / {hp['n_kv_heads']} kv heads x {hp['head_dim']}, vocab {hp['vocab']}, "
+                         f"context {hp['context_length']}")
+            lines.append(f"MoE layers    {info['moe_layers']}: {hp['n_experts']} experts, top-{hp['n_experts_used']}, "
+                         f"expert ffn {hp['expert_ff']}")
+        lines.append("tensor types  " + ", ".join(f"{t} x{n}" for t, n in sorted(info["tensor_types"].items())))
+        lines.append("bytes by group")
+        for group, by_type in info["bytes_by_group"].items():
+            detail = ", ".join(f"{t} {n:,}" for t, n in sorted(by_type.items()))
+            lines.append(f"  {group:<18}{sum(by_type.values()):>16,}  ({detail})")
+        return lines
+    lines.append(f"format        ONNX, architecture {info['architecture'] or 'unknown'}")
+    lines.append(f"MoE layers    {len(info['moe_nodes'])}")
+    for m in info["moe_nodes"]:
+        lines.append(f"  {m['node']:<16}{m['op']:<6}{m['form']:<10}{m['experts']} experts, top-{m['top_k']}, "
+                     f"{m['bytes']:,} bytes")
+    lines.append("bytes by group")
+    for group, n in sorted(info["bytes_by_group"].items()):
+        lines.append(f"  {group:<18}{n:>16,}")
+    lines.append("bytes by dtype  " + ", ".join(f"{t} {n:,}" for t, n in sorted(info["bytes_by_dtype"].items())))
+    lines.append("operators     " + ", ".join(f"{op} x{n}" for op, n in info["ops"].items()))
+    return lines

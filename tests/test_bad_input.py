@@ -1,0 +1,165 @@
+"""Hostile input: one clear error line naming what is wrong, exit code 2, nothing at the output path."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGMLQuantizationType as GT, GGUFReader
+
+from moepass.cli import main
+
+
+def _convert_fails(gguf: Path, out: Path, *must_contain: str) -> str:
+    result = CliRunner().invoke(main, ["convert", str(gguf), "-o", str(out), "-q"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moepass: error: "), result.stderr
+    print(lines[0])
+    for text in must_contain:
+        assert text in lines[0], lines[0]
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.tmp-*")), "temporary output left behind"
+    return lines[0]
+
+
+def _copy(src: Path, dst: Path, truncate_to: int | None = None) -> Path:
+    data = src.read_bytes()
+    dst.write_bytes(data if truncate_to is None else data[:truncate_to])
+    return dst
+
+
+def _offset_in_file(reader: GGUFReader, part: np.ndarray) -> int:
+    return int(part.__array_interface__["data"][0] - reader.data.__array_interface__["data"][0])
+
+
+def test_wrong_magic(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGML" + bytes(100))
+    _convert_fails(bad, tmp_path / "out", str(bad), "not a GGUF file")
+
+
+def test_not_a_file(tmp_path):
+    _convert_fails(tmp_path / "missing.gguf", tmp_path / "out", "missing.gguf")
+
+
+def test_truncated_header(tmp_path, make_gguf):
+    bad = _copy(make_gguf("q4_0"), tmp_path / "cut.gguf", truncate_to=200)
+    _convert_fails(bad, tmp_path / "out", "cut.gguf", "truncated or malformed GGUF")
+
+
+def test_tensor_data_past_end_of_file(tmp_path, make_gguf):
+    src = make_gguf("q4_0")
+    bad = _copy(src, tmp_path / "short.gguf", truncate_to=src.stat().st_size - 100)
+    _convert_fails(bad, tmp_path / "out", "short.gguf", "tensor 'output.weight'", "past the end of the file")
+
+
+def test_truncated_in_the_middle(tmp_path, make_gguf):
+    src = make_gguf("q4_0")
+    bad = _copy(src, tmp_path / "half.gguf", truncate_to=src.stat().st_size // 2)
+    _convert_fails(bad, tmp_path / "out", "half.gguf", "past the end of the file")
+
+
+def test_absurd_dimensions(tmp_path, make_gguf):
+    bad = _copy(make_gguf("q4_0"), tmp_path / "huge.gguf")
+    reader = GGUFReader(bad)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    dims = tensor.field.parts[3]
+    offset = _offset_in_file(reader, dims)
+    del reader
+    data = bytearray(bad.read_bytes())
+    data[offset + 16: offset + 24] = np.uint64(1 << 45).tobytes()  # the expert-count dimension
+    bad.write_bytes(bytes(data))
+    _convert_fails(bad, tmp_path / "out", "tensor 'blk.0.ffn_up_exps.weight'", "absurd dimensions")
+
+
+def test_unknown_architecture(tmp_path, make_gguf):
+    bad = make_gguf("q4_0", arch="llama9moe")
+    _convert_fails(bad, tmp_path / "out", "unknown architecture 'llama9moe'", "qwen3moe")
+
+
+def test_unsupported_quant_type(tmp_path, make_gguf):
+    bad = make_gguf("q4_0", types={"gate_up": GT.Q5_0})
+    _convert_fails(bad, tmp_path / "out", "tensor 'blk.0.ffn_gate_exps.weight'", "type Q5_0")
+
+
+def test_missing_metadata_key(tmp_path, make_gguf):
+    bad = make_gguf("q4_0", omit_keys=("qwen3moe.attention.layer_norm_rms_epsilon",))
+    _convert_fails(bad, tmp_path / "out", "missing metadata key 'qwen3moe.attention.layer_norm_rms_epsilon'")
+
+
+def test_missing_tensor(tmp_path, make_gguf):
+    bad = make_gguf("q4_0", omit_tensors=("blk.1.attn_k_norm.weight",))
+    _convert_fails(bad, tmp_path / "out", "missing tensor 'blk.1.attn_k_norm.weight'")
+
+
+def test_mixed_float_and_quantized_experts(tmp_path, make_gguf):
+    bad = make_gguf("q4_0", types={"down": GT.F16})
+    _convert_fails(bad, tmp_path / "out", "'blk.0.ffn_down_exps.weight' is F16", "--float-experts")
+
+
+def test_unwritable_output_path(tmp_path, make_gguf):
+    _convert_fails(make_gguf("q4_0"), Path("/proc/moepass-out"), "/proc/moepass-out", "cannot write")
+
+
+def test_output_parent_missing(tmp_path, make_gguf):
+    _convert_fails(make_gguf("q4_0"), tmp_path / "no" / "such" / "out", "does not exist")
+
+
+def test_existing_output_is_not_overwritten(tmp_path, make_gguf):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out), "-q"])
+    assert result.exit_code == 2 and "already exists; pass --force" in result.stderr
+    assert (out / "mine.txt").read_text() == "keep me" and len(list(out.iterdir())) == 1
+    result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out), "-q", "--force"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.onnx.data", "moepass.json"]
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path, make_gguf):
+    """A tensor that turns out unreadable only when its bytes are read (file shrunk after indexing)."""
+    from moepass import convert
+    from moepass.errors import MoepassError
+    from moepass.gguf_reader import GGUFModel
+
+    src = _copy(make_gguf("q4_0"), tmp_path / "shrinks.gguf")
+    original_init = GGUFModel.__init__
+
+    def init_then_shrink(self, path):
+        original_init(self, path)
+        with open(path, "r+b") as f:
+            f.truncate(Path(path).stat().st_size // 2)
+
+    out = tmp_path / "out"
+    GGUFModel.__init__ = init_then_shrink
+    try:
+        with pytest.raises(MoepassError, match="past the end of the file"):
+            convert(src, out)
+    finally:
+        GGUFModel.__init__ = original_init
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_run_errors(tmp_path, converted):
+    runner = CliRunner()
+    result = runner.invoke(main, ["run", str(tmp_path / "nothing"), "--prompt-ids", "1,2"])
+    assert result.exit_code == 2 and "no such model" in result.stderr
+    result = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt-ids", "1,x"])
+    assert result.exit_code == 2 and "--prompt-ids must be comma-separated integers" in result.stderr
+    result = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt-ids", "1,99999"])
+    assert result.exit_code == 2 and "token id 99999 is outside the vocabulary" in result.stderr
+
+
+def test_inspect_errors(tmp_path):
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "nope.gguf")])
+    assert result.exit_code == 2 and "no such file" in result.stderr
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\xff" * 64)
+    result = CliRunner().invoke(main, ["inspect", str(junk)])
+    assert result.exit_code == 2 and "not a readable ONNX model" in result.stderr

@@ -1,0 +1,150 @@
+"""convert: output layout, determinism, the conversion report, stored weights bit for bit, inspect, CLI."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from gguf import GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+import moepass
+from moepass.cli import main
+from moepass.quants import BlockForm, unpack_values
+
+
+def test_convert_twice_gives_identical_files(tmp_path, make_gguf):
+    src = make_gguf("q4_k")
+    a, b = moepass.convert(src, tmp_path / "a"), moepass.convert(src, tmp_path / "b")
+    names = sorted(p.name for p in a.output_dir.iterdir())
+    assert names == ["model.onnx", "model.onnx.data", "moepass.json"]
+    match, mismatch, errors = filecmp.cmpfiles(a.output_dir, b.output_dir, names, shallow=False)
+    assert match == names, (mismatch, errors)
+
+
+def test_result_and_report(tmp_path, make_gguf):
+    result = moepass.convert(make_gguf("q4_k"), tmp_path / "out")
+    assert result.architecture == "qwen3moe" and result.n_layers == 2
+    assert [m["form"] for m in result.moe_layers] == ["int8/b16", "int8/b16"]
+    assert result.moe_layers[0]["source_types"] == ["Q4_K", "Q4_K", "Q6_K"]
+    report = json.loads((tmp_path / "out" / "moepass.json").read_text())
+    weights = {w["onnx_name"]: w for w in report["weights"]}
+    fc1, fc2 = weights["blk.0.ffn_experts.fc1"], weights["blk.0.ffn_experts.fc2"]
+    assert fc1["exact"] == [False, False] and 0 < max(fc1["rel_rms_error"]) < 0.01  # Q4_K requantized to int8/b16
+    assert fc2["exact"] == [True] and fc2["rel_rms_error"] == [0.0]                # Q6_K moved exactly
+    assert weights["output.weight"]["target"] == "int8/b16" and weights["output.weight"]["exact"] == [True]
+    assert weights["blk.0.attn_q.weight.T"]["target"] == "float32"                 # Q4_K matrix: float fallback
+    lines = "\n".join(result.summary_lines())
+    assert "2 MoE, 8 experts, top-2" in lines and "requantized" in lines
+    assert result.output_bytes == sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("preset", ["q8_0", "q4_0", "q6_k"])
+def test_stored_weights_are_bit_exact(preset, make_gguf, converted):
+    """Every QMoE and MatMulNBits initializer, unpacked, equals the gguf package's dequantization bit for bit."""
+    reader = GGUFReader(make_gguf(preset))
+    source = {t.name: gguf_dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32) for t in reader.tensors}
+    model = onnx.load(converted(preset) / "model.onnx")
+    init = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(converted(preset))) for t in model.graph.initializer}
+    checked = 0
+    for node in model.graph.node:
+        if node.op_type == "QMoE":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            form = BlockForm(attrs["expert_weight_bits"], attrs["block_size"])
+            layer = node.name.split(".")[1]
+            fc1 = unpack_values(init[node.input[2]], init[node.input[3]], form)
+            fc2 = unpack_values(init[node.input[5]], init[node.input[6]], form)
+            pairs = [(fc1[:, 0::2], f"blk.{layer}.ffn_gate_exps.weight"), (fc1[:, 1::2], f"blk.{layer}.ffn_up_exps.weight"),
+                     (fc2, f"blk.{layer}.ffn_down_exps.weight")]
+        elif node.op_type == "MatMulNBits":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            form = BlockForm(attrs["bits"], attrs["block_size"])
+            blob = init[node.input[1]]
+            values = unpack_values(blob.reshape(blob.shape[0], -1), init[node.input[2]], form)
+            pairs = [(values, node.input[1].removesuffix(".q"))]
+        else:
+            continue
+        for ours, name in pairs:
+            np.testing.assert_array_equal(ours.view(np.uint32), source[name].view(np.uint32), err_msg=name)
+            checked += 1
+    assert checked >= 2 * 3 + 9
+
+
+def test_split_gguf_converts_to_the_same_weights(make_gguf, converted):
+    whole, split = converted("f32"), converted("f32", split_max_tensors=8)
+    assert filecmp.cmp(whole / "model.onnx.data", split / "model.onnx.data", shallow=False)
+
+
+def test_float_experts_option(tmp_path, make_gguf):
+    kept = moepass.inspect(moepass.convert(make_gguf("f32"), tmp_path / "keep").output_dir)
+    assert [(m["op"], m["form"]) for m in kept["moe_nodes"]] == [("MoE", "float32")] * 2
+    int4 = moepass.convert(make_gguf("f32"), tmp_path / "int4", float_experts="int4")
+    assert [m["form"] for m in int4.moe_layers] == ["int4/b32"] * 2
+    assert 0 < int4.max_rel_rms_error < 0.15
+    with pytest.raises(moepass.MoepassError, match="float_experts must be one of"):
+        moepass.convert(make_gguf("f32"), tmp_path / "bad", float_experts="fp8")
+
+
+def test_graph_shape(converted):
+    model = onnx.load(converted("q4_0") / "model.onnx", load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("QMoE") == 2 and ops.count("GroupQueryAttention") == 2
+    assert ops.count("SkipSimplifiedLayerNormalization") == 4   # residual adds folded into the next norm
+    assert "Add" not in ops
+    assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask"] + [
+        f"past_key_values.{i}.{kv}" for i in range(2) for kv in ("key", "value")]
+    assert [o.name for o in model.graph.output] == ["logits"] + [f"present.{i}.{kv}" for i in range(2)
+                                                                 for kv in ("key", "value")]
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["moepass.architecture"] == "qwen3moe" and meta["moepass.moe_layers"] == "2"
+
+
+def test_inspect_gguf_and_onnx(make_gguf, converted):
+    g = moepass.inspect(make_gguf("q4_k"))
+    assert g["architecture"] == "qwen3moe" and g["moe_layers"] == 2
+    assert set(g["bytes_by_group"]["experts"]) == {"Q4_K", "Q6_K"}
+    o = moepass.inspect(converted("q4_0"))
+    assert [m["form"] for m in o["moe_nodes"]] == ["int4/b32"] * 2
+    expert_bytes = sum(m["bytes"] for m in o["moe_nodes"])
+    assert o["bytes_by_group"]["experts"] == expert_bytes > 0
+
+
+def test_inspect_accepts_graphsurgeon_graphs(converted):
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(onnx.load(converted("q4_0") / "model.onnx", load_external_data=False))
+    info = moepass.inspect(graph)
+    assert [m["node"] for m in info["moe_nodes"]] == ["blk.0.moe", "blk.1.moe"]
+
+
+def test_cli_demo_flow(tmp_path, make_gguf):
+    runner = CliRunner()
+    out = tmp_path / "demo"
+    result = runner.invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "2 MoE, 8 experts, top-2" in result.stdout and "int4/b32 x2" in result.stdout
+    result = runner.invoke(main, ["inspect", str(out)])
+    assert result.exit_code == 0 and "blk.0.moe" in result.stdout
+    result = runner.invoke(main, ["inspect", str(make_gguf("q4_0")), "--json"])
+    assert json.loads(result.stdout)["architecture"] == "qwen3moe"
+    result = runner.invoke(main, ["run", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "5"])
+    assert result.exit_code == 0, result.output
+    ids = [int(t) for t in result.stdout.strip().split(",")]
+    assert len(ids) == 5 and ids == list(moepass.load(out).generate([1, 2, 3], 5))
+
+
+def test_print_after(tmp_path, make_gguf):
+    result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "o"), "-q",
+                                       "--print-after", "lower"])
+    assert result.exit_code == 0
+    assert "SimplifiedLayerNormalization" in result.stdout and "SkipSimplifiedLayerNormalization" not in result.stdout
+    result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "p"), "-q",
+                                       "--print-after", "fuse-skip-norm"])
+    assert "SkipSimplifiedLayerNormalization" in result.stdout
+    result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "q"),
+                                       "--print-after", "nope"])
+    assert result.exit_code == 2 and not (tmp_path / "q").exists()

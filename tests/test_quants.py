@@ -1,0 +1,92 @@
+"""Every exact repack, bit for bit against the gguf package's dequantization; requantization bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT
+from gguf.quants import dequantize as gguf_dequantize
+
+import make_fixtures
+from moepass.errors import MoepassError
+from moepass.quants import (QUANT_TYPES, REQUANTIZE_FORM, BlockForm, choose_expert_form, pack, pack_codes,
+                            quant_type, repack_exact, unpack_codes, unpack_values)
+
+BLOCK_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage == "blocks"]
+
+
+def _random_raw(ggml_type: GT, rows: int = 6, row_blocks: int = 3, seed: int = 0) -> np.ndarray:
+    """Random blocks with every code value present, including the extreme ones."""
+    rng = np.random.default_rng(seed)
+    k = GGML_QUANT_SIZES[ggml_type][0] * row_blocks
+    raw = make_fixtures.random_blocks(rng, ggml_type, (rows, k), std=0.05)
+    if ggml_type == GT.Q8_0:
+        raw.reshape(-1, 34)[0, 2:4] = [0x80, 0x7F]  # codes -128 and 127
+    return raw
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
+def test_exact_forms_are_bit_exact(ggml_type):
+    qt = QUANT_TYPES[ggml_type]
+    raw = _random_raw(ggml_type)
+    reference = gguf_dequantize(raw, ggml_type).astype(np.float32)
+    assert qt.exact_forms(), f"{ggml_type.name} has no exact form"
+    for form in qt.exact_forms():
+        packed = repack_exact(raw, qt, form)
+        assert packed.weights.dtype == np.uint8 and packed.scales.dtype == np.float32
+        assert packed.weights.shape == (*raw.shape[:-1], reference.shape[-1] * form.bits // 8)
+        np.testing.assert_array_equal(_bits(unpack_values(packed.weights, packed.scales, form)), _bits(reference),
+                                      err_msg=f"{ggml_type.name} -> {form}")
+
+
+def test_exact_form_table():
+    forms = {t.name: {str(f) for f in QUANT_TYPES[t].exact_forms()} for t in BLOCK_TYPES}
+    assert forms["Q8_0"] == {"int8/b32", "int8/b16"}
+    assert forms["Q4_0"] == {"int4/b32", "int4/b16", "int8/b32", "int8/b16"}
+    assert forms["Q6_K"] == {"int8/b16"}
+
+
+def test_pack_codes_layout():
+    codes = np.array([[-8, 7, 0, -1]], dtype=np.int8)
+    packed = pack_codes(codes, BlockForm(4, 16))
+    # element 2j in the low nibble, 2j+1 in the high nibble, zero point 8
+    assert packed.tolist() == [[0 | (15 << 4), 8 | (7 << 4)]]
+    np.testing.assert_array_equal(unpack_codes(packed, BlockForm(4, 16)), codes)
+    assert pack_codes(codes, BlockForm(8, 16)).tolist() == [[120, 135, 128, 127]]
+
+
+@pytest.mark.parametrize("ggml_type,form,bound", [(GT.Q4_K, BlockForm(8, 32), 0.01), (GT.Q4_K, BlockForm(8, 16), 0.01),
+                                                   (GT.Q6_K, BlockForm(4, 32), 0.12), (GT.F32, BlockForm(4, 32), 0.12)])
+def test_requantization_error_is_measured(ggml_type, form, bound):
+    rng = np.random.default_rng(1)
+    if ggml_type == GT.F32:
+        raw = rng.standard_normal((4, 256)).astype(np.float32).view(np.uint8)
+    else:
+        raw = make_fixtures.random_blocks(rng, ggml_type, (4, 256), std=0.05)
+    qt = QUANT_TYPES[ggml_type]
+    packed = pack(raw, qt, form)
+    assert not packed.exact
+    reference = gguf_dequantize(raw, ggml_type).astype(np.float64)
+    restored = unpack_values(packed.weights, packed.scales, form)
+    measured = np.linalg.norm(restored - reference) / np.linalg.norm(reference)
+    assert packed.rel_rms_error == pytest.approx(measured, rel=1e-5)
+    assert 0 < packed.rel_rms_error < bound
+
+
+def test_expert_form_choice():
+    q80, q40, q6k, q4k = (QUANT_TYPES[t] for t in (GT.Q8_0, GT.Q4_0, GT.Q6_K, GT.Q4_K))
+    assert choose_expert_form([q40, q40, q40]) == BlockForm(4, 32)
+    assert choose_expert_form([q80, q80, q80]) == BlockForm(8, 32)
+    assert choose_expert_form([q40, q40, q80]) == BlockForm(8, 32)      # Q4_0 fits int8 exactly too
+    assert choose_expert_form([q4k, q4k, q6k]) == BlockForm(8, 16)      # Q4_K_M: keep Q6_K exact
+    assert choose_expert_form([q80, q80, q6k]) == BlockForm(8, 16)      # Q8_0 splits into 16-blocks exactly
+    assert choose_expert_form([q4k, q4k, q4k]) == REQUANTIZE_FORM
+
+
+def test_unsupported_type_names_the_tensor():
+    with pytest.raises(MoepassError, match=r"tensor 'blk.0.ffn_up_exps.weight' has type IQ2_XXS"):
+        quant_type(GT.IQ2_XXS, "blk.0.ffn_up_exps.weight")
