@@ -162,14 +162,20 @@ class Packed:
     """Codes and scales of a stack of matrices in one BlockForm.
 
     `weights`: uint8 `[..., N, K*bits/8]`; `scales`: float32 `[..., N, K/block_size]`.
-    `rel_rms_error` is 0.0 for an exact repack, else ||W' - W|| / ||W|| against the GGUF values.
+    For a requantization, `error_sq` = ||W' - W||^2 and `reference_sq` = ||W||^2 against the GGUF
+    values (sums, so that chunks of one tensor add up); both stay 0 for an exact repack.
     """
 
     form: BlockForm
     weights: np.ndarray
     scales: np.ndarray
     exact: bool
-    rel_rms_error: float
+    error_sq: float = 0.0
+    reference_sq: float = 0.0
+
+    @property
+    def rel_rms_error(self) -> float:
+        return float(np.sqrt(self.error_sq / self.reference_sq)) if self.reference_sq else 0.0
 
 
 def pack_codes(centered: np.ndarray, form: BlockForm) -> np.ndarray:
@@ -201,7 +207,7 @@ def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm) -> Packed:
     repeat = qt.native_block // form.block_size
     if repeat > 1:
         scales = np.repeat(scales, repeat, axis=-1)
-    return Packed(form, pack_codes(codes, form), np.ascontiguousarray(scales, dtype=np.float32), True, 0.0)
+    return Packed(form, pack_codes(codes, form), np.ascontiguousarray(scales, dtype=np.float32), True)
 
 
 def quantize_values(values: np.ndarray, form: BlockForm) -> Packed:
@@ -220,9 +226,8 @@ def quantize_values(values: np.ndarray, form: BlockForm) -> Packed:
     codes = np.clip(np.rint(blocks / safe[..., None]), lo, hi).astype(np.int8).reshape(values.shape)
     packed = pack_codes(codes, form)
     restored = codes.astype(np.float32) * np.repeat(scales, form.block_size, axis=-1)
-    norm = float(np.sqrt(np.sum(np.square(values, dtype=np.float64))))
-    err = float(np.sqrt(np.sum(np.square(restored - values, dtype=np.float64))))
-    return Packed(form, packed, scales, False, err / norm if norm else 0.0)
+    return Packed(form, packed, scales, False, error_sq=float(np.sum(np.square(restored - values, dtype=np.float64))),
+                  reference_sq=float(np.sum(np.square(values, dtype=np.float64))))
 
 
 def pack(raw: np.ndarray, qt: QuantType, form: BlockForm) -> Packed:

@@ -34,6 +34,8 @@ OPSETS = {"": 21, "com.microsoft": 1}
 IR_VERSION = 10
 FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")
 META = "moepass."  # namespace of moepass's metadata_props
+# Source bytes read and converted at a time: temporaries stay small beside the tensor being built.
+CHUNK_BYTES = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,18 +165,21 @@ class GraphBuilder:
                                      int(np.prod(shape)) * 4, exact=[True], rel_rms_error=[0.0]))
 
         def make() -> np.ndarray:
-            values = dequantize(src.read_raw(), qt.ggml_type).reshape(src.shape)
-            return values.T if transpose else values
+            out = np.empty(shape, dtype=np.float32)
+            rows = out.reshape(-1, src.shape[-1]) if not transpose else out.T
+            for first, raw in _row_chunks(src):
+                rows[first:first + len(raw)] = dequantize(raw, qt.ggml_type)
+            return out
 
         return self.lazy_initializer(name, ir.DataType.FLOAT, shape, make)
 
     def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm,
-                       interleave: bool = False, blob_layout: bool = False) -> tuple[ir.Value, ir.Value]:
-        """Codes and scales of one or more stacked GGUF matrices in `form`.
+                       blob_layout: bool = False) -> tuple[ir.Value, ir.Value]:
+        """Codes and scales of a GGUF matrix stack [.., N, K] in `form`.
 
-        With `interleave`, two sources [.., N, K] become rows 0,2,4,.. and 1,3,5,.. of [.., 2N, K]:
-        QMoE's fused SwiGLU layout (row 2i = gate_i, row 2i+1 = up_i). With `blob_layout` the codes
-        are shaped [N, k_blocks, blob] as MatMulNBits wants them (the same bytes).
+        Two sources (gate, up) are interleaved into [.., 2N, K]: rows 2i and 2i+1 are gate_i and
+        up_i, QMoE's fused SwiGLU layout. With `blob_layout` the codes are shaped [N, k_blocks, blob]
+        as MatMulNBits wants them (the same bytes). The source is read and packed in chunks of rows.
         """
         types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
@@ -187,16 +192,24 @@ class GraphBuilder:
         self.report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes))
 
         def make() -> Packed:
-            parts = [pack(s.read_raw(), qt, form) for s, qt in zip(sources, types)]
+            weights = np.empty(w_shape, dtype=np.uint8)
+            scales = np.empty(s_shape, dtype=np.float32)
+            # [rows of one source, source, ...]: source j of row r sits at flat row r*len(sources)+j
+            w_rows = weights.reshape(-1, len(sources), form.packed_bytes(k))
+            s_rows = scales.reshape(-1, len(sources), k_blocks)
+            parts = []
+            for j, (src, qt) in enumerate(zip(sources, types)):
+                total = Packed(form, weights, scales, True)
+                for first, raw in _row_chunks(src):
+                    chunk = pack(raw, qt, form)
+                    w_rows[first:first + len(raw), j] = chunk.weights
+                    s_rows[first:first + len(raw), j] = chunk.scales
+                    total.exact &= chunk.exact
+                    total.error_sq += chunk.error_sq
+                    total.reference_sq += chunk.reference_sq
+                parts.append(total)
             self.report.measured(name, [p.exact for p in parts], [p.rel_rms_error for p in parts])
-            if interleave:
-                weights = np.stack([p.weights for p in parts], axis=-2)
-                scales = np.stack([p.scales for p in parts], axis=-2)
-            else:
-                weights = np.concatenate([p.weights for p in parts], axis=-2)
-                scales = np.concatenate([p.scales for p in parts], axis=-2)
-            return Packed(form, weights.reshape(w_shape), scales.reshape(s_shape), all(p.exact for p in parts),
-                          max(p.rel_rms_error for p in parts))
+            return Packed(form, weights, scales, all(p.exact for p in parts))
 
         codes = self.lazy_initializer(f"{name}.q", ir.DataType.UINT8, w_shape,
                                       lambda: self._packs.get(name, 2, make).weights)
@@ -264,7 +277,7 @@ class GraphBuilder:
                 form = BlockForm(8 if self.options.float_experts == "int8" else 4, 32)
             else:
                 form = choose_expert_form([qt for qt in types if qt.storage != "float"])
-            fc1_w, fc1_s = self.packed_weights(f"{prefix}.fc1", [gate, up], form, interleave=True)
+            fc1_w, fc1_s = self.packed_weights(f"{prefix}.fc1", [gate, up], form)
             fc2_w, fc2_s = self.packed_weights(f"{prefix}.fc2", [down], form)
             attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
             out = self.tape.op("QMoE", [x2d, router, fc1_w, fc1_s, None, fc2_w, fc2_s, None], attrs,
@@ -291,10 +304,22 @@ class GraphBuilder:
                                      rel_rms_error=[0.0] * len(sources)))
 
         def make() -> np.ndarray:
-            arrays = [dequantize(s.read_raw(), s.ggml_type).reshape(s.shape) for s in sources]
-            return np.stack(arrays, axis=-2).reshape(shape) if len(arrays) > 1 else arrays[0]
+            out = np.empty(shape, dtype=np.float32)
+            rows = out.reshape(-1, len(sources), k)
+            for j, src in enumerate(sources):
+                for first, raw in _row_chunks(src):
+                    rows[first:first + len(raw), j] = dequantize(raw, src.ggml_type)
+            return out
 
         return self.lazy_initializer(name, ir.DataType.FLOAT, shape, make)
+
+
+def _row_chunks(src: GGUFTensor):
+    """(first row, raw rows) over a tensor's flattened rows, about CHUNK_BYTES at a time."""
+    n_rows = src.nbytes // src.row_bytes
+    step = max(1, CHUNK_BYTES // src.row_bytes)
+    for first in range(0, n_rows, step):
+        yield first, src.read_rows(first, min(step, n_rows - first))
 
 
 # ---- recipes ----------------------------------------------------------------------------------------

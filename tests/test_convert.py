@@ -148,3 +148,18 @@ def test_print_after(tmp_path, make_gguf):
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "q"),
                                        "--print-after", "nope"])
     assert result.exit_code == 2 and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("preset", ["q4_k", "f32"])
+def test_chunked_conversion_gives_the_same_bytes(preset, tmp_path, make_gguf, converted, monkeypatch):
+    """Weights are read and packed a few rows at a time; the chunking must not show in the output."""
+    from moepass.passes import lower
+
+    monkeypatch.setattr(lower, "CHUNK_BYTES", 3000)
+    moepass.convert(make_gguf(preset), tmp_path / "chunked")
+    assert filecmp.cmp(tmp_path / "chunked" / "model.onnx.data", converted(preset) / "model.onnx.data", shallow=False)
+    chunked = json.loads((tmp_path / "chunked" / "moepass.json").read_text())["weights"]
+    whole = json.loads((converted(preset) / "moepass.json").read_text())["weights"]
+    for a, b in zip(chunked, whole, strict=True):
+        assert a["rel_rms_error"] == pytest.approx(b["rel_rms_error"], rel=1e-9)  # sums in another order
+        assert {k: v for k, v in a.items() if k != "rel_rms_error"} == {k: v for k, v in b.items() if k != "rel_rms_error"}
