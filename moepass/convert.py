@@ -33,8 +33,6 @@ from moepass.passes.lower import LowerOptions, lower_gguf
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 REPORT_FILE = "moepass.json"
-# Bound on tensor bytes the writer materializes at once (the largest single tensor may exceed it alone).
-MAX_IN_FLIGHT_BYTES = 256 << 20
 
 ProgressFn = Callable[[int, int], None]  # (tensors written, total tensors)
 
@@ -146,8 +144,9 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
             if progress is not None:
                 progress(done, info.total)
 
-        ir.save(onnx_model, tmp / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor,
-                max_workers=2, max_in_flight_bytes=MAX_IN_FLIGHT_BYTES)
+        # One writer thread, in initializer order: each tensor is converted on several threads
+        # chunk by chunk (moepass.passes.weights), and a group's codes are written before its scales.
+        ir.save(onnx_model, tmp / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1)
         weights = [r.as_dict() for r in lowered.report.records.values()]
         bytes_by_target: dict[str, int] = collections.Counter()
         for w in weights:

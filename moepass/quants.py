@@ -102,6 +102,26 @@ def decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(*raw.shape[:-1], -1), scales.reshape(*raw.shape[:-1], -1)
 
 
+def direct_q8_0_int8(raw: np.ndarray) -> np.ndarray:
+    """Q8_0 codes straight into int8 form bytes: c + 128 is the code with its sign bit flipped."""
+    return (_blocks(raw, GT.Q8_0)[..., 2:] ^ np.uint8(0x80)).reshape(*raw.shape[:-1], -1)
+
+
+def direct_q4_0_int4(raw: np.ndarray) -> np.ndarray:
+    """Q4_0 nibbles straight into int4 form bytes (same zero point 8), without unpacking them.
+
+    Q4_0 byte i holds elements i (low) and i+16 (high); the int4 form's byte j holds elements 2j
+    (low) and 2j+1 (high). So for j < 8 byte j = low(q[2j]) | low(q[2j+1]) << 4, and byte 8+j =
+    high(q[2j]) | high(q[2j+1]) << 4.
+    """
+    qs = _blocks(raw, GT.Q4_0)[..., 2:]
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    out = np.empty(qs.shape, dtype=np.uint8)
+    np.bitwise_or(even & np.uint8(0x0F), odd << np.uint8(4), out=out[..., :8])
+    np.bitwise_or(even >> np.uint8(4), odd & np.uint8(0xF0), out=out[..., 8:])
+    return out.reshape(*raw.shape[:-1], -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantType:
     """What moepass knows about one GGUF tensor type."""
@@ -111,6 +131,10 @@ class QuantType:
     native_block: int = 0
     code_range: tuple[int, int] = (0, 0)
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+    # Byte-level shortcuts for the common exact repacks, by target bit width: raw rows -> packed codes
+    # (the same bytes `pack_codes(decode(raw)[0])` gives, several times faster). Only for types
+    # whose blocks start with their fp16 scale.
+    direct: dict[int, Callable[[np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -130,8 +154,8 @@ QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
     QuantType(GT.F32, "float"),
     QuantType(GT.F16, "float"),
     QuantType(GT.BF16, "float"),
-    QuantType(GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0),
-    QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0),
+    QuantType(GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0, {8: direct_q8_0_int8}),
+    QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0, {4: direct_q4_0_int4}),
     QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k),
     QuantType(GT.Q4_K, "dequantize"),
 ]}
@@ -203,11 +227,16 @@ def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm) -> n
 
 def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm) -> Packed:
     """Move GGUF blocks into `form` without changing a single value (form must be in exact_forms)."""
-    codes, scales = qt.decode(raw)
+    if form.bits in qt.direct:
+        codes = qt.direct[form.bits](raw)
+        scales = _fp16_field(_blocks(raw, qt.ggml_type), 0)
+    else:
+        centered, scales = qt.decode(raw)
+        codes = pack_codes(centered, form)
     repeat = qt.native_block // form.block_size
     if repeat > 1:
         scales = np.repeat(scales, repeat, axis=-1)
-    return Packed(form, pack_codes(codes, form), np.ascontiguousarray(scales, dtype=np.float32), True)
+    return Packed(form, codes, np.ascontiguousarray(scales, dtype=np.float32), True)
 
 
 def quantize_values(values: np.ndarray, form: BlockForm) -> Packed:

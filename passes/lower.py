@@ -17,7 +17,6 @@ past_key_values.N.key/value -> logits, present.N.key/value (KV cache in BNSH lay
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -28,14 +27,13 @@ from moepass import __version__
 from moepass.architectures import Architecture
 from moepass.errors import MoepassError
 from moepass.gguf_reader import GGUFModel, GGUFTensor
-from moepass.quants import BlockForm, Packed, best_exact_form, choose_expert_form, dequantize, pack, quant_type
+from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
+from moepass.quants import BlockForm, best_exact_form, choose_expert_form, quant_type
 
 OPSETS = {"": 21, "com.microsoft": 1}
 IR_VERSION = 10
 FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")
 META = "moepass."  # namespace of moepass's metadata_props
-# Source bytes read and converted at a time: temporaries stay small beside the tensor being built.
-CHUNK_BYTES = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,63 +42,6 @@ class LowerOptions:
     or quantize them into QMoE int8 / int4 (block 32)."""
 
     float_experts: str = "keep"
-
-
-@dataclasses.dataclass
-class WeightRecord:
-    """How one group of ONNX initializers was made from GGUF tensors."""
-
-    onnx_name: str
-    sources: list[str]
-    source_types: list[str]
-    target: str
-    bytes: int
-    # Per source, known once the tensor has been materialized: bit-exact?, and the relative RMS
-    # error ||W' - W|| / ||W|| against the gguf package's dequantization.
-    exact: list[bool] | None = None
-    rel_rms_error: list[float] | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-class WeightReport:
-    """Thread-safe collection of WeightRecords (tensors are materialized by onnx-ir's writer threads)."""
-
-    def __init__(self) -> None:
-        self.records: dict[str, WeightRecord] = {}
-        self._lock = threading.Lock()
-
-    def add(self, record: WeightRecord) -> WeightRecord:
-        self.records[record.onnx_name] = record
-        return record
-
-    def measured(self, name: str, exact: list[bool], error: list[float]) -> None:
-        with self._lock:
-            rec = self.records[name]
-            rec.exact = exact
-            rec.rel_rms_error = error
-
-
-class _PackCache:
-    """A packed tensor feeds two initializers (codes and scales); pack once, drop after both are taken."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[str, tuple[threading.Lock, list]] = {}
-
-    def get(self, key: str, users: int, make: Callable[[], Any]) -> Any:
-        with self._lock:
-            lock, slot = self._entries.setdefault(key, (threading.Lock(), []))
-        with lock:
-            if not slot:
-                slot.extend([make(), users])
-            value = slot[0]
-            slot[1] -= 1
-            if slot[1] == 0:
-                with self._lock:
-                    del self._entries[key]
-        return value
 
 
 def rope_cache(n_positions: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
@@ -127,7 +68,6 @@ class GraphBuilder:
         self.hp = arch.read_hparams(gguf)
         self.tape = ir_tape.Tape()
         self.report = WeightReport()
-        self._packs = _PackCache()
         self._consts: dict[tuple, ir.Value] = {}
         self.moe_layers: list[dict[str, Any]] = []
 
@@ -160,62 +100,15 @@ class GraphBuilder:
     def float_weight(self, name: str, src: GGUFTensor, transpose: bool = False) -> ir.Value:
         """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them)."""
         qt = quant_type(src.ggml_type, src.name, src.path)
-        shape = src.shape[::-1] if transpose else src.shape
-        self.report.add(WeightRecord(name, [src.name], [qt.name], "float32",
-                                     int(np.prod(shape)) * 4, exact=[True], rel_rms_error=[0.0]))
-
-        def make() -> np.ndarray:
-            out = np.empty(shape, dtype=np.float32)
-            rows = out.reshape(-1, src.shape[-1]) if not transpose else out.T
-            for first, raw in _row_chunks(src):
-                rows[first:first + len(raw)] = dequantize(raw, qt.ggml_type)
-            return out
-
-        return self.lazy_initializer(name, ir.DataType.FLOAT, shape, make)
+        return self.tape.initializer(float_tensor(src, qt, name, self.report, transpose), name=name)
 
     def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm,
                        blob_layout: bool = False) -> tuple[ir.Value, ir.Value]:
-        """Codes and scales of a GGUF matrix stack [.., N, K] in `form`.
-
-        Two sources (gate, up) are interleaved into [.., 2N, K]: rows 2i and 2i+1 are gate_i and
-        up_i, QMoE's fused SwiGLU layout. With `blob_layout` the codes are shaped [N, k_blocks, blob]
-        as MatMulNBits wants them (the same bytes). The source is read and packed in chunks of rows.
-        """
+        """Codes and scales initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
         types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
-        lead, k = sources[0].shape[:-1], sources[0].shape[-1]
-        rows = (*lead[:-1], lead[-1] * len(sources))
-        k_blocks = k // form.block_size
-        w_shape = (*rows, k_blocks, form.packed_bytes(form.block_size)) if blob_layout else \
-            (*rows, form.packed_bytes(k))
-        s_shape = (*rows, k_blocks)
-        nbytes = int(np.prod(w_shape)) + 4 * int(np.prod(s_shape))
-        self.report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes))
-
-        def make() -> Packed:
-            weights = np.empty(w_shape, dtype=np.uint8)
-            scales = np.empty(s_shape, dtype=np.float32)
-            # [rows of one source, source, ...]: source j of row r sits at flat row r*len(sources)+j
-            w_rows = weights.reshape(-1, len(sources), form.packed_bytes(k))
-            s_rows = scales.reshape(-1, len(sources), k_blocks)
-            parts = []
-            for j, (src, qt) in enumerate(zip(sources, types)):
-                total = Packed(form, weights, scales, True)
-                for first, raw in _row_chunks(src):
-                    chunk = pack(raw, qt, form)
-                    w_rows[first:first + len(raw), j] = chunk.weights
-                    s_rows[first:first + len(raw), j] = chunk.scales
-                    total.exact &= chunk.exact
-                    total.error_sq += chunk.error_sq
-                    total.reference_sq += chunk.reference_sq
-                parts.append(total)
-            self.report.measured(name, [p.exact for p in parts], [p.rel_rms_error for p in parts])
-            return Packed(form, weights, scales, all(p.exact for p in parts))
-
-        codes = self.lazy_initializer(f"{name}.q", ir.DataType.UINT8, w_shape,
-                                      lambda: self._packs.get(name, 2, make).weights)
-        scales = self.lazy_initializer(f"{name}.scales", ir.DataType.FLOAT, s_shape,
-                                       lambda: self._packs.get(name, 2, make).scales)
-        return codes, scales
+        group = PackedGroup(sources, types, form, name, self.report, blob_layout)
+        return (self.tape.initializer(group.codes, name=group.codes.name),
+                self.tape.initializer(group.scales, name=group.scales.name))
 
     # ---- layers ---------------------------------------------------------------------------------
     def linear(self, x: ir.Value, src: GGUFTensor, name: str) -> ir.Value:
@@ -296,30 +189,7 @@ class GraphBuilder:
         return out
 
     def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
-        """Float expert stacks [E, N, K] (two sources: interleaved gate/up rows) as float32."""
-        e, n, k = sources[0].shape
-        shape = (e, n * len(sources), k)
-        self.report.add(WeightRecord(name, [s.name for s in sources], [s.type_name for s in sources], "float32",
-                                     int(np.prod(shape)) * 4, exact=[True] * len(sources),
-                                     rel_rms_error=[0.0] * len(sources)))
-
-        def make() -> np.ndarray:
-            out = np.empty(shape, dtype=np.float32)
-            rows = out.reshape(-1, len(sources), k)
-            for j, src in enumerate(sources):
-                for first, raw in _row_chunks(src):
-                    rows[first:first + len(raw), j] = dequantize(raw, src.ggml_type)
-            return out
-
-        return self.lazy_initializer(name, ir.DataType.FLOAT, shape, make)
-
-
-def _row_chunks(src: GGUFTensor):
-    """(first row, raw rows) over a tensor's flattened rows, about CHUNK_BYTES at a time."""
-    n_rows = src.nbytes // src.row_bytes
-    step = max(1, CHUNK_BYTES // src.row_bytes)
-    for first in range(0, n_rows, step):
-        yield first, src.read_rows(first, min(step, n_rows - first))
+        return self.tape.initializer(float_expert_stack(sources, name, self.report), name=name)
 
 
 # ---- recipes ----------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def test_print_after(tmp_path, make_gguf):
 @pytest.mark.parametrize("preset", ["q4_k", "f32"])
 def test_chunked_conversion_gives_the_same_bytes(preset, tmp_path, make_gguf, converted, monkeypatch):
     """Weights are read and packed a few rows at a time; the chunking must not show in the output."""
-    from moepass.passes import lower
+    from moepass.passes import weights as lower
 
     monkeypatch.setattr(lower, "CHUNK_BYTES", 3000)
     moepass.convert(make_gguf(preset), tmp_path / "chunked")

@@ -90,3 +90,12 @@ def test_expert_form_choice():
 def test_unsupported_type_names_the_tensor():
     with pytest.raises(MoepassError, match=r"tensor 'blk.0.ffn_up_exps.weight' has type IQ2_XXS"):
         quant_type(GT.IQ2_XXS, "blk.0.ffn_up_exps.weight")
+
+
+@pytest.mark.parametrize("ggml_type", [t for t in BLOCK_TYPES if QUANT_TYPES[t].direct], ids=lambda t: t.name)
+def test_direct_repacks_equal_the_generic_path(ggml_type):
+    qt = QUANT_TYPES[ggml_type]
+    raw = _random_raw(ggml_type, rows=16, row_blocks=8, seed=3)
+    for bits, direct in qt.direct.items():
+        form = BlockForm(bits, qt.native_block)
+        np.testing.assert_array_equal(direct(raw), pack_codes(qt.decode(raw)[0], form))

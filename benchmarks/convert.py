@@ -1,0 +1,118 @@
+"""Conversion throughput and peak memory against `cp` of the same file, measured side by side.
+
+    python benchmarks/convert.py                       # Q8_0 and Q4_0, Qwen3-30B-A3B layer sizes, >= 1 GB each
+    python benchmarks/convert.py --preset q4_0 --layers 6
+
+For each preset it generates a GGUF with Qwen3-30B-A3B's layer sizes (hidden 2048, 128 experts,
+top-8, expert ffn 768; fewer layers), warms the page cache, then alternates `cp FILE` and
+`moepass convert FILE` (each in its own process, best of --repeats), and prints GB/s of GGUF
+bytes, peak RSS of each process (from wait4), and the speed ratio convert / cp.
+Targets: >= 0.5x the speed of cp for exact repacks; peak RSS under 1 GB whatever the model size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "fixtures"))
+
+import make_fixtures  # noqa: E402
+
+# Layers per preset that give a file of at least 1 GB at Qwen3-30B-A3B sizes.
+DEFAULT_LAYERS = {"q8_0": 2, "q4_0": 3}
+
+
+@dataclasses.dataclass
+class Run:
+    seconds: float
+    peak_rss: int  # bytes
+
+
+def measure(cmd: list[str]) -> Run:
+    """Run cmd in its own process; wall time and that process's peak RSS."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()}")
+    return Run(seconds, usage.ru_maxrss * 1024)
+
+
+def best(runs: list[Run]) -> Run:
+    return Run(min(r.seconds for r in runs), max(r.peak_rss for r in runs))
+
+
+def bench_preset(preset: str, layers: int, repeats: int, workdir: Path) -> dict:
+    src = workdir / f"qwen3moe-30b-sizes-{preset}-{layers}l.gguf"
+    t0 = time.perf_counter()
+    # In a child process: the generator holds the whole model in memory, and a big parent would
+    # inflate the peak RSS that wait4 reports for the measured children (forked before exec).
+    subprocess.run([sys.executable, "-c", "import sys, dataclasses; sys.path.insert(0, sys.argv[1]); import make_fixtures as m; "
+                    "m.write_qwen3moe_gguf(sys.argv[2], sys.argv[3], dataclasses.replace(m.QWEN3_30B_DIMS, "
+                    "n_layers=int(sys.argv[4])), seed=0)", str(ROOT / "fixtures"), str(src), preset, str(layers)],
+                   check=True)
+    print(f"[{preset}] generated {src.name}: {src.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    with open(src, "rb") as f:  # warm the page cache so both sides read from memory
+        while f.read(64 << 20):
+            pass
+    size = src.stat().st_size
+    cp_runs, cv_runs = [], []
+    for i in range(repeats):
+        dst = workdir / "copy.gguf"
+        cp_runs.append(measure(["cp", str(src), str(dst)]))
+        dst.unlink()
+        out = workdir / "out"
+        cv_runs.append(measure([sys.executable, "-m", "moepass.cli", "convert", str(src), "-o", str(out), "-q",
+                                "--force"]))
+        print(f"[{preset}] run {i + 1}: cp {cp_runs[-1].seconds:.2f} s, convert {cv_runs[-1].seconds:.2f} s "
+              f"(peak RSS {cv_runs[-1].peak_rss / 2**20:.0f} MiB)", flush=True)
+    out_bytes = sum(p.stat().st_size for p in (workdir / "out").iterdir())
+    shutil.rmtree(workdir / "out")
+    src.unlink()
+    cp, cv = best(cp_runs), best(cv_runs)
+    return {"preset": preset, "layers": layers, "gguf_bytes": size, "onnx_bytes": out_bytes,
+            "cp_gbps": size / cp.seconds / 1e9, "convert_gbps": size / cv.seconds / 1e9,
+            "ratio": cp.seconds / cv.seconds, "cp_rss": cp.peak_rss, "convert_rss": cv.peak_rss,
+            "convert_s": cv.seconds, "cp_s": cp.seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", action="append", choices=sorted(DEFAULT_LAYERS), help="repeatable; default: all")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the generated model (default: >= 1 GB)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None, help="where to put the generated files (default: a temp dir)")
+    args = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="moepass-bench-", dir=args.workdir))
+    rows = []
+    try:
+        for preset in args.preset or sorted(DEFAULT_LAYERS):
+            rows.append(bench_preset(preset, args.layers or DEFAULT_LAYERS[preset], args.repeats, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print()
+    print(f"date {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}")
+    print("| preset | layers | GGUF | cp | moepass convert | convert / cp speed | peak RSS cp | peak RSS convert |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['preset']} | {r['layers']} | {r['gguf_bytes'] / 1e9:.2f} GB | {r['cp_gbps']:.2f} GB/s "
+              f"({r['cp_s']:.2f} s) | {r['convert_gbps']:.2f} GB/s ({r['convert_s']:.2f} s) | {r['ratio']:.2f}x | "
+              f"{r['cp_rss'] / 2**20:.0f} MiB | {r['convert_rss'] / 2**20:.0f} MiB |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""How GGUF tensors become ONNX initializers: streamed, chunk by chunk, with a conversion record.
+
+Each initializer is a `StreamedTensor`: when onnx-ir's writer saves the model it calls
+`tofile()`, which reads a few MiB of source rows, converts them (repack, requantize or
+dequantize) and writes them, then the next few. No tensor is ever whole in memory, so peak
+memory is set by CHUNK_BYTES, not by the size of the model or of its largest tensor.
+
+Every group of initializers made from GGUF tensors gets a `WeightRecord` in the `WeightReport`:
+sources, their types, the target form, bytes, and (once written) whether each source moved
+bit-exactly and its relative RMS error against the gguf package's dequantization.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import onnx_ir as ir
+
+from moepass.gguf_reader import GGUFTensor
+from moepass.quants import BlockForm, QuantType, dequantize, pack
+
+# Source bytes read and converted at a time. Small enough that temporaries are reused by the
+# allocator instead of being faulted in afresh for every tensor.
+CHUNK_BYTES = 8 << 20
+WORKERS = min(4, os.cpu_count() or 1)
+
+
+@dataclasses.dataclass
+class WeightRecord:
+    """How one group of ONNX initializers was made from GGUF tensors."""
+
+    onnx_name: str
+    sources: list[str]
+    source_types: list[str]
+    target: str
+    bytes: int
+    # Per source, known once written: bit-exact?, and the relative RMS error ||W' - W|| / ||W||
+    # against the gguf package's dequantization (0.0 when exact).
+    exact: list[bool] | None = None
+    rel_rms_error: list[float] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class WeightReport:
+    """The WeightRecords of a conversion, filled in by the writer threads as tensors are written."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, WeightRecord] = {}
+        self._lock = threading.Lock()
+
+    def add(self, record: WeightRecord) -> WeightRecord:
+        self.records[record.onnx_name] = record
+        return record
+
+    def measured(self, name: str, exact: list[bool], error: list[float]) -> None:
+        with self._lock:
+            self.records[name].exact = exact
+            self.records[name].rel_rms_error = error
+
+
+class StreamedTensor(ir.LazyTensor):
+    """A lazy tensor produced as a sequence of C-ordered chunks along its first axes.
+
+    `tofile` writes the chunks as they come; `numpy()`/`tobytes()` (used by tests and small
+    consumers) concatenate them.
+    """
+
+    __slots__ = ("_chunks",)
+
+    def __init__(self, chunks: Callable[[], Iterator[np.ndarray]], dtype: ir.DataType, shape: tuple[int, ...],
+                 name: str):
+        self._chunks = chunks
+
+        def whole() -> ir.TensorProtocol:
+            parts = [np.ascontiguousarray(c).reshape(-1) for c in chunks()]
+            return ir.Tensor(np.concatenate(parts).reshape(shape), name=name)
+
+        super().__init__(whole, dtype=dtype, shape=ir.Shape(shape), name=name)
+
+    def tofile(self, file) -> None:
+        for chunk in self._chunks():
+            file.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+
+
+def row_chunks(src: GGUFTensor) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, raw rows) over a tensor's flattened rows, about CHUNK_BYTES at a time."""
+    n_rows = src.nbytes // src.row_bytes
+    step = max(1, CHUNK_BYTES // src.row_bytes)
+    for first in range(0, n_rows, step):
+        yield first, src.read_rows(first, min(step, n_rows - first))
+
+
+def _interleaved_chunks(sources: list[GGUFTensor], convert: Callable[[GGUFTensor, np.ndarray], Any],
+                        ) -> Iterator[list[Any]]:
+    """Walk the sources' rows together, yielding [convert(source j, its raw rows)] per chunk, in order.
+
+    The conversions run on WORKERS threads (numpy releases the GIL), a few chunks ahead of the
+    consumer, which meanwhile writes the previous chunk.
+    """
+    def convert_all(parts):
+        return [convert(s, raw) for s, (_, raw) in zip(sources, parts)]
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        pending: collections.deque = collections.deque()
+        for parts in zip(*(row_chunks(s) for s in sources)):
+            pending.append(pool.submit(convert_all, parts))
+            if len(pending) > WORKERS:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _interleave(arrays: list[np.ndarray]) -> np.ndarray:
+    """[rows, X] per source -> [rows, n_sources, X]: row 2i of gate/up pairs is gate_i, 2i+1 up_i."""
+    return arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
+
+
+def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport,
+                 transpose: bool = False) -> ir.TensorProtocol:
+    """A GGUF tensor as float32, its values exactly as the gguf package dequantizes them."""
+    shape = src.shape[::-1] if transpose else src.shape
+    report.add(WeightRecord(name, [src.name], [qt.name], "float32", int(np.prod(shape)) * 4,
+                            exact=[True], rel_rms_error=[0.0]))
+    if not transpose:
+        return StreamedTensor(lambda: (dequantize(raw, qt.ggml_type) for _, raw in row_chunks(src)),
+                              ir.DataType.FLOAT, shape, name)
+
+    def whole() -> ir.TensorProtocol:
+        # A transposed matrix needs all source rows for each output row: built whole. Only
+        # non-expert matrices without an exact block form take this path.
+        out = np.empty(shape, dtype=np.float32)
+        for first, raw in row_chunks(src):
+            out.T[first:first + len(raw)] = dequantize(raw, qt.ggml_type)
+        return ir.Tensor(out, name=name)
+
+    return ir.LazyTensor(whole, dtype=ir.DataType.FLOAT, shape=ir.Shape(shape), name=name)
+
+
+def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightReport) -> ir.TensorProtocol:
+    """Float expert stacks [E, N, K] as float32 [E, N * len(sources), K] (gate/up rows interleaved)."""
+    e, n, k = sources[0].shape
+    shape = (e, n * len(sources), k)
+    report.add(WeightRecord(name, [s.name for s in sources], [s.type_name for s in sources], "float32",
+                            int(np.prod(shape)) * 4, exact=[True] * len(sources),
+                            rel_rms_error=[0.0] * len(sources)))
+
+    def chunks() -> Iterator[np.ndarray]:
+        for values in _interleaved_chunks(sources, lambda s, raw: dequantize(raw, s.ggml_type)):
+            yield _interleave(values)
+
+    return StreamedTensor(chunks, ir.DataType.FLOAT, shape, name)
+
+
+class PackedGroup:
+    """Codes and scales initializers of GGUF matrices [.., N, K] packed into one BlockForm.
+
+    Two sources (gate, up) are interleaved into [.., 2N, K], QMoE's fused SwiGLU layout. With
+    `blob_layout` the codes are shaped [N, k_blocks, blob] as MatMulNBits wants them (same bytes).
+
+    Writing the codes packs the sources once and keeps the (4-8x smaller) scales for the scales
+    initializer, which the writer saves next (the model is saved in initializer order); if the
+    scales are asked for first, they are computed on their own.
+    """
+
+    def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
+                 report: WeightReport, blob_layout: bool = False):
+        self.sources, self.types, self.form, self.name, self.report = sources, types, form, name, report
+        lead, k = sources[0].shape[:-1], sources[0].shape[-1]
+        rows = (*lead[:-1], lead[-1] * len(sources))
+        k_blocks = k // form.block_size
+        self.codes_shape = (*rows, k_blocks, form.packed_bytes(form.block_size)) if blob_layout else \
+            (*rows, form.packed_bytes(k))
+        self.scales_shape = (*rows, k_blocks)
+        self._lock = threading.Lock()
+        self._kept_scales: list[np.ndarray] | None = None
+        nbytes = int(np.prod(self.codes_shape)) + 4 * int(np.prod(self.scales_shape))
+        report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes))
+        self.codes = StreamedTensor(self._codes_chunks, ir.DataType.UINT8, self.codes_shape, f"{name}.q")
+        self.scales = StreamedTensor(self._scales_chunks, ir.DataType.FLOAT, self.scales_shape, f"{name}.scales")
+
+    def _packed_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(codes, scales) per chunk of rows; records exactness and error once all rows are done."""
+        qt_of = dict(zip((id(s) for s in self.sources), self.types))
+        exact = [True] * len(self.sources)
+        err = [0.0] * len(self.sources)
+        ref = [0.0] * len(self.sources)
+        for packs in _interleaved_chunks(self.sources, lambda s, raw: pack(raw, qt_of[id(s)], self.form)):
+            for j, p in enumerate(packs):
+                exact[j] &= p.exact
+                err[j] += p.error_sq
+                ref[j] += p.reference_sq
+            yield _interleave([p.weights for p in packs]), _interleave([p.scales for p in packs])
+        self.report.measured(self.name, exact, [float(np.sqrt(e / r)) if r else 0.0 for e, r in zip(err, ref)])
+
+    def _codes_chunks(self) -> Iterator[np.ndarray]:
+        kept = []
+        for codes, scales in self._packed_chunks():
+            kept.append(scales)
+            yield codes
+        with self._lock:
+            self._kept_scales = kept
+
+    def _scales_chunks(self) -> Iterator[np.ndarray]:
+        with self._lock:
+            kept, self._kept_scales = self._kept_scales, None
+        if kept is not None:
+            yield from kept
+        else:
+            yield from (scales for _, scales in self._packed_chunks())
