@@ -163,3 +163,11 @@ def test_chunked_conversion_gives_the_same_bytes(preset, tmp_path, make_gguf, co
     for a, b in zip(chunked, whole, strict=True):
         assert a["rel_rms_error"] == pytest.approx(b["rel_rms_error"], rel=1e-9)  # sums in another order
         assert {k: v for k, v in a.items() if k != "rel_rms_error"} == {k: v for k, v in b.items() if k != "rel_rms_error"}
+
+
+def test_shipped_fixture_is_what_the_generator_writes(tmp_path):
+    import make_fixtures
+
+    fresh = make_fixtures.write_qwen3moe_gguf(tmp_path / "demo.gguf", "q4_0", make_fixtures.DEMO_DIMS, seed=0)
+    assert filecmp.cmp(fresh, make_fixtures.DEMO_FIXTURE, shallow=False)
+    assert make_fixtures.DEMO_FIXTURE.stat().st_size < 2 << 20

@@ -1,0 +1,1 @@
+"""moepass.cuda_ops: CUDA-side helpers (none yet; see README.md in this folder)."""
