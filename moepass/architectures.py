@@ -63,6 +63,23 @@ TENSORS: dict[str, str] = {
 }
 
 
+GLOBAL_TENSORS = ("token_embd", "output_norm", "output")
+
+
+def expected_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor role -> shape (numpy order) implied by the hyperparameters."""
+    h, v, e, ff = hp["hidden"], hp["vocab"], hp.get("n_experts"), hp.get("expert_ff")
+    q, kv, vd = hp["n_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["value_dim"]
+    return {
+        "token_embd": (v, h), "output_norm": (h,), "output": (v, h),
+        "attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (vd, h),
+        "attn_output": (h, hp["n_heads"] * hp["value_dim"]),
+        "attn_q_norm": (hp["head_dim"],), "attn_k_norm": (hp["head_dim"],),
+        "ffn_norm": (h,), "ffn_gate_inp": (e, h),
+        "ffn_gate_exps": (e, ff, h), "ffn_up_exps": (e, ff, h), "ffn_down_exps": (e, h, ff),
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
     """Facts about one GGUF architecture.
@@ -107,6 +124,20 @@ class Architecture:
 
     def tensor_name(self, role: str, layer: int | None = None) -> str:
         return TENSORS[role].format(i=layer)
+
+    def check_tensors(self, gguf: GGUFModel, hp: dict[str, Any]) -> None:
+        """Every tensor the recipe reads is present with the shape the metadata implies."""
+        shapes = expected_shapes(hp)
+        wanted = [(role, None) for role in GLOBAL_TENSORS] + \
+            [(role, i) for i in range(hp["n_layers"]) for role in self.block_tensors]
+        for role, layer in wanted:
+            name = self.tensor_name(role, layer)
+            if role == "output" and not gguf.has_tensor(name):
+                continue  # absent output.weight: the LM head is tied to the embedding
+            tensor = gguf.tensor(name)
+            if tensor.shape != shapes[role]:
+                raise MoepassError(f"{gguf.path}: tensor '{name}' has shape {list(tensor.shape)}, expected "
+                                   f"{list(shapes[role])} from the {self.gguf_arch} metadata")
 
 
 def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:

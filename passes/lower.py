@@ -6,8 +6,8 @@ GroupQueryAttention (KV cache, causal mask and rotary embedding in one kernel), 
 `fuse-skip-norm` later folds residual adds into SkipSimplifiedLayerNormalization) and
 com.microsoft::QMoE (one node per MoE layer: routing, top-k and every expert).
 
-Weights are `onnx_ir.LazyTensor`s: nothing is read from the GGUF file until the model is saved,
-and then one tensor at a time, so memory does not grow with the size of the model. Each weight's
+Weights are lazy (`passes/weights.py`): nothing is read from the GGUF file until the model is
+saved, and then chunk by chunk, so memory does not grow with the size of the model. Each weight's
 conversion (source type, target form, measured error) is recorded in a `WeightReport`.
 
 Inputs and outputs are named as onnxruntime-genai expects: input_ids, attention_mask,
@@ -111,15 +111,19 @@ class GraphBuilder:
                 self.tape.initializer(group.scales, name=group.scales.name))
 
     # ---- layers ---------------------------------------------------------------------------------
-    def linear(self, x: ir.Value, src: GGUFTensor, name: str) -> ir.Value:
-        """y = x @ W^T for a GGUF matrix W [N, K]: MatMulNBits when W's blocks move exactly, else float32 MatMul."""
+    def linear(self, x: ir.Value, src: GGUFTensor, name: str, weight_name: str | None = None) -> ir.Value:
+        """y = x @ W^T for a GGUF matrix W [N, K]: MatMulNBits when W's blocks move exactly, else float32 MatMul.
+
+        The weight initializers are named after the GGUF tensor unless `weight_name` says otherwise
+        (a tied LM head shares its GGUF tensor with the embedding table)."""
         qt = quant_type(src.ggml_type, src.name, src.path)
         n, k = src.shape
+        weight_name = weight_name or src.name
         form = best_exact_form(qt) if qt.storage == "blocks" else None
         if form is None:
-            w = self.float_weight(f"{src.name}.T", src, transpose=True)
+            w = self.float_weight(f"{weight_name}.T", src, transpose=True)
             return self.tape.op("MatMul", [x, w], name=name)
-        codes, scales = self.packed_weights(src.name, [src], form, blob_layout=True)
+        codes, scales = self.packed_weights(weight_name, [src], form, blob_layout=True)
         return self.tape.op("MatMulNBits", [x, codes, scales], {"K": k, "N": n, "bits": form.bits,
                                                                   "block_size": form.block_size},
                             domain="com.microsoft", name=name)
@@ -144,11 +148,6 @@ class GraphBuilder:
         hp = self.hp
         router = self.linear(x2d, self.tensor("ffn_gate_inp", layer), f"blk.{layer}.router")
         gate, up, down = (self.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
-        for t, rows, cols in ((gate, hp["expert_ff"], hp["hidden"]), (up, hp["expert_ff"], hp["hidden"]),
-                              (down, hp["hidden"], hp["expert_ff"])):
-            if t.shape != (hp["n_experts"], rows, cols):
-                raise MoepassError(f"{self.gguf.path}: tensor '{t.name}' has shape {list(t.shape)}, "
-                                   f"expected {[hp['n_experts'], rows, cols]}")
         types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
         attrs: dict[str, Any] = {"k": hp["n_experts_used"], "activation_type": "swiglu", "swiglu_fusion": 1,
                                  "activation_alpha": 1.0, "activation_beta": 0.0,
@@ -213,14 +212,13 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     total_len = t.op("Cast", [t.op("Gather", [t.op("Shape", [mask]), one], {"axis": 0})],
                      {"to": ir.DataType.INT32}, name="attn_mask.total_seq_len")
     n_pos = hp["context_length"]
-
-    def rope_table(which: int) -> Callable[[], np.ndarray]:
-        def make() -> np.ndarray:
-            return rope_cache(n_pos, d, hp["rope_base"])[which]
-        return make
-
-    cos = b.lazy_initializer("rope.cos_cache", ir.DataType.FLOAT, (n_pos, d // 2), rope_table(0))
-    sin = b.lazy_initializer("rope.sin_cache", ir.DataType.FLOAT, (n_pos, d // 2), rope_table(1))
+    if hp["value_dim"] != d:
+        raise MoepassError(f"{b.gguf.path}: value head size {hp['value_dim']} differs from key head size {d}; "
+                           "GroupQueryAttention needs them equal")
+    cos = b.lazy_initializer("rope.cos_cache", ir.DataType.FLOAT, (n_pos, d // 2),
+                             lambda: rope_cache(n_pos, d, hp["rope_base"])[0])
+    sin = b.lazy_initializer("rope.sin_cache", ir.DataType.FLOAT, (n_pos, d // 2),
+                             lambda: rope_cache(n_pos, d, hp["rope_base"])[1])
 
     x = b.embedding(input_ids)
     for i in range(hp["n_layers"]):
@@ -255,8 +253,9 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
         x = t.op("Add", [x, moe], name=f"blk.{i}.moe_residual")
 
     h = b.rms_norm(x, b.tensor("output_norm"), "output_norm")
-    head = b.tensor("output") if b.gguf.has_tensor(b.arch.tensor_name("output")) else b.tensor("token_embd")
-    logits = b.linear(h, head, "lm_head")
+    tied = not b.gguf.has_tensor(b.arch.tensor_name("output"))
+    head = b.tensor("token_embd") if tied else b.tensor("output")
+    logits = b.linear(h, head, "lm_head", weight_name="lm_head.weight" if tied else None)
     logits.name = "logits"
     logits.type = f32
     logits.shape = ir.Shape(["batch_size", "sequence_length", hp["vocab"]])
@@ -281,9 +280,7 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
         raise MoepassError(f"float_experts must be one of {', '.join(FLOAT_EXPERT_CHOICES)}, "
                            f"not {options.float_experts!r}")
     b = GraphBuilder(gguf, arch, options)
-    for i in range(b.hp["n_layers"]):
-        for role in arch.block_tensors:
-            b.tensor(role, i)  # every block tensor present, before any work is done
+    arch.check_tensors(gguf, b.hp)  # every tensor present and of the right shape, before any work is done
     graph = RECIPES[arch.recipe](b)
     model = ir.Model(graph, ir_version=IR_VERSION, producer_name="moepass", producer_version=__version__,
                      metadata_props={

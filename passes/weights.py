@@ -57,6 +57,8 @@ class WeightReport:
         self._lock = threading.Lock()
 
     def add(self, record: WeightRecord) -> WeightRecord:
+        if record.onnx_name in self.records:
+            raise ValueError(f"two weight groups named {record.onnx_name!r}")
         self.records[record.onnx_name] = record
         return record
 

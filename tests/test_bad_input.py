@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import shutil
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as GT, GGUFReader
 
+import make_fixtures
 from moepass.cli import main
 
 
@@ -163,3 +166,15 @@ def test_inspect_errors(tmp_path):
     junk.write_bytes(b"\xff" * 64)
     result = CliRunner().invoke(main, ["inspect", str(junk)])
     assert result.exit_code == 2 and "not a readable ONNX model" in result.stderr
+
+
+def test_tensor_shape_disagrees_with_metadata(tmp_path, make_gguf):
+    bad = make_gguf("q4_0", dims=dataclasses.replace(make_fixtures.TEST_DIMS, expert_ff=128))
+    # the file says expert_feed_forward_length 128 and carries 128-row experts: fine; now lie about it
+    patched = tmp_path / "lie.gguf"
+    data = bad.read_bytes()
+    key = b"qwen3moe.expert_feed_forward_length"
+    at = data.index(key) + len(key) + 4  # skip the value type (uint32)
+    patched.write_bytes(data[:at] + np.uint32(256).tobytes() + data[at + 4:])
+    _convert_fails(patched, tmp_path / "out", "tensor 'blk.0.ffn_gate_exps.weight' has shape [8, 128, 256]",
+                   "expected [8, 256, 256]")
