@@ -62,7 +62,11 @@ def _blocks(raw: np.ndarray, ggml_type: GT) -> np.ndarray:
 
 
 def _fp16_field(blocks: np.ndarray, start: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+    """A block's fp16 field, as float16 values (a view where possible, no copy)."""
+    field = blocks[..., start:start + 2]
+    if field.strides[-1] != 1:
+        field = np.ascontiguousarray(field)
+    return field.view("<f2")[..., 0]
 
 
 def decode_q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -98,28 +102,40 @@ def decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     high = (qh >> _Q6_K_SHIFTS) & 0x03
     codes = (low | (high << 4)).view(np.int8) - np.int8(32)
     sub_scales = b[..., 192:208].view(np.int8).astype(np.float32)
-    scales = _fp16_field(b, 208)[..., None] * sub_scales
+    scales = _fp16_field(b, 208).astype(np.float32)[..., None] * sub_scales
     return codes.reshape(*raw.shape[:-1], -1), scales.reshape(*raw.shape[:-1], -1)
 
 
-def direct_q8_0_int8(raw: np.ndarray) -> np.ndarray:
+def direct_q8_0_int8(raw: np.ndarray, out: np.ndarray) -> None:
     """Q8_0 codes straight into int8 form bytes: c + 128 is the code with its sign bit flipped."""
-    return (_blocks(raw, GT.Q8_0)[..., 2:] ^ np.uint8(0x80)).reshape(*raw.shape[:-1], -1)
+    blocks = _blocks(raw, GT.Q8_0)
+    np.bitwise_xor(blocks[..., 2:], np.uint8(0x80), out=out.reshape(blocks.shape[:-1] + (32,)))
 
 
-def direct_q4_0_int4(raw: np.ndarray) -> np.ndarray:
+def _q4_0_pair_table() -> np.ndarray:
+    """Two Q4_0 bytes (q[2j], q[2j+1]) as a little-endian uint16 -> the int4 form's bytes j (low
+    byte of the result) and 8+j (high byte)."""
+    pair = np.arange(1 << 16, dtype=np.uint32)
+    first, second = pair & 0xFF, pair >> 8
+    low = (first & 0x0F) | ((second & 0x0F) << 4)
+    high = (first >> 4) | (second & 0xF0)
+    return (low | (high << 8)).astype(np.uint16)
+
+
+_Q4_0_PAIRS = _q4_0_pair_table()
+
+
+def direct_q4_0_int4(raw: np.ndarray, out: np.ndarray) -> None:
     """Q4_0 nibbles straight into int4 form bytes (same zero point 8), without unpacking them.
 
     Q4_0 byte i holds elements i (low) and i+16 (high); the int4 form's byte j holds elements 2j
     (low) and 2j+1 (high). So for j < 8 byte j = low(q[2j]) | low(q[2j+1]) << 4, and byte 8+j =
-    high(q[2j]) | high(q[2j+1]) << 4.
+    high(q[2j]) | high(q[2j+1]) << 4: one table look-up per pair of bytes gives both.
     """
-    qs = _blocks(raw, GT.Q4_0)[..., 2:]
-    even, odd = qs[..., 0::2], qs[..., 1::2]
-    out = np.empty(qs.shape, dtype=np.uint8)
-    np.bitwise_or(even & np.uint8(0x0F), odd << np.uint8(4), out=out[..., :8])
-    np.bitwise_or(even >> np.uint8(4), odd & np.uint8(0xF0), out=out[..., 8:])
-    return out.reshape(*raw.shape[:-1], -1)
+    blocks = _blocks(raw, GT.Q4_0)
+    pairs = _Q4_0_PAIRS[blocks[..., 2:].view("<u2")]                 # [..., n_blocks, 8]
+    shuffled = pairs.view(np.uint8).reshape(pairs.shape + (2,))       # [..., n_blocks, j, low/high]
+    np.copyto(out.reshape(blocks.shape[:-1] + (2, 8)), np.swapaxes(shuffled, -1, -2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +147,10 @@ class QuantType:
     native_block: int = 0
     code_range: tuple[int, int] = (0, 0)
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
-    # Byte-level shortcuts for the common exact repacks, by target bit width: raw rows -> packed codes
-    # (the same bytes `pack_codes(decode(raw)[0])` gives, several times faster). Only for types
-    # whose blocks start with their fp16 scale.
-    direct: dict[int, Callable[[np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
+    # Byte-level shortcuts for the common exact repacks, by target bit width: (raw rows, out) writes
+    # the packed codes into out (the same bytes `pack_codes(decode(raw)[0])` gives, several times
+    # faster). Only for types whose blocks start with their fp16 scale.
+    direct: dict[int, Callable[[np.ndarray, np.ndarray], None]] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -225,18 +241,19 @@ def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm) -> n
     return codes * np.repeat(scales, form.block_size, axis=-1)
 
 
-def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm) -> Packed:
-    """Move GGUF blocks into `form` without changing a single value (form must be in exact_forms)."""
-    if form.bits in qt.direct:
-        codes = qt.direct[form.bits](raw)
-        scales = _fp16_field(_blocks(raw, qt.ggml_type), 0)
-    else:
-        centered, scales = qt.decode(raw)
-        codes = pack_codes(centered, form)
+def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray, scales: np.ndarray) -> None:
+    """Move GGUF blocks into `form` without changing a single value (form must be in exact_forms).
+
+    Writes into `codes` [..., K*bits/8] and `scales` [..., K/block_size], which may be strided views.
+    """
     repeat = qt.native_block // form.block_size
-    if repeat > 1:
-        scales = np.repeat(scales, repeat, axis=-1)
-    return Packed(form, codes, np.ascontiguousarray(scales, dtype=np.float32), True)
+    if form.bits in qt.direct:
+        qt.direct[form.bits](raw, codes)
+        native_scales = _fp16_field(_blocks(raw, qt.ggml_type), 0)
+    else:
+        centered, native_scales = qt.decode(raw)
+        codes[...] = pack_codes(centered, form)
+    np.copyto(scales.reshape(native_scales.shape + (repeat,)), native_scales[..., None])
 
 
 def quantize_values(values: np.ndarray, form: BlockForm) -> Packed:
@@ -259,11 +276,24 @@ def quantize_values(values: np.ndarray, form: BlockForm) -> Packed:
                   reference_sq=float(np.sum(np.square(values, dtype=np.float64))))
 
 
-def pack(raw: np.ndarray, qt: QuantType, form: BlockForm) -> Packed:
-    """Raw GGUF rows -> `form`: exact where the formats allow, else requantized with the error measured."""
+def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | None = None,
+         scales: np.ndarray | None = None) -> Packed:
+    """Raw GGUF rows -> `form`: exact where the formats allow, else requantized with the error measured.
+
+    `codes` and `scales` are where to write (allocated when not given; they may be strided views).
+    """
+    k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
+    if codes is None:
+        codes = np.empty(raw.shape[:-1] + (form.packed_bytes(k),), dtype=np.uint8)
+    if scales is None:
+        scales = np.empty(raw.shape[:-1] + (k // form.block_size,), dtype=np.float32)
     if form in qt.exact_forms():
-        return repack_exact(raw, qt, form)
-    return quantize_values(dequantize(raw, qt.ggml_type), form)
+        repack_exact(raw, qt, form, codes, scales)
+        return Packed(form, codes, scales, True)
+    requantized = quantize_values(dequantize(raw, qt.ggml_type), form)
+    codes[...] = requantized.weights
+    scales[...] = requantized.scales
+    return Packed(form, codes, scales, False, requantized.error_sq, requantized.reference_sq)
 
 
 def best_exact_form(qt: QuantType) -> BlockForm | None:

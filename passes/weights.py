@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.gguf_reader import GGUFTensor
-from moepass.quants import BlockForm, QuantType, dequantize, pack
+from moepass.quants import BlockForm, Packed, QuantType, dequantize, pack
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
 # allocator instead of being faulted in afresh for every tensor.
@@ -100,29 +100,23 @@ def row_chunks(src: GGUFTensor) -> Iterator[tuple[int, np.ndarray]]:
         yield first, src.read_rows(first, min(step, n_rows - first))
 
 
-def _interleaved_chunks(sources: list[GGUFTensor], convert: Callable[[GGUFTensor, np.ndarray], Any],
-                        ) -> Iterator[list[Any]]:
-    """Walk the sources' rows together, yielding [convert(source j, its raw rows)] per chunk, in order.
-
-    The conversions run on WORKERS threads (numpy releases the GIL), a few chunks ahead of the
-    consumer, which meanwhile writes the previous chunk.
-    """
-    def convert_all(parts):
-        return [convert(s, raw) for s, (_, raw) in zip(sources, parts)]
-
+def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any]) -> Iterator[Any]:
+    """fn over items on WORKERS threads (numpy releases the GIL), results in order, a few ahead of
+    the consumer, which meanwhile writes the previous result."""
     with ThreadPoolExecutor(WORKERS) as pool:
         pending: collections.deque = collections.deque()
-        for parts in zip(*(row_chunks(s) for s in sources)):
-            pending.append(pool.submit(convert_all, parts))
+        for item in items:
+            pending.append(pool.submit(fn, item))
             if len(pending) > WORKERS:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
 
 
-def _interleave(arrays: list[np.ndarray]) -> np.ndarray:
-    """[rows, X] per source -> [rows, n_sources, X]: row 2i of gate/up pairs is gate_i, 2i+1 up_i."""
-    return arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
+def _source_rows(sources: list[GGUFTensor]) -> Iterator[list[np.ndarray]]:
+    """The sources' raw rows, chunk by chunk, walked together (gate and up of the same experts)."""
+    for parts in zip(*(row_chunks(s) for s in sources)):
+        yield [raw for _, raw in parts]
 
 
 def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport,
@@ -154,11 +148,14 @@ def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightRepor
                             int(np.prod(shape)) * 4, exact=[True] * len(sources),
                             rel_rms_error=[0.0] * len(sources)))
 
-    def chunks() -> Iterator[np.ndarray]:
-        for values in _interleaved_chunks(sources, lambda s, raw: dequantize(raw, s.ggml_type)):
-            yield _interleave(values)
+    def dequantize_chunk(parts: list[np.ndarray]) -> np.ndarray:
+        out = np.empty((len(parts[0]), len(sources), k), dtype=np.float32)  # row 2i gate_i, 2i+1 up_i
+        for j, (raw, src) in enumerate(zip(parts, sources)):
+            out[:, j] = dequantize(raw, src.ggml_type)
+        return out
 
-    return StreamedTensor(chunks, ir.DataType.FLOAT, shape, name)
+    return StreamedTensor(lambda: _ordered_map(dequantize_chunk, _source_rows(sources)), ir.DataType.FLOAT,
+                          shape, name)
 
 
 class PackedGroup:
@@ -190,17 +187,27 @@ class PackedGroup:
 
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(codes, scales) per chunk of rows; records exactness and error once all rows are done."""
-        qt_of = dict(zip((id(s) for s in self.sources), self.types))
-        exact = [True] * len(self.sources)
-        err = [0.0] * len(self.sources)
-        ref = [0.0] * len(self.sources)
-        for packs in _interleaved_chunks(self.sources, lambda s, raw: pack(raw, qt_of[id(s)], self.form)):
-            for j, p in enumerate(packs):
-                exact[j] &= p.exact
-                err[j] += p.error_sq
-                ref[j] += p.reference_sq
-            yield _interleave([p.weights for p in packs]), _interleave([p.scales for p in packs])
-        self.report.measured(self.name, exact, [float(np.sqrt(e / r)) if r else 0.0 for e, r in zip(err, ref)])
+        n_src, form = len(self.sources), self.form
+        k = self.sources[0].shape[-1]
+        stats = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
+
+        def pack_chunk(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[Packed]]:
+            rows = len(parts[0])
+            # Each source is packed straight into its interleaved slot: nothing is copied to interleave.
+            codes = np.empty((rows, n_src, form.packed_bytes(k)), dtype=np.uint8)
+            scales = np.empty((rows, n_src, k // form.block_size), dtype=np.float32)
+            packs = [pack(raw, qt, form, codes[:, j], scales[:, j])
+                     for j, (raw, qt) in enumerate(zip(parts, self.types))]
+            return codes, scales, packs
+
+        for codes, scales, packs in _ordered_map(pack_chunk, _source_rows(self.sources)):
+            for stat, p in zip(stats, packs):
+                stat[0] &= p.exact
+                stat[1] += p.error_sq
+                stat[2] += p.reference_sq
+            yield codes, scales
+        self.report.measured(self.name, [exact for exact, _, _ in stats],
+                             [float(np.sqrt(e / r)) if r else 0.0 for _, e, r in stats])
 
     def _codes_chunks(self) -> Iterator[np.ndarray]:
         kept = []

@@ -10,7 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 import make_fixtures
 from moepass.errors import MoepassError
 from moepass.quants import (QUANT_TYPES, REQUANTIZE_FORM, BlockForm, choose_expert_form, pack, pack_codes,
-                            quant_type, repack_exact, unpack_codes, unpack_values)
+                            quant_type, unpack_codes, unpack_values)
 
 BLOCK_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage == "blocks"]
 
@@ -36,7 +36,8 @@ def test_exact_forms_are_bit_exact(ggml_type):
     reference = gguf_dequantize(raw, ggml_type).astype(np.float32)
     assert qt.exact_forms(), f"{ggml_type.name} has no exact form"
     for form in qt.exact_forms():
-        packed = repack_exact(raw, qt, form)
+        packed = pack(raw, qt, form)
+        assert packed.exact and packed.rel_rms_error == 0.0
         assert packed.weights.dtype == np.uint8 and packed.scales.dtype == np.float32
         assert packed.weights.shape == (*raw.shape[:-1], reference.shape[-1] * form.bits // 8)
         np.testing.assert_array_equal(_bits(unpack_values(packed.weights, packed.scales, form)), _bits(reference),
@@ -98,4 +99,8 @@ def test_direct_repacks_equal_the_generic_path(ggml_type):
     raw = _random_raw(ggml_type, rows=16, row_blocks=8, seed=3)
     for bits, direct in qt.direct.items():
         form = BlockForm(bits, qt.native_block)
-        np.testing.assert_array_equal(direct(raw), pack_codes(qt.decode(raw)[0], form))
+        expected = pack_codes(qt.decode(raw)[0], form)
+        out = np.zeros((raw.shape[0], 2, expected.shape[-1]), dtype=np.uint8)  # a strided destination
+        direct(raw, out[:, 1])
+        np.testing.assert_array_equal(out[:, 1], expected)
+        assert not out[:, 0].any()
