@@ -14,6 +14,7 @@ import click
 from moepass.errors import MoepassError
 from moepass.passes import PASS_NAMES
 from moepass.passes.lower import FLOAT_EXPERT_CHOICES
+from moepass.placement import MODES, POLICIES, Bandwidths
 
 
 class _Group(click.Group):
@@ -112,6 +113,89 @@ def run(model_dir: str, prompt_ids: str, max_new_tokens: int, threads: int | Non
     seconds = time.perf_counter() - start
     click.echo(",".join(str(t) for t in new))
     click.echo(f"{len(new)} tokens in {seconds:.3f} s", err=True)
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path())
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="Calibration prompts: one per line, token ids separated by commas or spaces.")
+@click.option("--prompt-ids", default=None, help="One calibration prompt as comma-separated token ids.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Popularity file to write (JSON).")
+@click.option("--merge", "merge_with", multiple=True, type=click.Path(dir_okay=False),
+              help="Add these earlier profiles of the same model to the result (repeatable).")
+@click.option("--threads", type=click.IntRange(1, None), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--force", is_flag=True, help="Replace the output file if it exists.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def profile(model_dir: str, prompts_file: str | None, prompt_ids: str | None, output: str, merge_with: tuple[str, ...],
+            threads: int | None, force: bool, quiet: bool) -> None:
+    """Measure expert popularity: run calibration prompts through a converted model on the CPU."""
+    from moepass.popularity import Popularity
+    from moepass.profile import profile as run_profile, read_prompts
+
+    if (prompts_file is None) == (prompt_ids is None):
+        raise MoepassError("give exactly one of --prompts FILE or --prompt-ids 1,2,3")
+    prompts = read_prompts(prompts_file) if prompts_file else [_parse_ids(prompt_ids)]
+    earlier = [Popularity.load(p) for p in merge_with]
+    progress = _Progress("profiling prompts", enabled=not quiet)
+    try:
+        result = run_profile(model_dir, prompts, threads=threads, progress=progress)
+    finally:
+        progress.close()
+    for path, other in zip(merge_with, earlier):
+        result = result.merge(other, path)
+    result.save(output, overwrite=force)
+    click.echo(f"profiled {result.tokens} tokens ({result.prompts} prompts) over {len(result.selected)} MoE layers "
+               f"-> {output}")
+
+
+@main.command("merge-profiles")
+@click.argument("profiles", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(), help="Merged popularity file to write.")
+@click.option("--force", is_flag=True, help="Replace the output file if it exists.")
+def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
+    """Add up popularity profiles of the same model."""
+    from moepass.popularity import Popularity
+
+    merged = Popularity.load(profiles[0])
+    for path in profiles[1:]:
+        merged = merged.merge(Popularity.load(path), path)
+    merged.save(output, overwrite=force)
+    click.echo(f"merged {len(profiles)} profiles: {merged.tokens} tokens -> {output}")
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path())
+@click.option("--vram", required=True, help="GPU memory to use: 8G, 8GiB, 7.5GB, 8000M or plain bytes.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Directory for the annotated model and plan.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
+              help="Popularity file from `moepass profile` (without one, placement is uniform).")
+@click.option("--policy", type=click.Choice(POLICIES), default=None,
+              help="global (default with a profile), balanced, or uniform (default without).")
+@click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
+              help="required: fail when the non-expert weights, KV cache and buffers do not fit.")
+@click.option("--context", type=click.IntRange(1, None), default=4096, show_default=True, help="KV cache tokens.")
+@click.option("--batch", type=click.IntRange(1, None), default=1, show_default=True, help="Sequences at once.")
+@click.option("--prefill-tokens", type=click.IntRange(1, None), default=512, show_default=True,
+              help="Tokens per prefill step (sizes the working buffers).")
+@click.option("--reserve", default="512MiB", show_default=True, help="GPU memory kept for the runtime itself.")
+@click.option("--gpu-bandwidth", type=float, default=Bandwidths.gpu, show_default=True, help="GB/s, for the estimate.")
+@click.option("--host-bandwidth", type=float, default=Bandwidths.host, show_default=True, help="GB/s, for the estimate.")
+@click.option("--pcie-bandwidth", type=float, default=Bandwidths.pcie, show_default=True, help="GB/s, for the estimate.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Also draw the plan (heatmap and memory bar) into this PNG file.")
+@click.option("--force", is_flag=True, help="Replace the output directory (and report) if they exist.")
+def partition(model_dir: str, vram: str, output: str, profile_path: str | None, policy: str | None, mode: str,
+              context: int, batch: int, prefill_tokens: int, reserve: str, gpu_bandwidth: float,
+              host_bandwidth: float, pcie_bandwidth: float, report: str | None, force: bool) -> None:
+    """Choose which experts live on the GPU for a VRAM budget; write the plan and an annotated model."""
+    from moepass.partition import partition as run_partition
+
+    result = run_partition(model_dir, output, vram, profile=profile_path, context=context, batch=batch,
+                           prefill_tokens=prefill_tokens, reserve=reserve, policy=policy, mode=mode,
+                           bandwidths=Bandwidths(gpu_bandwidth, host_bandwidth, pcie_bandwidth), report=report,
+                           overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True))
+    for line in result.summary_lines():
+        click.echo(line)
 
 
 if __name__ == "__main__":

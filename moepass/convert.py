@@ -15,8 +15,6 @@ import collections
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +23,7 @@ import onnx_ir as ir
 
 from moepass import __version__
 from moepass.architectures import architecture_of
-from moepass.errors import MoepassError
+from moepass.atomic import atomic_directory
 from moepass.gguf_reader import GGUFModel
 from moepass.passes import run_pipeline
 from moepass.passes.lower import LowerOptions, lower_gguf
@@ -84,35 +82,6 @@ class ConvertResult:
         return lines
 
 
-def _prepare_output(output_dir: Path, overwrite: bool) -> Path:
-    """Check the output path and make the temporary directory beside it."""
-    if output_dir.exists() and not overwrite:
-        if not output_dir.is_dir() or any(output_dir.iterdir()):
-            raise MoepassError(f"{output_dir}: already exists; pass --force to replace it")
-    parent = output_dir.parent
-    if not parent.is_dir():
-        raise MoepassError(f"{output_dir}: parent directory {parent} does not exist")
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=parent))
-    except OSError as e:
-        raise MoepassError(f"{output_dir}: cannot write there ({e.strerror})") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary directory
-    return tmp
-
-
-def _install(tmp: Path, output_dir: Path) -> None:
-    """Move the finished tmp directory to output_dir, replacing what was there only now."""
-    old = None
-    if output_dir.exists():
-        old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
-        output_dir.rename(old)
-    tmp.rename(output_dir)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
 def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_experts: str = "keep",
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print) -> ConvertResult:
@@ -134,8 +103,7 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts))
     onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo)
 
-    tmp = _prepare_output(output_dir, overwrite)
-    try:
+    with atomic_directory(output_dir, overwrite) as tmp:
         done = 0
 
         def on_tensor(_tensor: ir.TensorProtocol, info: Any) -> None:
@@ -161,10 +129,6 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
         }
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
-        _install(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ConvertResult(output_dir=output_dir, source=source, architecture=arch.gguf_arch,
                          n_layers=lowered.hparams["n_layers"], moe_layers=lowered.moe_layers,
                          bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,

@@ -12,6 +12,7 @@ import onnx_ir as ir
 from onnx_ir.passes import PassBase
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.fuse_skip_norm import FuseSkipNormPass
 from moepass.passes.lower import LowerOptions, lower_gguf
 
@@ -38,4 +39,4 @@ def run_pipeline(model: ir.Model, print_after: str | None = None,
     return model
 
 
-__all__ = ["FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE", "lower_gguf", "run_pipeline"]
+__all__ = ["ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE", "lower_gguf", "run_pipeline"]

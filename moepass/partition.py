@@ -1,0 +1,164 @@
+"""`moepass partition`: a GPU memory budget and expert popularity -> placement plan, annotated
+model and the ONNX Runtime offload options that match.
+
+Output directory (written atomically):
+  model.onnx, model.onnx.data   the model with each MoE node's experts reordered, GPU-resident
+                                first (router permuted to match: same outputs); see below
+  plan.json                     memory breakdown, resident experts per node, predictions, inputs
+  onnxruntime_options.json      {"session_config_entries": {...}}: what moepass.runtime sets
+  moepass.json                  the conversion report, carried over from the source model
+
+How the groups are laid out: in model.onnx.data every expert tensor of a node holds its experts
+contiguously along axis 0, resident ones first, so the GPU-resident group of each tensor is one
+byte range at the start of the tensor. plan.json lists every expert tensor with its offset and
+length in the data file and the length of its resident prefix. The plan is also recorded in
+metadata_props: model-level `moepass.placement` (JSON summary), node-level
+`moepass.placement.expert_ids` and `moepass.placement.resident`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import onnx
+import onnx_ir as ir
+
+from moepass import __version__
+from moepass.atomic import atomic_directory, atomic_file
+from moepass.errors import MoepassError
+from moepass.passes.moe_nodes import moe_nodes
+from moepass.passes.reorder_experts import ReorderExpertsPass
+from moepass.placement import (Bandwidths, Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
+                               parse_bytes, plan_placement)
+from moepass.popularity import Popularity, model_identity
+from moepass.profile import load_model, model_file
+
+PLAN_FILE = "plan.json"
+OPTIONS_FILE = "onnxruntime_options.json"
+REPORT_FILE = "moepass.json"
+DATA_FILE = "model.onnx.data"
+PLAN_FORMAT = "moepass-plan"
+PLAN_VERSION = 1
+
+
+@dataclasses.dataclass
+class PartitionResult:
+    output_dir: Path
+    plan: dict[str, Any]
+    options: dict[str, str]
+    warnings: list[str]
+
+    def summary_lines(self) -> list[str]:
+        mem, pred = self.plan["memory"], self.plan["prediction"]
+        nodes = self.plan["nodes"]
+        resident = sum(n["resident_count"] for n in nodes)
+        total = sum(n["experts"] for n in nodes)
+        lines = [
+            f"placed {resident} of {total} experts on the GPU ({self.plan['inputs']['policy']} policy) -> {self.output_dir}",
+            f"  VRAM budget      {format_bytes(mem['vram_bytes']):>12}",
+            f"  non-expert       {format_bytes(mem['non_expert_bytes']):>12}",
+            f"  KV cache         {format_bytes(mem['kv_cache_bytes']):>12}  "
+            f"(context {self.plan['inputs']['context']}, batch {self.plan['inputs']['batch']})",
+            f"  working buffers  {format_bytes(mem['work_bytes']):>12}  (estimate)",
+            f"  reserve          {format_bytes(mem['reserve_bytes']):>12}",
+            f"  resident experts {format_bytes(mem['resident_expert_bytes']):>12}",
+            f"  host experts     {format_bytes(mem['host_expert_bytes']):>12}",
+            f"  free             {format_bytes(mem['free_bytes']):>12}",
+            f"  GPU hit rate     {pred['gpu_hit_rate_by_mass']:.1%} of routing mass, "
+            f"{pred['gpu_hit_rate_by_selection']:.1%} of selections ({pred['based_on']})",
+            f"  decode estimate  {pred['decode_ms_per_token']['cold_experts_on_cpu']:.3g} ms/token with cold "
+            f"experts on the CPU, {pred['decode_ms_per_token']['cold_experts_over_pcie']:.3g} ms/token over PCIe "
+            "(bandwidth model, not a measurement)",
+        ]
+        return lines
+
+
+def _plan_document(plan: Plan, memory: MemoryModel, inputs: dict[str, Any], identity: dict[str, Any],
+                   options: dict[str, str]) -> dict[str, Any]:
+    nodes = []
+    for g in memory.groups:
+        resident = plan.resident[g.node]
+        nodes.append({"node": g.node, "experts": g.experts, "top_k": g.top_k, "bytes_per_expert": g.bytes_per_expert,
+                      "resident_count": len(resident), "resident": resident, "order": plan.order[g.node],
+                      "mass_hit_rate": plan.mass_hit_rate[g.node],
+                      "selection_hit_rate": plan.selection_hit_rate[g.node]})
+    return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "moepass_version": __version__,
+            "model": identity, "inputs": inputs, "fits": plan.fits, "memory": plan.memory, "nodes": nodes,
+            "prediction": plan.prediction, "warnings": plan.warnings, "onnxruntime_options": options}
+
+
+def _expert_regions(model_path: Path, memory: MemoryModel, plan: Plan) -> list[dict[str, Any]]:
+    """Where each expert tensor of the saved model lies in the data file, and its resident prefix."""
+    proto = onnx.load(model_path, load_external_data=False)
+    located = {}
+    for t in proto.graph.initializer:
+        info = {e.key: e.value for e in t.external_data}
+        if "location" in info:
+            located[t.name] = (info["location"], int(info.get("offset", 0)), int(info["length"]))
+    regions = []
+    model = ir.load(model_path)
+    groups = {g.node: g for g in memory.groups}
+    for m in moe_nodes(model.graph):
+        resident = len(plan.resident[m.name])
+        for value in m.expert_values:
+            location, offset, length = located[value.name]
+            regions.append({"node": m.name, "tensor": value.name, "file": location, "offset": offset,
+                            "length": length, "resident_bytes": length // groups[m.name].experts * resident})
+    return regions
+
+
+def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram: str | int, *,
+              profile: str | os.PathLike | Popularity | None = None, context: int = 4096, batch: int = 1,
+              prefill_tokens: int = 512, reserve: str | int = "512MiB", policy: str | None = None,
+              mode: str = "auto", bandwidths: Bandwidths = Bandwidths(), report: str | os.PathLike | None = None,
+              overwrite: bool = False, warn: Callable[[str], None] | None = None) -> PartitionResult:
+    """Plan expert placement for a GPU budget and write the annotated model, plan and options."""
+    for name, value in (("context", context), ("batch", batch), ("prefill_tokens", prefill_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise MoepassError(f"{name} must be a positive integer, not {value!r}")
+    source = model_file(model_dir)
+    model = load_model(source)
+    identity = model_identity(model)
+    memory = MemoryModel.of(model)
+    popularity, profile_info = None, None
+    if profile is not None:
+        label = str(profile) if not isinstance(profile, Popularity) else "profile"
+        popularity = profile if isinstance(profile, Popularity) else Popularity.load(profile)
+        popularity.check_fits(identity, label)
+        profile_info = {"file": Path(label).name, "tokens": popularity.tokens, "prompts": popularity.prompts}
+    budget = Budget(parse_bytes(vram, "--vram"), context, batch, prefill_tokens, parse_bytes(reserve, "--reserve"))
+    plan = plan_placement(memory, budget, popularity, policy, mode, bandwidths)
+    for message in plan.warnings:
+        if warn is not None:
+            warn(message)
+    options = onnxruntime_options(plan, memory.groups, mode)
+    inputs = {"model": str(source), "vram": str(vram), "context": context, "batch": batch,
+              "prefill_tokens": prefill_tokens, "policy": plan.policy, "mode": mode, "profile": profile_info,
+              "bandwidths_gbps": dataclasses.asdict(bandwidths)}
+    document = _plan_document(plan, memory, inputs, identity, options)
+
+    ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
+    model.metadata_props["moepass.placement"] = json.dumps(
+        {"plan": PLAN_FILE, "options": OPTIONS_FILE, "vram_bytes": budget.vram_bytes, "policy": plan.policy,
+         "resident_expert_bytes": plan.resident_bytes, "fingerprint": identity["fingerprint"]}, sort_keys=True)
+    output_dir = Path(output_dir)
+    if report is not None and Path(report).suffix.lower() != ".png":
+        raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
+    with atomic_directory(output_dir, overwrite) as tmp:
+        ir.save(model, tmp / "model.onnx", external_data=DATA_FILE, max_workers=1)
+        document["expert_regions"] = _expert_regions(tmp / "model.onnx", memory, plan)
+        (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
+        (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options}, indent=1) + "\n")
+        if (source.parent / REPORT_FILE).is_file():
+            shutil.copyfile(source.parent / REPORT_FILE, tmp / REPORT_FILE)
+        if report is not None:
+            from moepass.plan_report import draw_plan
+
+            with atomic_file(report, overwrite) as picture:
+                draw_plan(document, popularity, picture)
+    return PartitionResult(output_dir, document, options, plan.warnings)

@@ -1,0 +1,299 @@
+"""Memory model and expert placement: which experts live on the GPU, and what that buys.
+
+Memory model (all exact except the working buffers, which are an estimate from the graph):
+
+- weights: the bytes of every initializer; expert tensors (QMoE/MoE inputs with the experts on
+  their first axis) are split evenly per expert, everything else is "non-expert" and always
+  resident on the GPU;
+- KV cache: for each past_key_values input, kv_heads * head_dim * dtype bytes per token, times
+  `context` tokens and `batch` sequences (K and V both counted, every layer);
+- working buffers for one step of T = batch * prefill_tokens tokens, with a = activation bytes:
+      4*T*H*a                       residual stream, normed input, attention and MoE outputs
+    + T*(heads + 2*kv_heads)*head_dim*a   q, k, v
+    + batch*heads*prefill_tokens*context*a   attention probabilities of one layer
+    + T*top_k*(3*I + H)*a + T*E*a   per routed token: fc1 output (2I), activation (I), fc2 output (H);
+                                    router logits
+    + T*V*a                         logits
+  (buffers are reused across layers, so one layer's worth is counted);
+- a runtime reserve (CUDA context, library workspaces, fragmentation), given by the user.
+
+Placement maximizes the routing mass served from the GPU: each node's mass (the share of its
+routing weight each expert carried) sums to 1, so every layer counts equally, and an expert's value
+is its mass per byte. Policies:
+
+- "global": rank all experts of all layers by mass per byte and take them greedily while they fit
+  (ktransformers measured this 7-27 % faster than uniform placement at 30-80 % residency);
+- "balanced": the same number of experts in every layer (each layer's most popular), the budget
+  left over filled by the global ranking;
+- "uniform": no profile: "balanced" with every expert equally popular (lowest ids first).
+Ties break by layer order, then expert id, so the same inputs always give the same plan.
+
+The decode-time prediction is an estimate from a bandwidth model, labelled as such: per token the
+GPU reads the non-expert weights and the resident experts that are selected; the selected cold
+experts are either computed on the CPU from host memory or streamed over PCIe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from moepass.errors import MoepassError
+from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
+from moepass.popularity import Popularity
+
+POLICIES = ("global", "balanced", "uniform")
+MODES = ("auto", "required")
+_UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4,
+          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
+          "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4, "b": 1}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int, what: str = "size") -> int:
+    """'8G', '8GiB', '7.5GB', '8000M' or plain bytes -> bytes. K/M/G/T and KiB/MiB/GiB/TiB are
+    binary (1024), KB/MB/GB/TB decimal (1000)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise MoepassError(f"{what} {text!r} is not a size: use e.g. 8G, 8GiB, 7.5GB, 8000M or plain bytes")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 0:
+        raise MoepassError(f"{what} {text!r} is negative")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroup:
+    """The experts of one MoE node: how many, top-k, and the bytes of one expert (all its tensors)."""
+
+    node: str
+    experts: int
+    top_k: int
+    bytes_per_expert: int
+    ffn: int  # expert intermediate size I
+
+
+@dataclasses.dataclass
+class MemoryModel:
+    non_expert_bytes: int
+    groups: list[ExpertGroup]
+    kv_bytes_per_token: int          # one sequence, all layers, K and V
+    dims: dict[str, int]             # hidden, vocab, heads, kv_heads, head_dim, activation_bytes
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(g.experts * g.bytes_per_expert for g in self.groups)
+
+    def kv_bytes(self, context: int, batch: int) -> int:
+        return self.kv_bytes_per_token * context * batch
+
+    def work_bytes(self, context: int, batch: int, prefill_tokens: int) -> int:
+        d, a = self.dims, self.dims["activation_bytes"]
+        t = batch * prefill_tokens
+        moe = max((t * g.top_k * (3 * g.ffn + d["hidden"]) + t * g.experts for g in self.groups), default=0)
+        return a * (4 * t * d["hidden"] + t * (d["heads"] + 2 * d["kv_heads"]) * d["head_dim"]
+                    + batch * d["heads"] * prefill_tokens * context + moe + t * d["vocab"])
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "MemoryModel":
+        graph = model.graph
+        nodes = moe_nodes(graph)
+        if not nodes:
+            raise MoepassError("the model has no QMoE/MoE node: nothing to place")
+        expert_names = {v.name for m in nodes for v in m.expert_values}
+        non_expert = sum(tensor_bytes(v) for v in graph.initializers.values() if v.name not in expert_names)
+        groups = []
+        for m in nodes:
+            fc1 = m.node.inputs[2].const_value.shape
+            groups.append(ExpertGroup(m.name, m.experts, m.top_k, m.bytes_per_expert, int(fc1[1]) // 2))
+        kv_per_token, heads, kv_heads, head_dim, act = 0, 0, 0, 0, 4
+        for value in graph.inputs:
+            if value.name.startswith("past_key_values.") and value.shape is not None:
+                kv_heads, head_dim = int(value.shape[1]), int(value.shape[3])
+                act = value.dtype.itemsize
+                kv_per_token += kv_heads * head_dim * act
+        for node in graph:
+            if node.op_type == "GroupQueryAttention":
+                heads = node.attributes.get_int("num_heads", 0)
+                break
+        hidden = int(nodes[0].node.inputs[5].const_value.shape[1]) if nodes[0].node.op_type == "QMoE" else \
+            int(nodes[0].node.inputs[4].const_value.shape[1])
+        logits = next(v for v in graph.outputs if v.name == "logits")
+        dims = {"hidden": hidden, "vocab": int(logits.shape[-1]), "heads": heads, "kv_heads": kv_heads,
+                "head_dim": head_dim, "activation_bytes": act}
+        return cls(non_expert, groups, kv_per_token, dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    vram_bytes: int
+    context: int = 4096
+    batch: int = 1
+    prefill_tokens: int = 512
+    reserve_bytes: int = 512 * 1024 ** 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Bandwidths:
+    """GB/s used by the decode-time estimate (defaults: a desktop GPU with GDDR6X, dual-channel
+    DDR5 host memory, PCIe 4.0 x16)."""
+
+    gpu: float = 900.0
+    host: float = 60.0
+    pcie: float = 25.0
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where every expert lives, the memory breakdown, and the predictions."""
+
+    memory: dict[str, int]
+    fits: bool
+    policy: str
+    resident: dict[str, list[int]]          # node -> resident expert ids, most popular first
+    order: dict[str, list[int]]             # node -> every expert id, resident first, by popularity
+    mass_hit_rate: dict[str, float]
+    selection_hit_rate: dict[str, float]
+    prediction: dict[str, Any]
+    warnings: list[str]
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.memory["resident_expert_bytes"]
+
+
+def _ranking(groups: list[ExpertGroup], mass: list[np.ndarray]) -> list[tuple[int, int]]:
+    """(group index, expert) by mass per byte, ties by layer then expert id."""
+    items = [(-(m[e] / g.bytes_per_expert), gi, e) for gi, (g, m) in enumerate(zip(groups, mass))
+             for e in range(g.experts)]
+    items.sort()
+    return [(gi, e) for _, gi, e in items]
+
+
+def choose_resident(groups: list[ExpertGroup], mass: list[np.ndarray], budget: int, policy: str) -> list[list[int]]:
+    """Resident expert ids per group within `budget` bytes, by `policy` ("uniform" = "balanced" on equal mass)."""
+    chosen: list[list[int]] = [[] for _ in groups]
+    left = budget
+    if policy in ("balanced", "uniform"):
+        per_layer = sum(g.bytes_per_expert for g in groups)
+        slots = min(min(g.experts for g in groups), left // per_layer) if per_layer else 0
+        for gi, (g, m) in enumerate(zip(groups, mass)):
+            chosen[gi] = [int(e) for e in np.argsort(-m, kind="stable")[:slots]]
+        left -= slots * per_layer
+    taken = [set(c) for c in chosen]
+    for gi, e in _ranking(groups, mass):
+        size = groups[gi].bytes_per_expert
+        if e not in taken[gi] and size <= left:
+            chosen[gi].append(e)
+            taken[gi].add(e)
+            left -= size
+    # most popular first within each layer (the order the annotated model stores them in)
+    return [sorted(c, key=lambda e, m=m: (-m[e], e)) for c, m in zip(chosen, mass)]
+
+
+def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity | None = None,
+                   policy: str | None = None, mode: str = "auto", bandwidths: Bandwidths = Bandwidths()) -> Plan:
+    if mode not in MODES:
+        raise MoepassError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    policy = policy or ("global" if popularity is not None else "uniform")
+    if policy not in POLICIES:
+        raise MoepassError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    if popularity is None and policy != "uniform":
+        raise MoepassError(f"policy {policy!r} needs a popularity profile (moepass profile); "
+                           "without one, placement is uniform")
+    groups = memory.groups
+    if popularity is not None:
+        mass = [popularity.mass(g.node) for g in groups]
+        selection = [popularity.selection_rate(g.node) for g in groups]
+    else:
+        mass = [np.full(g.experts, 1.0 / g.experts) for g in groups]
+        selection = mass
+    kv = memory.kv_bytes(budget.context, budget.batch)
+    work = memory.work_bytes(budget.context, budget.batch, budget.prefill_tokens)
+    fixed = memory.non_expert_bytes + kv + work + budget.reserve_bytes
+    warnings = []
+    fits = fixed <= budget.vram_bytes
+    if not fits:
+        missing = fixed - budget.vram_bytes
+        message = (f"--vram {format_bytes(budget.vram_bytes)} does not hold the non-expert weights "
+                   f"({format_bytes(memory.non_expert_bytes)}), KV cache ({format_bytes(kv)}), working buffers "
+                   f"({format_bytes(work)}) and reserve ({format_bytes(budget.reserve_bytes)}): "
+                   f"{missing:,} bytes ({format_bytes(missing)}) missing")
+        if mode == "required":
+            raise MoepassError(message)
+        warnings.append(message + "; no expert is placed on the GPU")
+    expert_budget = max(0, budget.vram_bytes - fixed)
+    resident = choose_resident(groups, mass, expert_budget, policy)
+    resident_bytes = sum(len(r) * g.bytes_per_expert for r, g in zip(resident, groups))
+    all_fit = resident_bytes == memory.expert_bytes
+    if fits and not all_fit and mode == "auto":
+        served = sum(len(r) for r in resident)
+        total = sum(g.experts for g in groups)
+        warnings.append(f"{served} of {total} experts fit on the GPU; the other "
+                        f"{format_bytes(memory.expert_bytes - resident_bytes)} of experts stay in host memory")
+    order, mass_hit, sel_hit = {}, {}, {}
+    for g, r, m, s in zip(groups, resident, mass, selection):
+        rest = sorted(set(range(g.experts)) - set(r), key=lambda e, m=m: (-m[e], e))
+        order[g.node] = list(r) + rest
+        mass_hit[g.node] = float(m[r].sum()) if r else 0.0
+        sel_hit[g.node] = float(s[r].sum()) if r else 0.0
+    memory_breakdown = {
+        "vram_bytes": budget.vram_bytes, "non_expert_bytes": memory.non_expert_bytes, "kv_cache_bytes": kv,
+        "work_bytes": work, "reserve_bytes": budget.reserve_bytes, "expert_budget_bytes": expert_budget,
+        "resident_expert_bytes": resident_bytes, "host_expert_bytes": memory.expert_bytes - resident_bytes,
+        "total_expert_bytes": memory.expert_bytes,
+        "free_bytes": budget.vram_bytes - fixed - resident_bytes if fits else 0,
+    }
+    prediction = _predict(memory, groups, resident, sel_hit, mass_hit, bandwidths, profiled=popularity is not None)
+    return Plan(memory_breakdown, fits, policy, {g.node: r for g, r in zip(groups, resident)}, order,
+                mass_hit, sel_hit, prediction, warnings)
+
+
+def _predict(memory: MemoryModel, groups: list[ExpertGroup], resident: list[list[int]], sel_hit: dict[str, float],
+             mass_hit: dict[str, float], bw: Bandwidths, profiled: bool) -> dict[str, Any]:
+    hot = sum(g.top_k * sel_hit[g.node] * g.bytes_per_expert for g in groups)
+    cold = sum(g.top_k * (1 - sel_hit[g.node]) * g.bytes_per_expert for g in groups)
+    gpu_s = (memory.non_expert_bytes + hot) / (bw.gpu * 1e9)
+    n = len(groups)
+    return {
+        "label": "estimate from a bandwidth model, not a measurement",
+        "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",
+        "gpu_hit_rate_by_mass": sum(mass_hit.values()) / n,
+        "gpu_hit_rate_by_selection": sum(sel_hit.values()) / n,
+        "bytes_per_token": {"gpu": int(memory.non_expert_bytes + hot), "cold_experts": int(cold)},
+        "bandwidths_gbps": dataclasses.asdict(bw),
+        "decode_ms_per_token": {
+            "cold_experts_on_cpu": 1e3 * (gpu_s + cold / (bw.host * 1e9)),
+            "cold_experts_over_pcie": 1e3 * (gpu_s + cold / (bw.pcie * 1e9)),
+        },
+        "formula": "t = (non-expert bytes + selected hot expert bytes) / gpu_bw "
+                   "+ selected cold expert bytes / (host_bw | pcie_bw); selected bytes per layer = "
+                   "top_k * hit_rate * bytes_per_expert",
+    }
+
+
+def onnxruntime_options(plan: Plan, groups: list[ExpertGroup], mode: str) -> dict[str, str]:
+    """The session config entries ONNX Runtime 1.32 reads for expert offload, for this plan."""
+    overrides = ";".join(f"{g.node}:max_resident_slots={len(plan.resident[g.node])},"
+                         f"device_expert_bytes={len(plan.resident[g.node]) * g.bytes_per_expert}" for g in groups)
+    return {
+        "session.moe.offload.mode": mode,
+        "session.moe.offload.placement": "static",
+        "session.moe.offload.gpu_budget_bytes": str(plan.resident_bytes),
+        "session.moe.offload.node_overrides": overrides,
+    }

@@ -1,0 +1,72 @@
+"""The placement plan as a picture: layers x experts heatmap of popularity with residency marked,
+and a bar of the GPU memory budget. Needs matplotlib (`pip install 'moepass[report]'`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moepass.errors import MoepassError
+from moepass.popularity import Popularity
+
+
+def _unit(nbytes: int) -> tuple[str, float]:
+    for name, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if nbytes >= size:
+            return name, float(size)
+    return "B", 1.0
+
+
+def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MoepassError("--report needs matplotlib: pip install 'moepass[report]'") from None
+    nodes = plan["nodes"]
+    n_experts = max(n["experts"] for n in nodes)
+    heat = np.full((len(nodes), n_experts), np.nan)
+    resident = np.zeros_like(heat, dtype=bool)
+    for i, n in enumerate(nodes):
+        mass = popularity.mass(n["node"]) if popularity is not None else np.full(n["experts"], 1.0 / n["experts"])
+        heat[i, : n["experts"]] = mass * n["experts"]  # 1.0 = average popularity
+        resident[i, n["resident"]] = True
+
+    fig = plt.figure(figsize=(max(8, n_experts * 0.12 + 3), max(4, len(nodes) * 0.22 + 3)))
+    grid = fig.add_gridspec(2, 1, height_ratios=[max(3, len(nodes) * 0.22), 0.6], hspace=0.45)
+    ax = fig.add_subplot(grid[0])
+    image = ax.imshow(heat, aspect="auto", cmap="viridis", interpolation="nearest")
+    ys, xs = np.nonzero(resident)
+    ax.scatter(xs, ys, marker="s", s=max(4, 400 / max(n_experts, len(nodes))), facecolors="none",
+               edgecolors="white", linewidths=0.8, label="on the GPU")
+    ax.set_xlabel("expert id")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(nodes)))
+    ax.set_yticklabels([n["node"] for n in nodes], fontsize=7 if len(nodes) > 24 else 9)
+    based = plan["prediction"]["based_on"]
+    ax.set_title(f"Expert popularity ({based}; 1.0 = average) and GPU residency: "
+                 f"{plan['prediction']['gpu_hit_rate_by_mass']:.1%} of routing mass on the GPU")
+    ax.legend(loc="upper right", fontsize=8, framealpha=0.6)
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="routing mass x experts")
+
+    bar = fig.add_subplot(grid[1])
+    mem = plan["memory"]
+    unit, scale = _unit(mem["vram_bytes"])
+    parts = [("non-expert", mem["non_expert_bytes"], "#4c72b0"), ("KV cache", mem["kv_cache_bytes"], "#55a868"),
+             ("buffers (est.)", mem["work_bytes"], "#c44e52"), ("reserve", mem["reserve_bytes"], "#8172b2"),
+             ("resident experts", mem["resident_expert_bytes"], "#ccb974"), ("free", mem["free_bytes"], "#dddddd")]
+    left = 0.0
+    for label, size, color in parts:
+        bar.barh(0, size / scale, left=left, color=color, label=f"{label} {size / scale:.2f} {unit}")
+        left += size / scale
+    bar.axvline(mem["vram_bytes"] / scale, color="black", linestyle="--", linewidth=1)
+    bar.set_yticks([])
+    bar.set_xlabel(f"{unit} of the {mem['vram_bytes'] / scale:.2f} {unit} budget (dashed); "
+                   f"{mem['host_expert_bytes'] / scale:.2f} {unit} of experts stay in host memory")
+    bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=3, fontsize=8, frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight", format="png")
+    plt.close(fig)

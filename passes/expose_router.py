@@ -1,0 +1,39 @@
+"""expose-router-logits: make each MoE node's router logits a graph output (for profiling copies).
+
+The profiler runs this on a copy of a converted model so that one ONNX Runtime run yields, beside
+the logits, the [tokens, experts] router logits of every MoE layer.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from moepass.passes.moe_nodes import is_moe
+
+ROUTER_OUTPUT_PREFIX = "moepass.router_logits."
+
+
+class ExposeRouterLogitsPass(InPlacePass):
+    """Add `moepass.router_logits.<node>` outputs; `outputs` maps node name -> output name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: dict[str, str] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        for node in graph:
+            if not is_moe(node):
+                continue
+            logits = node.inputs[1]
+            name = ROUTER_OUTPUT_PREFIX + node.name
+            # An Identity keeps the original value's name and users untouched.
+            exposed = ir.node("Identity", [logits], name=f"{node.name}.expose_router")
+            exposed.outputs[0].name = name
+            exposed.outputs[0].dtype = logits.dtype or ir.DataType.FLOAT
+            exposed.outputs[0].shape = ir.Shape(["tokens", node.inputs[2].shape[0]])
+            graph.insert_after(node, exposed)
+            graph.outputs.append(exposed.outputs[0])
+            self.outputs[node.name] = name
+        return PassResult(model, bool(self.outputs))

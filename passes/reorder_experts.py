@@ -1,0 +1,102 @@
+"""reorder-experts: store each MoE node's experts in a chosen order (GPU-resident ones first).
+
+An exact rewrite: for every MoE node, the expert tensors (experts on axis 0) are permuted, and so
+is the router that produces the node's logits (rows of a MatMulNBits weight, columns of a MatMul
+weight), so the logits for expert slot i are those of the expert now stored in slot i. Routing
+picks the same experts, and the model's outputs do not change.
+
+After it, each node's first `resident` experts form one contiguous prefix of every expert tensor:
+the GPU-resident group. The node records the mapping in metadata_props:
+`moepass.placement.expert_ids` (original id of each slot) and `moepass.placement.resident`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from moepass.errors import MoepassError
+from moepass.passes.moe_nodes import moe_nodes
+from moepass.passes.weights import StreamedTensor
+
+META = "moepass.placement."
+
+
+def _permuted(value: ir.Value, order: list[int], axis: int, name: str) -> ir.Value:
+    """A new initializer: `value` permuted along `axis`, streamed one slice at a time when saved."""
+    source = value.const_value
+    shape = tuple(int(d) for d in source.shape)
+
+    def chunks() -> Iterator[np.ndarray]:
+        array = source.numpy()  # external data: a memory map, read slice by slice
+        if axis == 0:
+            for e in order:
+                yield np.ascontiguousarray(array[e])
+        else:
+            yield np.ascontiguousarray(np.take(array, order, axis=axis))
+
+    tensor = StreamedTensor(chunks, source.dtype, shape, name)
+    return ir.Value(name=name, type=value.type, shape=ir.Shape(shape), const_value=tensor)
+
+
+class ReorderExpertsPass(InPlacePass):
+    """Permute each listed MoE node's experts to `orders[node]`; `resident[node]` are stored first."""
+
+    def __init__(self, orders: dict[str, list[int]], resident: dict[str, int]):
+        super().__init__()
+        self.orders, self.resident = orders, resident
+
+    def _replace(self, graph: ir.Graph, node: ir.Node, index: int, order: list[int], axis: int) -> None:
+        """Feed `node` a permuted copy of its input `index`; the copy takes the original's name
+        unless something else still uses the original."""
+        old = node.inputs[index]
+        shared = len(old.uses()) > 1 or old.is_graph_output()
+        new = _permuted(old, order, axis, f"{old.name}.reordered" if shared else old.name)
+        node.replace_input_with(index, new)
+        if not shared:
+            graph.initializers.pop(old.name)
+        graph.register_initializer(new)
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        found = {m.name: m for m in moe_nodes(graph)}
+        for name, order in self.orders.items():
+            if name not in found:
+                raise MoepassError(f"no MoE node named {name!r} in the model")
+            moe = found[name]
+            if sorted(order) != list(range(moe.experts)):
+                raise MoepassError(f"node {name}: the expert order is not a permutation of 0..{moe.experts - 1}")
+            node = moe.node
+            for index, value in enumerate(node.inputs):
+                if value is not None and value in moe.expert_values:
+                    self._replace(graph, node, index, order, 0)
+            self._reorder_router(graph, node, order)
+            node.metadata_props[META + "expert_ids"] = ",".join(str(e) for e in order)
+            node.metadata_props[META + "resident"] = str(self.resident.get(name, 0))
+        return PassResult(model, bool(self.orders))
+
+    def _reorder_router(self, graph: ir.Graph, moe: ir.Node, order: list[int]) -> None:
+        router = moe.inputs[1].producer()
+        if router is None:
+            raise MoepassError(f"node {moe.name}: its router logits are a graph input, which cannot be reordered")
+        if len(moe.inputs[1].uses()) != 1:
+            raise MoepassError(f"node {moe.name}: its router logits feed other nodes too; reordering would change them")
+        if router.op_type == "MatMulNBits" and router.domain == "com.microsoft":
+            # B [N=experts, k_blocks, blob], scales [N, k_blocks] (or [N*k_blocks]), zero points [N, ...], bias [N]
+            for index in (1, 2, 3, 5):
+                if index < len(router.inputs) and router.inputs[index] is not None:
+                    value = router.inputs[index]
+                    if not value.is_initializer():
+                        raise MoepassError(f"node {moe.name}: router input {value.name} is not a constant")
+                    if value.const_value.shape.rank() == 1 and index == 2 and \
+                            value.const_value.shape[0] != len(order):
+                        raise MoepassError(f"node {moe.name}: flat router scales are not supported")
+                    self._replace(graph, router, index, order, 0)
+        elif router.op_type == "MatMul" and router.domain == "" and router.inputs[1].is_initializer():
+            self._replace(graph, router, 1, order, -1)  # W^T [hidden, experts]
+        else:
+            raise MoepassError(f"node {moe.name}: its router is a {router.domain or 'ai.onnx'}::{router.op_type} "
+                               "node; moepass reorders MatMul and MatMulNBits routers with constant weights")
