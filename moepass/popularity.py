@@ -12,7 +12,7 @@ File format (JSON, `"format": "moepass-popularity"`, `"version": 1`):
 
 Per node, sum(selected) = tokens * top_k and sum(weight) = tokens when the routing renormalizes
 over the top-k. The fingerprint hashes the model's MoE structure (architecture, node names, expert
-counts, top-k, hidden size, vocabulary), so a profile fits every conversion of the same model,
+counts, top-k, hidden and expert sizes, vocabulary), so a profile fits every conversion of the same model,
 whatever its quantization, and no other. Profiles of the same model merge by adding.
 """
 
@@ -41,11 +41,10 @@ def model_identity(model: ir.Model) -> dict[str, Any]:
     graph = model.graph
     logits = next((v for v in graph.outputs if v.name == "logits"), None)
     vocab = logits.shape[-1] if logits is not None and logits.shape is not None else None
-    found = moe_nodes(graph)
-    nodes = [{"node": m.name, "experts": m.experts, "top_k": m.top_k} for m in found]
-    hidden = found[0].node.inputs[0].shape[-1] if found and found[0].node.inputs[0].shape is not None else None
+    nodes = [{"node": m.name, "experts": m.experts, "top_k": m.top_k, "hidden": m.hidden, "ffn": m.ffn}
+             for m in moe_nodes(graph)]
     identity = {"architecture": model.metadata_props.get("moepass.architecture"), "moe_nodes": nodes,
-                "hidden": hidden if isinstance(hidden, int) else None, "vocab": vocab if isinstance(vocab, int) else None}
+                "vocab": vocab if isinstance(vocab, int) else None}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return {"architecture": identity["architecture"], "fingerprint": digest, "moe_nodes": nodes}
 

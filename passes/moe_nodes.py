@@ -35,6 +35,19 @@ class MoeNode:
         return self.node.name
 
     @property
+    def hidden(self) -> int:
+        """Model width: rows of fc2 ([E, hidden, ...] in both ops and every weight format)."""
+        fc2 = self.node.inputs[5 if self.node.op_type == "QMoE" else 4]
+        return int(fc2.const_value.shape[1])
+
+    @property
+    def ffn(self) -> int:
+        """Expert intermediate size: fc1 rows are [gate, up] interleaved for SwiGLU, 2 * ffn."""
+        rows = int(self.node.inputs[2].const_value.shape[1])
+        swiglu = self.node.attributes.get_string("activation_type", "") == "swiglu"
+        return rows // 2 if swiglu else rows
+
+    @property
     def bytes_per_expert(self) -> int:
         return sum(tensor_bytes(v) for v in self.expert_values) // self.experts
 

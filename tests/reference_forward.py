@@ -43,11 +43,16 @@ class Qwen3MoeReference:
 
     def logits(self, ids):
         """Logits [S, vocab] for a whole sequence (causal attention over it)."""
+        return self.forward(ids)[0]
+
+    def forward(self, ids):
+        """(logits [S, vocab], per layer the experts chosen for each token [S, top_k])."""
         w, S = self.w, len(ids)
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
         positions = np.arange(S, dtype=np.float64)
         x = w["token_embd.weight"][np.asarray(ids)]
         causal = np.triu(np.full((S, S), -np.inf), 1)
+        routing = []
         for i in range(self.n_layers):
             p = f"blk.{i}."
             h = self._rms(x, w[p + "attn_norm.weight"])
@@ -69,8 +74,9 @@ class Qwen3MoeReference:
             probs = np.exp(router - router.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)
             moe = np.zeros_like(x)
+            routing.append(np.argsort(-probs, axis=-1, kind="stable")[:, : self.top_k])
             for t in range(S):
-                chosen = np.argsort(-probs[t], kind="stable")[: self.top_k]
+                chosen = routing[-1][t]
                 weights = probs[t, chosen] / probs[t, chosen].sum()
                 for e, weight in zip(chosen, weights):
                     gate = w[p + "ffn_gate_exps.weight"][e] @ h[t]
@@ -80,4 +86,4 @@ class Qwen3MoeReference:
             x = x + moe
         h = self._rms(x, w["output_norm.weight"])
         head = w.get("output.weight", w["token_embd.weight"])
-        return h @ head.T
+        return h @ head.T, routing

@@ -1,0 +1,246 @@
+"""moepass partition: memory model, plans, the annotated model (exact), ORT-accepted options, bad input."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings, strategies as st
+
+import moepass
+from moepass.cli import main
+from moepass.partition import partition
+from moepass.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, parse_bytes, plan_placement)
+from moepass.popularity import Popularity
+from moepass.profile import load_model, profile
+from moepass.runtime import load
+
+PROMPTS = [[5, 77, 200, 13, 99, 150, 7, 260], [31, 42, 318, 1, 64], [128, 3, 17, 250, 64, 9, 300, 120, 45]]
+IDS = np.array([[5, 77, 200, 13, 99, 150, 7, 260, 31, 42]])
+
+
+@pytest.fixture(scope="module")
+def popularity(converted):
+    return profile(converted("q4_0"), PROMPTS)
+
+
+def _memory(converted, preset="q4_0"):
+    return MemoryModel.of(load_model(converted(preset)))
+
+
+@pytest.mark.parametrize("text,value", [("8G", 8 << 30), ("8GiB", 8 << 30), ("7.5GB", 7_500_000_000),
+                                        ("8000M", 8000 << 20), ("123456", 123456), ("512MiB", 512 << 20),
+                                        (" 2 g ", 2 << 30), ("100KB", 100_000)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["8 gigs", "G8", "-1G", "", "1e9", "8Q"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(moepass.MoepassError, match="is not a size"):
+        parse_bytes(text, "--vram")
+
+
+def test_memory_model_counts_every_byte(converted):
+    model = load_model(converted("q4_0"))
+    memory = MemoryModel.of(model)
+    total = sum(int(np.prod(v.const_value.shape.numpy())) * v.const_value.dtype.itemsize
+                for v in model.graph.initializers.values())
+    assert memory.non_expert_bytes + memory.expert_bytes == total
+    report = json.loads((converted("q4_0") / "moepass.json").read_text())
+    fc = [w for w in report["weights"] if w["onnx_name"].startswith("blk.0.ffn_experts")]
+    assert memory.groups[0].bytes_per_expert * 8 == sum(w["bytes"] for w in fc)
+    # K and V, 2 layers, 2 kv heads x 64, float32
+    assert memory.kv_bytes(context=100, batch=3) == 2 * 2 * 2 * 64 * 4 * 100 * 3
+    d = memory.dims
+    assert (d["hidden"], d["vocab"], d["heads"], d["kv_heads"], d["head_dim"]) == (256, 320, 4, 2, 64)
+    t = 2 * 16
+    expected = 4 * (4 * t * 256 + t * (4 + 4) * 64 + 2 * 4 * 16 * 100 + (t * 2 * (3 * 256 + 256) + t * 8) + t * 320)
+    assert memory.work_bytes(context=100, batch=2, prefill_tokens=16) == expected
+
+
+def test_annotated_model_is_exact(tmp_path, converted, popularity):
+    for preset, exact in (("q4_0", True), ("f32", False)):
+        pop = profile(converted(preset), PROMPTS)
+        memory = _memory(converted, preset)
+        vram = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16) + \
+            5 * memory.groups[0].bytes_per_expert
+        result = partition(converted(preset), tmp_path / preset, vram, profile=pop, context=64, prefill_tokens=16,
+                           reserve=0)
+        assert sum(n["resident_count"] for n in result.plan["nodes"]) == 5
+        src, placed = load(converted(preset)), load(tmp_path / preset)
+        a, cache_a = src.forward(IDS, src.empty_cache())
+        b, cache_b = placed.forward(IDS, placed.empty_cache())
+        a2, _ = src.forward(np.array([[11]]), cache_a)
+        b2, _ = placed.forward(np.array([[11]]), cache_b)
+        if exact:   # QMoE: the same experts, the same arithmetic, bit for bit
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a2, b2)
+        else:       # float MoE: ORT sums the chosen experts in storage order: rounding may differ
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(a2, b2, rtol=0, atol=1e-5)
+
+
+def test_outputs_plan_and_options_accepted_by_onnxruntime(tmp_path, converted, popularity):
+    out = tmp_path / "placed"
+    result = partition(converted("q4_0"), out, "2MiB", profile=popularity, context=64, prefill_tokens=16,
+                       reserve="64K", report=tmp_path / "plan.png")
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.onnx.data", "moepass.json",
+                                                      "onnxruntime_options.json", "plan.json"]
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["format"] == "moepass-plan" and plan["version"] == 1
+    mem = plan["memory"]
+    used = mem["non_expert_bytes"] + mem["kv_cache_bytes"] + mem["work_bytes"] + mem["reserve_bytes"] + \
+        mem["resident_expert_bytes"]
+    assert used + mem["free_bytes"] == mem["vram_bytes"] == 2 << 20
+    assert plan["prediction"]["label"].startswith("estimate")
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert json.loads(meta["moepass.placement"])["plan"] == "plan.json"
+    for node in plan["nodes"]:
+        onnx_node = next(n for n in model.graph.node if n.name == node["node"])
+        node_meta = {p.key: p.value for p in onnx_node.metadata_props}
+        assert node_meta["moepass.placement.expert_ids"] == ",".join(map(str, node["order"]))
+        assert node_meta["moepass.placement.resident"] == str(node["resident_count"])
+        assert node["order"][: node["resident_count"]] == node["resident"]
+        assert node["mass_hit_rate"] == pytest.approx(popularity.mass(node["node"])[node["resident"]].sum())
+    data_size = (out / "model.onnx.data").stat().st_size
+    for region in plan["expert_regions"]:
+        assert region["offset"] + region["length"] <= data_size
+        count = next(n["resident_count"] for n in plan["nodes"] if n["node"] == region["node"])
+        assert region["resident_bytes"] == region["length"] * count // 8
+
+    entries = json.loads((out / "onnxruntime_options.json").read_text())["session_config_entries"]
+    assert entries == result.options and entries["session.moe.offload.placement"] == "static"
+
+    def session(config):
+        options = ort.SessionOptions()
+        for key, value in config.items():
+            options.add_session_config_entry(key, value)
+        return ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
+
+    session(entries)  # ONNX Runtime validates every session.moe.offload.* key and value, even on the CPU EP
+    with pytest.raises(Exception, match="gpu_budget_bytes"):  # the check can fail: a value ORT refuses
+        session({**entries, "session.moe.offload.gpu_budget_bytes": "2MiB"})
+
+
+def test_required_mode_fails_with_missing_bytes(tmp_path, converted):
+    memory = _memory(converted)
+    need = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16)
+    out = tmp_path / "placed"
+    with pytest.raises(moepass.MoepassError, match=f"{need - 1000:,} bytes .* missing"):
+        partition(converted("q4_0"), out, 1000, mode="required", context=64, prefill_tokens=16, reserve=0)
+    assert not out.exists() and not list(tmp_path.glob(".placed.*"))
+    warnings = []
+    result = partition(converted("q4_0"), out, 1000, mode="auto", context=64, prefill_tokens=16, reserve=0,
+                       warn=warnings.append)
+    assert result.plan["fits"] is False and "missing; no expert is placed on the GPU" in warnings[0]
+    assert all(n["resident_count"] == 0 for n in result.plan["nodes"])
+
+
+def test_everything_fits(tmp_path, converted, popularity):
+    result = partition(converted("q4_0"), tmp_path / "all", "1G", profile=popularity)
+    assert all(n["resident_count"] == 8 for n in result.plan["nodes"]) and not result.warnings
+    assert result.plan["prediction"]["gpu_hit_rate_by_mass"] == pytest.approx(1.0)
+
+
+def test_policies(converted, popularity):
+    memory = _memory(converted)
+    per_expert = memory.groups[0].bytes_per_expert
+    fixed = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16)
+    budget = Budget(fixed + 6 * per_expert, 64, 1, 16, 0)
+    balanced = plan_placement(memory, budget, popularity, "balanced")
+    assert [len(r) for r in balanced.resident.values()] == [3, 3]
+    for node, resident in balanced.resident.items():
+        assert resident == list(np.argsort(-popularity.mass(node), kind="stable")[:3])
+    best = plan_placement(memory, budget, popularity, "global")
+    assert sum(best.mass_hit_rate.values()) >= sum(balanced.mass_hit_rate.values())
+    uniform = plan_placement(memory, budget)
+    assert uniform.policy == "uniform" and uniform.resident == {"blk.0.moe": [0, 1, 2], "blk.1.moe": [0, 1, 2]}
+    with pytest.raises(moepass.MoepassError, match="needs a popularity profile"):
+        plan_placement(memory, budget, None, "global")
+
+
+def test_bad_input(tmp_path, converted, popularity):
+    import make_fixtures
+
+    other = tmp_path / "demo"
+    moepass.convert(make_fixtures.DEMO_FIXTURE, other)
+    profile(other, PROMPTS[:1]).save(tmp_path / "other.json")
+    out = tmp_path / "out"
+    runner = CliRunner()
+    cases = [
+        (["--vram", "8G", "--profile", str(tmp_path / "other.json")], "measured on another model"),
+        (["--vram", "8 gigs"], "--vram '8 gigs' is not a size"),
+        (["--vram", "8G", "--profile", str(tmp_path / "missing.json")], "missing.json: cannot read"),
+        (["--vram", "8G", "--policy", "global"], "needs a popularity profile"),
+        (["--vram", "8G", "--report", str(tmp_path / "plan.svg")], "name it *.png"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(main, ["partition", str(converted("q4_0")), "-o", str(out), *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert not out.exists() and not list(tmp_path.glob(".out.*"))
+    result = runner.invoke(main, ["partition", str(tmp_path / "nothing"), "-o", str(out), "--vram", "1G"])
+    assert result.exit_code == 2 and "no such model" in result.stderr
+
+
+def test_same_input_same_files(tmp_path, converted, popularity):
+    for name in ("a", "b"):
+        partition(converted("q4_0"), tmp_path / name, "1500K", profile=popularity, reserve=0, context=64,
+                  prefill_tokens=16)
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", names, shallow=False)
+    assert mismatch == [] and errors == []
+
+
+def test_cli_partition(tmp_path, converted):
+    result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--vram", "1500K", "--reserve", "0",
+                                       "--context", "64", "--prefill-tokens", "16", "-o", str(tmp_path / "p")])
+    assert result.exit_code == 0, result.output
+    assert "experts on the GPU (uniform policy)" in result.stdout and "estimate" in result.stdout
+    assert "moepass: warning:" in result.stderr
+
+
+# ---- properties of the placement, over random popularity tables and budgets -----------------------
+
+@st.composite
+def placement_problems(draw):
+    n_layers = draw(st.integers(1, 6))
+    experts = draw(st.integers(1, 12))
+    sizes = draw(st.lists(st.integers(1, 50), min_size=n_layers, max_size=n_layers))
+    masses = [np.array(draw(st.lists(st.floats(0, 1, allow_nan=False), min_size=experts, max_size=experts)))
+              for _ in range(n_layers)]
+    masses = [m / m.sum() if m.sum() > 0 else np.full(experts, 1 / experts) for m in masses]
+    groups = [ExpertGroup(f"blk.{i}.moe", experts, 2, size, 8) for i, size in enumerate(sizes)]
+    budget = draw(st.integers(0, sum(sizes) * experts + 10))
+    return groups, masses, budget
+
+
+def _served(groups, masses, chosen):
+    return sum(float(m[c].sum()) for m, c in zip(masses, chosen))
+
+
+@settings(max_examples=300, deadline=None)
+@given(placement_problems(), st.sampled_from(["global", "balanced"]))
+def test_never_over_budget_and_deterministic(problem, policy):
+    groups, masses, budget = problem
+    chosen = choose_resident(groups, masses, budget, policy)
+    assert sum(len(c) * g.bytes_per_expert for c, g in zip(chosen, groups)) <= budget
+    assert all(len(set(c)) == len(c) for c in chosen)
+    assert chosen == choose_resident(groups, [m.copy() for m in masses], budget, policy)
+
+
+@settings(max_examples=300, deadline=None)
+@given(placement_problems(), st.integers(1, 200), st.sampled_from(["global", "balanced"]))
+def test_more_budget_never_serves_less(problem, extra, policy):
+    groups, masses, budget = problem
+    less = _served(groups, masses, choose_resident(groups, masses, budget, policy))
+    more = _served(groups, masses, choose_resident(groups, masses, budget + extra, policy))
+    assert more >= less - 1e-12

@@ -1,0 +1,118 @@
+"""moepass profile: routing counts against the numpy reference, the file format, merging, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import moepass
+from moepass.cli import main
+from moepass.popularity import Popularity
+from moepass.profile import profile, read_prompts
+from reference_forward import Qwen3MoeReference
+
+PROMPTS = [[5, 77, 200, 13, 99, 150, 7, 260], [31, 42, 318, 1, 64], [128, 3, 17, 250, 64, 9, 300, 120, 45]]
+
+
+def test_counts_match_the_reference_routing(make_gguf, converted):
+    result = profile(converted("f32"), PROMPTS)
+    ref = Qwen3MoeReference(make_gguf("f32"))
+    expected = {f"blk.{i}.moe": np.zeros(8, np.int64) for i in range(2)}
+    for prompt in PROMPTS:
+        for layer, chosen in enumerate(ref.forward(prompt)[1]):
+            expected[f"blk.{layer}.moe"] += np.bincount(chosen.ravel(), minlength=8)
+    tokens = sum(len(p) for p in PROMPTS)
+    assert result.tokens == tokens and result.prompts == len(PROMPTS)
+    for node, counts in expected.items():
+        np.testing.assert_array_equal(result.selected[node], counts)
+        assert result.selected[node].sum() == tokens * 2
+        assert result.weight[node].sum() == pytest.approx(tokens)    # qwen3moe renormalizes over the top-k
+        assert result.mass(node).sum() == pytest.approx(1.0)
+
+
+def test_file_round_trip_and_merge(tmp_path, converted):
+    a = profile(converted("q4_0"), PROMPTS[:2])
+    b = profile(converted("q4_0"), PROMPTS[2:])
+    a.save(tmp_path / "a.json")
+    b.save(tmp_path / "b.json")
+    data = json.loads((tmp_path / "a.json").read_text())
+    assert data["format"] == "moepass-popularity" and data["version"] == 1
+    assert [n["node"] for n in data["model"]["moe_nodes"]] == ["blk.0.moe", "blk.1.moe"]
+    merged = Popularity.load(tmp_path / "a.json").merge(Popularity.load(tmp_path / "b.json"))
+    whole = profile(converted("q4_0"), PROMPTS)
+    assert merged.tokens == whole.tokens and merged.prompts == 3
+    for node in whole.selected:
+        np.testing.assert_array_equal(merged.selected[node], whole.selected[node])
+        np.testing.assert_allclose(merged.weight[node], whole.weight[node], rtol=1e-12)
+    with pytest.raises(moepass.MoepassError, match="already exists"):
+        a.save(tmp_path / "a.json")
+
+
+def test_profiles_of_different_models_do_not_mix(make_gguf, converted, tmp_path):
+    import make_fixtures
+
+    ours = profile(converted("q4_0"), PROMPTS[:1])
+    other_dir = tmp_path / "demo"
+    moepass.convert(make_fixtures.DEMO_FIXTURE, other_dir)
+    theirs = profile(other_dir, PROMPTS[:1])
+    theirs.save(tmp_path / "theirs.json")
+    with pytest.raises(moepass.MoepassError, match="different models cannot be merged"):
+        ours.merge(theirs, "theirs.json")
+    # the same model in another quantization shares the fingerprint
+    assert profile(converted("q8_0"), PROMPTS[:1]).fingerprint == ours.fingerprint
+
+
+def test_cli_profile_and_merge(tmp_path, converted):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# calibration\n5, 77, 200\n\n31 42 318 1\n")
+    runner = CliRunner()
+    result = runner.invoke(main, ["profile", str(converted("q4_0")), "--prompts", str(prompts), "-o",
+                                  str(tmp_path / "p1.json"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "profiled 7 tokens (2 prompts)" in result.stdout
+    result = runner.invoke(main, ["profile", str(converted("q4_0")), "--prompt-ids", "1,2,3", "-o",
+                                  str(tmp_path / "p2.json"), "-q"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["merge-profiles", str(tmp_path / "p1.json"), str(tmp_path / "p2.json"),
+                                  "-o", str(tmp_path / "all.json")])
+    assert result.exit_code == 0 and Popularity.load(tmp_path / "all.json").tokens == 10
+
+
+@pytest.mark.parametrize("content,message", [
+    ("1,2,x\n", "prompts.txt:1: expected token ids"),
+    ("# nothing\n\n", "no prompts in the file"),
+])
+def test_bad_prompts_files(tmp_path, content, message):
+    path = tmp_path / "prompts.txt"
+    path.write_text(content)
+    with pytest.raises(moepass.MoepassError, match=message):
+        read_prompts(path)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", "invalid JSON"),
+    ('{"format": "something-else"}', "not a popularity file"),
+    ('{"format": "moepass-popularity", "version": 99}', "version 99 is not supported"),
+    ('{"format": "moepass-popularity", "version": 1, "model": {"moe_nodes": [{"node": "a", "experts": 2}]}, '
+     '"nodes": {"a": {"selected": [1], "weight": [1.0]}}, "tokens": 1}', "malformed popularity file"),
+])
+def test_bad_popularity_files(tmp_path, content, message):
+    path = tmp_path / "pop.json"
+    path.write_text(content)
+    with pytest.raises(moepass.MoepassError, match=message):
+        Popularity.load(path)
+
+
+def test_cli_profile_errors(tmp_path, converted):
+    runner = CliRunner()
+    out = tmp_path / "p.json"
+    result = runner.invoke(main, ["profile", str(converted("q4_0")), "-o", str(out)])
+    assert result.exit_code == 2 and "exactly one of --prompts FILE or --prompt-ids" in result.stderr
+    result = runner.invoke(main, ["profile", str(converted("q4_0")), "--prompt-ids", "1,5000", "-o", str(out), "-q"])
+    assert result.exit_code == 2 and "token id 5000 is outside the vocabulary" in result.stderr
+    result = runner.invoke(main, ["profile", str(tmp_path), "--prompt-ids", "1", "-o", str(out), "-q"])
+    assert result.exit_code == 2 and "no such model" in result.stderr
+    assert not out.exists() and not list(tmp_path.glob(".p.json.tmp-*"))
