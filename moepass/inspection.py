@@ -12,15 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
 from moepass.architectures import ARCHITECTURES
 from moepass.errors import MoepassError
 from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
+from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
 
-MOE_OPS = ("QMoE", "MoE")
 
 
 def _gguf_group(name: str) -> str:
@@ -63,13 +62,6 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
     return info
 
 
-def _tensor_bytes(value: ir.Value) -> int:
-    tensor = value.const_value
-    if tensor is None:
-        return 0
-    return int(np.prod(tensor.shape.numpy(), dtype=np.int64) * tensor.dtype.itemsize)
-
-
 def _as_ir_model(source: Any) -> tuple[ir.Model, str]:
     """An onnx-ir model from a path, an onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph."""
     if isinstance(source, ir.Model):
@@ -91,28 +83,27 @@ def _as_ir_model(source: Any) -> tuple[ir.Model, str]:
 def inspect_onnx(source: Any) -> dict[str, Any]:
     model, label = _as_ir_model(source)
     graph = model.graph
-    expert_inputs: set[str] = set()
-    moe_nodes = []
-    for node in graph:
-        if node.domain != "com.microsoft" or node.op_type not in MOE_OPS:
-            continue
-        weights = [v for v in node.inputs[2:] if v is not None and v.is_initializer()]
-        expert_inputs.update(v.name for v in weights)
-        fc1 = node.inputs[2]
-        attrs = {k: a.value for k, a in node.attributes.items()}
+    found = moe_nodes(graph)
+    expert_inputs = {v.name for m in found for v in m.expert_values}
+    nodes = []
+    for m in found:
+        attrs = {k: a.value for k, a in m.node.attributes.items()}
         bits = attrs.get("expert_weight_bits")
-        form = f"int{bits}/b{attrs['block_size']}" if node.op_type == "QMoE" and "block_size" in attrs else \
-            (f"int{bits}/row" if bits else "float32")
-        moe_nodes.append({
-            "node": node.name, "op": node.op_type, "form": form, "experts": fc1.shape[0] if fc1.shape else None,
-            "top_k": attrs.get("k"), "activation": attrs.get("activation_type"),
-            "bytes": sum(_tensor_bytes(v) for v in weights),
-            "metadata": dict(node.metadata_props),
-        })
+        if m.node.op_type == "QMoE":
+            form = f"int{bits}/b{attrs['block_size']}" if "block_size" in attrs else f"int{bits}/row"
+        else:
+            form = "float32"
+        placement = {k.removeprefix("moepass.placement."): v for k, v in m.node.metadata_props.items()
+                     if k.startswith("moepass.placement.")}
+        nodes.append({"node": m.name, "op": m.node.op_type, "form": form, "experts": m.experts, "top_k": m.top_k,
+                      "hidden": m.hidden, "ffn": m.ffn, "activation": attrs.get("activation_type"),
+                      "bytes": m.bytes_per_expert * m.experts,
+                      "resident": int(placement["resident"]) if "resident" in placement else None,
+                      "metadata": dict(m.node.metadata_props)})
     groups: collections.Counter = collections.Counter()
     dtypes: collections.Counter = collections.Counter()
     for value in graph.initializers.values():
-        n = _tensor_bytes(value)
+        n = tensor_bytes(value)
         groups["experts" if value.name in expert_inputs else "non-expert"] += n
         dtypes[value.const_value.dtype.name if value.const_value is not None else "?"] += n
     ops = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in graph)
@@ -121,7 +112,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
         "file": label,
         "architecture": model.metadata_props.get("moepass.architecture"),
         "metadata": dict(model.metadata_props),
-        "moe_nodes": moe_nodes,
+        "moe_nodes": nodes,
         "bytes_by_group": dict(groups),
         "bytes_by_dtype": dict(dtypes),
         "ops": dict(sorted(ops.items())),
@@ -165,8 +156,9 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     lines.append(f"format        ONNX, architecture {info['architecture'] or 'unknown'}")
     lines.append(f"MoE layers    {len(info['moe_nodes'])}")
     for m in info["moe_nodes"]:
+        resident = "" if m["resident"] is None else f", {m['resident']} resident on the GPU (stored first)"
         lines.append(f"  {m['node']:<16}{m['op']:<6}{m['form']:<10}{m['experts']} experts, top-{m['top_k']}, "
-                     f"{m['bytes']:,} bytes")
+                     f"{m['bytes']:,} bytes{resident}")
     lines.append("bytes by group")
     for group, n in sorted(info["bytes_by_group"].items()):
         lines.append(f"  {group:<18}{n:>16,}")
