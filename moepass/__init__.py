@@ -7,6 +7,8 @@ Python API (the same capabilities as the CLI):
     info = moepass.inspect("out/")                     # dict: MoE layers, formats, bytes per group
     decoder = moepass.load("out/")                     # moepass.runtime.Decoder
     new_ids = list(decoder.generate([1, 2, 3], max_new_tokens=8))
+    popularity = moepass.profile("out/", [[1, 2, 3]])  # Popularity
+    placed = moepass.partition("out/", "placed/", "8G", profile=popularity)
 """
 
 __version__ = "0.1.0"
@@ -15,5 +17,9 @@ from moepass.errors import MoepassError  # noqa: E402
 from moepass.convert import ConvertResult, convert  # noqa: E402
 from moepass.inspection import inspect  # noqa: E402
 from moepass.runtime import load  # noqa: E402
+from moepass.profile import profile  # noqa: E402
+from moepass.partition import PartitionResult, partition  # noqa: E402
+from moepass.popularity import Popularity  # noqa: E402
 
-__all__ = ["ConvertResult", "MoepassError", "__version__", "convert", "inspect", "load"]
+__all__ = ["ConvertResult", "MoepassError", "PartitionResult", "Popularity", "__version__", "convert", "inspect",
+           "load", "partition", "profile"]

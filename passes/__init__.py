@@ -2,6 +2,8 @@
 
 `lower` builds the graph from a GGUF model (`passes/lower.py`); the passes in `PIPELINE` then
 rewrite it in place. Each has a name for `--print-after NAME` and is usable alone from Python.
+`ExposeRouterLogitsPass` (profiling copies) and `ReorderExpertsPass` (placement) are run by
+`moepass profile` and `moepass partition` on converted models.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.fuse_skip_norm import FuseSkipNormPass
 from moepass.passes.lower import LowerOptions, lower_gguf
+from moepass.passes.reorder_experts import ReorderExpertsPass
 
 # name -> factory; the order is the pipeline's order.
 PIPELINE: dict[str, Callable[[], PassBase]] = {
@@ -39,4 +42,5 @@ def run_pipeline(model: ir.Model, print_after: str | None = None,
     return model
 
 
-__all__ = ["ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE", "lower_gguf", "run_pipeline"]
+__all__ = ["ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE", "ReorderExpertsPass",
+           "lower_gguf", "run_pipeline"]
