@@ -37,9 +37,14 @@ def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -
         resident[i, n["resident"]] = True
 
     fig = plt.figure(figsize=(max(8, n_experts * 0.12 + 3), max(4, len(nodes) * 0.22 + 3)))
-    grid = fig.add_gridspec(2, 1, height_ratios=[max(3, len(nodes) * 0.22), 0.6], hspace=0.45)
+    grid = fig.add_gridspec(2, 1, height_ratios=[max(3, len(nodes) * 0.22), 0.6], hspace=0.3)
     ax = fig.add_subplot(grid[0])
-    image = ax.imshow(heat, aspect="auto", cmap="viridis", interpolation="nearest")
+    from matplotlib.colors import LogNorm
+
+    # popularity is heavy-tailed: a log scale shows the cold experts apart as well as the hot ones
+    floor = 1e-2
+    image = ax.imshow(np.clip(heat, floor, None), aspect="auto", cmap="viridis", interpolation="nearest",
+                      norm=LogNorm(vmin=floor, vmax=max(float(np.nanmax(heat)), 1.0)))
     ys, xs = np.nonzero(resident)
     ax.scatter(xs, ys, marker="s", s=max(4, 400 / max(n_experts, len(nodes))), facecolors="none",
                edgecolors="white", linewidths=0.8, label="on the GPU")
@@ -51,7 +56,7 @@ def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -
     ax.set_title(f"Expert popularity ({based}; 1.0 = average) and GPU residency: "
                  f"{plan['prediction']['gpu_hit_rate_by_mass']:.1%} of routing mass on the GPU")
     ax.legend(loc="upper right", fontsize=8, framealpha=0.6)
-    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="routing mass x experts")
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="routing mass x experts (log)")
 
     bar = fig.add_subplot(grid[1])
     mem = plan["memory"]
