@@ -14,21 +14,27 @@ sys.path.insert(0, str(ROOT / "tests"))
 import make_fixtures  # noqa: E402
 
 
+def _cached_by_arguments(root: Path, build):
+    """f(preset, **kwargs) that calls build(fresh folder, preset, **kwargs) once per distinct arguments."""
+    cache: dict[tuple, Path] = {}
+
+    def get(preset: str = "q4_0", **kwargs) -> Path:
+        key = (preset, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+        if key not in cache:
+            folder = root / f"{len(cache)}"
+            folder.mkdir()
+            cache[key] = build(folder, preset, **kwargs)
+        return cache[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def make_gguf(tmp_path_factory):
     """make_gguf(preset, **kwargs) -> path of a generated qwen3moe GGUF (cached per arguments)."""
-    cache: dict[tuple, Path] = {}
-    root = tmp_path_factory.mktemp("gguf")
-
-    def make(preset: str = "q4_0", **kwargs) -> Path:
-        key = (preset, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
-        if key not in cache:
-            folder = root / f"m{len(cache)}"
-            folder.mkdir()
-            cache[key] = make_fixtures.write_qwen3moe_gguf(folder / f"{preset}.gguf", preset, **kwargs)
-        return cache[key]
-
-    return make
+    return _cached_by_arguments(
+        tmp_path_factory.mktemp("gguf"),
+        lambda folder, preset, **kw: make_fixtures.write_qwen3moe_gguf(folder / f"{preset}.gguf", preset, **kw))
 
 
 @pytest.fixture(scope="session")
@@ -36,15 +42,6 @@ def converted(tmp_path_factory, make_gguf):
     """converted(preset, **gguf_kwargs) -> directory of the converted model (cached)."""
     from moepass.convert import convert
 
-    cache: dict[tuple, Path] = {}
-    root = tmp_path_factory.mktemp("onnx")
-
-    def run(preset: str = "q4_0", **kwargs) -> Path:
-        key = (preset, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
-        if key not in cache:
-            out = root / f"c{len(cache)}"
-            convert(make_gguf(preset, **kwargs), out)
-            cache[key] = out
-        return cache[key]
-
-    return run
+    return _cached_by_arguments(
+        tmp_path_factory.mktemp("onnx"),
+        lambda folder, preset, **kw: convert(make_gguf(preset, **kw), folder / "model").output_dir)
