@@ -24,13 +24,11 @@ import onnx_ir as ir
 from moepass import __version__
 from moepass.architectures import architecture_of
 from moepass.atomic import atomic_directory
+from moepass.files import DATA_FILE, MODEL_FILE, REPORT_FILE
 from moepass.gguf_reader import GGUFModel
 from moepass.passes import run_pipeline
 from moepass.passes.lower import LowerOptions, lower_gguf
 
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
-REPORT_FILE = "moepass.json"
 
 ProgressFn = Callable[[int, int], None]  # (tensors written, total tensors)
 

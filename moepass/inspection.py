@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from moepass.architectures import ARCHITECTURES
 from moepass.errors import MoepassError
+from moepass.files import MODEL_FILE
 from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
 from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
 
@@ -73,7 +74,7 @@ def _as_ir_model(source: Any) -> tuple[ir.Model, str]:
         return ir.from_proto(gs.export_onnx(source)), "<onnx_graphsurgeon.Graph>"
     path = Path(source)
     if path.is_dir():
-        path = path / "model.onnx"
+        path = path / MODEL_FILE
     try:
         return ir.load(path), str(path)
     except Exception as e:  # onnx's decode errors have many types; report one line

@@ -31,6 +31,7 @@ import onnx_ir as ir
 from moepass import __version__
 from moepass.atomic import atomic_directory, atomic_file
 from moepass.errors import MoepassError
+from moepass.files import DATA_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE
 from moepass.passes.moe_nodes import moe_nodes
 from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.placement import (Bandwidths, Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
@@ -38,10 +39,6 @@ from moepass.placement import (Bandwidths, Budget, MemoryModel, Plan, format_byt
 from moepass.popularity import Popularity, model_identity
 from moepass.profile import load_model, model_file
 
-PLAN_FILE = "plan.json"
-OPTIONS_FILE = "onnxruntime_options.json"
-REPORT_FILE = "moepass.json"
-DATA_FILE = "model.onnx.data"
 PLAN_FORMAT = "moepass-plan"
 PLAN_VERSION = 1
 
@@ -150,8 +147,8 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     if report is not None and Path(report).suffix.lower() != ".png":
         raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
     with atomic_directory(output_dir, overwrite) as tmp:
-        ir.save(model, tmp / "model.onnx", external_data=DATA_FILE, max_workers=1)
-        document["expert_regions"] = _expert_regions(tmp / "model.onnx", memory, plan)
+        ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE, max_workers=1)
+        document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
         (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options}, indent=1) + "\n")
         if (source.parent / REPORT_FILE).is_file():

@@ -16,11 +16,11 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.errors import MoepassError
+from moepass.files import MODEL_FILE
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.moe_nodes import moe_nodes
 from moepass.popularity import Popularity, model_identity
 
-MODEL_FILE = "model.onnx"
 
 
 def read_prompts(path: str | os.PathLike) -> list[list[int]]:

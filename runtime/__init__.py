@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 
 from moepass.errors import MoepassError
+from moepass.files import MODEL_FILE, REPORT_FILE
 
 if TYPE_CHECKING:
     import onnx_ir
 
-MODEL_FILE = "model.onnx"
-REPORT_FILE = "moepass.json"
 DEVICES = ("auto", "cpu")
 
 
