@@ -63,7 +63,7 @@ def bench_preset(preset: str, layers: int, repeats: int, workdir: Path) -> dict:
     # In a child process: the generator holds the whole model in memory, and a big parent would
     # inflate the peak RSS that wait4 reports for the measured children (forked before exec).
     subprocess.run([sys.executable, "-c", "import sys, dataclasses; sys.path.insert(0, sys.argv[1]); import make_fixtures as m; "
-                    "m.write_qwen3moe_gguf(sys.argv[2], sys.argv[3], dataclasses.replace(m.QWEN3_30B_DIMS, "
+                    "m.write_moe_gguf(sys.argv[2], sys.argv[3], dataclasses.replace(m.QWEN3_30B_DIMS, "
                     "n_layers=int(sys.argv[4])), seed=0)", str(ROOT / "fixtures"), str(src), preset, str(layers)],
                    check=True)
     print(f"[{preset}] generated {src.name}: {src.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s",

@@ -1,10 +1,13 @@
 """The one table of per-architecture facts: GGUF metadata keys, tensor names, graph recipe.
 
-An entry says which hyperparameters an architecture has (and their GGUF keys), which tensors its
-blocks carry, and which recipe of `moepass.passes.lower` builds its graph. Adding an architecture
-means adding an entry here, plus a recipe in `passes/lower.py` only for what is new about it.
+An entry says which hyperparameters an architecture reads (and their GGUF keys), which tensors
+its blocks must carry and which it uses when present, which recipe of `moepass.passes.lower`
+builds its graph, and the feature switches that recipe reads for what differs between
+architectures. Adding an architecture is a new entry here, plus recipe code only for what is new.
 
-Tensor names follow llama.cpp's GGUF naming, which all its architectures share.
+Tensor names follow llama.cpp's GGUF naming, which all its architectures share. The facts were
+read from llama.cpp's own model code (the version llama-cpp-python 0.3.36 builds), which the tests
+use as the oracle.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from moepass.errors import MoepassError
-from moepass.gguf_reader import GGUFModel
+from moepass.gguf_reader import GGUFModel, GGUFTensor, StackedTensor
 
 _REQUIRED = object()
 
@@ -41,42 +44,72 @@ HPARAMS: dict[str, HParam] = {
     "n_experts": HParam("{arch}.expert_count"),
     "n_experts_used": HParam("{arch}.expert_used_count"),
     "expert_ff": HParam("{arch}.expert_feed_forward_length"),
+    "ffn": HParam("{arch}.feed_forward_length"),
+    "shared_ff": HParam("{arch}.expert_shared_feed_forward_length", 0),
+    "expert_weights_scale": HParam("{arch}.expert_weights_scale", 0.0, kind=float),
+    # granite multipliers (0 = not used, as llama.cpp treats them)
+    "logit_scale": HParam("{arch}.logit_scale", kind=float),
+    "residual_scale": HParam("{arch}.residual_scale", 0.0, kind=float),
+    "embedding_scale": HParam("{arch}.embedding_scale", 0.0, kind=float),
+    "attention_scale": HParam("{arch}.attention.scale", 0.0, kind=float),
 }
 
-# Tensor roles -> GGUF names; `{i}` is the block index.
+# Tensor roles -> GGUF names; `{i}` is the block index, `{e}` an expert index.
 TENSORS: dict[str, str] = {
     "token_embd": "token_embd.weight",
     "output_norm": "output_norm.weight",
+    "output_norm_bias": "output_norm.bias",
     "output": "output.weight",
+    "output_bias": "output.bias",
     "attn_norm": "blk.{i}.attn_norm.weight",
+    "attn_norm_bias": "blk.{i}.attn_norm.bias",
     "attn_q": "blk.{i}.attn_q.weight",
     "attn_k": "blk.{i}.attn_k.weight",
     "attn_v": "blk.{i}.attn_v.weight",
+    "attn_q_bias": "blk.{i}.attn_q.bias",
+    "attn_k_bias": "blk.{i}.attn_k.bias",
+    "attn_v_bias": "blk.{i}.attn_v.bias",
     "attn_output": "blk.{i}.attn_output.weight",
+    "attn_output_bias": "blk.{i}.attn_output.bias",
     "attn_q_norm": "blk.{i}.attn_q_norm.weight",
     "attn_k_norm": "blk.{i}.attn_k_norm.weight",
     "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "ffn_norm_bias": "blk.{i}.ffn_norm.bias",
     "ffn_gate_inp": "blk.{i}.ffn_gate_inp.weight",
     "ffn_gate_exps": "blk.{i}.ffn_gate_exps.weight",
     "ffn_up_exps": "blk.{i}.ffn_up_exps.weight",
     "ffn_down_exps": "blk.{i}.ffn_down_exps.weight",
+    "ffn_gate_inp_shexp": "blk.{i}.ffn_gate_inp_shexp.weight",
+    "ffn_gate_shexp": "blk.{i}.ffn_gate_shexp.weight",
+    "ffn_up_shexp": "blk.{i}.ffn_up_shexp.weight",
+    "ffn_down_shexp": "blk.{i}.ffn_down_shexp.weight",
 }
+# Legacy per-expert names (older Mixtral files) of the stacked expert roles.
+LEGACY_EXPERT_TENSORS = {"ffn_gate_exps": "blk.{i}.ffn_gate.{e}.weight", "ffn_up_exps": "blk.{i}.ffn_up.{e}.weight",
+                         "ffn_down_exps": "blk.{i}.ffn_down.{e}.weight"}
+
+GLOBAL_TENSORS = ("token_embd", "output_norm")
+GLOBAL_OPTIONAL = ("output", "output_norm_bias", "output_bias")
+ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+ROUTED_EXPERTS = ("ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+ATTENTION_BIASES = ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias")
+SHARED_EXPERT = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
-GLOBAL_TENSORS = ("token_embd", "output_norm", "output")
-
-
-def expected_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def expected_shapes(hp: dict[str, Any], features: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor role -> shape (numpy order) implied by the hyperparameters."""
-    h, v, e, ff = hp["hidden"], hp["vocab"], hp.get("n_experts"), hp.get("expert_ff")
+    h, v, e, ff, sff = hp["hidden"], hp["vocab"], hp["n_experts"], hp["expert_ff"], hp.get("shared_ff", 0)
     q, kv, vd = hp["n_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["value_dim"]
+    full = features.get("qk_norm") == "full"
     return {
-        "token_embd": (v, h), "output_norm": (h,), "output": (v, h),
-        "attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (vd, h),
-        "attn_output": (h, hp["n_heads"] * hp["value_dim"]),
-        "attn_q_norm": (hp["head_dim"],), "attn_k_norm": (hp["head_dim"],),
-        "ffn_norm": (h,), "ffn_gate_inp": (e, h),
+        "token_embd": (v, h), "output_norm": (h,), "output_norm_bias": (h,), "output": (v, h), "output_bias": (v,),
+        "attn_norm": (h,), "attn_norm_bias": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (vd, h),
+        "attn_q_bias": (q,), "attn_k_bias": (kv,), "attn_v_bias": (vd,),
+        "attn_output": (h, hp["n_heads"] * hp["value_dim"]), "attn_output_bias": (h,),
+        "attn_q_norm": (q,) if full else (hp["head_dim"],), "attn_k_norm": (kv,) if full else (hp["head_dim"],),
+        "ffn_norm": (h,), "ffn_norm_bias": (h,), "ffn_gate_inp": (e, h),
         "ffn_gate_exps": (e, ff, h), "ffn_up_exps": (e, ff, h), "ffn_down_exps": (e, h, ff),
+        "ffn_gate_inp_shexp": (h,), "ffn_gate_shexp": (sff, h), "ffn_up_shexp": (sff, h), "ffn_down_shexp": (h, sff),
     }
 
 
@@ -84,16 +117,27 @@ def expected_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 class Architecture:
     """Facts about one GGUF architecture.
 
-    `recipe` names the graph recipe in `moepass.passes.lower.RECIPES`; `features` are the
-    switches that recipe reads (e.g. "qk_norm": "head" for per-head q/k RMSNorm).
+    `hparams`: what to read; `expert_ff_from`: the hyperparameter that sizes the routed experts
+    ("expert_ff" or "ffn"); `block_tensors`: required per block; `optional_tensors`: used when the
+    file has them; `features`: the recipe's switches:
+      rope          "neox" (rotate halves) or "norm" (rotate consecutive pairs)
+      qk_norm       None, "head" (RMSNorm per head) or "full" (over the whole projection)
+      routing       "softmax_topk_renorm" or "softmax_topk" (weights not renormalized over the k)
+      shared_expert None, "sigmoid_gated" (qwen2moe) or "plain" (granite, when shared_ff > 0)
+      shared_ff_fallback  the hyperparameter sizing the shared expert when its own key is absent
+      norm_bias     norms carry a bias added after the RMSNorm (phimoe)
+      multipliers   granite's embedding / residual / attention / logit multipliers
+      legacy_experts per-expert tensors accepted in place of stacked ones
     """
 
     gguf_arch: str
+    description: str
     hparams: tuple[str, ...]
     block_tensors: tuple[str, ...]
-    recipe: str
     features: dict[str, Any]
-    description: str = ""
+    optional_tensors: tuple[str, ...] = ()
+    expert_ff_from: str = "expert_ff"
+    recipe: str = "moe_decoder"
 
     def read_hparams(self, gguf: GGUFModel) -> dict[str, Any]:
         """Every hyperparameter from the GGUF metadata; a missing required key is a clear error."""
@@ -112,6 +156,9 @@ class Architecture:
                 raise MoepassError(f"{gguf.path}: missing metadata key '{key}'")
             else:
                 values[name] = spec.default
+        values["expert_ff"] = values[self.expert_ff_from]
+        if "shared_ff" in values and not values["shared_ff"] and self.features.get("shared_ff_fallback"):
+            values["shared_ff"] = values[self.features["shared_ff_fallback"]]
         if values.get("n_kv_heads") is None:
             values["n_kv_heads"] = values["n_heads"]
         if values.get("head_dim") is None:
@@ -125,18 +172,32 @@ class Architecture:
     def tensor_name(self, role: str, layer: int | None = None) -> str:
         return TENSORS[role].format(i=layer)
 
+    def tensor(self, gguf: GGUFModel, role: str, layer: int | None, hp: dict[str, Any]) -> GGUFTensor | StackedTensor:
+        """The tensor of `role`; for legacy files, per-expert tensors stacked into the expert role."""
+        name = self.tensor_name(role, layer)
+        if gguf.has_tensor(name) or not (self.features.get("legacy_experts") and role in LEGACY_EXPERT_TENSORS):
+            return gguf.tensor(name)
+        legacy = LEGACY_EXPERT_TENSORS[role]
+        if not gguf.has_tensor(legacy.format(i=layer, e=0)):
+            return gguf.tensor(name)  # neither form: the error names the stacked tensor
+        return gguf.stacked(name, [legacy.format(i=layer, e=e) for e in range(hp["n_experts"])])
+
+    def has_tensor(self, gguf: GGUFModel, role: str, layer: int | None = None) -> bool:
+        return gguf.has_tensor(self.tensor_name(role, layer))
+
     def check_tensors(self, gguf: GGUFModel, hp: dict[str, Any]) -> None:
         """Every tensor the recipe reads is present with the shape the metadata implies."""
-        shapes = expected_shapes(hp)
-        wanted = [(role, None) for role in GLOBAL_TENSORS] + \
-            [(role, i) for i in range(hp["n_layers"]) for role in self.block_tensors]
-        for role, layer in wanted:
-            name = self.tensor_name(role, layer)
-            if role == "output" and not gguf.has_tensor(name):
-                continue  # absent output.weight: the LM head is tied to the embedding
-            tensor = gguf.tensor(name)
+        shapes = expected_shapes(hp, self.features)
+        wanted = [(role, None, True) for role in GLOBAL_TENSORS] + \
+            [(role, None, False) for role in GLOBAL_OPTIONAL] + \
+            [(role, i, True) for i in range(hp["n_layers"]) for role in self.block_tensors] + \
+            [(role, i, False) for i in range(hp["n_layers"]) for role in self.optional_tensors]
+        for role, layer, required in wanted:
+            if not required and not self.has_tensor(gguf, role, layer):
+                continue
+            tensor = self.tensor(gguf, role, layer, hp)
             if tensor.shape != shapes[role]:
-                raise MoepassError(f"{gguf.path}: tensor '{name}' has shape {list(tensor.shape)}, expected "
+                raise MoepassError(f"{gguf.path}: tensor '{tensor.name}' has shape {list(tensor.shape)}, expected "
                                    f"{list(shapes[role])} from the {self.gguf_arch} metadata")
 
 
@@ -145,8 +206,9 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
         return MoepassError(f"{gguf.path}: {arch.gguf_arch} hyperparameters are inconsistent: {what}")
 
     for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_used", "expert_ff"):
-        if name in hp and not 0 < hp[name] < (1 << 24):
-            key = HPARAMS[name].key.format(arch=arch.gguf_arch)
+        if not 0 < hp[name] < (1 << 24):
+            source = arch.expert_ff_from if name == "expert_ff" else name
+            key = HPARAMS[source].key.format(arch=arch.gguf_arch)
             raise MoepassError(f"{gguf.path}: metadata key '{key}' has absurd value {hp[name]}")
     if hp["n_heads"] % hp["n_kv_heads"]:
         raise bad(f"{hp['n_heads']} query heads are not a multiple of {hp['n_kv_heads']} kv heads")
@@ -154,23 +216,57 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
         raise bad(f"expert_used_count {hp['n_experts_used']} > expert_count {hp['n_experts']}")
     if hp["head_dim"] % 2:
         raise bad(f"head dimension {hp['head_dim']} is odd; rotary embedding needs it even")
+    if arch.features.get("multipliers") and hp["logit_scale"] == 0:
+        raise bad("logit_scale is 0")
 
+
+_COMMON = ("n_layers", "hidden", "context_length", "n_heads", "n_kv_heads", "head_dim", "value_dim", "rms_eps",
+           "rope_base", "n_experts", "n_experts_used", "expert_weights_scale")
 
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
     Architecture(
-        gguf_arch="qwen3moe",
-        description="Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)",
-        hparams=("n_layers", "hidden", "context_length", "n_heads", "n_kv_heads", "head_dim", "value_dim",
-                 "rms_eps", "rope_base", "n_experts", "n_experts_used", "expert_ff"),
-        block_tensors=("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-                       "ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
-        recipe="moe_decoder",
-        features={
-            "qk_norm": "head",          # RMSNorm over each head's q and k before RoPE
-            "rope": "neox",             # rotate halves (GGML_ROPE_TYPE_NEOX)
-            "routing": "softmax_topk_renorm",
-            "expert_activation": "swiglu",
-        },
+        gguf_arch="qwen3moe", description="Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)",
+        hparams=(*_COMMON, "expert_ff"),
+        block_tensors=(*ATTENTION, "attn_q_norm", "attn_k_norm", *ROUTED_EXPERTS),
+        optional_tensors=ATTENTION_BIASES,
+        features={"rope": "neox", "qk_norm": "head", "routing": "softmax_topk_renorm"},
+    ),
+    Architecture(
+        gguf_arch="llama", description="Mixtral (llama with experts: Mixtral-8x7B, 8x22B)",
+        hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
+        block_tensors=(*ATTENTION, *ROUTED_EXPERTS),
+        optional_tensors=ATTENTION_BIASES,
+        features={"rope": "norm", "routing": "softmax_topk_renorm", "legacy_experts": True},
+    ),
+    Architecture(
+        gguf_arch="qwen2moe", description="Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)",
+        hparams=(*_COMMON, "expert_ff", "ffn", "shared_ff"),
+        block_tensors=(*ATTENTION, *ROUTED_EXPERTS, "ffn_gate_inp_shexp", *SHARED_EXPERT),
+        optional_tensors=ATTENTION_BIASES,
+        features={"rope": "neox", "routing": "softmax_topk", "shared_expert": "sigmoid_gated",
+                  "shared_ff_fallback": "ffn"},
+    ),
+    Architecture(
+        gguf_arch="olmoe", description="OLMoE (OLMoE-1B-7B)",
+        hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
+        block_tensors=(*ATTENTION, "attn_q_norm", "attn_k_norm", *ROUTED_EXPERTS),
+        optional_tensors=ATTENTION_BIASES,
+        features={"rope": "neox", "qk_norm": "full", "routing": "softmax_topk"},
+    ),
+    Architecture(
+        gguf_arch="granitemoe", description="Granite MoE (granite-3.x-1b/3b-a400m/a800m, granite MoE shared)",
+        hparams=(*_COMMON, "ffn", "shared_ff", "logit_scale", "residual_scale", "embedding_scale",
+                 "attention_scale"), expert_ff_from="ffn",
+        block_tensors=(*ATTENTION, *ROUTED_EXPERTS),
+        optional_tensors=(*ATTENTION_BIASES, *SHARED_EXPERT),
+        features={"rope": "norm", "routing": "softmax_topk_renorm", "shared_expert": "plain", "multipliers": True},
+    ),
+    Architecture(
+        gguf_arch="phimoe", description="Phi-3.5-MoE",
+        hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
+        block_tensors=(*ATTENTION, "attn_norm_bias", "attn_output_bias", *ROUTED_EXPERTS, "ffn_norm_bias"),
+        optional_tensors=ATTENTION_BIASES[:3],
+        features={"rope": "neox", "routing": "softmax_topk_renorm", "norm_bias": True},
     ),
 ]}
 
@@ -181,4 +277,7 @@ def architecture_of(gguf: GGUFModel) -> Architecture:
         known = ", ".join(sorted(ARCHITECTURES))
         raise MoepassError(f"{gguf.path}: unknown architecture '{name}' (general.architecture); "
                            f"moepass converts: {known}")
-    return ARCHITECTURES[name]
+    arch = ARCHITECTURES[name]
+    if name == "llama" and not gguf.get("llama.expert_count"):
+        raise MoepassError(f"{gguf.path}: a dense llama model (no llama.expert_count): moepass converts MoE models")
+    return arch

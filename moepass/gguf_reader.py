@@ -75,6 +75,54 @@ class GGUFTensor:
         return self.read_rows().reshape(*self.shape[:-1], self.row_bytes)
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedTensor:
+    """Equal GGUF tensors read as one stacked along a new first axis (legacy Mixtral files carry
+    one tensor per expert, `blk.N.ffn_gate.E.weight`, where newer ones have `blk.N.ffn_gate_exps`).
+    Reads like a GGUFTensor."""
+
+    name: str
+    parts: tuple[GGUFTensor, ...]
+
+    @property
+    def ggml_type(self) -> GGMLQuantizationType:
+        return self.parts[0].ggml_type
+
+    @property
+    def type_name(self) -> str:
+        return self.parts[0].type_name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts), *self.parts[0].shape)
+
+    @property
+    def path(self) -> Path:
+        return self.parts[0].path
+
+    @property
+    def row_bytes(self) -> int:
+        return self.parts[0].row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def read_rows(self, first: int = 0, count: int | None = None) -> np.ndarray:
+        per_part = self.parts[0].nbytes // self.row_bytes
+        count = len(self.parts) * per_part - first if count is None else count
+        chunks, row = [], first
+        while row < first + count:
+            part, offset = divmod(row, per_part)
+            take = min(per_part - offset, first + count - row)
+            chunks.append(self.parts[part].read_rows(offset, take))
+            row += take
+        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+
+    def read_raw(self) -> np.ndarray:
+        return self.read_rows().reshape(*self.shape[:-1], self.row_bytes)
+
+
 class _CheckedReader(GGUFReader):
     """GGUFReader that validates each tensor's type, shape and extent before indexing it."""
 
@@ -191,3 +239,12 @@ class GGUFModel:
 
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors
+
+    def stacked(self, name: str, part_names: list[str]) -> StackedTensor:
+        """Tensors `part_names` (equal type and shape) read as one, named `name`."""
+        parts = tuple(self.tensor(n) for n in part_names)
+        for p in parts[1:]:
+            if (p.ggml_type, p.shape) != (parts[0].ggml_type, parts[0].shape):
+                raise MoepassError(f"{p.path}: tensor '{p.name}' is {p.type_name} {list(p.shape)}, but "
+                                   f"'{parts[0].name}' is {parts[0].type_name} {list(parts[0].shape)}")
+        return StackedTensor(name, parts)

@@ -95,7 +95,16 @@ class GraphBuilder:
         return self.const(name, np.array(values, dtype=np.int64))
 
     def tensor(self, role: str, layer: int | None = None) -> GGUFTensor:
-        return self.gguf.tensor(self.arch.tensor_name(role, layer))
+        return self.arch.tensor(self.gguf, role, layer, self.hp)
+
+    def optional(self, role: str, layer: int | None = None) -> GGUFTensor | None:
+        """The tensor of `role` if the file has it (biases, shared experts, an untied LM head)."""
+        return self.tensor(role, layer) if self.arch.has_tensor(self.gguf, role, layer) else None
+
+    def scale(self, x: ir.Value, factor: float, name: str) -> ir.Value:
+        """x * factor (a float32 constant), for architecture multipliers."""
+        value = self.const(f"const.f32.{factor!r}", np.array(factor, dtype=np.float32))
+        return self.tape.op("Mul", [x, value], name=name)
 
     def float_weight(self, name: str, src: GGUFTensor, transpose: bool = False) -> ir.Value:
         """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them)."""
@@ -111,27 +120,35 @@ class GraphBuilder:
                 self.tape.initializer(group.scales, name=group.scales.name))
 
     # ---- layers ---------------------------------------------------------------------------------
-    def linear(self, x: ir.Value, src: GGUFTensor, name: str, weight_name: str | None = None) -> ir.Value:
-        """y = x @ W^T for a GGUF matrix W [N, K]: MatMulNBits when W's blocks move exactly, else float32 MatMul.
+    def linear(self, x: ir.Value, src: GGUFTensor, name: str, weight_name: str | None = None,
+               bias: GGUFTensor | None = None) -> ir.Value:
+        """y = x @ W^T (+ b) for a GGUF matrix W [N, K]: MatMulNBits when W's blocks move exactly,
+        else float32 MatMul (+ Add).
 
         The weight initializers are named after the GGUF tensor unless `weight_name` says otherwise
         (a tied LM head shares its GGUF tensor with the embedding table)."""
         qt = quant_type(src.ggml_type, src.name, src.path)
         n, k = src.shape
         weight_name = weight_name or src.name
+        b = self.float_weight(bias.name, bias) if bias is not None else None
         form = best_exact_form(qt) if qt.storage == "blocks" else None
         if form is None:
             w = self.float_weight(f"{weight_name}.T", src, transpose=True)
-            return self.tape.op("MatMul", [x, w], name=name)
+            y = self.tape.op("MatMul", [x, w], name=name)
+            return y if b is None else self.tape.op("Add", [y, b], name=f"{name}.bias")
         codes, scales = self.packed_weights(weight_name, [src], form, blob_layout=True)
-        return self.tape.op("MatMulNBits", [x, codes, scales], {"K": k, "N": n, "bits": form.bits,
-                                                                  "block_size": form.block_size},
+        inputs = [x, codes, scales] + ([None, None, b] if b is not None else [])
+        return self.tape.op("MatMulNBits", inputs, {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
                             domain="com.microsoft", name=name)
 
-    def rms_norm(self, x: ir.Value, src: GGUFTensor, name: str) -> ir.Value:
+    def rms_norm(self, x: ir.Value, src: GGUFTensor, name: str, bias: GGUFTensor | None = None) -> ir.Value:
+        """RMSNorm(x) * gamma (+ beta: phimoe's norms add a bias after normalizing, as llama.cpp does)."""
         gamma = self.float_weight(src.name, src)
-        return self.tape.op("SimplifiedLayerNormalization", [x, gamma],
-                            {"axis": -1, "epsilon": self.hp["rms_eps"], "stash_type": 1}, name=name)
+        y = self.tape.op("SimplifiedLayerNormalization", [x, gamma],
+                         {"axis": -1, "epsilon": self.hp["rms_eps"], "stash_type": 1}, name=name)
+        if bias is None:
+            return y
+        return self.tape.op("Add", [y, self.float_weight(bias.name, bias)], name=f"{name}.bias")
 
     def per_head_rms_norm(self, x: ir.Value, src: GGUFTensor, n_heads: int, name: str) -> ir.Value:
         d = self.hp["head_dim"]
@@ -144,14 +161,22 @@ class GraphBuilder:
         return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
 
     def moe(self, x2d: ir.Value, layer: int, hidden_out: int) -> ir.Value:
-        """One MoE layer as a single QMoE node (or MoE, for float experts kept as float)."""
-        hp = self.hp
+        """One MoE layer as a single QMoE node (or MoE, for float experts kept as float).
+
+        Routing: the node gets the router logits and does softmax, top-k and (for
+        "softmax_topk_renorm") renormalization over the k itself. For "softmax_topk" (weights not
+        renormalized) a QMoE node also gets softmax(logits) as router_weights with
+        normalize_routing_weights=0, because ORT's CPU QMoE renormalizes unless given the weights
+        (the selection still follows the logits: the same order); the float MoE kernel honours
+        normalize_routing_weights=0 by itself."""
+        hp, feats = self.hp, self.arch.features
         router = self.linear(x2d, self.tensor("ffn_gate_inp", layer), f"blk.{layer}.router")
         gate, up, down = (self.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
         types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
+        renormalize = feats["routing"] == "softmax_topk_renorm"
         attrs: dict[str, Any] = {"k": hp["n_experts_used"], "activation_type": "swiglu", "swiglu_fusion": 1,
                                  "activation_alpha": 1.0, "activation_beta": 0.0,
-                                 "normalize_routing_weights": 1}
+                                 "normalize_routing_weights": int(renormalize)}
         name = f"blk.{layer}.moe"
         floats = [qt.storage == "float" for qt in types]
         prefix = f"blk.{layer}.ffn_experts"
@@ -172,8 +197,10 @@ class GraphBuilder:
             fc1_w, fc1_s = self.packed_weights(f"{prefix}.fc1", [gate, up], form)
             fc2_w, fc2_s = self.packed_weights(f"{prefix}.fc2", [down], form)
             attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
-            out = self.tape.op("QMoE", [x2d, router, fc1_w, fc1_s, None, fc2_w, fc2_s, None], attrs,
-                               domain="com.microsoft", name=name)
+            inputs = [x2d, router, fc1_w, fc1_s, None, fc2_w, fc2_s, None]
+            if not renormalize:  # fc3 (8-10), zero points (11-13), then router_weights (14)
+                inputs += [None] * 6 + [self.tape.op("Softmax", [router], {"axis": -1}, name=f"{name}.router_weights")]
+            out = self.tape.op("QMoE", inputs, attrs, domain="com.microsoft", name=name)
             form_name = str(form)
         out.name = f"{name}.output"
         out.dtype = ir.DataType.FLOAT
@@ -185,7 +212,25 @@ class GraphBuilder:
         })
         self.moe_layers.append({"layer": layer, "node": name, "experts": hp["n_experts"], "top_k": hp["n_experts_used"],
                                 "form": form_name, "source_types": [qt.name for qt in types]})
+        if hp["expert_weights_scale"] not in (0.0, 1.0):   # llama.cpp scales the routing weights
+            out = self.scale(out, hp["expert_weights_scale"], f"{name}.weights_scale")
         return out
+
+    def shared_expert(self, x2d: ir.Value, layer: int) -> ir.Value:
+        """The dense shared expert: down(silu(gate(x)) * up(x)), times sigmoid(x . g) when gated (qwen2moe)."""
+        t, p = self.tape, f"blk.{layer}.shared_expert"
+        gate = self.linear(x2d, self.tensor("ffn_gate_shexp", layer), f"{p}.gate")
+        up = self.linear(x2d, self.tensor("ffn_up_shexp", layer), f"{p}.up")
+        act = t.op("Mul", [t.op("Mul", [gate, t.op("Sigmoid", [gate], name=f"{p}.sigmoid")], name=f"{p}.silu"), up],
+                   name=f"{p}.swiglu")
+        out = self.linear(act, self.tensor("ffn_down_shexp", layer), f"{p}.down")
+        if self.arch.features.get("shared_expert") != "sigmoid_gated":
+            return out
+        g = self.tensor("ffn_gate_inp_shexp", layer)
+        weight = self.float_weight(g.name, g)
+        logit = t.op("MatMul", [x2d, t.op("Unsqueeze", [weight, self.ints(-1)], name=f"{p}.gate_inp.column")],
+                     name=f"{p}.gate_inp")
+        return t.op("Mul", [out, t.op("Sigmoid", [logit], name=f"{p}.gate_sigmoid")], name=f"{p}.gated")
 
     def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
         return self.tape.initializer(float_expert_stack(sources, name, self.report), name=name)
@@ -194,10 +239,14 @@ class GraphBuilder:
 # ---- recipes ----------------------------------------------------------------------------------------
 
 def moe_decoder(b: GraphBuilder) -> ir.Graph:
-    """Pre-norm decoder: RMSNorm -> GQA (optional per-head q/k RMSNorm, RoPE) -> residual ->
-    RMSNorm -> MoE -> residual; final RMSNorm and LM head (tied to the embedding when output.weight is absent)."""
+    """Pre-norm decoder: RMSNorm -> GQA (q/k norm, RoPE) -> residual -> RMSNorm -> MoE (+ shared
+    expert) -> residual; final RMSNorm and LM head (tied to the embedding when output.weight is absent).
+
+    What differs between architectures comes from `b.arch.features` (see moepass.architectures).
+    """
     hp, t, feats = b.hp, b.tape, b.arch.features
     nh, nkv, d = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
+    multipliers = feats.get("multipliers", False)
     f32 = ir.TensorType(ir.DataType.FLOAT)
     input_ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64),
                          shape=ir.Shape(["batch_size", "sequence_length"]))
@@ -219,16 +268,25 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
                              lambda: rope_cache(n_pos, d, hp["rope_base"])[0])
     sin = b.lazy_initializer("rope.sin_cache", ir.DataType.FLOAT, (n_pos, d // 2),
                              lambda: rope_cache(n_pos, d, hp["rope_base"])[1])
+    attention_scale = hp["attention_scale"] if multipliers and hp["attention_scale"] else 1.0 / np.sqrt(d)
+    residual_scale = hp["residual_scale"] if multipliers else 0.0
+
+    def residual_branch(value: ir.Value, name: str) -> ir.Value:
+        return b.scale(value, residual_scale, f"{name}.residual_scale") if residual_scale else value
 
     x = b.embedding(input_ids)
+    if multipliers and hp["embedding_scale"]:
+        x = b.scale(x, hp["embedding_scale"], "embed_tokens.scale")
     for i in range(hp["n_layers"]):
-        h = b.rms_norm(x, b.tensor("attn_norm", i), f"blk.{i}.attn_norm")
-        q = b.linear(h, b.tensor("attn_q", i), f"blk.{i}.attn_q")
-        k = b.linear(h, b.tensor("attn_k", i), f"blk.{i}.attn_k")
-        v = b.linear(h, b.tensor("attn_v", i), f"blk.{i}.attn_v")
+        h = b.rms_norm(x, b.tensor("attn_norm", i), f"blk.{i}.attn_norm", b.optional("attn_norm_bias", i))
+        q, k, v = (b.linear(h, b.tensor(f"attn_{p}", i), f"blk.{i}.attn_{p}", bias=b.optional(f"attn_{p}_bias", i))
+                   for p in "qkv")
         if feats.get("qk_norm") == "head":
             q = b.per_head_rms_norm(q, b.tensor("attn_q_norm", i), nh, f"blk.{i}.attn_q_norm")
             k = b.per_head_rms_norm(k, b.tensor("attn_k_norm", i), nkv, f"blk.{i}.attn_k_norm")
+        elif feats.get("qk_norm") == "full":
+            q = b.rms_norm(q, b.tensor("attn_q_norm", i), f"blk.{i}.attn_q_norm")
+            k = b.rms_norm(k, b.tensor("attn_k_norm", i), f"blk.{i}.attn_k_norm")
         past = []
         for kind in ("key", "value"):
             past.append(ir.Value(name=f"past_key_values.{i}.{kind}", type=f32,
@@ -236,26 +294,30 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
         inputs += past
         attn, present_k, present_v = t.op_multi_out(
             "GroupQueryAttention", [q, k, v, past[0], past[1], seqlens_k, total_len, cos, sin],
-            {"num_heads": nh, "kv_num_heads": nkv, "do_rotary": 1, "rotary_interleaved": 0,
-             "scale": float(1.0 / np.sqrt(d))},
+            {"num_heads": nh, "kv_num_heads": nkv, "do_rotary": 1,
+             "rotary_interleaved": int(feats["rope"] == "norm"), "scale": float(attention_scale)},
             num_outputs=3, domain="com.microsoft", name=f"blk.{i}.attn")
         for value, kind in ((present_k, "key"), (present_v, "value")):
             value.name = f"present.{i}.{kind}"
             value.type = f32
             value.shape = ir.Shape(["batch_size", nkv, "total_sequence_length", d])
         outputs += [present_k, present_v]
-        x = t.op("Add", [x, b.linear(attn, b.tensor("attn_output", i), f"blk.{i}.attn_output")],
-                 name=f"blk.{i}.attn_residual")
-        h = b.rms_norm(x, b.tensor("ffn_norm", i), f"blk.{i}.ffn_norm")
+        attn = b.linear(attn, b.tensor("attn_output", i), f"blk.{i}.attn_output", bias=b.optional("attn_output_bias", i))
+        x = t.op("Add", [x, residual_branch(attn, f"blk.{i}.attn")], name=f"blk.{i}.attn_residual")
+        h = b.rms_norm(x, b.tensor("ffn_norm", i), f"blk.{i}.ffn_norm", b.optional("ffn_norm_bias", i))
         h2d = t.op("Reshape", [h, b.ints(-1, hp["hidden"])], name=f"blk.{i}.moe.flatten")
-        moe = b.moe(h2d, i, hp["hidden"])
-        moe = t.op("Reshape", [moe, t.op("Shape", [x], name=f"blk.{i}.moe.shape")], name=f"blk.{i}.moe.unflatten")
-        x = t.op("Add", [x, moe], name=f"blk.{i}.moe_residual")
+        ffn = b.moe(h2d, i, hp["hidden"])
+        if feats.get("shared_expert") and hp["shared_ff"]:
+            ffn = t.op("Add", [ffn, b.shared_expert(h2d, i)], name=f"blk.{i}.shared_expert.add")
+        ffn = t.op("Reshape", [ffn, t.op("Shape", [x], name=f"blk.{i}.moe.shape")], name=f"blk.{i}.moe.unflatten")
+        x = t.op("Add", [x, residual_branch(ffn, f"blk.{i}.moe")], name=f"blk.{i}.moe_residual")
 
-    h = b.rms_norm(x, b.tensor("output_norm"), "output_norm")
-    tied = not b.gguf.has_tensor(b.arch.tensor_name("output"))
+    h = b.rms_norm(x, b.tensor("output_norm"), "output_norm", b.optional("output_norm_bias"))
+    tied = not b.arch.has_tensor(b.gguf, "output")
     head = b.tensor("token_embd") if tied else b.tensor("output")
-    logits = b.linear(h, head, "lm_head", weight_name="lm_head.weight" if tied else None)
+    logits = b.linear(h, head, "lm_head", weight_name="lm_head.weight" if tied else None, bias=b.optional("output_bias"))
+    if multipliers:
+        logits = b.scale(logits, 1.0 / hp["logit_scale"], "lm_head.logit_scale")
     logits.name = "logits"
     logits.type = f32
     logits.shape = ir.Shape(["batch_size", "sequence_length", hp["vocab"]])

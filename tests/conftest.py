@@ -34,7 +34,7 @@ def make_gguf(tmp_path_factory):
     """make_gguf(preset, **kwargs) -> path of a generated qwen3moe GGUF (cached per arguments)."""
     return _cached_by_arguments(
         tmp_path_factory.mktemp("gguf"),
-        lambda folder, preset, **kw: make_fixtures.write_qwen3moe_gguf(folder / f"{preset}.gguf", preset, **kw))
+        lambda folder, preset, **kw: make_fixtures.write_moe_gguf(folder / f"{preset}.gguf", preset, **kw))
 
 
 @pytest.fixture(scope="session")

@@ -80,7 +80,7 @@ def test_absurd_dimensions(tmp_path, make_gguf):
 
 
 def test_unknown_architecture(tmp_path, make_gguf):
-    bad = make_gguf("q4_0", arch="llama9moe")
+    bad = make_gguf("q4_0", arch_label="llama9moe")
     _convert_fails(bad, tmp_path / "out", "unknown architecture 'llama9moe'", "qwen3moe")
 
 

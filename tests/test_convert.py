@@ -168,6 +168,6 @@ def test_chunked_conversion_gives_the_same_bytes(preset, tmp_path, make_gguf, co
 def test_shipped_fixture_is_what_the_generator_writes(tmp_path):
     import make_fixtures
 
-    fresh = make_fixtures.write_qwen3moe_gguf(tmp_path / "demo.gguf", "q4_0", make_fixtures.DEMO_DIMS, seed=0)
+    fresh = make_fixtures.write_moe_gguf(tmp_path / "demo.gguf", "q4_0", make_fixtures.DEMO_DIMS, seed=0)
     assert filecmp.cmp(fresh, make_fixtures.DEMO_FIXTURE, shallow=False)
     assert make_fixtures.DEMO_FIXTURE.stat().st_size < 2 << 20
