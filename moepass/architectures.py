@@ -182,6 +182,31 @@ class Architecture:
             return gguf.tensor(name)  # neither form: the error names the stacked tensor
         return gguf.stacked(name, [legacy.format(i=layer, e=e) for e in range(hp["n_experts"])])
 
+    def describe(self, gguf: GGUFModel, hp: dict[str, Any]) -> dict[str, Any]:
+        """The architecture-specific parts of a model, in words and numbers (for inspect and metadata)."""
+        f = self.features
+        parts: dict[str, Any] = {
+            "rope": {"neox": "NeoX (rotate halves)", "norm": "interleaved pairs"}[f["rope"]],
+            "routing": {"softmax_topk_renorm": f"softmax, top-{hp['n_experts_used']}, renormalized",
+                        "softmax_topk": f"softmax, top-{hp['n_experts_used']}, not renormalized"}[f["routing"]],
+        }
+        if f.get("qk_norm"):
+            parts["qk_norm"] = {"head": "RMSNorm per head", "full": "RMSNorm over the full projection"}[f["qk_norm"]]
+        if f.get("shared_expert") and hp.get("shared_ff"):
+            gate = " with a sigmoid gate" if f["shared_expert"] == "sigmoid_gated" else ""
+            parts["shared_expert"] = f"ffn {hp['shared_ff']}{gate}"
+        if f.get("multipliers"):
+            parts["multipliers"] = {k: hp[f"{k}_scale"] for k in ("embedding", "residual", "attention", "logit")}
+        if hp.get("expert_weights_scale") not in (None, 0.0, 1.0):
+            parts["expert_weights_scale"] = hp["expert_weights_scale"]
+        biases = [role for role in (*ATTENTION_BIASES, "attn_norm_bias", "ffn_norm_bias", "output_bias")
+                  if self.has_tensor(gguf, role, 0 if role.startswith(("attn", "ffn")) else None)]
+        if biases:
+            parts["biases"] = biases
+        if f.get("legacy_experts") and not self.has_tensor(gguf, "ffn_gate_exps", 0):
+            parts["experts"] = "legacy per-expert tensors (stacked on reading)"
+        return parts
+
     def has_tensor(self, gguf: GGUFModel, role: str, layer: int | None = None) -> bool:
         return gguf.has_tensor(self.tensor_name(role, layer))
 
@@ -201,6 +226,26 @@ class Architecture:
                                    f"{list(shapes[role])} from the {self.gguf_arch} metadata")
 
 
+# RoPE variants the recipe does not build yet: refused by name rather than converted wrongly.
+UNSUPPORTED_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+SUPPORTED_ROPE_SCALING = ("none", "")
+
+
+def _check_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
+    for name in UNSUPPORTED_ROPE_TENSORS:
+        if gguf.has_tensor(name):
+            raise MoepassError(f"{gguf.path}: tensor '{name}' holds RoPE frequency factors (LongRoPE / llama3 "
+                               "scaling), which moepass does not convert yet")
+    scaling = str(gguf.get(f"{arch.gguf_arch}.rope.scaling.type", "none"))
+    if scaling not in SUPPORTED_ROPE_SCALING:
+        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.scaling.type' is {scaling!r}; "
+                           "moepass converts unscaled RoPE only so far")
+    rot = gguf.get(f"{arch.gguf_arch}.rope.dimension_count")
+    if rot is not None and int(rot) != hp["head_dim"]:
+        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
+                           f"size {hp['head_dim']}; partial rotary embedding is not converted yet")
+
+
 def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
     def bad(what: str) -> MoepassError:
         return MoepassError(f"{gguf.path}: {arch.gguf_arch} hyperparameters are inconsistent: {what}")
@@ -218,6 +263,7 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
         raise bad(f"head dimension {hp['head_dim']} is odd; rotary embedding needs it even")
     if arch.features.get("multipliers") and hp["logit_scale"] == 0:
         raise bad("logit_scale is 0")
+    _check_rope(gguf, arch, hp)
 
 
 _COMMON = ("n_layers", "hidden", "context_length", "n_heads", "n_kv_heads", "head_dim", "value_dim", "rms_eps",

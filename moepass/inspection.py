@@ -8,6 +8,7 @@ architecture, MoE layers, quantization formats, and bytes per group of weights. 
 from __future__ import annotations
 
 import collections
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,8 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
     if arch is not None:
         hp = arch.read_hparams(gguf)
         info["hparams"] = hp
-        info["moe_layers"] = sum(gguf.has_tensor(arch.tensor_name("ffn_gate_exps", i)) for i in range(hp["n_layers"]))
+        info["moe_layers"] = hp["n_layers"]
+        info["features"] = arch.describe(gguf, hp)
     return info
 
 
@@ -135,6 +137,17 @@ def inspect(source: Any) -> dict[str, Any]:
     return inspect_onnx(source)
 
 
+def _feature_lines(features: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, value in features.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v:g}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = ", ".join(value)
+        lines.append(f"{key.replace('_', ' '):<14}{value}")
+    return lines
+
+
 def format_inspection(info: dict[str, Any]) -> list[str]:
     lines = [f"file          {info['file']}"]
     if info["kind"] == "gguf":
@@ -148,6 +161,7 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
                          f"context {hp['context_length']}")
             lines.append(f"MoE layers    {info['moe_layers']}: {hp['n_experts']} experts, top-{hp['n_experts_used']}, "
                          f"expert ffn {hp['expert_ff']}")
+            lines.extend(_feature_lines(info["features"]))
         lines.append("tensor types  " + ", ".join(f"{t} x{n}" for t, n in sorted(info["tensor_types"].items())))
         lines.append("bytes by group")
         for group, by_type in info["bytes_by_group"].items():
@@ -155,6 +169,9 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
             lines.append(f"  {group:<18}{sum(by_type.values()):>16,}  ({detail})")
         return lines
     lines.append(f"format        ONNX, architecture {info['architecture'] or 'unknown'}")
+    features = info["metadata"].get("moepass.features")
+    if features:
+        lines.extend(_feature_lines(json.loads(features)))
     lines.append(f"MoE layers    {len(info['moe_nodes'])}")
     for m in info["moe_nodes"]:
         resident = "" if m["resident"] is None else f", {m['resident']} resident on the GPU (stored first)"

@@ -17,6 +17,7 @@ past_key_values.N.key/value -> logits, present.N.key/value (KV cache in BNSH lay
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable
 
 import numpy as np
@@ -350,5 +351,6 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
                          META + "architecture": arch.gguf_arch,
                          META + "source": gguf.path.name,
                          META + "moe_layers": str(len(b.moe_layers)),
+                         META + "features": json.dumps(arch.describe(gguf, b.hp), sort_keys=True),
                      })
     return Lowered(model, b.report, b.hp, b.moe_layers)
