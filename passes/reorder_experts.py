@@ -82,8 +82,13 @@ class ReorderExpertsPass(InPlacePass):
         router = moe.inputs[1].producer()
         if router is None:
             raise MoepassError(f"node {moe.name}: its router logits are a graph input, which cannot be reordered")
-        if len(moe.inputs[1].uses()) != 1:
-            raise MoepassError(f"node {moe.name}: its router logits feed other nodes too; reordering would change them")
+        for use in moe.inputs[1].uses():
+            # the node itself, or a Softmax over the experts that feeds only it (router_weights)
+            ok = use.node is moe or (use.node.op_type == "Softmax" and use.node.attributes.get_int("axis", -1) == -1
+                                     and all(u.node is moe for u in use.node.outputs[0].uses()))
+            if not ok:
+                raise MoepassError(f"node {moe.name}: its router logits also feed {use.node.op_type} node "
+                                   f"{use.node.name!r}; reordering the experts would change what that node computes")
         if router.op_type == "MatMulNBits" and router.domain == "com.microsoft":
             # B [N=experts, k_blocks, blob], scales [N, k_blocks] (or [N*k_blocks]), zero points [N, ...], bias [N]
             for index in (1, 2, 3, 5):

@@ -244,3 +244,22 @@ def test_more_budget_never_serves_less(problem, extra, policy):
     less = _served(groups, masses, choose_resident(groups, masses, budget, policy))
     more = _served(groups, masses, choose_resident(groups, masses, budget + extra, policy))
     assert more >= less - 1e-12
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "llama"])
+def test_other_architectures_profile_and_partition_exactly(arch, tmp_path, converted):
+    """Routing without renormalization feeds QMoE softmax(router logits) too: reordering keeps both in step.
+    (The softmax then sums its exponentials in the new order: equal to rounding, not bit for bit.)"""
+    source = converted("q4_0", arch=arch)
+    pop = profile(source, PROMPTS)
+    memory = _memory(lambda *a, **k: source)
+    vram = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16) + \
+        5 * memory.groups[0].bytes_per_expert
+    result = partition(source, tmp_path / arch, vram, profile=pop, reserve=0, context=64, prefill_tokens=16)
+    assert sum(n["resident_count"] for n in result.plan["nodes"]) == 5
+    a = load(source).forward(IDS, load(source).empty_cache())[0]
+    b = load(tmp_path / arch).forward(IDS, load(tmp_path / arch).empty_cache())[0]
+    if arch == "llama":
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
