@@ -24,7 +24,10 @@ import onnx_ir as ir
 from moepass import __version__
 from moepass.architectures import architecture_of
 from moepass.atomic import atomic_directory
-from moepass.files import DATA_FILE, MODEL_FILE, REPORT_FILE
+from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
+                           TOKENIZER_FILE)
+from moepass.genai import genai_config
+from moepass.tokenizer import tokenizer_from_gguf
 from moepass.gguf_reader import GGUFModel
 from moepass.passes import run_pipeline
 from moepass.passes.lower import LowerOptions, lower_gguf
@@ -47,6 +50,7 @@ class ConvertResult:
     source_bytes: int
     output_bytes: int
     seconds: float
+    tokenizer: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def model_path(self) -> Path:
@@ -75,6 +79,11 @@ class ConvertResult:
         inexact = len(self.weights) - self.n_exact
         lines.append(f"  weights       {self.n_exact} exact, {inexact} requantized"
                      + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
+        if self.tokenizer.get("reason"):
+            lines.append(f"  tokenizer     none written: {self.tokenizer['reason']} (token ids only)")
+        else:
+            pre = f", {self.tokenizer['pre']} pre-tokenizer" if self.tokenizer.get("pre") else ""
+            lines.append(f"  tokenizer     {self.tokenizer.get('model')}{pre} -> {TOKENIZER_FILE}")
         rate = self.source_bytes / self.seconds / 1e9 if self.seconds else 0.0
         lines.append(f"  time          {self.seconds:.2f} s ({rate:.2f} GB/s of GGUF)")
         return lines
@@ -125,9 +134,14 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
             "moe_layers": lowered.moe_layers,
             "weights": weights,
         }
+        tokenizer = tokenizer_from_gguf(gguf)
+        tokenizer.write(tmp, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+        report["tokenizer"] = tokenizer.info
+        genai = genai_config(lowered.hparams, lowered.model, tokenizer.info)
+        (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
     return ConvertResult(output_dir=output_dir, source=source, architecture=arch.gguf_arch,
                          n_layers=lowered.hparams["n_layers"], moe_layers=lowered.moe_layers,
                          bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
-                         output_bytes=output_bytes, seconds=time.perf_counter() - start)
+                         output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info)

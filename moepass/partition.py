@@ -6,7 +6,8 @@ Output directory (written atomically):
                                 first (router permuted to match: same outputs); see below
   plan.json                     memory breakdown, resident experts per node, predictions, inputs
   onnxruntime_options.json      {"session_config_entries": {...}}: what moepass.runtime sets
-  moepass.json                  the conversion report, carried over from the source model
+  genai_config.json             the source's, with the same entries in the decoder's session options
+  moepass.json, tokenizer*.json carried over from the source model
 
 How the groups are laid out: in model.onnx.data every expert tensor of a node holds its experts
 contiguously along axis 0, resident ones first, so the GPU-resident group of each tensor is one
@@ -31,7 +32,9 @@ import onnx_ir as ir
 from moepass import __version__
 from moepass.atomic import atomic_directory, atomic_file
 from moepass.errors import MoepassError
-from moepass.files import DATA_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE
+from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
+                           TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
+from moepass.genai import with_session_entries
 from moepass.passes.moe_nodes import moe_nodes
 from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.placement import (Bandwidths, Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
@@ -151,8 +154,12 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
         (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options}, indent=1) + "\n")
-        if (source.parent / REPORT_FILE).is_file():
-            shutil.copyfile(source.parent / REPORT_FILE, tmp / REPORT_FILE)
+        for name in (REPORT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+            if (source.parent / name).is_file():
+                shutil.copyfile(source.parent / name, tmp / name)
+        if (source.parent / GENAI_CONFIG_FILE).is_file():
+            genai = with_session_entries(json.loads((source.parent / GENAI_CONFIG_FILE).read_text()), options)
+            (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
         if report is not None:
             from moepass.plan_report import draw_plan
 

@@ -1,13 +1,16 @@
-"""moepass.runtime: load a converted model with ONNX Runtime and generate.
+"""moepass.runtime: load a converted (or partitioned) model with ONNX Runtime and generate.
 
-This first version runs on the CPU execution provider. It keeps the KV cache between steps
-(present.N.* of one step become past_key_values.N.* of the next) and decodes greedily.
-It refuses, loudly, what it cannot do: a missing model, an ONNX Runtime without the contrib
-operators the model uses, a device it does not support yet.
+`load(model_dir, device="auto"|"cpu"|"cuda", cuda_plugin=None, mode=None)` picks the execution
+provider and the expert-offload options that match the model's annotations (see
+`moepass.runtime.providers`), checks what it can before creating the session, and returns a
+`Decoder`: KV cache kept between steps, greedy or sampled decoding (temperature, top-k, top-p,
+seed), stop tokens from the GGUF, tokens streamed as they come, and text in / text out through the
+tokenizer.json that convert writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -16,12 +19,11 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 
 from moepass.errors import MoepassError
-from moepass.files import MODEL_FILE, REPORT_FILE
+from moepass.files import MODEL_FILE, OPTIONS_FILE, REPORT_FILE, TOKENIZER_FILE
+from moepass.runtime.providers import SessionPlan, plan_session
 
 if TYPE_CHECKING:
     import onnx_ir
-
-DEVICES = ("auto", "cpu")
 
 
 def _import_onnxruntime():
@@ -32,35 +34,71 @@ def _import_onnxruntime():
     return onnxruntime
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: temperature 0 is greedy; top_k 0 and top_p 1 keep every token."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise MoepassError(f"invalid sampling settings {self}: temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+
+
+def choose_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+    """One token from a logits vector: argmax, or a draw after temperature, top-k and top-p filtering."""
+    if sampling.temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / sampling.temperature
+    order = np.argsort(-z, kind="stable")
+    if sampling.top_k:
+        order = order[: sampling.top_k]
+    probs = np.exp(z[order] - z[order[0]])
+    probs /= probs.sum()
+    if sampling.top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p) + 1)
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(len(order), p=probs)])
+
+
 class Decoder:
     """An ONNX Runtime session over a converted decoder, with its KV-cache bookkeeping."""
 
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", threads: int | None = None,
-                 graph: "onnx_ir.Model | None" = None):
+                 graph: "onnx_ir.Model | None" = None, cuda_plugin: str | None = None, mode: str | None = None):
         """`graph`: run this in-memory variant of the model (e.g. a profiling copy) with the weights
         of `model_dir`'s data file instead of `model_dir`'s own model.onnx."""
+        import onnx_ir
+
         ort = _import_onnxruntime()
         self.model_dir = Path(model_dir)
         model_path = self.model_dir / MODEL_FILE if self.model_dir.is_dir() else self.model_dir
         if not model_path.is_file():
             raise MoepassError(f"{model_path}: no such model (run `moepass convert` first)")
-        if device not in DEVICES:
-            raise MoepassError(f"device {device!r} is not supported by this runtime yet (supported: {', '.join(DEVICES)})")
-        report_path = model_path.parent / REPORT_FILE
-        self.info = json.loads(report_path.read_text()) if report_path.is_file() else {}
+        folder = model_path.parent
+        self.info = _read_json(folder / REPORT_FILE)
+        option_entries = _read_json(folder / OPTIONS_FILE).get("session_config_entries", {})
+        structure = graph if graph is not None else onnx_ir.load(model_path)
+        self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode)
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3
+        for key, value in self.plan.config_entries.items():
+            options.add_session_config_entry(key, value)
         source: str | bytes = str(model_path)
         if graph is not None:
-            import onnx_ir
-
             source = onnx_ir.to_proto(graph).SerializeToString()
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                             str(model_path.parent))
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
         try:
-            self.session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+            if self.plan.plugin_devices:
+                options.add_provider_for_devices(self.plan.plugin_devices, {})
+                self.session = ort.InferenceSession(source, options)
+            else:
+                self.session = ort.InferenceSession(source, options, providers=self.plan.providers)
         except Exception as e:  # ORT raises its own exception types; keep its message, one line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise MoepassError(f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: {first}") from None
@@ -68,10 +106,31 @@ class Decoder:
         self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_layer_key)
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
         self._cache_shapes = {n: inputs[n].shape for n in self.past_names}
+        self.stop_ids = tuple(self.info.get("tokenizer", {}).get("stop_token_ids", ()))
+        self._tokenizer = None
+        self._tokenizer_path = folder / TOKENIZER_FILE
 
     @property
     def vocab_size(self) -> int:
         return int(self.session.get_outputs()[0].shape[-1])
+
+    @property
+    def tokenizer(self):
+        """The `tokenizers.Tokenizer` convert wrote (tokenizer.json), or a clear error."""
+        if self._tokenizer is None:
+            if not self._tokenizer_path.is_file():
+                raise MoepassError(f"{self._tokenizer_path}: no tokenizer beside the model; use token ids "
+                                   "(the GGUF had no tokenizer moepass can rebuild)")
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self._tokenizer_path))
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def empty_cache(self, batch: int = 1) -> dict[str, np.ndarray]:
         return {n: np.zeros((batch, shape[1], 0, shape[3]), dtype=np.float32)
@@ -95,22 +154,48 @@ class Decoder:
         new_cache = dict(zip(self.past_names, outputs[1:1 + n_cache]))
         return outputs[0], new_cache, dict(zip(extra_outputs, outputs[1 + n_cache:]))
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
-                 stop_ids: Sequence[int] = ()) -> Iterator[int]:
-        """Greedy decoding: prefill the prompt in one step, then one token per step through the KV cache."""
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
+                 sampling: Sampling = Sampling()) -> Iterator[int]:
+        """Prefill the prompt in one step, then one token per step through the KV cache; yields each
+        new token as soon as it is chosen, and stops after a stop token (default: the GGUF's)."""
         if not prompt_ids:
             raise MoepassError("the prompt is empty: give at least one token id")
         vocab = self.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise MoepassError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        rng = np.random.default_rng(sampling.seed)
         logits, cache = self.forward(np.array([prompt_ids]), self.empty_cache())
         for _ in range(max_new_tokens):
-            token = int(np.argmax(logits[0, -1]))
+            token = choose_token(logits[0, -1], sampling, rng)
             yield token
-            if token in stop_ids:
+            if token in stops:
                 return
             logits, cache = self.forward(np.array([[token]]), cache)
+
+    def generate_text(self, prompt: str, max_new_tokens: int, sampling: Sampling = Sampling()) -> Iterator[str]:
+        """Text in, text out, streamed: yields pieces of text as tokens complete them."""
+        ids: list[int] = []
+        shown = ""
+        for token in self.generate(self.encode(prompt), max_new_tokens, sampling=sampling):
+            if token in self.stop_ids:
+                break
+            ids.append(token)
+            text = self.decode(ids)
+            if text.endswith("\ufffd"):  # a character split over tokens: wait for the rest
+                continue
+            yield text[len(shown):]
+            shown = text
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MoepassError(f"{path}: not valid JSON ({e})") from None
 
 
 def _layer_key(name: str) -> tuple[int, str]:
@@ -118,9 +203,16 @@ def _layer_key(name: str) -> tuple[int, str]:
     return int(layer), kind
 
 
-def load(model_dir: str | os.PathLike, device: str = "auto", threads: int | None = None) -> Decoder:
-    """Load a converted model directory (or its model.onnx) for inference."""
-    return Decoder(model_dir, device=device, threads=threads)
+def load(model_dir: str | os.PathLike, device: str = "auto", cuda_plugin: str | None = None, mode: str | None = None,
+         threads: int | None = None) -> Decoder:
+    """Load a converted model directory (or its model.onnx) for inference.
+
+    device: "auto" (best available), "cpu" or "cuda" (a CUDA EP is required). cuda_plugin: path of
+    the ONNX Runtime CUDA plugin EP library (default: $MOEPASS_CUDA_PLUGIN). mode: expert offload
+    "disabled", "auto" (fall back with one warning) or "required" (fail, naming the node and rule);
+    default: what partition wrote into onnxruntime_options.json, else "disabled".
+    """
+    return Decoder(model_dir, device=device, threads=threads, cuda_plugin=cuda_plugin, mode=mode)
 
 
-__all__ = ["Decoder", "load"]
+__all__ = ["Decoder", "Sampling", "choose_token", "load"]

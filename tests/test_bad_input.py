@@ -15,6 +15,9 @@ from gguf import GGMLQuantizationType as GT, GGUFReader
 import make_fixtures
 from moepass.cli import main
 
+OUTPUT_FILES = ["genai_config.json", "model.onnx", "model.onnx.data", "moepass.json", "tokenizer.json",
+                "tokenizer_config.json"]
+
 
 def _convert_fails(gguf: Path, out: Path, *must_contain: str) -> str:
     result = CliRunner().invoke(main, ["convert", str(gguf), "-o", str(out), "-q"])
@@ -121,7 +124,7 @@ def test_existing_output_is_not_overwritten(tmp_path, make_gguf):
     assert (out / "mine.txt").read_text() == "keep me" and len(list(out.iterdir())) == 1
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out), "-q", "--force"])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.onnx.data", "moepass.json"]
+    assert sorted(p.name for p in out.iterdir()) == OUTPUT_FILES
     assert not list(tmp_path.glob(".out.*"))
 
 

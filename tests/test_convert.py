@@ -14,6 +14,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
 from moepass.cli import main
+
+OUTPUT_FILES = ["genai_config.json", "model.onnx", "model.onnx.data", "moepass.json", "tokenizer.json",
+                "tokenizer_config.json"]
 from moepass.quants import BlockForm, unpack_values
 
 
@@ -21,7 +24,7 @@ def test_convert_twice_gives_identical_files(tmp_path, make_gguf):
     src = make_gguf("q4_k")
     a, b = moepass.convert(src, tmp_path / "a"), moepass.convert(src, tmp_path / "b")
     names = sorted(p.name for p in a.output_dir.iterdir())
-    assert names == ["model.onnx", "model.onnx.data", "moepass.json"]
+    assert names == OUTPUT_FILES
     match, mismatch, errors = filecmp.cmpfiles(a.output_dir, b.output_dir, names, shallow=False)
     assert match == names, (mismatch, errors)
 

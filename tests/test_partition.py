@@ -90,8 +90,9 @@ def test_outputs_plan_and_options_accepted_by_onnxruntime(tmp_path, converted, p
     out = tmp_path / "placed"
     result = partition(converted("q4_0"), out, "2MiB", profile=popularity, context=64, prefill_tokens=16,
                        reserve="64K", report=tmp_path / "plan.png")
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.onnx.data", "moepass.json",
-                                                      "onnxruntime_options.json", "plan.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["genai_config.json", "model.onnx", "model.onnx.data",
+                                                      "moepass.json", "onnxruntime_options.json", "plan.json",
+                                                      "tokenizer.json", "tokenizer_config.json"]
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plan = json.loads((out / "plan.json").read_text())
     assert plan["format"] == "moepass-plan" and plan["version"] == 1

@@ -1,0 +1,59 @@
+"""genai_config.json: what onnxruntime-genai needs to load a converted model and generate from it.
+
+The decoder's inputs and outputs are named as onnxruntime-genai expects (input_ids,
+attention_mask, past_key_values.N.key/value -> logits, present.N.key/value); the KV cache is not
+shared between past and present (the model's GroupQueryAttention concatenates), and the session
+config entries (partition's expert offload options, when present) go into session_options, where
+onnxruntime-genai passes every key it does not know to ONNX Runtime as a session config entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+
+from moepass.files import MODEL_FILE
+
+# onnxruntime-genai's model type decides little for a plain decoder; these are the nearest it knows.
+GENAI_TYPES = {"qwen3moe": "qwen3", "qwen2moe": "qwen2", "llama": "llama", "olmoe": "olmo", "granitemoe": "granite",
+               "phimoe": "phi3"}
+
+
+def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
+                 config_entries: dict[str, str] | None = None) -> dict[str, Any]:
+    arch = model.metadata_props.get("moepass.architecture", "")
+    stop = list(tokenizer.get("stop_token_ids") or [])
+    return with_session_entries({
+        "model": {
+            "bos_token_id": tokenizer.get("bos_token_id") if tokenizer.get("bos_token_id") is not None else 0,
+            "context_length": hp["context_length"],
+            "decoder": {
+                "session_options": {"log_id": "moepass", "provider_options": []},
+                "filename": MODEL_FILE,
+                "head_size": hp["head_dim"],
+                "hidden_size": hp["hidden"],
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                            "present_value_names": "present.%d.value"},
+                "num_attention_heads": hp["n_heads"],
+                "num_hidden_layers": hp["n_layers"],
+                "num_key_value_heads": hp["n_kv_heads"],
+            },
+            "eos_token_id": stop if len(stop) != 1 else stop[0],
+            "pad_token_id": stop[0] if stop else 0,
+            "type": GENAI_TYPES.get(arch, "llama"),
+            "vocab_size": hp["vocab"],
+        },
+        "search": {"do_sample": False, "max_length": hp["context_length"], "min_length": 0, "num_beams": 1,
+                   "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
+                   "temperature": 1.0, "top_k": 1, "top_p": 1.0},
+    }, config_entries or {})
+
+
+def with_session_entries(config: dict[str, Any], entries: dict[str, str]) -> dict[str, Any]:
+    """A genai config whose decoder session also gets these ONNX Runtime session config entries."""
+    session = config["model"]["decoder"]["session_options"]
+    session.update({k: str(v) for k, v in entries.items()})
+    return config

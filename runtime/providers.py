@@ -1,0 +1,166 @@
+"""Which execution provider runs the model, which offload options go with it, and what cannot be had.
+
+Order of preference for device="auto" (and what device="cuda" requires):
+1. the ONNX Runtime CUDA plugin EP (`CudaPluginExecutionProvider`, the library that implements
+   CPU/GPU expert offload), from `cuda_plugin=` or the MOEPASS_CUDA_PLUGIN environment variable,
+   registered with `onnxruntime.register_execution_provider_library` and added for its devices;
+2. the in-tree CUDA EP of onnxruntime-gpu (`CUDAExecutionProvider`; no expert offload options);
+3. the CPU EP.
+
+Expert offload is asked for with `mode` ("auto" or "required"; else the mode partition wrote into
+onnxruntime_options.json; else "disabled"). Before a session is created, `plan_session` checks what
+it can: the ONNX Runtime version, the EP, and each MoE node against ONNX Runtime's offload
+eligibility rules. In "required" mode any reason offload cannot happen is an error naming the node
+and the rule; in "auto" mode it falls back and says, in one warning, exactly what was lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+from moepass.errors import MoepassError
+from moepass.passes.moe_nodes import moe_nodes
+
+log = logging.getLogger("moepass")
+
+PLUGIN_EP = "CudaPluginExecutionProvider"
+CUDA_EP = "CUDAExecutionProvider"
+CPU_EP = "CPUExecutionProvider"
+PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"
+OFFLOAD_PREFIX = "session.moe.offload."
+OFFLOAD_MIN_ORT = (1, 32)
+DEVICES = ("auto", "cpu", "cuda")
+MODES = ("disabled", "auto", "required")
+
+
+def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
+    """(node, rule) for every MoE node that ONNX Runtime's expert offload would refuse."""
+    found = []
+    for moe in moe_nodes(model.graph):
+        node, attrs = moe.node, moe.node.attributes
+        if node.op_type != "QMoE":
+            found.append((moe.name, "only QMoE nodes are offloaded (this is a float MoE node)"))
+            continue
+        bits = attrs.get_int("expert_weight_bits", 4)
+        prepacked = attrs.get_int("weights_prepacked", 0)
+        block = attrs.get_int("block_size", 0)
+        if bits == 4 and (prepacked != 1 or block != 32):
+            found.append((moe.name, f"int4 experts need weights_prepacked=1 and block_size 32 "
+                                    f"(has weights_prepacked={prepacked}, block_size {block or 'per row'})"))
+        elif bits == 3 and (prepacked != 0 or block not in (32, 64, 128)):
+            found.append((moe.name, "int3 experts need weights_prepacked=0 and block_size 32, 64 or 128"))
+        elif bits == 2 and prepacked != 1:
+            found.append((moe.name, "int2 experts need weights_prepacked=1"))
+        elif bits == 8:
+            found.append((moe.name, "int8 experts are not offloaded (int4 prepacked block 32, int3 or int2 are)"))
+        dtype = node.inputs[0].dtype
+        if dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            found.append((moe.name, f"activations must be float16 or bfloat16 (are {dtype.name if dtype else '?'})"))
+        if attrs.get_string("activation_type", "") == "swiglu" and attrs.get_int("swiglu_fusion", 0) != 1:
+            found.append((moe.name, "SwiGLU must be interleaved (swiglu_fusion=1)"))
+        if attrs.get_int("use_sparse_mixer", 0):
+            found.append((moe.name, "the sparse mixer is not supported"))
+        if any(not v.is_initializer() for v in moe.expert_values):
+            found.append((moe.name, "expert weights and scales must be constant initializers"))
+    return found
+
+
+@dataclasses.dataclass
+class SessionPlan:
+    """What `load` will do: providers, session config entries, and the warnings it gives."""
+
+    device: str
+    provider: str
+    providers: list[str]
+    plugin_devices: list[Any]
+    config_entries: dict[str, str]
+    offload_mode: str
+    warnings: list[str]
+
+
+def _ort_version(ort) -> tuple[int, int]:
+    major, minor = (int(x) for x in ort.__version__.split(".")[:2])
+    return major, minor
+
+
+def _register_plugin(ort, library: str) -> list[Any]:
+    path = Path(library)
+    if not path.is_file():
+        raise MoepassError(f"{path}: no such CUDA plugin EP library")
+    try:
+        ort.register_execution_provider_library(PLUGIN_EP, str(path))
+    except Exception as e:  # noqa: BLE001 - ORT raises its own types; keep its words
+        if "already registered" not in str(e).lower():
+            raise MoepassError(f"{path}: ONNX Runtime cannot register it as {PLUGIN_EP}: "
+                               f"{str(e).strip().splitlines()[0]}") from None
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == PLUGIN_EP]
+    if not devices:
+        raise MoepassError(f"{path}: registered as {PLUGIN_EP}, but it reports no device")
+    return devices
+
+
+def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], device: str = "auto",
+                 cuda_plugin: str | None = None, mode: str | None = None) -> SessionPlan:
+    if device not in DEVICES:
+        raise MoepassError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+    if mode is not None and mode not in MODES:
+        raise MoepassError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    entries = dict(options_file_entries)
+    offload_mode = mode or entries.get(OFFLOAD_PREFIX + "mode", "disabled")
+    warnings: list[str] = []
+    n_moe = len(moe_nodes(model.graph))
+
+    plugin_library = cuda_plugin or os.environ.get(PLUGIN_ENV)
+    plugin_devices: list[Any] = []
+    if device != "cpu" and plugin_library:
+        plugin_devices = _register_plugin(ort, plugin_library)
+        provider = PLUGIN_EP
+    elif device != "cpu" and CUDA_EP in ort.get_available_providers():
+        provider = CUDA_EP
+    elif device == "cuda":
+        raise MoepassError(f"device='cuda' but no CUDA EP is available: ONNX Runtime {ort.__version__} has "
+                           f"{', '.join(ort.get_available_providers())}; give the CUDA plugin EP library with "
+                           f"cuda_plugin= or {PLUGIN_ENV}, or install onnxruntime-gpu")
+    else:
+        provider = CPU_EP
+
+    if offload_mode != "disabled":
+        reasons = []
+        if _ort_version(ort) < OFFLOAD_MIN_ORT:
+            reasons.append(f"ONNX Runtime {ort.__version__} predates the session.moe.offload.* options "
+                           f"(needs {'.'.join(map(str, OFFLOAD_MIN_ORT))})")
+        if provider != PLUGIN_EP:
+            what = "no CUDA plugin EP" if provider == CPU_EP else f"{provider} does not offload experts"
+            reasons.append(what)
+        violations = offload_violations(model)
+        if offload_mode == "required":
+            if reasons:
+                raise MoepassError(f"expert offload required, but {reasons[0]}")
+            if violations:
+                node, rule = violations[0]
+                more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+                raise MoepassError(f"expert offload required, but node {node} cannot be offloaded: {rule}{more}")
+        else:
+            if reasons:
+                where = "the CPU" if provider == CPU_EP else f"{provider} without offload"
+                warnings.append(f"{reasons[0]}: all {n_moe} MoE layers run on {where}")
+            elif violations:
+                nodes = sorted({n for n, _ in violations})
+                warnings.append(f"{len(nodes)} of {n_moe} MoE layers cannot be offloaded ({violations[0][0]}: "
+                                f"{violations[0][1]}); ONNX Runtime keeps them where the EP places them")
+        if _ort_version(ort) < OFFLOAD_MIN_ORT:
+            entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
+        else:
+            entries[OFFLOAD_PREFIX + "mode"] = offload_mode
+    else:
+        entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
+    providers = [provider, CPU_EP] if provider not in (CPU_EP, PLUGIN_EP) else [CPU_EP]
+    for message in warnings:
+        log.warning(message)
+    return SessionPlan(device, provider, providers, plugin_devices, entries, offload_mode, warnings)
