@@ -15,6 +15,7 @@ from moepass.errors import MoepassError
 from moepass.passes import PASS_NAMES
 from moepass.passes.lower import FLOAT_EXPERT_CHOICES
 from moepass.placement import MODES, POLICIES, Bandwidths
+from moepass.runtime.providers import DEVICES, MODES as OFFLOAD_MODES, PLUGIN_ENV
 
 
 class _Group(click.Group):
@@ -97,22 +98,80 @@ def inspect(path: str, as_json: bool) -> None:
             click.echo(line)
 
 
+def _runtime_options(f):
+    """Options shared by run and bench: where and how the model is loaded."""
+    for option in reversed([
+        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+                     help="auto: the best EP available; cuda: fail unless a CUDA EP is there."),
+        click.option("--cuda-plugin", type=click.Path(dir_okay=False), default=None,
+                     help=f"ONNX Runtime CUDA plugin EP library (default: ${PLUGIN_ENV})."),
+        click.option("--offload", "mode", type=click.Choice(OFFLOAD_MODES), default=None,
+                     help="Expert offload: disabled, auto (fall back with a warning) or required "
+                          "(default: what partition wrote)."),
+        click.option("--threads", type=click.IntRange(1, None), default=None, help="ONNX Runtime intra-op threads."),
+    ]):
+        f = option(f)
+    return f
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path())
-@click.option("--prompt-ids", required=True, help="Prompt token ids, comma-separated (e.g. 1,2,3).")
+@click.option("--prompt", default=None, help="Prompt text (needs the tokenizer.json convert writes).")
+@click.option("--prompt-ids", default=None, help="Prompt token ids, comma-separated (e.g. 1,2,3).")
+@click.option("--chat", is_flag=True, help="Wrap --prompt as a user message with the model's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(0, None), default=16, show_default=True)
-@click.option("--threads", type=click.IntRange(1, None), default=None, help="ONNX Runtime intra-op threads.")
-def run(model_dir: str, prompt_ids: str, max_new_tokens: int, threads: int | None) -> None:
-    """Greedy generation on the CPU through moepass.runtime; prints the new token ids."""
-    from moepass.runtime import load
+@click.option("--temperature", type=click.FloatRange(0, None), default=0.0, show_default=True,
+              help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(0, None), default=0, show_default=True, help="0 = no limit.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed for sampled decoding.")
+@_runtime_options
+def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, max_new_tokens: int,
+        temperature: float, top_k: int, top_p: float, seed: int | None, device: str, cuda_plugin: str | None,
+        mode: str | None, threads: int | None) -> None:
+    """Generate: text in, text out (streamed), or token ids in, token ids out."""
+    from moepass.runtime import Sampling, load
 
-    ids = _parse_ids(prompt_ids)
-    decoder = load(model_dir, threads=threads)
+    if (prompt is None) == (prompt_ids is None):
+        raise MoepassError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    decoder = load(model_dir, device=device, cuda_plugin=cuda_plugin, mode=mode, threads=threads)
+    sampling = Sampling(temperature, top_k, top_p, seed)
     start = time.perf_counter()
-    new = list(decoder.generate(ids, max_new_tokens))
-    seconds = time.perf_counter() - start
-    click.echo(",".join(str(t) for t in new))
-    click.echo(f"{len(new)} tokens in {seconds:.3f} s", err=True)
+    if prompt is not None:
+        text = decoder.apply_chat_template(prompt) if chat else prompt
+        count = 0
+        for piece in decoder.generate_text(text, max_new_tokens, sampling):
+            click.echo(piece, nl=False)
+            count += 1
+        click.echo()
+    else:
+        new = []
+        for token in decoder.generate(_parse_ids(prompt_ids), max_new_tokens, sampling=sampling):
+            new.append(token)
+        click.echo(",".join(str(t) for t in new))
+        count = len(new)
+    click.echo(f"{count} {'pieces' if prompt is not None else 'tokens'} in {time.perf_counter() - start:.3f} s "
+               f"on {decoder.plan.provider}", err=True)
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path())
+@click.option("--prompt-tokens", type=click.IntRange(1, None), default=128, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(1, None), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(1, None), default=3, show_default=True)
+@_runtime_options
+def bench(model_dir: str, prompt_tokens: int, new_tokens: int, repeats: int, device: str, cuda_plugin: str | None,
+          mode: str | None, threads: int | None) -> None:
+    """Prefill and decode speed (tokens/s, best of --repeats) and peak RSS."""
+    from moepass.runtime import load
+    from moepass.runtime.bench import measure
+
+    decoder = load(model_dir, device=device, cuda_plugin=cuda_plugin, mode=mode, threads=threads)
+    result = measure(decoder, prompt_tokens, new_tokens, repeats)
+    click.echo(f"prefill  {result['prefill_tokens_per_s']:10.1f} tokens/s  ({prompt_tokens} tokens)")
+    click.echo(f"decode   {result['decode_tokens_per_s']:10.1f} tokens/s  ({new_tokens} tokens)")
+    click.echo(f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({decoder.plan.provider}, "
+               f"{threads or 'default'} threads)")
 
 
 @main.command()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 
 from moepass.errors import MoepassError
-from moepass.files import MODEL_FILE, OPTIONS_FILE, REPORT_FILE, TOKENIZER_FILE
+from moepass.files import MODEL_FILE, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from moepass.runtime.providers import SessionPlan, plan_session
 
 if TYPE_CHECKING:
@@ -173,6 +173,21 @@ class Decoder:
             if token in stops:
                 return
             logits, cache = self.forward(np.array([[token]]), cache)
+
+    def apply_chat_template(self, user_message: str) -> str:
+        """The prompt for one user message, with the model's chat template (from the GGUF)."""
+        config = _read_json(self._tokenizer_path.with_name(TOKENIZER_CONFIG_FILE))
+        template = config.get("chat_template")
+        if not template:
+            raise MoepassError(f"{self._tokenizer_path.parent}: the model has no chat template (tokenizer.chat_template)")
+        try:
+            import jinja2
+        except ImportError:
+            raise MoepassError("--chat needs jinja2: pip install jinja2") from None
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        return env.from_string(template).render(messages=[{"role": "user", "content": user_message}],
+                                                add_generation_prompt=True, bos_token=config.get("bos_token") or "",
+                                                eos_token=config.get("eos_token") or "")
 
     def generate_text(self, prompt: str, max_new_tokens: int, sampling: Sampling = Sampling()) -> Iterator[str]:
         """Text in, text out, streamed: yields pieces of text as tokens complete them."""

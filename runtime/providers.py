@@ -59,7 +59,7 @@ def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
             found.append((moe.name, "int2 experts need weights_prepacked=1"))
         elif bits == 8:
             found.append((moe.name, "int8 experts are not offloaded (int4 prepacked block 32, int3 or int2 are)"))
-        dtype = node.inputs[0].dtype
+        dtype = node.inputs[0].dtype or node.outputs[0].dtype  # the activations' type, as the node declares it
         if dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
             found.append((moe.name, f"activations must be float16 or bfloat16 (are {dtype.name if dtype else '?'})"))
         if attrs.get_string("activation_type", "") == "swiglu" and attrs.get_int("swiglu_fusion", 0) != 1:

@@ -1,0 +1,223 @@
+"""moepass.runtime: generation against llama.cpp, tokenizers against llama.cpp's, sampling, execution
+provider choice with every fallback and refusal, onnxruntime-genai on the same files, CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+
+import llama_cpp
+import numpy as np
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+
+import moepass
+from moepass.cli import main
+from moepass.gguf_reader import GGUFModel
+from moepass.runtime import Sampling, choose_token, load
+from moepass.runtime.providers import PLUGIN_EP, offload_violations, plan_session
+from moepass.tokenizer import tokenizer_from_gguf
+
+TEXTS = ["Hello world, this is the test 123!\n  spaces", "then the other one's there", "éü 你好 🙂",
+         " leading space", "<|im_start|>user\nhi<|im_end|>"]
+
+
+def _llama(path, **kw):
+    return llama_cpp.Llama(str(path), n_ctx=128, type_k=0, type_v=0, n_threads=2, verbose=False, **kw)
+
+
+def test_greedy_generation_and_text_match_llama_cpp(make_gguf, converted):
+    prompt = "the other one"
+    llm = _llama(make_gguf("f32"))
+    try:
+        ids = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+        theirs = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            theirs.append(int(token))
+            if len(theirs) == 40:
+                break
+        their_text = llm.detokenize(theirs).decode("utf-8", errors="replace")
+    finally:
+        llm.close()
+    decoder = load(converted("f32"))
+    assert decoder.encode(prompt) == ids
+    ours = list(decoder.generate(ids, max_new_tokens=40, stop_ids=()))
+    assert ours == theirs and len(ours) == 40
+    assert decoder.decode(ours) == their_text
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tokenizer_matches_llama_cpp(kind, make_gguf):
+    path = make_gguf("q4_0", tokenizer=kind)
+    tokenizer = tokenizer_from_gguf(GGUFModel(path)).tokenizer
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        for text in TEXTS:
+            ours = tokenizer.encode(text, add_special_tokens=False).ids
+            assert ours == llm.tokenize(text.encode(), add_bos=False, special=True), text
+            assert tokenizer.decode(ours, skip_special_tokens=False) == text
+    finally:
+        llm.close()
+
+
+def test_sampling():
+    rng = np.random.default_rng(0)
+    logits = np.array([0.0, 3.0, 2.9, -1.0])
+    assert choose_token(logits, Sampling(), rng) == 1
+    assert choose_token(logits, Sampling(temperature=1.0, top_k=1), rng) == 1
+    assert choose_token(logits, Sampling(temperature=1.0, top_p=0.01), rng) == 1
+    draws = [choose_token(logits, Sampling(temperature=1.0, top_k=2), rng) for _ in range(400)]
+    assert set(draws) == {1, 2} and 150 < draws.count(2) < 250  # p(2) = 1 / (1 + e^0.1) = 0.475
+    with pytest.raises(moepass.MoepassError, match="invalid sampling settings"):
+        Sampling(top_p=0)
+
+
+def test_seeded_sampling_repeats_and_stops(converted):
+    decoder = load(converted("q4_0"))
+    settings = Sampling(temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    first = list(decoder.generate([1, 2, 3], 20, stop_ids=(), sampling=settings))
+    assert first == list(decoder.generate([1, 2, 3], 20, stop_ids=(), sampling=settings))
+    assert first != list(decoder.generate([1, 2, 3], 20, stop_ids=(), sampling=Sampling(0.9, 20, 0.95, seed=8)))
+    greedy = list(decoder.generate([1, 2, 3], 10, stop_ids=()))
+    stopped = list(decoder.generate([1, 2, 3], 10, stop_ids=(greedy[3],)))
+    assert stopped == greedy[: greedy.index(greedy[3]) + 1]
+    assert decoder.stop_ids == (319,)  # the fixture's <|im_end|>, from tokenizer.ggml.eos_token_id
+
+
+def test_text_and_chat_cli(converted):
+    runner = CliRunner()
+    result = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt", "the other one", "--max-new-tokens", "6"])
+    assert result.exit_code == 0, result.output
+    decoder = load(converted("q4_0"))
+    assert result.stdout == "".join(decoder.generate_text("the other one", 6)) + "\n"
+    chat = decoder.apply_chat_template("hi")
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    result = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt", "hi", "--chat", "--max-new-tokens", "4",
+                                  "--temperature", "0.7", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["run", str(converted("q4_0")), "--max-new-tokens", "4"])
+    assert result.exit_code == 2 and "exactly one of --prompt TEXT or --prompt-ids" in result.stderr
+
+
+def test_bench_cli(converted):
+    result = CliRunner().invoke(main, ["bench", str(converted("q4_0")), "--prompt-tokens", "16", "--new-tokens", "4",
+                                       "--repeats", "1", "--threads", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("prefill") and "tokens/s" in lines[0] and lines[2].startswith("peak RSS")
+
+
+# ---- execution providers, offload options: every fallback and refusal ---------------------------
+
+@pytest.fixture(scope="module")
+def partitioned(converted, tmp_path_factory):
+    out = tmp_path_factory.mktemp("placed") / "model"
+    moepass.partition(converted("q4_0"), out, "1G")
+    return out
+
+
+def test_offload_options_accepted_on_cpu(partitioned, caplog):
+    with caplog.at_level(logging.WARNING, logger="moepass"):
+        decoder = load(partitioned)   # mode from onnxruntime_options.json: auto
+    assert decoder.plan.provider == "CPUExecutionProvider"
+    assert decoder.plan.config_entries["session.moe.offload.mode"] == "auto"
+    assert "session.moe.offload.node_overrides" in decoder.plan.config_entries
+    assert [r.getMessage() for r in caplog.records] == ["no CUDA plugin EP: all 2 MoE layers run on the CPU"]
+    logits, _ = decoder.forward(np.array([[1, 2, 3]]), decoder.empty_cache())
+    assert np.isfinite(logits).all()
+    plain = load(partitioned, mode="disabled")
+    assert not any(k.startswith("session.moe.offload.") for k in plain.plan.config_entries)
+
+
+def test_required_offload_refused_without_plugin(partitioned):
+    with pytest.raises(moepass.MoepassError, match="expert offload required, but no CUDA plugin EP"):
+        load(partitioned, mode="required")
+
+
+def test_device_and_plugin_errors(converted, tmp_path, monkeypatch):
+    with pytest.raises(moepass.MoepassError, match="device='cuda' but no CUDA EP is available"):
+        load(converted("q4_0"), device="cuda")
+    with pytest.raises(moepass.MoepassError, match="nope.so: no such CUDA plugin EP library"):
+        load(converted("q4_0"), cuda_plugin=str(tmp_path / "nope.so"))
+    junk = tmp_path / "libjunk.so"
+    junk.write_bytes(b"not a shared library")
+    monkeypatch.setenv("MOEPASS_CUDA_PLUGIN", str(junk))
+    with pytest.raises(moepass.MoepassError, match=f"libjunk.so: ONNX Runtime cannot register it as {PLUGIN_EP}"):
+        load(converted("q4_0"))
+    assert load(converted("q4_0"), device="cpu").plan.provider == "CPUExecutionProvider"  # cpu ignores the plugin
+    with pytest.raises(moepass.MoepassError, match="device must be one of auto, cpu, cuda"):
+        load(converted("q4_0"), device="tpu")
+
+
+def test_eligibility_rules_name_node_and_rule(converted):
+    rules = [rule for node, rule in offload_violations(ir.load(converted("q4_0") / "model.onnx")) if node == "blk.0.moe"]
+    assert rules == ["int4 experts need weights_prepacked=1 and block_size 32 (has weights_prepacked=0, block_size 32)",
+                     "activations must be float16 or bfloat16 (are FLOAT)"]
+    violations = offload_violations(ir.load(converted("f32") / "model.onnx"))
+    assert violations[0] == ("blk.0.moe", "only QMoE nodes are offloaded (this is a float MoE node)")
+    q8 = [rule for node, rule in offload_violations(ir.load(converted("q8_0") / "model.onnx")) if node == "blk.1.moe"]
+    assert any("int8 experts are not offloaded" in r for r in q8)
+    assert any("activations must be float16 or bfloat16 (are FLOAT)" in r for r in q8)
+
+
+def _fake_ort(version="1.32.0", plugin=True):
+    """Just enough of onnxruntime for plan_session: a plugin EP that reports one GPU device."""
+    device = types.SimpleNamespace(ep_name=PLUGIN_EP)
+    return types.SimpleNamespace(
+        __version__=version, register_execution_provider_library=lambda name, path: None,
+        get_ep_devices=lambda: [device] if plugin else [], get_available_providers=lambda: ["CPUExecutionProvider"])
+
+
+def test_plugin_path_required_and_auto(converted, tmp_path, caplog):
+    library = tmp_path / "libonnxruntime_providers_cuda_plugin.so"
+    library.write_bytes(b"")
+    model = ir.load(converted("q4_0") / "model.onnx")
+    with pytest.raises(moepass.MoepassError,
+                       match="node blk.0.moe cannot be offloaded: int4 experts need weights_prepacked=1"):
+        plan_session(_fake_ort(), model, {}, cuda_plugin=str(library), mode="required")
+    with caplog.at_level(logging.WARNING, logger="moepass"):
+        plan = plan_session(_fake_ort(), model, {}, cuda_plugin=str(library), mode="auto")
+    assert plan.provider == PLUGIN_EP and plan.config_entries["session.moe.offload.mode"] == "auto"
+    assert caplog.records[-1].getMessage().startswith("2 of 2 MoE layers cannot be offloaded (blk.0.moe: int4 experts")
+    with pytest.raises(moepass.MoepassError, match="registered as CudaPluginExecutionProvider, but it reports no device"):
+        plan_session(_fake_ort(plugin=False), model, {}, cuda_plugin=str(library))
+
+
+def test_old_onnxruntime(converted, caplog):
+    model = ir.load(converted("q4_0") / "model.onnx")
+    entries = {"session.moe.offload.mode": "auto", "session.moe.offload.placement": "static"}
+    with pytest.raises(moepass.MoepassError, match="ONNX Runtime 1.31.1 predates the session.moe.offload"):
+        plan_session(_fake_ort("1.31.1"), model, entries, mode="required")
+    with caplog.at_level(logging.WARNING, logger="moepass"):
+        plan = plan_session(_fake_ort("1.31.1"), model, entries)
+    assert plan.config_entries == {}
+    assert "predates the session.moe.offload.* options (needs 1.32): all 2 MoE layers run on the CPU" in \
+        caplog.records[-1].getMessage()
+
+
+# ---- onnxruntime-genai -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["f32", "q4_0"])
+def test_onnxruntime_genai_generates_the_same_tokens(preset, converted):
+    import onnxruntime_genai as og
+    model = og.Model(str(converted(preset)))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=3 + 20, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens([5, 77, 200])
+    theirs = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        theirs.append(int(generator.get_next_tokens()[0]))
+    assert theirs == list(load(converted(preset)).generate([5, 77, 200], 20, stop_ids=()))
+
+
+def test_onnxruntime_genai_takes_the_offload_options(partitioned):
+    import onnxruntime_genai as og
+
+    config = json.loads((partitioned / "genai_config.json").read_text())
+    session = config["model"]["decoder"]["session_options"]
+    assert session["session.moe.offload.mode"] == "auto" and "session.moe.offload.node_overrides" in session
+    og.Model(str(partitioned))  # ONNX Runtime validates the entries as genai passes them on
