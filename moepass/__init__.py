@@ -16,10 +16,10 @@ __version__ = "0.1.0"
 from moepass.errors import MoepassError  # noqa: E402
 from moepass.convert import ConvertResult, convert  # noqa: E402
 from moepass.inspection import inspect  # noqa: E402
-from moepass.runtime import load  # noqa: E402
+from moepass.runtime import Sampling, load  # noqa: E402
 from moepass.profile import profile  # noqa: E402
 from moepass.partition import PartitionResult, partition  # noqa: E402
 from moepass.popularity import Popularity  # noqa: E402
 
-__all__ = ["ConvertResult", "MoepassError", "PartitionResult", "Popularity", "__version__", "convert", "inspect",
-           "load", "partition", "profile"]
+__all__ = ["ConvertResult", "MoepassError", "PartitionResult", "Popularity", "Sampling", "__version__", "convert",
+           "inspect", "load", "partition", "profile"]

@@ -3,7 +3,8 @@
 `load(model_dir, device="auto"|"cpu"|"cuda", cuda_plugin=None, mode=None)` picks the execution
 provider and the expert-offload options that match the model's annotations (see
 `moepass.runtime.providers`), checks what it can before creating the session, and returns a
-`Decoder`: KV cache kept between steps, greedy or sampled decoding (temperature, top-k, top-p,
+`Decoder`: KV cache kept between steps (through an IO binding, as ONNX Runtime values, during
+generation), greedy or sampled decoding (temperature, top-k, top-p,
 seed), stop tokens from the GGUF, tokens streamed as they come, and text in / text out through the
 tokenizer.json that convert writes.
 """
@@ -166,13 +167,14 @@ class Decoder:
             raise MoepassError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         stops = set(self.stop_ids if stop_ids is None else stop_ids)
         rng = np.random.default_rng(sampling.seed)
-        logits, cache = self.forward(np.array([prompt_ids]), self.empty_cache())
+        step = _BoundDecoding(self)
+        logits = step.run(prompt_ids)
         for _ in range(max_new_tokens):
-            token = choose_token(logits[0, -1], sampling, rng)
+            token = choose_token(logits, sampling, rng)
             yield token
             if token in stops:
                 return
-            logits, cache = self.forward(np.array([[token]]), cache)
+            logits = step.run([token])
 
     def apply_chat_template(self, user_message: str) -> str:
         """The prompt for one user message, with the model's chat template (from the GGUF)."""
@@ -202,6 +204,39 @@ class Decoder:
                 continue
             yield text[len(shown):]
             shown = text
+
+
+class _BoundDecoding:
+    """Decoding steps through an IO binding: each step's present.N.* stay ONNX Runtime values bound
+    as the next step's past_key_values.N.*, never copied out to numpy; only the last position's
+    logits come back."""
+
+    def __init__(self, decoder: Decoder):
+        import onnxruntime as ort
+
+        self._ort, self._decoder = ort, decoder
+        self._binding = decoder.session.io_binding()
+        self._past: dict[str, object] = {n: ort.OrtValue.ortvalue_from_numpy(a)
+                                         for n, a in decoder.empty_cache().items()}
+        self._length = 0
+
+    def run(self, token_ids: Sequence[int]) -> np.ndarray:
+        ort, d, binding = self._ort, self._decoder, self._binding
+        ids = np.asarray([token_ids], dtype=np.int64)
+        self._length += ids.shape[1]
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", np.ones((1, self._length), dtype=np.int64))
+        for name, value in self._past.items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output("logits", "cpu")
+        for name in d.present_names:
+            binding.bind_output(name, "cpu")
+        d.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        self._past = dict(zip(d.past_names, outputs[1:]))
+        return outputs[0].numpy()[0, -1]
 
 
 def _read_json(path: Path) -> dict:

@@ -221,3 +221,13 @@ def test_onnxruntime_genai_takes_the_offload_options(partitioned):
     session = config["model"]["decoder"]["session_options"]
     assert session["session.moe.offload.mode"] == "auto" and "session.moe.offload.node_overrides" in session
     og.Model(str(partitioned))  # ONNX Runtime validates the entries as genai passes them on
+
+
+def test_io_bound_generation_equals_plain_forward_steps(converted):
+    decoder = load(converted("q4_0"))
+    logits, cache = decoder.forward(np.array([[5, 77, 200]]), decoder.empty_cache())
+    plain = []
+    for _ in range(12):
+        plain.append(int(np.argmax(logits[0, -1])))
+        logits, cache = decoder.forward(np.array([[plain[-1]]]), cache)
+    assert list(decoder.generate([5, 77, 200], 12, stop_ids=())) == plain
