@@ -231,3 +231,14 @@ def test_io_bound_generation_equals_plain_forward_steps(converted):
         plain.append(int(np.argmax(logits[0, -1])))
         logits, cache = decoder.forward(np.array([[plain[-1]]]), cache)
     assert list(decoder.generate([5, 77, 200], 12, stop_ids=())) == plain
+
+
+def test_text_refusals(make_gguf, tmp_path):
+    spm = moepass.convert(make_gguf("q4_0", tokenizer="llama"), tmp_path / "spm").output_dir
+    with pytest.raises(moepass.MoepassError, match="the model has no chat template"):
+        load(spm).apply_chat_template("hi")
+    bare = moepass.convert(make_gguf("q4_0", omit_keys=("tokenizer.ggml.model",)), tmp_path / "bare")
+    assert bare.tokenizer["reason"] == "the GGUF has no tokenizer metadata"
+    assert "none written: the GGUF has no tokenizer metadata (token ids only)" in "\n".join(bare.summary_lines())
+    with pytest.raises(moepass.MoepassError, match="tokenizer.json: no tokenizer beside the model; use token ids"):
+        load(bare.output_dir).encode("hello")
