@@ -64,6 +64,19 @@ class ConvertResult:
     def max_rel_rms_error(self) -> float:
         return max((e for w in self.weights for e in w["rel_rms_error"]), default=0.0)
 
+    def quality_table(self) -> list[str]:
+        """Weights grouped by source type and target form: tensors, bits per weight, exact or the error."""
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
+        for w in self.weights:
+            groups[("+".join(sorted(set(w["source_types"]))), w["target"])].append(w)
+        rows = [f"{'source':<12}{'target':<10}{'tensors':>8}{'bits/w':>8}  rel. RMS error"]
+        for (source, target), members in sorted(groups.items()):
+            bpw = sum(m["bits_per_weight"] * m["bytes"] for m in members) / sum(m["bytes"] for m in members)
+            errors = [e for m in members for e in m["rel_rms_error"]]
+            error = "exact" if all(all(m["exact"]) for m in members) else f"max {max(errors):.4f}"
+            rows.append(f"{source:<12}{target:<10}{len(members):>8}{bpw:>8.2f}  {error}")
+        return rows
+
     def summary_lines(self) -> list[str]:
         experts = self.moe_layers[0]["experts"] if self.moe_layers else 0
         top_k = self.moe_layers[0]["top_k"] if self.moe_layers else 0
@@ -79,6 +92,7 @@ class ConvertResult:
         inexact = len(self.weights) - self.n_exact
         lines.append(f"  weights       {self.n_exact} exact, {inexact} requantized"
                      + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
+        lines.extend("    " + row for row in self.quality_table())
         if self.tokenizer.get("reason"):
             lines.append(f"  tokenizer     none written: {self.tokenizer['reason']} (token ids only)")
         else:

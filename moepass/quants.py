@@ -3,7 +3,7 @@
 One table, `QUANT_TYPES`, says for every GGUF type moepass accepts how its values are stored:
 
 - "blocks": values are `scale * code` with small integer codes sharing one float scale per block
-  (Q8_0, Q4_0, Q6_K). Such a type moves *bit-exactly* into any `BlockForm` whose block divides
+  (Q8_0, Q4_0, Q6_K, Q5_0, and IQ4_NL whose codebook values are integers). Such a type moves *bit-exactly* into any `BlockForm` whose block divides
   the native block and whose integer range holds the codes; `exact_forms()` derives which.
 - "float": F32/F16/BF16, kept as float unless the user asks for quantization.
 - "dequantize": formats with fractional minimums or codebooks (Q4_K, ...): their values come from
@@ -81,6 +81,30 @@ def decode_q4_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     b = _blocks(raw, GT.Q4_0)
     qs = b[..., 2:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).view(np.int8) - np.int8(8)
+    return codes.reshape(*raw.shape[:-1], -1), _fp16_field(b, 0)
+
+
+def decode_q5_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0: fp16 d, 32 high bits, 16 nibble bytes; element j = low nibble of byte j (j < 16) or high
+    nibble of byte j-16, plus high bit j at 16; value = d * (q - 16)."""
+    b = _blocks(raw, GT.Q5_0)
+    high = np.ascontiguousarray(b[..., 2:6]).view("<u4")                    # [..., n_blocks, 1]
+    bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)   # [..., n_blocks, 32]
+    qs = b[..., 6:]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    codes = (low | (bits << 4)).view(np.int8) - np.int8(16)
+    return codes.reshape(*raw.shape[:-1], -1), _fp16_field(b, 0)
+
+
+# IQ4_NL's non-linear 4-bit codebook: integer values, so d * kvalue moves exactly into int8 codes.
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def decode_iq4_nl(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_NL: fp16 d, 16 bytes of codebook indices laid out as Q4_0's nibbles; value = d * kvalues[i]."""
+    b = _blocks(raw, GT.IQ4_NL)
+    qs = b[..., 2:]
+    codes = IQ4_NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
     return codes.reshape(*raw.shape[:-1], -1), _fp16_field(b, 0)
 
 
@@ -173,7 +197,13 @@ QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
     QuantType(GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0, {8: direct_q8_0_int8}),
     QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0, {4: direct_q4_0_int4}),
     QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k),
-    QuantType(GT.Q4_K, "dequantize"),
+    QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0),
+    QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl),
+    # Fractional minimums, non-linear codebooks or shared exponents: requantized from the gguf
+    # package's dequantization, the added error measured and reported.
+    *(QuantType(t, "dequantize") for t in (
+        GT.Q4_1, GT.Q5_1, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.IQ4_XS, GT.IQ3_XXS, GT.IQ3_S,
+        GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_S, GT.IQ1_M, GT.MXFP4)),
 ]}
 
 

@@ -40,6 +40,7 @@ class WeightRecord:
     source_types: list[str]
     target: str
     bytes: int
+    bits_per_weight: float
     # Per source, known once written: bit-exact?, and the relative RMS error ||W' - W|| / ||W||
     # against the gguf package's dequantization (0.0 when exact).
     exact: list[bool] | None = None
@@ -123,7 +124,7 @@ def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport
                  transpose: bool = False) -> ir.TensorProtocol:
     """A GGUF tensor as float32, its values exactly as the gguf package dequantizes them."""
     shape = src.shape[::-1] if transpose else src.shape
-    report.add(WeightRecord(name, [src.name], [qt.name], "float32", int(np.prod(shape)) * 4,
+    report.add(WeightRecord(name, [src.name], [qt.name], "float32", int(np.prod(shape)) * 4, 32.0,
                             exact=[True], rel_rms_error=[0.0]))
     if not transpose:
         return StreamedTensor(lambda: (dequantize(raw, qt.ggml_type) for _, raw in row_chunks(src)),
@@ -145,7 +146,7 @@ def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightRepor
     e, n, k = sources[0].shape
     shape = (e, n * len(sources), k)
     report.add(WeightRecord(name, [s.name for s in sources], [s.type_name for s in sources], "float32",
-                            int(np.prod(shape)) * 4, exact=[True] * len(sources),
+                            int(np.prod(shape)) * 4, 32.0, exact=[True] * len(sources),
                             rel_rms_error=[0.0] * len(sources)))
 
     def dequantize_chunk(parts: list[np.ndarray]) -> np.ndarray:
@@ -181,7 +182,9 @@ class PackedGroup:
         self._lock = threading.Lock()
         self._kept_scales: list[np.ndarray] | None = None
         nbytes = int(np.prod(self.codes_shape)) + 4 * int(np.prod(self.scales_shape))
-        report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes))
+        elements = sum(int(np.prod(s.shape)) for s in sources)
+        report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes,
+                                round(nbytes * 8 / elements, 4)))
         self.codes = StreamedTensor(self._codes_chunks, ir.DataType.UINT8, self.codes_shape, f"{name}.q")
         self.scales = StreamedTensor(self._scales_chunks, ir.DataType.FLOAT, self.scales_shape, f"{name}.scales")
 

@@ -88,8 +88,8 @@ def test_unknown_architecture(tmp_path, make_gguf):
 
 
 def test_unsupported_quant_type(tmp_path, make_gguf):
-    bad = make_gguf("q4_0", types={"gate_up": GT.Q5_0})
-    _convert_fails(bad, tmp_path / "out", "tensor 'blk.0.ffn_gate_exps.weight'", "type Q5_0")
+    bad = make_gguf("q4_0", types={"gate_up": GT.TQ2_0})
+    _convert_fails(bad, tmp_path / "out", "tensor 'blk.0.ffn_gate_exps.weight'", "type TQ2_0")
 
 
 def test_missing_metadata_key(tmp_path, make_gguf):

@@ -2,66 +2,25 @@
 
 Every architecture, F32 fixture with an F32 KV cache: max |logit difference| <= 1e-4.
 qwen3moe quantized fixtures: <= 0.1 and the same argmax at every position.
-Other architectures' quantized fixtures: the same argmax at every *decided* position: llama.cpp's own
-top-2 logit margin is at least NEAR_TIE times the spread (std) of its logits there, and no MoE
-layer's k-th and (k+1)-th router logits are closer than ROUTER_TIE times their spread; at least half
-of the positions must be decided. llama.cpp quantizes
-activations inside its quantized dot products (ONNX Runtime's 8-bit QMoE does too, differently), so
-near-tied logits of these random models, and near-tied routing choices, can fall either way: a
-phimoe Q4_K fixture flips an expert at positions whose 2nd/3rd router logits differ by 0.016-0.046.
+Other architectures' quantized fixtures: the same argmax at every decided position (tests/oracle.py),
+and at least half of the positions decided.
 Prefill of the whole prompt, token-by-token decode through the KV cache, and a prompt fed in two
 chunks must all match.
 """
 
 from __future__ import annotations
 
+import llama_cpp
 import numpy as np
 import pytest
 
-import llama_cpp  # noqa: E402  the oracle; .ci/run builds it from source
-
-from moepass.runtime import load  # noqa: E402
+from moepass.runtime import load
+from oracle import PROMPT, decided_positions, llama_logits, routing_near_ties
 
 pytestmark = pytest.mark.llama
 
-PROMPT = [5, 77, 200, 13, 99, 150, 7, 260, 31, 42, 318, 1, 64, 128]
 TOLERANCE = {"f32": 1e-4, "q8_0": 0.1, "q4_0": 0.1, "q4_k": 0.1, "q6_k": 0.1}
 ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe"]
-NEAR_TIE = 0.05  # of the position's logit std
-ROUTER_TIE = 0.05  # of the position's router logit std
-
-
-def routing_near_ties(model_dir, ids):
-    """Positions where some MoE layer's k-th and (k+1)-th router logits are closer than ROUTER_TIE
-    times the spread (std) of that layer's router logits there."""
-    from moepass.passes.expose_router import ExposeRouterLogitsPass
-    from moepass.passes.moe_nodes import moe_nodes
-    from moepass.profile import load_model
-    from moepass.runtime import Decoder
-
-    model = load_model(model_dir)
-    top_k = {m.name: m.top_k for m in moe_nodes(model.graph)}
-    expose = ExposeRouterLogitsPass()
-    expose(model)
-    decoder = Decoder(model_dir, graph=model)
-    _, _, routers = decoder.forward_with(np.array([ids]), decoder.empty_cache(), list(expose.outputs.values()))
-    ties = np.zeros(len(ids), dtype=bool)
-    for node, output in expose.outputs.items():
-        logits = routers[output]
-        ordered = np.sort(logits, axis=-1)[:, ::-1]
-        k = top_k[node]
-        ties |= ordered[:, k - 1] - ordered[:, k] < ROUTER_TIE * logits.std(axis=-1)
-    return ties
-
-
-def llama_logits(gguf_path, ids):
-    llm = llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=64, n_batch=64, type_k=0, type_v=0,
-                          n_threads=2, verbose=False)
-    try:
-        llm.eval(ids)
-        return np.array(llm.scores[: len(ids)], dtype=np.float32)
-    finally:
-        llm.close()
 
 
 def _check(ours, ref, preset, what, arch="qwen3moe", router_ties=None):
@@ -71,8 +30,7 @@ def _check(ours, ref, preset, what, arch="qwen3moe", router_ties=None):
     if preset != "f32":
         decided = np.ones(len(ref), dtype=bool)
         if arch != "qwen3moe":
-            top2 = np.sort(ref, axis=-1)[:, -2:]
-            decided = (top2[:, 1] - top2[:, 0] >= NEAR_TIE * ref.std(axis=-1)) & ~router_ties
+            decided = decided_positions(ref, router_ties)
             assert decided.mean() >= 0.5, f"{arch} {preset}: only {decided.sum()} of {len(ref)} positions decided"
         same = ours.argmax(-1) == ref.argmax(-1)
         assert same[decided].all(), \

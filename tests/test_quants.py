@@ -19,7 +19,7 @@ def _random_raw(ggml_type: GT, rows: int = 6, row_blocks: int = 3, seed: int = 0
     """Random blocks with every code value present, including the extreme ones."""
     rng = np.random.default_rng(seed)
     k = GGML_QUANT_SIZES[ggml_type][0] * row_blocks
-    raw = make_fixtures.random_blocks(rng, ggml_type, (rows, k), std=0.05)
+    raw = make_fixtures._tensor_data(rng, (rows, k), ggml_type, std=0.05)[0]
     if ggml_type == GT.Q8_0:
         raw.reshape(-1, 34)[0, 2:4] = [0x80, 0x7F]  # codes -128 and 127
     return raw
@@ -49,6 +49,8 @@ def test_exact_form_table():
     assert forms["Q8_0"] == {"int8/b32", "int8/b16"}
     assert forms["Q4_0"] == {"int4/b32", "int4/b16", "int8/b32", "int8/b16"}
     assert forms["Q6_K"] == {"int8/b16"}
+    assert forms["Q5_0"] == {"int8/b32", "int8/b16"}
+    assert forms["IQ4_NL"] == {"int8/b32", "int8/b16"}
 
 
 def test_pack_codes_layout():
@@ -89,8 +91,8 @@ def test_expert_form_choice():
 
 
 def test_unsupported_type_names_the_tensor():
-    with pytest.raises(MoepassError, match=r"tensor 'blk.0.ffn_up_exps.weight' has type IQ2_XXS"):
-        quant_type(GT.IQ2_XXS, "blk.0.ffn_up_exps.weight")
+    with pytest.raises(MoepassError, match=r"tensor 'blk.0.ffn_up_exps.weight' has type TQ1_0"):
+        quant_type(GT.TQ1_0, "blk.0.ffn_up_exps.weight")
 
 
 @pytest.mark.parametrize("ggml_type", [t for t in BLOCK_TYPES if QUANT_TYPES[t].direct], ids=lambda t: t.name)

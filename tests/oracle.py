@@ -1,0 +1,57 @@
+"""The llama.cpp oracle (llama-cpp-python, built from source by the test setup) and what decides a
+comparison with it on random fixtures.
+
+A position is *decided* when llama.cpp's top-2 logit margin is at least NEAR_TIE times the spread
+(std) of its logits there and no MoE layer's k-th and (k+1)-th router logits are closer than
+ROUTER_TIE times their spread. llama.cpp quantizes activations inside its quantized dot products
+(ONNX Runtime's 8-bit QMoE does too, differently), so near-tied logits of random models, and
+near-tied routing choices, can fall either way: a phimoe Q4_K fixture flips an expert at positions
+whose 2nd/3rd router logits differ by 0.016-0.046.
+"""
+
+from __future__ import annotations
+
+import llama_cpp
+import numpy as np
+
+PROMPT = [5, 77, 200, 13, 99, 150, 7, 260, 31, 42, 318, 1, 64, 128]
+NEAR_TIE = 0.05    # of the position's logit std
+ROUTER_TIE = 0.05  # of the position's router logit std
+
+
+def llama_logits(gguf_path, ids=PROMPT):
+    """llama.cpp's logits [len(ids), vocab] for one prefill, F32 KV cache."""
+    llm = llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=64, n_batch=64, type_k=0, type_v=0,
+                          n_threads=2, verbose=False)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def routing_near_ties(model_dir, ids=PROMPT):
+    """Positions where some MoE layer's k-th and (k+1)-th router logits are nearly tied."""
+    from moepass.passes.expose_router import ExposeRouterLogitsPass
+    from moepass.passes.moe_nodes import moe_nodes
+    from moepass.profile import load_model
+    from moepass.runtime import Decoder
+
+    model = load_model(model_dir)
+    top_k = {m.name: m.top_k for m in moe_nodes(model.graph)}
+    expose = ExposeRouterLogitsPass()
+    expose(model)
+    decoder = Decoder(model_dir, graph=model)
+    _, _, routers = decoder.forward_with(np.array([ids]), decoder.empty_cache(), list(expose.outputs.values()))
+    ties = np.zeros(len(ids), dtype=bool)
+    for node, output in expose.outputs.items():
+        logits = routers[output]
+        ordered = np.sort(logits, axis=-1)[:, ::-1]
+        k = top_k[node]
+        ties |= ordered[:, k - 1] - ordered[:, k] < ROUTER_TIE * logits.std(axis=-1)
+    return ties
+
+
+def decided_positions(ref, router_ties):
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    return (top2[:, 1] - top2[:, 0] >= NEAR_TIE * ref.std(axis=-1)) & ~router_ties
