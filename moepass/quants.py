@@ -286,23 +286,44 @@ def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndar
     np.copyto(scales.reshape(native_scales.shape + (repeat,)), native_scales[..., None])
 
 
-def quantize_values(values: np.ndarray, form: BlockForm) -> Packed:
-    """Symmetric round-to-nearest block quantization of float values `[..., K]` into `form`.
+def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
+    """Symmetric block quantization of float values `[..., K]` into `form`, minimizing the (weighted)
+    squared error per block.
 
-    The scale maps the block's largest magnitude onto the code range's most negative end
-    (as GGUF's Q4_0 does), which uses all 2**bits codes.
+    Two candidates per block, the better kept: the absmax scale (the block's largest magnitude on the
+    code range's most negative end, as GGUF's Q4_0 does), and the least-squares scale for the codes
+    that gives, re-rounded once and refitted (the refinement llama.cpp's quantizers do). `importance`
+    ([K], e.g. from an imatrix) weights each input column's error.
     """
     k = values.shape[-1]
-    blocks = values.reshape(*values.shape[:-1], k // form.block_size, form.block_size)
-    idx = np.abs(blocks).argmax(axis=-1)[..., None]
-    extreme = np.take_along_axis(blocks, idx, axis=-1)[..., 0]
-    scales = (extreme / -form.zero_point).astype(np.float32)
-    safe = np.where(scales == 0, np.float32(1), scales)
+    shape = (*values.shape[:-1], k // form.block_size, form.block_size)
+    x = values.reshape(shape).astype(np.float32, copy=False)
+    w = np.ones((1,) * (len(shape) - 2) + shape[-2:], np.float32) if importance is None else \
+        np.asarray(importance, np.float32).reshape((1,) * (len(shape) - 2) + shape[-2:])
     lo, hi = form.code_range
-    codes = np.clip(np.rint(blocks / safe[..., None]), lo, hi).astype(np.int8).reshape(values.shape)
-    packed = pack_codes(codes, form)
-    restored = codes.astype(np.float32) * np.repeat(scales, form.block_size, axis=-1)
-    return Packed(form, packed, scales, False, error_sq=float(np.sum(np.square(restored - values, dtype=np.float64))),
+
+    def codes_for(scale: np.ndarray) -> np.ndarray:
+        safe = np.where(scale == 0, np.float32(1), scale)
+        return np.clip(np.rint(x / safe[..., None]), lo, hi)
+
+    def least_squares(q: np.ndarray) -> np.ndarray:
+        den = np.sum(w * q * q, axis=-1)
+        return np.where(den > 0, np.sum(w * x * q, axis=-1) / np.where(den > 0, den, 1), 0).astype(np.float32)
+
+    def error(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        return np.sum(w * np.square(q * scale[..., None] - x), axis=-1)
+
+    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    scale_a = (extreme / -form.zero_point).astype(np.float32)
+    codes_a = codes_for(scale_a)
+    codes_b = codes_for(least_squares(codes_a))
+    scale_b = least_squares(codes_b)
+    better = error(codes_b, scale_b) < error(codes_a, scale_a)
+    scales = np.where(better, scale_b, scale_a).astype(np.float32)
+    codes = np.where(better[..., None], codes_b, codes_a).astype(np.int8)
+    restored = (codes.astype(np.float32) * scales[..., None]).reshape(values.shape)
+    return Packed(form, pack_codes(codes.reshape(values.shape), form), scales, False,
+                  error_sq=float(np.sum(np.square(restored - values, dtype=np.float64))),
                   reference_sq=float(np.sum(np.square(values, dtype=np.float64))))
 
 
