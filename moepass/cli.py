@@ -13,7 +13,7 @@ import click
 
 from moepass.errors import MoepassError
 from moepass.passes import PASS_NAMES
-from moepass.passes.lower import FLOAT_EXPERT_CHOICES
+from moepass.passes.lower import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES
 from moepass.placement import MODES, POLICIES, Bandwidths
 from moepass.runtime.providers import DEVICES, MODES as OFFLOAD_MODES, PLUGIN_ENV
 
@@ -65,17 +65,22 @@ def _parse_ids(text: str) -> list[int]:
               help="Directory to create for model.onnx, model.onnx.data and moepass.json.")
 @click.option("--float-experts", type=click.Choice(FLOAT_EXPERT_CHOICES), default="keep", show_default=True,
               help="F32/F16/BF16 experts: keep as float (com.microsoft::MoE) or quantize into QMoE.")
+@click.option("--expert-format", type=click.Choice(EXPERT_FORMATS), default="auto", show_default=True,
+              help="auto: int4 when it adds < 2 % error, else the form holding most experts exactly; "
+                   "int4 / int8: force the width.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
               help="Print the graph after this pass.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(model: str, output: str, float_experts: str, force: bool, print_after: str | None, quiet: bool) -> None:
+def convert(model: str, output: str, float_experts: str, expert_format: str, force: bool, print_after: str | None,
+            quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder."""
     from moepass.convert import convert as run_convert
 
     progress = _Progress("writing weights", enabled=not quiet)
     try:
-        result = run_convert(model, output, float_experts=float_experts, overwrite=force, progress=progress,
+        result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format,
+                             overwrite=force, progress=progress,
                              print_after=print_after, echo=click.echo)
     finally:
         progress.close()

@@ -104,6 +104,7 @@ class ConvertResult:
 
 
 def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_experts: str = "keep",
+            expert_format: str = "auto",
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory.
@@ -113,6 +114,7 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
         output_dir: the directory to create (must not exist, or be empty, unless `overwrite`).
         float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
             (quantized into QMoE).
+        expert_format: "auto", "int4" or "int8" for quantized experts (see passes.lower.AUTO_INT4_MAX_ERROR).
         overwrite: replace an existing output_dir.
         progress: called as progress(done, total) while weights are written.
         print_after: print the graph after this pass (see moepass.passes.PASS_NAMES).
@@ -121,7 +123,7 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
     source, output_dir = Path(model), Path(output_dir)
     gguf = GGUFModel(source)
     arch = architecture_of(gguf)
-    lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts))
+    lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format))
     onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo)
 
     with atomic_directory(output_dir, overwrite) as tmp:

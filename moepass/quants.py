@@ -353,13 +353,14 @@ def best_exact_form(qt: QuantType) -> BlockForm | None:
     return forms[0] if forms else None
 
 
-def choose_expert_form(types: list[QuantType]) -> BlockForm:
+def choose_expert_form(types: list[QuantType], bits: int | None = None) -> BlockForm:
     """One form for all expert matrices of a layer (QMoE takes one bit width and block size).
 
-    Picks the candidate that holds the most of the tensors exactly, then the fewest bits, then the
-    largest block; falls back to REQUANTIZE_FORM when none is exact.
+    Picks the candidate (of `bits` bits, when given) that holds the most of the tensors exactly, then
+    the fewest bits, then the largest block; falls back to block 32 (8 bits unless `bits` says
+    otherwise) when none is exact.
     """
-    candidates = {f for qt in types for f in qt.exact_forms()}
+    candidates = {f for qt in types for f in qt.exact_forms() if bits is None or f.bits == bits}
     if not candidates:
-        return REQUANTIZE_FORM
+        return BlockForm(bits, 32) if bits else REQUANTIZE_FORM
     return min(candidates, key=lambda f: (-sum(f in qt.exact_forms() for qt in types), f.bits, -f.block_size))

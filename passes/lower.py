@@ -29,20 +29,29 @@ from moepass.architectures import Architecture
 from moepass.errors import MoepassError
 from moepass.gguf_reader import GGUFModel, GGUFTensor
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
-from moepass.quants import BlockForm, best_exact_form, choose_expert_form, quant_type
+from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, pack, quant_type
 
 OPSETS = {"": 21, "com.microsoft": 1}
 IR_VERSION = 10
 FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")
+EXPERT_FORMATS = ("auto", "int4", "int8")
+# --expert-format auto takes 4 bits when requantizing a layer's experts into int4 block 32 adds at
+# most this relative RMS error (estimated on the first rows of each tensor); else the smallest
+# form that holds the most tensors exactly (int8 block 32 when none does, error ~0.5 %).
+AUTO_INT4_MAX_ERROR = 0.02
+AUTO_SAMPLE_ROWS = 256
 META = "moepass."  # namespace of moepass's metadata_props
 
 
 @dataclasses.dataclass(frozen=True)
 class LowerOptions:
     """What the user chose. `float_experts`: keep F32/F16/BF16 experts as float (com.microsoft::MoE)
-    or quantize them into QMoE int8 / int4 (block 32)."""
+    or quantize them into QMoE int8 / int4 (block 32). `expert_format`: "auto" (see
+    AUTO_INT4_MAX_ERROR), or force "int4" / "int8" for quantized experts; requantizable non-expert
+    matrices follow it too (int4 for "int4", else int8 block 32)."""
 
     float_experts: str = "keep"
+    expert_format: str = "auto"
 
 
 def rope_cache(n_positions: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +141,12 @@ class GraphBuilder:
         n, k = src.shape
         weight_name = weight_name or src.name
         b = self.float_weight(bias.name, bias) if bias is not None else None
-        form = best_exact_form(qt) if qt.storage == "blocks" else None
+        if qt.storage == "blocks":
+            form = best_exact_form(qt)
+        elif qt.storage == "dequantize":  # requantized, the error reported
+            form = BlockForm(4 if self.options.expert_format == "int4" else 8, 32)
+        else:
+            form = None
         if form is None:
             w = self.float_weight(f"{weight_name}.T", src, transpose=True)
             y = self.tape.op("MatMul", [x, w], name=name)
@@ -194,7 +208,7 @@ class GraphBuilder:
             if all(floats):
                 form = BlockForm(8 if self.options.float_experts == "int8" else 4, 32)
             else:
-                form = choose_expert_form([qt for qt in types if qt.storage != "float"])
+                form = self.expert_form([(t, qt) for t, qt in zip((gate, up, down), types) if qt.storage != "float"])
             fc1_w, fc1_s = self.packed_weights(f"{prefix}.fc1", [gate, up], form)
             fc2_w, fc2_s = self.packed_weights(f"{prefix}.fc2", [down], form)
             attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
@@ -216,6 +230,20 @@ class GraphBuilder:
         if hp["expert_weights_scale"] not in (0.0, 1.0):   # llama.cpp scales the routing weights
             out = self.scale(out, hp["expert_weights_scale"], f"{name}.weights_scale")
         return out
+
+    def expert_form(self, tensors: list[tuple[GGUFTensor, QuantType]]) -> BlockForm:
+        """The QMoE form of one layer's experts, by --expert-format."""
+        types = [qt for _, qt in tensors]
+        choice = self.options.expert_format
+        if choice in ("int4", "int8"):
+            return choose_expert_form(types, bits=int(choice[3]))
+        exact = choose_expert_form(types)
+        int4 = BlockForm(4, 32)
+        if exact.bits == 4:
+            return exact
+        rows = [t.read_rows(0, min(AUTO_SAMPLE_ROWS, t.nbytes // t.row_bytes)) for t, _ in tensors]
+        worst = max(pack(raw, qt, int4).rel_rms_error for raw, (_, qt) in zip(rows, tensors))
+        return int4 if worst <= AUTO_INT4_MAX_ERROR else exact
 
     def shared_expert(self, x2d: ir.Value, layer: int) -> ir.Value:
         """The dense shared expert: down(silu(gate(x)) * up(x)), times sigmoid(x . g) when gated (qwen2moe)."""
@@ -342,6 +370,8 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
     if options.float_experts not in FLOAT_EXPERT_CHOICES:
         raise MoepassError(f"float_experts must be one of {', '.join(FLOAT_EXPERT_CHOICES)}, "
                            f"not {options.float_experts!r}")
+    if options.expert_format not in EXPERT_FORMATS:
+        raise MoepassError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, not {options.expert_format!r}")
     b = GraphBuilder(gguf, arch, options)
     arch.check_tensors(gguf, b.hp)  # every tensor present and of the right shape, before any work is done
     graph = RECIPES[arch.recipe](b)

@@ -40,7 +40,8 @@ def test_result_and_report(tmp_path, make_gguf):
     assert fc1["exact"] == [False, False] and 0 < max(fc1["rel_rms_error"]) < 0.01  # Q4_K requantized to int8/b16
     assert fc2["exact"] == [True] and fc2["rel_rms_error"] == [0.0]                # Q6_K moved exactly
     assert weights["output.weight"]["target"] == "int8/b16" and weights["output.weight"]["exact"] == [True]
-    assert weights["blk.0.attn_q.weight.T"]["target"] == "float32"                 # Q4_K matrix: float fallback
+    attn_q = weights["blk.0.attn_q.weight"]                                          # Q4_K matrix: requantized
+    assert attn_q["target"] == "int8/b32" and attn_q["exact"] == [False] and 0 < attn_q["rel_rms_error"][0] < 0.01
     lines = "\n".join(result.summary_lines())
     assert "2 MoE, 8 experts, top-2" in lines and "requantized" in lines
     assert result.output_bytes == sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
@@ -174,3 +175,25 @@ def test_shipped_fixture_is_what_the_generator_writes(tmp_path):
     fresh = make_fixtures.write_moe_gguf(tmp_path / "demo.gguf", "q4_0", make_fixtures.DEMO_DIMS, seed=0)
     assert filecmp.cmp(fresh, make_fixtures.DEMO_FIXTURE, shallow=False)
     assert make_fixtures.DEMO_FIXTURE.stat().st_size < 2 << 20
+
+
+@pytest.mark.parametrize("preset,fmt,form,exact", [("q4_0", "auto", "int4/b32", True), ("q8_0", "auto", "int8/b32", True),
+                                                   ("q4_0", "int8", "int8/b32", True), ("q8_0", "int4", "int4/b32", False),
+                                                   ("q4_k", "int4", "int4/b32", False)])
+def test_expert_format(preset, fmt, form, exact, tmp_path, make_gguf):
+    result = moepass.convert(make_gguf(preset), tmp_path / "out", expert_format=fmt)
+    assert [m["form"] for m in result.moe_layers] == [form, form]
+    experts = [w for w in result.weights if ".ffn_experts." in w["onnx_name"]]
+    errors = [e for w in experts for e in w["rel_rms_error"]]
+    assert all(all(w["exact"]) for w in experts) == exact
+    assert max(errors) == 0 if exact else 0.03 < max(errors) < 0.1   # int4 block 32 from 8-bit or K-quant codes
+    logits, _ = moepass.load(tmp_path / "out").forward(np.array([[1, 2, 3]]), moepass.load(tmp_path / "out").empty_cache())
+    assert np.isfinite(logits).all()
+
+
+def test_expert_format_option_errors(tmp_path, make_gguf):
+    with pytest.raises(moepass.MoepassError, match="expert_format must be one of auto, int4, int8"):
+        moepass.convert(make_gguf("q4_0"), tmp_path / "out", expert_format="int3")
+    result = CliRunner().invoke(main, ["convert", str(make_gguf("q8_0")), "-o", str(tmp_path / "cli"), "-q",
+                                       "--expert-format", "int4"])
+    assert result.exit_code == 0 and "int4/b32 x2" in result.stdout
