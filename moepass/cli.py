@@ -68,18 +68,20 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--expert-format", type=click.Choice(EXPERT_FORMATS), default="auto", show_default=True,
               help="auto: int4 when it adds < 2 % error, else the form holding most experts exactly; "
                    "int4 / int8: force the width.")
+@click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
+              help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
               help="Print the graph after this pass.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(model: str, output: str, float_experts: str, expert_format: str, force: bool, print_after: str | None,
-            quiet: bool) -> None:
+def convert(model: str, output: str, float_experts: str, expert_format: str, imatrix: str | None, force: bool,
+            print_after: str | None, quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder."""
     from moepass.convert import convert as run_convert
 
     progress = _Progress("writing weights", enabled=not quiet)
     try:
-        result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format,
+        result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format, imatrix=imatrix,
                              overwrite=force, progress=progress,
                              print_after=print_after, echo=click.echo)
     finally:

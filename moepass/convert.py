@@ -27,6 +27,7 @@ from moepass.atomic import atomic_directory
 from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
                            TOKENIZER_FILE)
 from moepass.genai import genai_config
+from moepass.imatrix import load_imatrix
 from moepass.tokenizer import tokenizer_from_gguf
 from moepass.gguf_reader import GGUFModel
 from moepass.passes import run_pipeline
@@ -104,7 +105,7 @@ class ConvertResult:
 
 
 def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_experts: str = "keep",
-            expert_format: str = "auto",
+            expert_format: str = "auto", imatrix: str | os.PathLike | None = None,
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory.
@@ -115,6 +116,7 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
         float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
             (quantized into QMoE).
         expert_format: "auto", "int4" or "int8" for quantized experts (see passes.lower.AUTO_INT4_MAX_ERROR).
+        imatrix: a llama.cpp importance matrix (GGUF or .dat) weighting requantization errors per column.
         overwrite: replace an existing output_dir.
         progress: called as progress(done, total) while weights are written.
         print_after: print the graph after this pass (see moepass.passes.PASS_NAMES).
@@ -123,7 +125,8 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
     source, output_dir = Path(model), Path(output_dir)
     gguf = GGUFModel(source)
     arch = architecture_of(gguf)
-    lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format))
+    lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
+                                                       imatrix=load_imatrix(imatrix) if imatrix else None))
     onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo)
 
     with atomic_directory(output_dir, overwrite) as tmp:

@@ -293,13 +293,16 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
     Two candidates per block, the better kept: the absmax scale (the block's largest magnitude on the
     code range's most negative end, as GGUF's Q4_0 does), and the least-squares scale for the codes
     that gives, re-rounded once and refitted (the refinement llama.cpp's quantizers do). `importance`
-    ([K], e.g. from an imatrix) weights each input column's error.
+    ([K] or [..., K] like `values`, e.g. from an imatrix) weights each input column's error.
     """
     k = values.shape[-1]
     shape = (*values.shape[:-1], k // form.block_size, form.block_size)
     x = values.reshape(shape).astype(np.float32, copy=False)
-    w = np.ones((1,) * (len(shape) - 2) + shape[-2:], np.float32) if importance is None else \
-        np.asarray(importance, np.float32).reshape((1,) * (len(shape) - 2) + shape[-2:])
+    if importance is None:
+        w = np.ones((1,) * (len(shape) - 2) + shape[-2:], np.float32)
+    else:  # [K] for every row, or one row of importance per row of values
+        imp = np.asarray(importance, np.float32)
+        w = imp.reshape((1,) * (len(shape) - 2) + shape[-2:]) if imp.ndim == 1 else imp.reshape(shape)
     lo, hi = form.code_range
 
     def codes_for(scale: np.ndarray) -> np.ndarray:
@@ -328,10 +331,11 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
 
 
 def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | None = None,
-         scales: np.ndarray | None = None) -> Packed:
+         scales: np.ndarray | None = None, importance: np.ndarray | None = None) -> Packed:
     """Raw GGUF rows -> `form`: exact where the formats allow, else requantized with the error measured.
 
-    `codes` and `scales` are where to write (allocated when not given; they may be strided views).
+    `codes` and `scales` are where to write (allocated when not given; they may be strided views);
+    `importance` weighs a requantization's error per input column (see quantize_values).
     """
     k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
     if codes is None:
@@ -341,7 +345,7 @@ def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | No
     if form in qt.exact_forms():
         repack_exact(raw, qt, form, codes, scales)
         return Packed(form, codes, scales, True)
-    requantized = quantize_values(dequantize(raw, qt.ggml_type), form)
+    requantized = quantize_values(dequantize(raw, qt.ggml_type), form, importance)
     codes[...] = requantized.weights
     scales[...] = requantized.scales
     return Packed(form, codes, scales, False, requantized.error_sq, requantized.reference_sq)

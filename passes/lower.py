@@ -52,6 +52,7 @@ class LowerOptions:
 
     float_experts: str = "keep"
     expert_format: str = "auto"
+    imatrix: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False)  # name -> [n_mat, K]
 
 
 def rope_cache(n_positions: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +126,15 @@ class GraphBuilder:
                        blob_layout: bool = False) -> tuple[ir.Value, ir.Value]:
         """Codes and scales initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
         types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
-        group = PackedGroup(sources, types, form, name, self.report, blob_layout)
+        if self.options.imatrix is not None:
+            for s in sources:
+                imp = self.options.imatrix.get(s.name)
+                k, n_mat = s.shape[-1], (s.shape[0] if len(s.shape) == 3 else 1)
+                if imp is not None and imp.size not in (k, n_mat * k):
+                    per = f"one matrix or {n_mat} (one per expert)" if n_mat > 1 else "one matrix"
+                    raise MoepassError(f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns "
+                                       f"for {per}")
+        group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix)
         return (self.tape.initializer(group.codes, name=group.codes.name),
                 self.tape.initializer(group.scales, name=group.scales.name))
 

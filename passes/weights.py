@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.gguf_reader import GGUFTensor
+from moepass.imatrix import importance_rows
 from moepass.quants import BlockForm, Packed, QuantType, dequantize, pack
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
@@ -120,6 +121,12 @@ def _source_rows(sources: list[GGUFTensor]) -> Iterator[list[np.ndarray]]:
         yield [raw for _, raw in parts]
 
 
+def _numbered_source_rows(sources: list[GGUFTensor]) -> Iterator[tuple[int, list[np.ndarray]]]:
+    """(first row, [raw rows per source]), chunk by chunk."""
+    for parts in zip(*(row_chunks(s) for s in sources)):
+        yield parts[0][0], [raw for _, raw in parts]
+
+
 def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport,
                  transpose: bool = False) -> ir.TensorProtocol:
     """A GGUF tensor as float32, its values exactly as the gguf package dequantizes them."""
@@ -171,8 +178,9 @@ class PackedGroup:
     """
 
     def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
-                 report: WeightReport, blob_layout: bool = False):
+                 report: WeightReport, blob_layout: bool = False, importance: dict[str, np.ndarray] | None = None):
         self.sources, self.types, self.form, self.name, self.report = sources, types, form, name, report
+        self.importance = importance or {}
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
         rows = (*lead[:-1], lead[-1] * len(sources))
         k_blocks = k // form.block_size
@@ -194,16 +202,20 @@ class PackedGroup:
         k = self.sources[0].shape[-1]
         stats = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
 
-        def pack_chunk(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[Packed]]:
+        def pack_chunk(item: tuple[int, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, list[Packed]]:
+            first, parts = item
             rows = len(parts[0])
             # Each source is packed straight into its interleaved slot: nothing is copied to interleave.
             codes = np.empty((rows, n_src, form.packed_bytes(k)), dtype=np.uint8)
             scales = np.empty((rows, n_src, k // form.block_size), dtype=np.float32)
-            packs = [pack(raw, qt, form, codes[:, j], scales[:, j])
-                     for j, (raw, qt) in enumerate(zip(parts, self.types))]
+            packs = []
+            for j, (raw, qt, src) in enumerate(zip(parts, self.types, self.sources)):
+                imp = self.importance.get(src.name)
+                weights = None if imp is None else importance_rows(imp, src.shape, first, rows)
+                packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights))
             return codes, scales, packs
 
-        for codes, scales, packs in _ordered_map(pack_chunk, _source_rows(self.sources)):
+        for codes, scales, packs in _ordered_map(pack_chunk, _numbered_source_rows(self.sources)):
             for stat, p in zip(stats, packs):
                 stat[0] &= p.exact
                 stat[1] += p.error_sq

@@ -1,0 +1,109 @@
+"""Importance matrices: both llama.cpp file formats read alike; requantization weighted by them."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import onnx
+import pytest
+from gguf import GGUFReader, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+
+import moepass
+from moepass.imatrix import load_imatrix
+from moepass.quants import BlockForm, unpack_values
+
+EXPERT_TENSORS = [f"blk.{i}.ffn_{k}_exps.weight" for i in range(2) for k in ("gate", "up", "down")]
+
+
+def _importance(make_gguf):
+    rng = np.random.default_rng(5)
+    reader = GGUFReader(make_gguf("q4_k"))
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    return {name: rng.lognormal(0.0, 2.0, size=(shapes[name][0], shapes[name][-1])).astype(np.float32)
+            for name in EXPERT_TENSORS}
+
+
+def write_dat(path, matrices):
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", len(matrices)))
+        for name, values in sorted(matrices.items()):
+            f.write(struct.pack("<i", len(name)) + name.encode())
+            f.write(struct.pack("<ii", 10, values.size) + values.astype("<f4").tobytes())
+        f.write(struct.pack("<i", 10) + struct.pack("<i", 5) + b"calib")  # last chunk, dataset name
+
+
+def write_gguf(path, matrices, counts=4.0):
+    w = GGUFWriter(str(path), "imatrix")
+    w.add_type("imatrix")
+    for name, values in sorted(matrices.items()):
+        w.add_tensor(f"{name}.in_sum2", (values * counts).astype(np.float32))
+        w.add_tensor(f"{name}.counts", np.full(values.shape[0], counts, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_both_formats_read_alike(tmp_path, make_gguf):
+    matrices = _importance(make_gguf)
+    write_dat(tmp_path / "m.dat", matrices)
+    write_gguf(tmp_path / "m.gguf", matrices)
+    dat, gguf = load_imatrix(tmp_path / "m.dat"), load_imatrix(tmp_path / "m.gguf")
+    for name, values in matrices.items():
+        np.testing.assert_allclose(dat[name].reshape(values.shape), values, rtol=1e-6)
+        np.testing.assert_allclose(gguf[name], values, rtol=1e-6)
+
+
+def _weighted_errors(out, source, matrices):
+    """Importance-weighted squared error of every stored expert matrix against the GGUF values."""
+    reader = GGUFReader(source)
+    values = {t.name: gguf_dequantize(np.asarray(t.data), t.tensor_type) for t in reader.tensors}
+    model = onnx.load(out / "model.onnx")
+    init = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(out)) for t in model.graph.initializer}
+    total = 0.0
+    for node in model.graph.node:
+        if node.op_type != "QMoE":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        form = BlockForm(attrs["expert_weight_bits"], attrs["block_size"])
+        layer = node.name.split(".")[1]
+        fc1 = unpack_values(init[node.input[2]], init[node.input[3]], form)
+        fc2 = unpack_values(init[node.input[5]], init[node.input[6]], form)
+        for ours, kind in ((fc1[:, 0::2], "gate"), (fc1[:, 1::2], "up"), (fc2, "down")):
+            name = f"blk.{layer}.ffn_{kind}_exps.weight"
+            total += float(np.sum(matrices[name][:, None, :] * np.square(ours - values[name])))
+    return total
+
+
+def test_importance_lowers_the_weighted_error(tmp_path, make_gguf):
+    matrices = _importance(make_gguf)
+    write_dat(tmp_path / "m.dat", matrices)
+    source = make_gguf("q4_k")
+    plain = moepass.convert(source, tmp_path / "plain", expert_format="int4")
+    weighted = moepass.convert(source, tmp_path / "weighted", expert_format="int4", imatrix=tmp_path / "m.dat")
+    assert _weighted_errors(weighted.output_dir, source, matrices) < 0.9 * _weighted_errors(plain.output_dir, source,
+                                                                                           matrices)
+    # exact repacks do not change with an importance matrix
+    a = moepass.convert(make_gguf("q4_0"), tmp_path / "a")
+    b = moepass.convert(make_gguf("q4_0"), tmp_path / "b", imatrix=tmp_path / "m.dat")
+    assert (a.output_dir / "model.onnx.data").read_bytes() == (b.output_dir / "model.onnx.data").read_bytes()
+
+
+def test_bad_importance_files(tmp_path, make_gguf):
+    matrices = _importance(make_gguf)
+    write_dat(tmp_path / "m.dat", matrices)
+    (tmp_path / "short.dat").write_bytes((tmp_path / "m.dat").read_bytes()[:300])
+    with pytest.raises(moepass.MoepassError, match="short.dat: truncated importance matrix"):
+        load_imatrix(tmp_path / "short.dat")
+    with pytest.raises(moepass.MoepassError, match="not an importance matrix \\(general.type is None\\)"):
+        load_imatrix(make_gguf("q4_0"))
+    with pytest.raises(moepass.MoepassError, match="missing.dat: no such importance matrix file"):
+        load_imatrix(tmp_path / "missing.dat")
+    wrong = {name: values[:, :128] for name, values in matrices.items()}
+    write_dat(tmp_path / "wrong.dat", wrong)
+    with pytest.raises(moepass.MoepassError, match="importance matrix entry 'blk.0.ffn_gate_exps.weight' has 1024 "
+                                                   "values, not 256 columns for one matrix or 8"):
+        moepass.convert(make_gguf("q4_k"), tmp_path / "out", imatrix=tmp_path / "wrong.dat")
+    assert not (tmp_path / "out").exists()
