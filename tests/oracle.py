@@ -3,7 +3,9 @@ comparison with it on random fixtures.
 
 A position is *decided* when llama.cpp's top-2 logit margin is at least NEAR_TIE times the spread
 (std) of its logits there and no MoE layer's k-th and (k+1)-th router logits are closer than
-ROUTER_TIE times their spread. llama.cpp quantizes activations inside its quantized dot products
+ROUTER_TIE times their spread. NEAR_TIE is twice llama.cpp's own distance from exact arithmetic:
+on well-conditioned positions of the quantized fixtures, an exact float64 numpy forward differs from
+llama.cpp by up to 0.04 (about 0.05 of the logit spread). llama.cpp quantizes activations inside its quantized dot products
 (ONNX Runtime's 8-bit QMoE does too, differently), so near-tied logits of random models, and
 near-tied routing choices, can fall either way: a phimoe Q4_K fixture flips an expert at positions
 whose 2nd/3rd router logits differ by 0.016-0.046.
@@ -15,7 +17,7 @@ import llama_cpp
 import numpy as np
 
 PROMPT = [5, 77, 200, 13, 99, 150, 7, 260, 31, 42, 318, 1, 64, 128]
-NEAR_TIE = 0.05    # of the position's logit std
+NEAR_TIE = 0.1     # of the position's logit std
 ROUTER_TIE = 0.05  # of the position's router logit std
 
 

@@ -3,7 +3,7 @@
 Every architecture, F32 fixture with an F32 KV cache: max |logit difference| <= 1e-4.
 qwen3moe quantized fixtures: <= 0.1 and the same argmax at every position.
 Other architectures' quantized fixtures: the same argmax at every decided position (tests/oracle.py),
-and at least half of the positions decided.
+and at least 40 % of the positions decided.
 Prefill of the whole prompt, token-by-token decode through the KV cache, and a prompt fed in two
 chunks must all match.
 """
@@ -31,7 +31,7 @@ def _check(ours, ref, preset, what, arch="qwen3moe", router_ties=None):
         decided = np.ones(len(ref), dtype=bool)
         if arch != "qwen3moe":
             decided = decided_positions(ref, router_ties)
-            assert decided.mean() >= 0.5, f"{arch} {preset}: only {decided.sum()} of {len(ref)} positions decided"
+            assert decided.mean() >= 0.4, f"{arch} {preset}: only {decided.sum()} of {len(ref)} positions decided"
         same = ours.argmax(-1) == ref.argmax(-1)
         assert same[decided].all(), \
             f"{arch} {preset} {what}: argmax differs at positions {np.flatnonzero(decided & ~same).tolist()}"
