@@ -67,7 +67,8 @@ def _parse_ids(text: str) -> list[int]:
               help="F32/F16/BF16 experts: keep as float (com.microsoft::MoE) or quantize into QMoE.")
 @click.option("--expert-format", type=click.Choice(EXPERT_FORMATS), default="auto", show_default=True,
               help="auto: int4 when it adds < 2 % error, else the form holding most experts exactly; "
-                   "int4 / int8: force the width.")
+                   "int4 / int8: force the width; offload: what ONNX Runtime's expert offload takes "
+                   "(int4 block 32 prepacked, float16 graph).")
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")

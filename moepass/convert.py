@@ -28,6 +28,7 @@ from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE
                            TOKENIZER_FILE)
 from moepass.genai import genai_config
 from moepass.imatrix import load_imatrix
+from moepass.runtime.providers import offload_violations
 from moepass.tokenizer import tokenizer_from_gguf
 from moepass.gguf_reader import GGUFModel
 from moepass.passes import run_pipeline
@@ -52,6 +53,7 @@ class ConvertResult:
     output_bytes: int
     seconds: float
     tokenizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    offload: str = ""  # whether ONNX Runtime's expert offload can take the model, and if not, why
 
     @property
     def model_path(self) -> Path:
@@ -94,6 +96,7 @@ class ConvertResult:
         lines.append(f"  weights       {self.n_exact} exact, {inexact} requantized"
                      + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
         lines.extend("    " + row for row in self.quality_table())
+        lines.append(f"  offload       {self.offload}")
         if self.tokenizer.get("reason"):
             lines.append(f"  tokenizer     none written: {self.tokenizer['reason']} (token ids only)")
         else:
@@ -128,6 +131,10 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
                                                        imatrix=load_imatrix(imatrix) if imatrix else None))
     onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo)
+    violations = offload_violations(onnx_model)
+    offload = "eligible (int4 block 32 prepacked, float16)" if not violations else \
+        f"not eligible: {violations[0][0]}: {violations[0][1]}" + (" (--expert-format offload makes it eligible)"
+                                                                 if expert_format != "offload" else "")
 
     with atomic_directory(output_dir, overwrite) as tmp:
         done = 0
@@ -163,4 +170,5 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
     return ConvertResult(output_dir=output_dir, source=source, architecture=arch.gguf_arch,
                          n_layers=lowered.hparams["n_layers"], moe_layers=lowered.moe_layers,
                          bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
-                         output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info)
+                         output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info,
+                         offload=offload)

@@ -34,7 +34,9 @@ from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_
 OPSETS = {"": 21, "com.microsoft": 1}
 IR_VERSION = 10
 FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")
-EXPERT_FORMATS = ("auto", "int4", "int8")
+EXPERT_FORMATS = ("auto", "int4", "int8", "offload")
+# What ONNX Runtime 1.32's expert offload backend requires (see runtime.providers.offload_violations).
+OFFLOAD_FORM = BlockForm(4, 32)
 # --expert-format auto takes 4 bits when requantizing a layer's experts into int4 block 32 adds at
 # most this relative RMS error (estimated on the first rows of each tensor); else the smallest
 # form that holds the most tensors exactly (int8 block 32 when none does, error ~0.5 %).
@@ -48,7 +50,9 @@ class LowerOptions:
     """What the user chose. `float_experts`: keep F32/F16/BF16 experts as float (com.microsoft::MoE)
     or quantize them into QMoE int8 / int4 (block 32). `expert_format`: "auto" (see
     AUTO_INT4_MAX_ERROR), or force "int4" / "int8" for quantized experts; requantizable non-expert
-    matrices follow it too (int4 for "int4", else int8 block 32)."""
+    matrices follow it too (int4 for "int4", else int8 block 32). "offload": what ONNX Runtime's
+    expert offload requires: int4 block 32 experts prepacked in the SM80 layout
+    (weights_prepacked=1) and a float16 graph."""
 
     float_experts: str = "keep"
     expert_format: str = "auto"
@@ -81,12 +85,18 @@ class GraphBuilder:
         self.report = WeightReport()
         self._consts: dict[tuple, ir.Value] = {}
         self.moe_layers: list[dict[str, Any]] = []
+        self.offload = options.expert_format == "offload"
+        # activations, float weights and scales: float16 for the offload format, else float32
+        self.act = ir.DataType.FLOAT16 if self.offload else ir.DataType.FLOAT
+        self.np_act = np.float16 if self.offload else np.float32
 
     # ---- initializers -------------------------------------------------------------------------
     def lazy_initializer(self, name: str, dtype: ir.DataType, shape: tuple[int, ...],
                          make: Callable[[], np.ndarray]) -> ir.Value:
         def materialize() -> ir.TensorProtocol:
             array = make()
+            if dtype == ir.DataType.FLOAT16:
+                array = array.astype(np.float16)
             if tuple(array.shape) != tuple(shape):
                 raise AssertionError(f"{name}: built shape {array.shape}, declared {shape}")
             return ir.Tensor(np.ascontiguousarray(array), name=name)
@@ -114,16 +124,16 @@ class GraphBuilder:
 
     def scale(self, x: ir.Value, factor: float, name: str) -> ir.Value:
         """x * factor (a float32 constant), for architecture multipliers."""
-        value = self.const(f"const.f32.{factor!r}", np.array(factor, dtype=np.float32))
+        value = self.const(f"const.{self.act.name.lower()}.{factor!r}", np.array(factor, dtype=self.np_act))
         return self.tape.op("Mul", [x, value], name=name)
 
     def float_weight(self, name: str, src: GGUFTensor, transpose: bool = False) -> ir.Value:
         """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them)."""
         qt = quant_type(src.ggml_type, src.name, src.path)
-        return self.tape.initializer(float_tensor(src, qt, name, self.report, transpose), name=name)
+        return self.tape.initializer(float_tensor(src, qt, name, self.report, transpose, self.act), name=name)
 
     def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm,
-                       blob_layout: bool = False) -> tuple[ir.Value, ir.Value]:
+                       blob_layout: bool = False, prepack: bool = False) -> tuple[ir.Value, ir.Value]:
         """Codes and scales initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
         types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
         if self.options.imatrix is not None:
@@ -134,7 +144,8 @@ class GraphBuilder:
                     per = f"one matrix or {n_mat} (one per expert)" if n_mat > 1 else "one matrix"
                     raise MoepassError(f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns "
                                        f"for {per}")
-        group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix)
+        group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix,
+                            scale_dtype=self.act, prepack=prepack)
         return (self.tape.initializer(group.codes, name=group.codes.name),
                 self.tape.initializer(group.scales, name=group.scales.name))
 
@@ -153,7 +164,7 @@ class GraphBuilder:
         if qt.storage == "blocks":
             form = best_exact_form(qt)
         elif qt.storage == "dequantize":  # requantized, the error reported
-            form = BlockForm(4 if self.options.expert_format == "int4" else 8, 32)
+            form = BlockForm(4 if self.options.expert_format in ("int4", "offload") else 8, 32)
         else:
             form = None
         if form is None:
@@ -218,16 +229,19 @@ class GraphBuilder:
                 form = BlockForm(8 if self.options.float_experts == "int8" else 4, 32)
             else:
                 form = self.expert_form([(t, qt) for t, qt in zip((gate, up, down), types) if qt.storage != "float"])
-            fc1_w, fc1_s = self.packed_weights(f"{prefix}.fc1", [gate, up], form)
-            fc2_w, fc2_s = self.packed_weights(f"{prefix}.fc2", [down], form)
+            prepack = self.offload and form == OFFLOAD_FORM
+            fc1_w, fc1_s = self.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack)
+            fc2_w, fc2_s = self.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack)
             attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
+            if prepack:
+                attrs["weights_prepacked"] = 1
             inputs = [x2d, router, fc1_w, fc1_s, None, fc2_w, fc2_s, None]
             if not renormalize:  # fc3 (8-10), zero points (11-13), then router_weights (14)
                 inputs += [None] * 6 + [self.tape.op("Softmax", [router], {"axis": -1}, name=f"{name}.router_weights")]
             out = self.tape.op("QMoE", inputs, attrs, domain="com.microsoft", name=name)
             form_name = str(form)
         out.name = f"{name}.output"
-        out.dtype = ir.DataType.FLOAT
+        out.dtype = self.act
         out.shape = ir.Shape(["tokens", hidden_out])
         out.producer().metadata_props.update({
             META + "layer": str(layer),
@@ -244,6 +258,8 @@ class GraphBuilder:
         """The QMoE form of one layer's experts, by --expert-format."""
         types = [qt for _, qt in tensors]
         choice = self.options.expert_format
+        if choice == "offload":
+            return OFFLOAD_FORM
         if choice in ("int4", "int8"):
             return choose_expert_form(types, bits=int(choice[3]))
         exact = choose_expert_form(types)
@@ -271,7 +287,7 @@ class GraphBuilder:
         return t.op("Mul", [out, t.op("Sigmoid", [logit], name=f"{p}.gate_sigmoid")], name=f"{p}.gated")
 
     def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
-        return self.tape.initializer(float_expert_stack(sources, name, self.report), name=name)
+        return self.tape.initializer(float_expert_stack(sources, name, self.report, self.act), name=name)
 
 
 # ---- recipes ----------------------------------------------------------------------------------------
@@ -285,7 +301,7 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     hp, t, feats = b.hp, b.tape, b.arch.features
     nh, nkv, d = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
     multipliers = feats.get("multipliers", False)
-    f32 = ir.TensorType(ir.DataType.FLOAT)
+    act_type = ir.TensorType(b.act)  # float32, or float16 for the offload format
     input_ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64),
                          shape=ir.Shape(["batch_size", "sequence_length"]))
     mask = ir.Value(name="attention_mask", type=ir.TensorType(ir.DataType.INT64),
@@ -302,9 +318,9 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     if hp["value_dim"] != d:
         raise MoepassError(f"{b.gguf.path}: value head size {hp['value_dim']} differs from key head size {d}; "
                            "GroupQueryAttention needs them equal")
-    cos = b.lazy_initializer("rope.cos_cache", ir.DataType.FLOAT, (n_pos, d // 2),
+    cos = b.lazy_initializer("rope.cos_cache", b.act, (n_pos, d // 2),
                              lambda: rope_cache(n_pos, d, hp["rope_base"])[0])
-    sin = b.lazy_initializer("rope.sin_cache", ir.DataType.FLOAT, (n_pos, d // 2),
+    sin = b.lazy_initializer("rope.sin_cache", b.act, (n_pos, d // 2),
                              lambda: rope_cache(n_pos, d, hp["rope_base"])[1])
     attention_scale = hp["attention_scale"] if multipliers and hp["attention_scale"] else 1.0 / np.sqrt(d)
     residual_scale = hp["residual_scale"] if multipliers else 0.0
@@ -327,7 +343,7 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
             k = b.rms_norm(k, b.tensor("attn_k_norm", i), f"blk.{i}.attn_k_norm")
         past = []
         for kind in ("key", "value"):
-            past.append(ir.Value(name=f"past_key_values.{i}.{kind}", type=f32,
+            past.append(ir.Value(name=f"past_key_values.{i}.{kind}", type=act_type,
                                  shape=ir.Shape(["batch_size", nkv, "past_sequence_length", d])))
         inputs += past
         attn, present_k, present_v = t.op_multi_out(
@@ -337,7 +353,7 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
             num_outputs=3, domain="com.microsoft", name=f"blk.{i}.attn")
         for value, kind in ((present_k, "key"), (present_v, "value")):
             value.name = f"present.{i}.{kind}"
-            value.type = f32
+            value.type = act_type
             value.shape = ir.Shape(["batch_size", nkv, "total_sequence_length", d])
         outputs += [present_k, present_v]
         attn = b.linear(attn, b.tensor("attn_output", i), f"blk.{i}.attn_output", bias=b.optional("attn_output_bias", i))
@@ -357,7 +373,7 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     if multipliers:
         logits = b.scale(logits, 1.0 / hp["logit_scale"], "lm_head.logit_scale")
     logits.name = "logits"
-    logits.type = f32
+    logits.type = act_type
     logits.shape = ir.Shape(["batch_size", "sequence_length", hp["vocab"]])
     return ir.Graph(inputs, [logits] + outputs, nodes=t.nodes, initializers=t.initializers,
                     opset_imports=dict(OPSETS), name=f"moepass_{b.arch.gguf_arch}")

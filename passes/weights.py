@@ -21,9 +21,11 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import onnx_ir as ir
+from gguf import GGMLQuantizationType
 
 from moepass.gguf_reader import GGUFTensor
 from moepass.imatrix import importance_rows
+from moepass.prepack import prepack_sm80
 from moepass.quants import BlockForm, Packed, QuantType, dequantize, pack
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
@@ -94,10 +96,11 @@ class StreamedTensor(ir.LazyTensor):
             file.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
 
 
-def row_chunks(src: GGUFTensor) -> Iterator[tuple[int, np.ndarray]]:
-    """(first row, raw rows) over a tensor's flattened rows, about CHUNK_BYTES at a time."""
+def row_chunks(src: GGUFTensor, multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, raw rows) over a tensor's flattened rows, about CHUNK_BYTES at a time, in
+    multiples of `multiple` rows (whole experts, for layouts packed per expert)."""
     n_rows = src.nbytes // src.row_bytes
-    step = max(1, CHUNK_BYTES // src.row_bytes)
+    step = max(1, CHUNK_BYTES // (src.row_bytes * multiple)) * multiple
     for first in range(0, n_rows, step):
         yield first, src.read_rows(first, min(step, n_rows - first))
 
@@ -121,49 +124,89 @@ def _source_rows(sources: list[GGUFTensor]) -> Iterator[list[np.ndarray]]:
         yield [raw for _, raw in parts]
 
 
-def _numbered_source_rows(sources: list[GGUFTensor]) -> Iterator[tuple[int, list[np.ndarray]]]:
+def _numbered_source_rows(sources: list[GGUFTensor], multiple: int = 1) -> Iterator[tuple[int, list[np.ndarray]]]:
     """(first row, [raw rows per source]), chunk by chunk."""
-    for parts in zip(*(row_chunks(s) for s in sources)):
+    for parts in zip(*(row_chunks(s, multiple) for s in sources)):
         yield parts[0][0], [raw for _, raw in parts]
 
 
+FLOAT_TYPES = {ir.DataType.FLOAT: (np.float32, "float32", 32.0), ir.DataType.FLOAT16: (np.float16, "float16", 16.0)}
+
+
 def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport,
-                 transpose: bool = False) -> ir.TensorProtocol:
-    """A GGUF tensor as float32, its values exactly as the gguf package dequantizes them."""
+                 transpose: bool = False, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.TensorProtocol:
+    """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them) or float16."""
+    np_type, label, bits = FLOAT_TYPES[dtype]
     shape = src.shape[::-1] if transpose else src.shape
-    report.add(WeightRecord(name, [src.name], [qt.name], "float32", int(np.prod(shape)) * 4, 32.0,
-                            exact=[True], rel_rms_error=[0.0]))
+    lossless = dtype == ir.DataType.FLOAT or qt.ggml_type == GGMLQuantizationType.F16
+    report.add(WeightRecord(name, [src.name], [qt.name], label, int(np.prod(shape)) * int(bits) // 8, bits,
+                            exact=[True] if lossless else None, rel_rms_error=[0.0] if lossless else None))
     if not transpose:
-        return StreamedTensor(lambda: (dequantize(raw, qt.ggml_type) for _, raw in row_chunks(src)),
-                              ir.DataType.FLOAT, shape, name)
+        def chunks() -> Iterator[np.ndarray]:
+            err, ref = 0.0, 0.0
+            for _, raw in row_chunks(src):
+                values = dequantize(raw, qt.ggml_type)
+                if lossless:
+                    yield values.astype(np_type, copy=False)
+                    continue
+                cast = values.astype(np_type)
+                err += float(np.sum(np.square(cast.astype(np.float32) - values), dtype=np.float64))
+                ref += float(np.sum(np.square(values), dtype=np.float64))
+                yield cast
+            if not lossless:
+                report.measured(name, [err == 0.0], [float(np.sqrt(err / ref)) if ref else 0.0])
+        return StreamedTensor(chunks, dtype, shape, name)
 
     def whole() -> ir.TensorProtocol:
         # A transposed matrix needs all source rows for each output row: built whole. Only
-        # non-expert matrices without an exact block form take this path.
+        # non-expert float matrices take this path.
         out = np.empty(shape, dtype=np.float32)
         for first, raw in row_chunks(src):
             out.T[first:first + len(raw)] = dequantize(raw, qt.ggml_type)
+        if not lossless:
+            cast = out.astype(np_type)
+            err = float(np.sum(np.square(cast.astype(np.float32) - out), dtype=np.float64))
+            ref = float(np.sum(np.square(out), dtype=np.float64))
+            report.measured(name, [err == 0.0], [float(np.sqrt(err / ref)) if ref else 0.0])
+            return ir.Tensor(cast, name=name)
         return ir.Tensor(out, name=name)
 
-    return ir.LazyTensor(whole, dtype=ir.DataType.FLOAT, shape=ir.Shape(shape), name=name)
+    return ir.LazyTensor(whole, dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
-def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightReport) -> ir.TensorProtocol:
-    """Float expert stacks [E, N, K] as float32 [E, N * len(sources), K] (gate/up rows interleaved)."""
+def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightReport,
+                       dtype: ir.DataType = ir.DataType.FLOAT) -> ir.TensorProtocol:
+    """Float expert stacks [E, N, K] as [E, N * len(sources), K] float32 (or float16; gate/up rows
+    interleaved)."""
+    np_type, label, bits = FLOAT_TYPES[dtype]
     e, n, k = sources[0].shape
     shape = (e, n * len(sources), k)
-    report.add(WeightRecord(name, [s.name for s in sources], [s.type_name for s in sources], "float32",
-                            int(np.prod(shape)) * 4, 32.0, exact=[True] * len(sources),
-                            rel_rms_error=[0.0] * len(sources)))
+    exact = dtype == ir.DataType.FLOAT
+    report.add(WeightRecord(name, [s.name for s in sources], [s.type_name for s in sources], label,
+                            int(np.prod(shape)) * int(bits) // 8, bits, exact=[exact] * len(sources) if exact else None,
+                            rel_rms_error=[0.0] * len(sources) if exact else None))
 
-    def dequantize_chunk(parts: list[np.ndarray]) -> np.ndarray:
-        out = np.empty((len(parts[0]), len(sources), k), dtype=np.float32)  # row 2i gate_i, 2i+1 up_i
+    def dequantize_chunk(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        out = np.empty((len(parts[0]), len(sources), k), dtype=np_type)  # row 2i gate_i, 2i+1 up_i
+        sums = np.zeros((len(sources), 2))  # per source: squared rounding error, squared values
         for j, (raw, src) in enumerate(zip(parts, sources)):
-            out[:, j] = dequantize(raw, src.ggml_type)
-        return out
+            values = dequantize(raw, src.ggml_type)
+            out[:, j] = values
+            if not exact:
+                sums[j] = (np.sum(np.square(out[:, j].astype(np.float32) - values), dtype=np.float64),
+                           np.sum(np.square(values), dtype=np.float64))
+        return out, sums
 
-    return StreamedTensor(lambda: _ordered_map(dequantize_chunk, _source_rows(sources)), ir.DataType.FLOAT,
-                          shape, name)
+    def chunks() -> Iterator[np.ndarray]:
+        totals = np.zeros((len(sources), 2))
+        for out, sums in _ordered_map(dequantize_chunk, _source_rows(sources)):
+            totals += sums
+            yield out
+        if not exact:
+            report.measured(name, [bool(e == 0) for e, _ in totals],
+                            [float(np.sqrt(e / r)) if r else 0.0 for e, r in totals])
+
+    return StreamedTensor(chunks, dtype, shape, name)
 
 
 class PackedGroup:
@@ -178,23 +221,31 @@ class PackedGroup:
     """
 
     def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
-                 report: WeightReport, blob_layout: bool = False, importance: dict[str, np.ndarray] | None = None):
+                 report: WeightReport, blob_layout: bool = False, importance: dict[str, np.ndarray] | None = None,
+                 scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False):
         self.sources, self.types, self.form, self.name, self.report = sources, types, form, name, report
         self.importance = importance or {}
+        self.scale_type = FLOAT_TYPES[scale_dtype][0]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
         rows = (*lead[:-1], lead[-1] * len(sources))
         k_blocks = k // form.block_size
-        self.codes_shape = (*rows, k_blocks, form.packed_bytes(form.block_size)) if blob_layout else \
-            (*rows, form.packed_bytes(k))
+        # prepack: per expert the SM80 mixed-GEMM layout [K, N*bits/8] (moepass.prepack)
+        self.prepack_rows = lead[-1] if prepack else 0
+        if prepack:
+            self.codes_shape = (*rows[:-1], k, form.packed_bytes(rows[-1]))
+        elif blob_layout:
+            self.codes_shape = (*rows, k_blocks, form.packed_bytes(form.block_size))
+        else:
+            self.codes_shape = (*rows, form.packed_bytes(k))
         self.scales_shape = (*rows, k_blocks)
         self._lock = threading.Lock()
         self._kept_scales: list[np.ndarray] | None = None
-        nbytes = int(np.prod(self.codes_shape)) + 4 * int(np.prod(self.scales_shape))
+        nbytes = int(np.prod(self.codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(self.scales_shape))
         elements = sum(int(np.prod(s.shape)) for s in sources)
         report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes,
                                 round(nbytes * 8 / elements, 4)))
         self.codes = StreamedTensor(self._codes_chunks, ir.DataType.UINT8, self.codes_shape, f"{name}.q")
-        self.scales = StreamedTensor(self._scales_chunks, ir.DataType.FLOAT, self.scales_shape, f"{name}.scales")
+        self.scales = StreamedTensor(self._scales_chunks, scale_dtype, self.scales_shape, f"{name}.scales")
 
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(codes, scales) per chunk of rows; records exactness and error once all rows are done."""
@@ -215,11 +266,21 @@ class PackedGroup:
                 packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights))
             return codes, scales, packs
 
-        for codes, scales, packs in _ordered_map(pack_chunk, _numbered_source_rows(self.sources)):
+        for codes, scales, packs in _ordered_map(pack_chunk, _numbered_source_rows(self.sources,
+                                                                                     max(1, self.prepack_rows))):
+            lossless = True
+            if self.scale_type != np.float32:
+                narrow = scales.astype(self.scale_type)
+                lossless = bool(np.array_equal(narrow.astype(np.float32), scales))
+                scales = narrow
             for stat, p in zip(stats, packs):
-                stat[0] &= p.exact
+                stat[0] &= p.exact and lossless
                 stat[1] += p.error_sq
                 stat[2] += p.reference_sq
+            if self.prepack_rows:
+                n = self.prepack_rows * n_src
+                experts = codes.reshape(-1, n, form.packed_bytes(k))
+                codes = np.stack([prepack_sm80(e, n, k, form.bits) for e in experts])
             yield codes, scales
         self.report.measured(self.name, [exact for exact, _, _ in stats],
                              [float(np.sqrt(e / r)) if r else 0.0 for _, e, r in stats])

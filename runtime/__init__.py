@@ -107,6 +107,8 @@ class Decoder:
         self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_layer_key)
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
         self._cache_shapes = {n: inputs[n].shape for n in self.past_names}
+        self._cache_dtype = np.float16 if self.past_names and inputs[self.past_names[0]].type == "tensor(float16)" \
+            else np.float32
         self.stop_ids = tuple(self.info.get("tokenizer", {}).get("stop_token_ids", ()))
         self._tokenizer = None
         self._tokenizer_path = folder / TOKENIZER_FILE
@@ -134,7 +136,7 @@ class Decoder:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def empty_cache(self, batch: int = 1) -> dict[str, np.ndarray]:
-        return {n: np.zeros((batch, shape[1], 0, shape[3]), dtype=np.float32)
+        return {n: np.zeros((batch, shape[1], 0, shape[3]), dtype=self._cache_dtype)
                 for n, shape in self._cache_shapes.items()}
 
     def forward(self, input_ids: np.ndarray, cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
