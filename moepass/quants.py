@@ -231,7 +231,8 @@ def dequantize(raw: np.ndarray, ggml_type: GT) -> np.ndarray:
 class Packed:
     """Codes and scales of a stack of matrices in one BlockForm.
 
-    `weights`: uint8 `[..., N, K*bits/8]`; `scales`: float32 `[..., N, K/block_size]`.
+    `weights`: uint8 `[..., N, K*bits/8]`; `scales`: float32 `[..., N, K/block_size]`;
+    `zero_points`: uint8 `[..., N, K/block_size]` (unpacked), or None for the default zero point.
     For a requantization, `error_sq` = ||W' - W||^2 and `reference_sq` = ||W||^2 against the GGUF
     values (sums, so that chunks of one tensor add up); both stay 0 for an exact repack.
     """
@@ -242,6 +243,7 @@ class Packed:
     exact: bool
     error_sq: float = 0.0
     reference_sq: float = 0.0
+    zero_points: np.ndarray | None = None
 
     @property
     def rel_rms_error(self) -> float:
@@ -265,9 +267,23 @@ def unpack_codes(packed: np.ndarray, form: BlockForm) -> np.ndarray:
     return u.astype(np.int16) - form.zero_point
 
 
-def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm) -> np.ndarray:
-    """Float32 values of a packed stack: (u - zero_point) * scale."""
+def pack_zero_points(zero_points: np.ndarray, form: BlockForm) -> np.ndarray:
+    """Per-block zero points `[..., k_blocks]` packed like the codes (two 4-bit values per byte)."""
+    if form.bits == 8:
+        return zero_points.astype(np.uint8)
+    z = zero_points.astype(np.uint8)
+    if z.shape[-1] % 2:
+        z = np.concatenate([z, np.full(z.shape[:-1] + (1,), form.zero_point, np.uint8)], axis=-1)
+    return z[..., 0::2] | (z[..., 1::2] << 4)
+
+
+def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm,
+                  zero_points: np.ndarray | None = None) -> np.ndarray:
+    """Float32 values of a packed stack: (u - zero_point) * scale; `zero_points` packed as stored."""
     codes = unpack_codes(weights, form).astype(np.float32)
+    if zero_points is not None:
+        zp = unpack_codes(zero_points, form)[..., : scales.shape[-1]].astype(np.float32) + form.zero_point
+        codes = codes + form.zero_point - np.repeat(zp, form.block_size, axis=-1)
     return codes * np.repeat(scales, form.block_size, axis=-1)
 
 
@@ -284,6 +300,36 @@ def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndar
         centered, native_scales = qt.decode(raw)
         codes[...] = pack_codes(centered, form)
     np.copyto(scales.reshape(native_scales.shape + (repeat,)), native_scales[..., None])
+
+
+def quantize_values_asymmetric(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
+    """Block quantization with a zero point per block: the block's [min, max] onto all 2**bits codes,
+    then the least-squares scale for those codes around that zero point (never worse)."""
+    k = values.shape[-1]
+    shape = (*values.shape[:-1], k // form.block_size, form.block_size)
+    x = values.reshape(shape).astype(np.float32, copy=False)
+    levels = (1 << form.bits) - 1
+    lo = np.minimum(x.min(axis=-1), 0)
+    hi = np.maximum(x.max(axis=-1), 0)
+    scale = ((hi - lo) / levels).astype(np.float32)
+    inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
+    zero = np.clip(np.rint(-lo * inverse), 0, levels)
+    u = np.clip(np.rint(x * inverse[..., None]) + zero[..., None], 0, levels)
+    c = u - zero[..., None]
+    if importance is None:
+        xc, cc = np.einsum("...i,...i->...", x, c), np.einsum("...i,...i->...", c, c)
+    else:
+        imp = np.asarray(importance, np.float32)
+        w = imp.reshape((1,) * (len(shape) - 2) + shape[-2:]) if imp.ndim == 1 else imp.reshape(shape)
+        xc, cc = np.einsum("...i,...i->...", w * x, c), np.einsum("...i,...i->...", w * c, c)
+    scale = np.divide(xc, cc, out=scale.copy(), where=cc > 0).astype(np.float32)
+    residual = c * scale[..., None] - x
+    codes = u.astype(np.uint8).reshape(values.shape)
+    packed = codes if form.bits == 8 else codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return Packed(form, packed, scale, False, error_sq=float(np.sum(np.einsum("...i,...i->...", residual, residual),
+                                                                   dtype=np.float64)),
+                  reference_sq=float(np.sum(np.einsum("...i,...i->...", x, x), dtype=np.float64)),
+                  zero_points=zero.astype(np.uint8))
 
 
 def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
@@ -351,11 +397,14 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
 
 
 def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | None = None,
-         scales: np.ndarray | None = None, importance: np.ndarray | None = None) -> Packed:
+         scales: np.ndarray | None = None, importance: np.ndarray | None = None,
+         zero_points: np.ndarray | None = None) -> Packed:
     """Raw GGUF rows -> `form`: exact where the formats allow, else requantized with the error measured.
 
     `codes` and `scales` are where to write (allocated when not given; they may be strided views);
-    `importance` weighs a requantization's error per input column (see quantize_values).
+    `importance` weighs a requantization's error per input column (see quantize_values). With
+    `zero_points` (uint8 [..., k_blocks] to write into), a requantization uses a zero point per block
+    (quantize_values_asymmetric) and an exact repack writes the default one.
     """
     k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
     if codes is None:
@@ -364,11 +413,21 @@ def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | No
         scales = np.empty(raw.shape[:-1] + (k // form.block_size,), dtype=np.float32)
     if form in qt.exact_forms():
         repack_exact(raw, qt, form, codes, scales)
-        return Packed(form, codes, scales, True)
-    requantized = quantize_values(dequantize(raw, qt.ggml_type), form, importance)
+        if zero_points is not None:
+            zero_points[...] = form.zero_point
+        return Packed(form, codes, scales, True, zero_points=zero_points)
+    values = dequantize(raw, qt.ggml_type)
+    requantized = quantize_values(values, form, importance)
+    if zero_points is not None:  # the better of symmetric (default zero point) and asymmetric codes
+        asymmetric = quantize_values_asymmetric(values, form, importance)
+        if asymmetric.error_sq < requantized.error_sq:
+            requantized = asymmetric
+            zero_points[...] = asymmetric.zero_points
+        else:
+            zero_points[...] = form.zero_point
     codes[...] = requantized.weights
     scales[...] = requantized.scales
-    return Packed(form, codes, scales, False, requantized.error_sq, requantized.reference_sq)
+    return Packed(form, codes, scales, False, requantized.error_sq, requantized.reference_sq, zero_points)
 
 
 def best_exact_form(qt: QuantType) -> BlockForm | None:

@@ -132,8 +132,8 @@ class GraphBuilder:
         qt = quant_type(src.ggml_type, src.name, src.path)
         return self.tape.initializer(float_tensor(src, qt, name, self.report, transpose, self.act), name=name)
 
-    def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm,
-                       blob_layout: bool = False, prepack: bool = False) -> tuple[ir.Value, ir.Value]:
+    def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm, blob_layout: bool = False,
+                       prepack: bool = False, zero_points: bool = False) -> tuple[ir.Value, ir.Value, ir.Value | None]:
         """Codes and scales initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
         types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
         if self.options.imatrix is not None:
@@ -145,9 +145,10 @@ class GraphBuilder:
                     raise MoepassError(f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns "
                                        f"for {per}")
         group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix,
-                            scale_dtype=self.act, prepack=prepack)
+                            scale_dtype=self.act, prepack=prepack, zero_points=zero_points)
+        zeros = self.tape.initializer(group.zero_points, name=group.zero_points.name) if zero_points else None
         return (self.tape.initializer(group.codes, name=group.codes.name),
-                self.tape.initializer(group.scales, name=group.scales.name))
+                self.tape.initializer(group.scales, name=group.scales.name), zeros)
 
     # ---- layers ---------------------------------------------------------------------------------
     def linear(self, x: ir.Value, src: GGUFTensor, name: str, weight_name: str | None = None,
@@ -171,8 +172,10 @@ class GraphBuilder:
             w = self.float_weight(f"{weight_name}.T", src, transpose=True)
             y = self.tape.op("MatMul", [x, w], name=name)
             return y if b is None else self.tape.op("Add", [y, b], name=f"{name}.bias")
-        codes, scales = self.packed_weights(weight_name, [src], form, blob_layout=True)
-        inputs = [x, codes, scales] + ([None, None, b] if b is not None else [])
+        # a 4-bit requantization takes a zero point per block (the better of it and none)
+        codes, scales, zeros = self.packed_weights(weight_name, [src], form, blob_layout=True,
+                                                   zero_points=form.bits == 4 and form not in qt.exact_forms())
+        inputs = [x, codes, scales, zeros] + ([None, b] if b is not None else [])
         return self.tape.op("MatMulNBits", inputs, {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
                             domain="com.microsoft", name=name)
 
@@ -230,14 +233,20 @@ class GraphBuilder:
             else:
                 form = self.expert_form([(t, qt) for t, qt in zip((gate, up, down), types) if qt.storage != "float"])
             prepack = self.offload and form == OFFLOAD_FORM
-            fc1_w, fc1_s = self.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack)
-            fc2_w, fc2_s = self.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack)
+            # 4-bit requantization takes zero points (not in the prepacked offload layout)
+            zero_points = form.bits == 4 and not prepack and any(form not in qt.exact_forms() for qt in types)
+            fc1_w, fc1_s, fc1_z = self.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack,
+                                                      zero_points=zero_points)
+            fc2_w, fc2_s, fc2_z = self.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack,
+                                                      zero_points=zero_points)
             attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
             if prepack:
                 attrs["weights_prepacked"] = 1
-            inputs = [x2d, router, fc1_w, fc1_s, None, fc2_w, fc2_s, None]
-            if not renormalize:  # fc3 (8-10), zero points (11-13), then router_weights (14)
-                inputs += [None] * 6 + [self.tape.op("Softmax", [router], {"axis": -1}, name=f"{name}.router_weights")]
+            inputs = [x2d, router, fc1_w, fc1_s, None, fc2_w, fc2_s, None, None, None, None, fc1_z, fc2_z, None]
+            if not renormalize:  # router_weights (14)
+                inputs.append(self.tape.op("Softmax", [router], {"axis": -1}, name=f"{name}.router_weights"))
+            while inputs[-1] is None:
+                inputs.pop()
             out = self.tape.op("QMoE", inputs, attrs, domain="com.microsoft", name=name)
             form_name = str(form)
         out.name = f"{name}.output"

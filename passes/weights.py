@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 from moepass.gguf_reader import GGUFTensor
 from moepass.imatrix import importance_rows
 from moepass.prepack import prepack_sm80
-from moepass.quants import BlockForm, Packed, QuantType, dequantize, pack
+from moepass.quants import BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
 # allocator instead of being faulted in afresh for every tensor.
@@ -222,7 +222,7 @@ class PackedGroup:
 
     def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
                  report: WeightReport, blob_layout: bool = False, importance: dict[str, np.ndarray] | None = None,
-                 scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False):
+                 scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False, zero_points: bool = False):
         self.sources, self.types, self.form, self.name, self.report = sources, types, form, name, report
         self.importance = importance or {}
         self.scale_type = FLOAT_TYPES[scale_dtype][0]
@@ -238,14 +238,18 @@ class PackedGroup:
         else:
             self.codes_shape = (*rows, form.packed_bytes(k))
         self.scales_shape = (*rows, k_blocks)
+        self.zero_points_shape = (*rows, (k_blocks * form.bits + 7) // 8) if zero_points else None
         self._lock = threading.Lock()
-        self._kept_scales: list[np.ndarray] | None = None
-        nbytes = int(np.prod(self.codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(self.scales_shape))
+        self._kept: list | None = None
+        nbytes = int(np.prod(self.codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(self.scales_shape)) \
+            + (int(np.prod(self.zero_points_shape)) if zero_points else 0)
         elements = sum(int(np.prod(s.shape)) for s in sources)
         report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes,
                                 round(nbytes * 8 / elements, 4)))
         self.codes = StreamedTensor(self._codes_chunks, ir.DataType.UINT8, self.codes_shape, f"{name}.q")
-        self.scales = StreamedTensor(self._scales_chunks, scale_dtype, self.scales_shape, f"{name}.scales")
+        self.scales = StreamedTensor(lambda: self._kept_chunks(0), scale_dtype, self.scales_shape, f"{name}.scales")
+        self.zero_points = StreamedTensor(lambda: self._kept_chunks(1), ir.DataType.UINT8, self.zero_points_shape,
+                                          f"{name}.zero_points") if zero_points else None
 
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(codes, scales) per chunk of rows; records exactness and error once all rows are done."""
@@ -253,21 +257,25 @@ class PackedGroup:
         k = self.sources[0].shape[-1]
         stats = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
 
-        def pack_chunk(item: tuple[int, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, list[Packed]]:
+        def pack_chunk(item: tuple[int, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                                       list[Packed]]:
             first, parts = item
             rows = len(parts[0])
             # Each source is packed straight into its interleaved slot: nothing is copied to interleave.
             codes = np.empty((rows, n_src, form.packed_bytes(k)), dtype=np.uint8)
             scales = np.empty((rows, n_src, k // form.block_size), dtype=np.float32)
+            zeros = np.empty((rows, n_src, k // form.block_size), dtype=np.uint8) if self.zero_points else None
             packs = []
             for j, (raw, qt, src) in enumerate(zip(parts, self.types, self.sources)):
                 imp = self.importance.get(src.name)
                 weights = None if imp is None else importance_rows(imp, src.shape, first, rows)
-                packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights))
-            return codes, scales, packs
+                packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights,
+                                  None if zeros is None else zeros[:, j]))
+            packed_zeros = None if zeros is None else pack_zero_points(zeros, form)
+            return codes, scales, packed_zeros, packs
 
-        for codes, scales, packs in _ordered_map(pack_chunk, _numbered_source_rows(self.sources,
-                                                                                     max(1, self.prepack_rows))):
+        for codes, scales, zeros, packs in _ordered_map(pack_chunk, _numbered_source_rows(self.sources,
+                                                                                            max(1, self.prepack_rows))):
             lossless = True
             if self.scale_type != np.float32:
                 narrow = scales.astype(self.scale_type)
@@ -281,22 +289,24 @@ class PackedGroup:
                 n = self.prepack_rows * n_src
                 experts = codes.reshape(-1, n, form.packed_bytes(k))
                 codes = np.stack([prepack_sm80(e, n, k, form.bits) for e in experts])
-            yield codes, scales
+            yield codes, (scales, zeros)
         self.report.measured(self.name, [exact for exact, _, _ in stats],
                              [float(np.sqrt(e / r)) if r else 0.0 for _, e, r in stats])
 
     def _codes_chunks(self) -> Iterator[np.ndarray]:
         kept = []
-        for codes, scales in self._packed_chunks():
-            kept.append(scales)
+        for codes, extras in self._packed_chunks():
+            kept.append(extras)
             yield codes
         with self._lock:
-            self._kept_scales = kept
+            self._kept = [kept, self.zero_points is not None]  # scales, then zero points, are still to come
 
-    def _scales_chunks(self) -> Iterator[np.ndarray]:
+    def _kept_chunks(self, which: int) -> Iterator[np.ndarray]:
+        """Scales (0) or zero points (1), as kept by the codes pass, else packed anew."""
         with self._lock:
-            kept, self._kept_scales = self._kept_scales, None
-        if kept is not None:
-            yield from kept
-        else:
-            yield from (scales for _, scales in self._packed_chunks())
+            kept = self._kept[0] if self._kept else None
+            if self._kept and (which == 1 or not self._kept[1]):
+                self._kept = None
+        chunks = kept if kept is not None else [extras for _, extras in self._packed_chunks()]
+        for extras in chunks:
+            yield extras[which]

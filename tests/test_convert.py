@@ -197,3 +197,28 @@ def test_expert_format_option_errors(tmp_path, make_gguf):
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q8_0")), "-o", str(tmp_path / "cli"), "-q",
                                        "--expert-format", "int4"])
     assert result.exit_code == 0 and "int4/b32 x2" in result.stdout
+
+
+def test_int4_zero_points_stored_as_reported(tmp_path, make_gguf):
+    """Requantized int4 experts and matrices carry zero points; unpacked from the saved model they give
+    exactly the error the report states."""
+    source = make_gguf("q4_k")
+    result = moepass.convert(source, tmp_path / "out", expert_format="int4")
+    reader = GGUFReader(source)
+    values = {t.name: gguf_dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64) for t in reader.tensors}
+    model = onnx.load(tmp_path / "out" / "model.onnx")
+    init = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(tmp_path / "out")) for t in model.graph.initializer}
+    reported = {w["onnx_name"]: w for w in result.weights}
+    form = BlockForm(4, 32)
+    qmoe = next(n for n in model.graph.node if n.op_type == "QMoE" and n.name == "blk.0.moe")
+    assert qmoe.input[11] and qmoe.input[12]
+    fc2 = unpack_values(init[qmoe.input[5]], init[qmoe.input[6]], form, init[qmoe.input[12]])
+    down = values["blk.0.ffn_down_exps.weight"]
+    error = np.linalg.norm(fc2 - down) / np.linalg.norm(down)
+    assert reported["blk.0.ffn_experts.fc2"]["rel_rms_error"][0] == pytest.approx(error, rel=1e-4)
+    matmul = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.name == "blk.0.attn_q")
+    blob = init[matmul.input[1]]
+    q = unpack_values(blob.reshape(blob.shape[0], -1), init[matmul.input[2]], form, init[matmul.input[3]])
+    attn_q = values["blk.0.attn_q.weight"]
+    assert reported["blk.0.attn_q.weight"]["rel_rms_error"][0] == pytest.approx(
+        np.linalg.norm(q - attn_q) / np.linalg.norm(attn_q), rel=1e-4)

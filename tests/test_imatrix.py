@@ -69,8 +69,9 @@ def _weighted_errors(out, source, matrices):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         form = BlockForm(attrs["expert_weight_bits"], attrs["block_size"])
         layer = node.name.split(".")[1]
-        fc1 = unpack_values(init[node.input[2]], init[node.input[3]], form)
-        fc2 = unpack_values(init[node.input[5]], init[node.input[6]], form)
+        zeros = [init.get(node.input[i]) if len(node.input) > i and node.input[i] else None for i in (11, 12)]
+        fc1 = unpack_values(init[node.input[2]], init[node.input[3]], form, zeros[0])
+        fc2 = unpack_values(init[node.input[5]], init[node.input[6]], form, zeros[1])
         for ours, kind in ((fc1[:, 0::2], "gate"), (fc1[:, 1::2], "up"), (fc2, "down")):
             name = f"blk.{layer}.ffn_{kind}_exps.weight"
             total += float(np.sum(matrices[name][:, None, :] * np.square(ours - values[name])))

@@ -10,7 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 import make_fixtures
 from moepass.errors import MoepassError
 from moepass.quants import (QUANT_TYPES, REQUANTIZE_FORM, BlockForm, choose_expert_form, pack, pack_codes,
-                            quant_type, unpack_codes, unpack_values)
+                            pack_zero_points, quant_type, unpack_codes, unpack_values)
 
 BLOCK_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage == "blocks"]
 
@@ -106,3 +106,18 @@ def test_direct_repacks_equal_the_generic_path(ggml_type):
         direct(raw, out[:, 1])
         np.testing.assert_array_equal(out[:, 1], expected)
         assert not out[:, 0].any()
+
+
+@pytest.mark.parametrize("ggml_type", [GT.Q4_K, GT.Q5_K, GT.Q2_K], ids=lambda t: t.name)
+def test_zero_points_lower_the_int4_error_and_are_reported_truly(ggml_type):
+    rng = np.random.default_rng(2)
+    raw = make_fixtures._tensor_data(rng, (64, 512), ggml_type, std=0.05)[0]
+    qt, form = QUANT_TYPES[ggml_type], BlockForm(4, 32)
+    symmetric = pack(raw, qt, form)
+    zeros = np.empty((64, 16), np.uint8)
+    with_zero_points = pack(raw, qt, form, zero_points=zeros)
+    assert with_zero_points.rel_rms_error < 0.8 * symmetric.rel_rms_error
+    restored = unpack_values(with_zero_points.weights, with_zero_points.scales, form, pack_zero_points(zeros, form))
+    reference = gguf_dequantize(raw, ggml_type).astype(np.float64)
+    measured = np.linalg.norm(restored - reference) / np.linalg.norm(reference)
+    assert with_zero_points.rel_rms_error == pytest.approx(measured, rel=1e-4)
