@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 from moepass.gguf_reader import GGUFTensor
 from moepass.imatrix import importance_rows
 from moepass.prepack import prepack_sm80
-from moepass.quants import BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points
+from moepass.quants import BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points, unpack_values
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
 # allocator instead of being faulted in afresh for every tensor.
@@ -210,14 +210,16 @@ def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightRepor
 
 
 class PackedGroup:
-    """Codes and scales initializers of GGUF matrices [.., N, K] packed into one BlockForm.
+    """Codes, scales (and zero points) initializers of GGUF matrices [.., N, K] in one BlockForm.
 
     Two sources (gate, up) are interleaved into [.., 2N, K], QMoE's fused SwiGLU layout. With
-    `blob_layout` the codes are shaped [N, k_blocks, blob] as MatMulNBits wants them (same bytes).
+    `blob_layout` the codes are shaped [N, k_blocks, blob] as MatMulNBits wants them (same bytes);
+    with `prepack` each expert's codes are in ONNX Runtime's SM80 layout [K, N*bits/8]. Scales are
+    float32, or float16 (`scale_dtype`) for float16 graphs, the rounding added to the reported error.
 
-    Writing the codes packs the sources once and keeps the (4-8x smaller) scales for the scales
-    initializer, which the writer saves next (the model is saved in initializer order); if the
-    scales are asked for first, they are computed on their own.
+    Writing the codes packs the sources once and keeps the (4-8x smaller) scales and zero points for
+    their initializers, which the writer saves next (the model is saved in initializer order); if
+    they are asked for first, they are computed on their own.
     """
 
     def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
@@ -251,8 +253,9 @@ class PackedGroup:
         self.zero_points = StreamedTensor(lambda: self._kept_chunks(1), ir.DataType.UINT8, self.zero_points_shape,
                                           f"{name}.zero_points") if zero_points else None
 
-    def _packed_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(codes, scales) per chunk of rows; records exactness and error once all rows are done."""
+    def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None]]]:
+        """(codes, (scales, zero points)) per chunk of rows, as stored; records exactness and error
+        once all rows are done."""
         n_src, form = len(self.sources), self.form
         k = self.sources[0].shape[-1]
         stats = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
@@ -272,23 +275,32 @@ class PackedGroup:
                 packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights,
                                   None if zeros is None else zeros[:, j]))
             packed_zeros = None if zeros is None else pack_zero_points(zeros, form)
-            return codes, scales, packed_zeros, packs
-
-        for codes, scales, zeros, packs in _ordered_map(pack_chunk, _numbered_source_rows(self.sources,
-                                                                                            max(1, self.prepack_rows))):
-            lossless = True
             if self.scale_type != np.float32:
                 narrow = scales.astype(self.scale_type)
-                lossless = bool(np.array_equal(narrow.astype(np.float32), scales))
+                for j, p in enumerate(packs):  # the rounding of the scales joins the source's error
+                    shift = narrow[:, j].astype(np.float32) - scales[:, j]
+                    if shift.any():
+                        codes_j = unpack_values(codes[:, j], np.ones_like(scales[:, j]), form,
+                                                None if packed_zeros is None else packed_zeros[:, j])
+                        p.exact = False
+                        p.error_sq += float(np.sum(np.square(codes_j * np.repeat(shift, form.block_size, axis=-1)),
+                                                   dtype=np.float64))
+                        if not p.reference_sq:
+                            p.reference_sq = float(np.sum(np.square(dequantize(parts[j], self.types[j].ggml_type)),
+                                                          dtype=np.float64))
                 scales = narrow
-            for stat, p in zip(stats, packs):
-                stat[0] &= p.exact and lossless
-                stat[1] += p.error_sq
-                stat[2] += p.reference_sq
             if self.prepack_rows:
                 n = self.prepack_rows * n_src
                 experts = codes.reshape(-1, n, form.packed_bytes(k))
                 codes = np.stack([prepack_sm80(e, n, k, form.bits) for e in experts])
+            return codes, scales, packed_zeros, packs
+
+        for codes, scales, zeros, packs in _ordered_map(pack_chunk, _numbered_source_rows(self.sources,
+                                                                                            max(1, self.prepack_rows))):
+            for stat, p in zip(stats, packs):
+                stat[0] &= p.exact
+                stat[1] += p.error_sq
+                stat[2] += p.reference_sq
             yield codes, (scales, zeros)
         self.report.measured(self.name, [exact for exact, _, _ in stats],
                              [float(np.sqrt(e / r)) if r else 0.0 for _, e, r in stats])
