@@ -302,6 +302,25 @@ def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndar
     np.copyto(scales.reshape(native_scales.shape + (repeat,)), native_scales[..., None])
 
 
+def _block_absmax(x: np.ndarray) -> np.ndarray:
+    """max |x| over the last axis. Non-negative float32 values order like their int32 bit patterns,
+    and an integer reduction over a short axis runs about twice as fast as a float one."""
+    return (x.view(np.int32) & np.int32(0x7FFFFFFF)).max(axis=-1).view(np.float32)
+
+
+def _ordered_bits(x: np.ndarray) -> np.ndarray:
+    """int32 keys that order like the float32 values (negative patterns mirrored); self-inverse."""
+    i = x.view(np.int32)
+    return i ^ ((i >> 31) & np.int32(0x7FFFFFFF))
+
+
+def _block_min_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """min and max over the last axis, by integer reductions of the ordered bit patterns."""
+    keys = _ordered_bits(x)
+    return (_ordered_bits(keys.min(axis=-1)).view(np.float32),
+            _ordered_bits(keys.max(axis=-1)).view(np.float32))
+
+
 def quantize_values_asymmetric(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
     """Block quantization with a zero point per block: the block's [min, max] onto all 2**bits codes,
     then the least-squares scale for those codes around that zero point (never worse)."""
@@ -309,8 +328,8 @@ def quantize_values_asymmetric(values: np.ndarray, form: BlockForm, importance: 
     shape = (*values.shape[:-1], k // form.block_size, form.block_size)
     x = values.reshape(shape).astype(np.float32, copy=False)
     levels = (1 << form.bits) - 1
-    lo = np.minimum(x.min(axis=-1), 0)
-    hi = np.maximum(x.max(axis=-1), 0)
+    x_min, x_max = _block_min_max(x)
+    lo, hi = np.minimum(x_min, 0), np.maximum(x_max, 0)
     scale = ((hi - lo) / levels).astype(np.float32)
     inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
     zero = np.clip(np.rint(-lo * inverse), 0, levels)
@@ -355,11 +374,11 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
     wx = x if w is None else w * x
     lo, hi = form.code_range
 
-    def codes_for(scale: np.ndarray) -> np.ndarray:
+    def codes_for(scale: np.ndarray, clip: bool = True) -> np.ndarray:
         inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
         q = x * inverse[..., None]
         np.rint(q, out=q)
-        return np.clip(q, lo, hi, out=q)
+        return np.clip(q, lo, hi, out=q) if clip else q
 
     def dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Per-block sum of a * b (einsum: several times faster than multiply-and-sum over 16-128)."""
@@ -369,14 +388,14 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
         """sum w x q and sum w q^2 per block."""
         return dot(wx, q), dot(q, q if w is None else w * q)
 
-    absmax = np.abs(x).max(axis=-1)
     if form.bits <= 4:  # few levels: map the signed extreme onto the most negative code, as Q4_0 does
-        xmax = x.max(axis=-1)
-        extreme = np.where(absmax > xmax, -absmax, xmax)
+        x_min, x_max = _block_min_max(x)
+        extreme = np.where(-x_min > x_max, x_min, x_max)
         scale_a = (extreme / -form.zero_point).astype(np.float32)
-    else:
-        scale_a = (absmax / (form.zero_point - 1)).astype(np.float32)
-    codes_a = codes_for(scale_a)
+        codes_a = codes_for(scale_a)
+    else:  # |x| / (absmax / 127) rounds to at most 127: no clipping needed
+        scale_a = (_block_absmax(x) / (form.zero_point - 1)).astype(np.float32)
+        codes_a = codes_for(scale_a, clip=False)
     xq_a, qq_a = moments(codes_a)
     refit_a = np.divide(xq_a, qq_a, out=np.zeros_like(xq_a), where=qq_a > 0)  # least squares for these codes
     if form.bits > 4:
@@ -390,8 +409,10 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
         better = (scale_b * scale_b * qq_b - 2 * scale_b * xq_b) < (refit_a * refit_a * qq_a - 2 * refit_a * xq_a)
         scales = np.where(better, scale_b, refit_a).astype(np.float32)
         codes = np.where(better[..., None], codes_b, codes_a)
-    residual = codes * scales[..., None] - x
-    return Packed(form, pack_codes(codes.astype(np.int8).reshape(values.shape), form), scales, False,
+    packed = pack_codes(codes.astype(np.int8).reshape(values.shape), form)
+    residual = np.multiply(codes, scales[..., None], out=codes)  # codes are packed: reuse their memory
+    np.subtract(residual, x, out=residual)
+    return Packed(form, packed, scales, False,
                   error_sq=float(np.sum(dot(residual, residual), dtype=np.float64)),
                   reference_sq=float(np.sum(dot(x, x), dtype=np.float64)))
 

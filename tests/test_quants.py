@@ -9,7 +9,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import make_fixtures
 from moepass.errors import MoepassError
-from moepass.quants import (QUANT_TYPES, REQUANTIZE_FORM, BlockForm, choose_expert_form, pack, pack_codes,
+from moepass.quants import (QUANT_TYPES, _block_absmax, _block_min_max, REQUANTIZE_FORM, BlockForm, choose_expert_form, pack, pack_codes,
                             pack_zero_points, quant_type, unpack_codes, unpack_values)
 
 BLOCK_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage == "blocks"]
@@ -121,3 +121,17 @@ def test_zero_points_lower_the_int4_error_and_are_reported_truly(ggml_type):
     reference = gguf_dequantize(raw, ggml_type).astype(np.float64)
     measured = np.linalg.norm(restored - reference) / np.linalg.norm(reference)
     assert with_zero_points.rel_rms_error == pytest.approx(measured, rel=1e-4)
+
+
+def test_block_extremes_by_integer_reduction_equal_numpy():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((50, 8, 32)) * np.exp(rng.uniform(-20, 20, (50, 8, 1)))).astype(np.float32)
+    x[0, 0] = 0.0
+    x[0, 1] = -0.0
+    x[0, 2, :] = -np.abs(x[0, 2])                      # all negative
+    x[0, 3, 5], x[0, 4, 7] = np.inf, -np.inf
+    x[0, 5, 9] = np.float32(1e-45)                    # subnormals
+    x[0, 6, :] = -np.float32(1e-45)
+    lo, hi = _block_min_max(x)
+    assert np.array_equal(lo, x.min(axis=-1)) and np.array_equal(hi, x.max(axis=-1))
+    assert np.array_equal(_block_absmax(x), np.abs(x).max(axis=-1))
