@@ -26,24 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fixtures"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import llama_cpp  # noqa: E402
 import make_fixtures  # noqa: E402
 from gguf import GGMLQuantizationType as GT  # noqa: E402
+from oracle import llama_logits  # noqa: E402
 from reference_forward import Qwen3MoeReference  # noqa: E402
 
 from moepass.convert import convert  # noqa: E402
 from moepass.quants import QUANT_TYPES  # noqa: E402
 from moepass.runtime import load  # noqa: E402
-
-
-def llama_logits(path: Path, ids: list[int]) -> np.ndarray:
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=len(ids) + 8, n_batch=len(ids) + 8, type_k=0, type_v=0,
-                          n_threads=2, verbose=False)
-    try:
-        llm.eval(ids)
-        return np.array(llm.scores[: len(ids)], dtype=np.float32)
-    finally:
-        llm.close()
 
 
 def main() -> None:

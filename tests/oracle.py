@@ -23,7 +23,8 @@ ROUTER_TIE = 0.05  # of the position's router logit std
 
 def llama_logits(gguf_path, ids=PROMPT):
     """llama.cpp's logits [len(ids), vocab] for one prefill, F32 KV cache."""
-    llm = llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=64, n_batch=64, type_k=0, type_v=0,
+    n_ctx = max(64, len(ids))
+    llm = llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, type_k=0, type_v=0,
                           n_threads=2, verbose=False)
     try:
         llm.eval(ids)
