@@ -250,12 +250,16 @@ class Packed:
         return float(np.sqrt(self.error_sq / self.reference_sq)) if self.reference_sq else 0.0
 
 
-def pack_codes(centered: np.ndarray, form: BlockForm) -> np.ndarray:
-    """Centered int8 codes `[..., K]` -> packed uint8 `[..., K*bits/8]` with the default zero point."""
-    u = centered.view(np.uint8) + np.uint8(form.zero_point)  # wraps mod 256: exactly c + zp
+def _pack_unsigned(u: np.ndarray, form: BlockForm) -> np.ndarray:
+    """Unsigned codes uint8 `[..., K]` -> packed bytes `[..., K*bits/8]` (4 bits: element 2j low)."""
     if form.bits == 8:
         return u
     return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def pack_codes(centered: np.ndarray, form: BlockForm) -> np.ndarray:
+    """Centered int8 codes `[..., K]` -> packed uint8 `[..., K*bits/8]` with the default zero point."""
+    return _pack_unsigned(centered.view(np.uint8) + np.uint8(form.zero_point), form)  # wraps mod 256: c + zp
 
 
 def unpack_codes(packed: np.ndarray, form: BlockForm) -> np.ndarray:
@@ -269,12 +273,10 @@ def unpack_codes(packed: np.ndarray, form: BlockForm) -> np.ndarray:
 
 def pack_zero_points(zero_points: np.ndarray, form: BlockForm) -> np.ndarray:
     """Per-block zero points `[..., k_blocks]` packed like the codes (two 4-bit values per byte)."""
-    if form.bits == 8:
-        return zero_points.astype(np.uint8)
     z = zero_points.astype(np.uint8)
-    if z.shape[-1] % 2:
+    if form.bits < 8 and z.shape[-1] % 2:
         z = np.concatenate([z, np.full(z.shape[:-1] + (1,), form.zero_point, np.uint8)], axis=-1)
-    return z[..., 0::2] | (z[..., 1::2] << 4)
+    return _pack_unsigned(z, form)
 
 
 def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm,
@@ -321,12 +323,28 @@ def _block_min_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             _ordered_bits(keys.max(axis=-1)).view(np.float32))
 
 
-def quantize_values_asymmetric(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
-    """Block quantization with a zero point per block: the block's [min, max] onto all 2**bits codes,
-    then the least-squares scale for those codes around that zero point (never worse)."""
+def _block_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per-block sum of a * b (einsum: several times faster than multiply-and-sum over 16-128)."""
+    return np.einsum("...i,...i->...", a, b)
+
+
+def _blocked(values: np.ndarray, form: BlockForm,
+             importance: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Values `[..., K]` as float32 blocks `[..., K/block, block]`, and the importance weights in the
+    same shape (broadcast from `[K]` for every row, or one row of importance per row of values)."""
     k = values.shape[-1]
     shape = (*values.shape[:-1], k // form.block_size, form.block_size)
     x = values.reshape(shape).astype(np.float32, copy=False)
+    if importance is None:
+        return x, None
+    imp = np.asarray(importance, np.float32)
+    return x, imp.reshape((1,) * (len(shape) - 2) + shape[-2:]) if imp.ndim == 1 else imp.reshape(shape)
+
+
+def quantize_values_asymmetric(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
+    """Block quantization with a zero point per block: the block's [min, max] onto all 2**bits codes,
+    then the least-squares scale for those codes around that zero point (never worse)."""
+    x, w = _blocked(values, form, importance)
     levels = (1 << form.bits) - 1
     x_min, x_max = _block_min_max(x)
     lo, hi = np.minimum(x_min, 0), np.maximum(x_max, 0)
@@ -335,19 +353,16 @@ def quantize_values_asymmetric(values: np.ndarray, form: BlockForm, importance: 
     zero = np.clip(np.rint(-lo * inverse), 0, levels)
     u = np.clip(np.rint(x * inverse[..., None]) + zero[..., None], 0, levels)
     c = u - zero[..., None]
-    if importance is None:
-        xc, cc = np.einsum("...i,...i->...", x, c), np.einsum("...i,...i->...", c, c)
+    if w is None:
+        xc, cc = _block_dot(x, c), _block_dot(c, c)
     else:
-        imp = np.asarray(importance, np.float32)
-        w = imp.reshape((1,) * (len(shape) - 2) + shape[-2:]) if imp.ndim == 1 else imp.reshape(shape)
-        xc, cc = np.einsum("...i,...i->...", w * x, c), np.einsum("...i,...i->...", w * c, c)
+        xc, cc = _block_dot(w * x, c), _block_dot(w * c, c)
     scale = np.divide(xc, cc, out=scale.copy(), where=cc > 0).astype(np.float32)
     residual = c * scale[..., None] - x
-    codes = u.astype(np.uint8).reshape(values.shape)
-    packed = codes if form.bits == 8 else codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return Packed(form, packed, scale, False, error_sq=float(np.sum(np.einsum("...i,...i->...", residual, residual),
-                                                                   dtype=np.float64)),
-                  reference_sq=float(np.sum(np.einsum("...i,...i->...", x, x), dtype=np.float64)),
+    packed = _pack_unsigned(u.astype(np.uint8).reshape(values.shape), form)
+    return Packed(form, packed, scale, False,
+                  error_sq=float(np.sum(_block_dot(residual, residual), dtype=np.float64)),
+                  reference_sq=float(np.sum(_block_dot(x, x), dtype=np.float64)),
                   zero_points=zero.astype(np.uint8))
 
 
@@ -363,14 +378,7 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
     Candidates are compared through per-block sums (sum w x^2 - 2 s sum w x q + s^2 sum w q^2); the
     reported error is computed from the residuals of the codes kept.
     """
-    k = values.shape[-1]
-    shape = (*values.shape[:-1], k // form.block_size, form.block_size)
-    x = values.reshape(shape).astype(np.float32, copy=False)
-    if importance is None:
-        w = None
-    else:  # [K] for every row, or one row of importance per row of values
-        imp = np.asarray(importance, np.float32)
-        w = imp.reshape((1,) * (len(shape) - 2) + shape[-2:]) if imp.ndim == 1 else imp.reshape(shape)
+    x, w = _blocked(values, form, importance)
     wx = x if w is None else w * x
     lo, hi = form.code_range
 
@@ -380,13 +388,9 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
         np.rint(q, out=q)
         return np.clip(q, lo, hi, out=q) if clip else q
 
-    def dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Per-block sum of a * b (einsum: several times faster than multiply-and-sum over 16-128)."""
-        return np.einsum("...i,...i->...", a, b)
-
     def moments(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """sum w x q and sum w q^2 per block."""
-        return dot(wx, q), dot(q, q if w is None else w * q)
+        return _block_dot(wx, q), _block_dot(q, q if w is None else w * q)
 
     if form.bits <= 4:  # few levels: map the signed extreme onto the most negative code, as Q4_0 does
         x_min, x_max = _block_min_max(x)
@@ -413,8 +417,8 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
     residual = np.multiply(codes, scales[..., None], out=codes)  # codes are packed: reuse their memory
     np.subtract(residual, x, out=residual)
     return Packed(form, packed, scales, False,
-                  error_sq=float(np.sum(dot(residual, residual), dtype=np.float64)),
-                  reference_sq=float(np.sum(dot(x, x), dtype=np.float64)))
+                  error_sq=float(np.sum(_block_dot(residual, residual), dtype=np.float64)),
+                  reference_sq=float(np.sum(_block_dot(x, x), dtype=np.float64)))
 
 
 def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | None = None,
