@@ -247,7 +247,12 @@ class Packed:
 
     @property
     def rel_rms_error(self) -> float:
-        return float(np.sqrt(self.error_sq / self.reference_sq)) if self.reference_sq else 0.0
+        return rel_rms(self.error_sq, self.reference_sq)
+
+
+def rel_rms(error_sq: float, reference_sq: float) -> float:
+    """||W' - W|| / ||W|| from the two sums of squares (0.0 for an all-zero W)."""
+    return float(np.sqrt(error_sq / reference_sq)) if reference_sq else 0.0
 
 
 def _pack_unsigned(u: np.ndarray, form: BlockForm) -> np.ndarray:

@@ -26,7 +26,8 @@ from gguf import GGMLQuantizationType
 from moepass.gguf_reader import GGUFTensor
 from moepass.imatrix import importance_rows
 from moepass.prepack import prepack_sm80
-from moepass.quants import BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points, unpack_values
+from moepass.quants import (BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points, rel_rms,
+                            unpack_values)
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
 # allocator instead of being faulted in afresh for every tensor.
@@ -118,16 +119,17 @@ def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any]) -> Iterator[Any
             yield pending.popleft().result()
 
 
-def _source_rows(sources: list[GGUFTensor]) -> Iterator[list[np.ndarray]]:
-    """The sources' raw rows, chunk by chunk, walked together (gate and up of the same experts)."""
-    for parts in zip(*(row_chunks(s) for s in sources)):
-        yield [raw for _, raw in parts]
-
-
-def _numbered_source_rows(sources: list[GGUFTensor], multiple: int = 1) -> Iterator[tuple[int, list[np.ndarray]]]:
-    """(first row, [raw rows per source]), chunk by chunk."""
+def _source_rows(sources: list[GGUFTensor], multiple: int = 1) -> Iterator[tuple[int, list[np.ndarray]]]:
+    """(first row, [raw rows per source]), chunk by chunk, the sources walked together (gate and up
+    of the same experts)."""
     for parts in zip(*(row_chunks(s, multiple) for s in sources)):
         yield parts[0][0], [raw for _, raw in parts]
+
+
+def _rounding_sums(values: np.ndarray, cast: np.ndarray) -> tuple[float, float]:
+    """Squared error of a narrowing cast of `values`, and the squared values (sums, float64)."""
+    return (float(np.sum(np.square(cast.astype(np.float32) - values), dtype=np.float64)),
+            float(np.sum(np.square(values), dtype=np.float64)))
 
 
 FLOAT_TYPES = {ir.DataType.FLOAT: (np.float32, "float32", 32.0), ir.DataType.FLOAT16: (np.float16, "float16", 16.0)}
@@ -150,11 +152,11 @@ def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport
                     yield values.astype(np_type, copy=False)
                     continue
                 cast = values.astype(np_type)
-                err += float(np.sum(np.square(cast.astype(np.float32) - values), dtype=np.float64))
-                ref += float(np.sum(np.square(values), dtype=np.float64))
+                chunk_err, chunk_ref = _rounding_sums(values, cast)
+                err, ref = err + chunk_err, ref + chunk_ref
                 yield cast
             if not lossless:
-                report.measured(name, [err == 0.0], [float(np.sqrt(err / ref)) if ref else 0.0])
+                report.measured(name, [err == 0.0], [rel_rms(err, ref)])
         return StreamedTensor(chunks, dtype, shape, name)
 
     def whole() -> ir.TensorProtocol:
@@ -165,9 +167,8 @@ def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport
             out.T[first:first + len(raw)] = dequantize(raw, qt.ggml_type)
         if not lossless:
             cast = out.astype(np_type)
-            err = float(np.sum(np.square(cast.astype(np.float32) - out), dtype=np.float64))
-            ref = float(np.sum(np.square(out), dtype=np.float64))
-            report.measured(name, [err == 0.0], [float(np.sqrt(err / ref)) if ref else 0.0])
+            err, ref = _rounding_sums(out, cast)
+            report.measured(name, [err == 0.0], [rel_rms(err, ref)])
             return ir.Tensor(cast, name=name)
         return ir.Tensor(out, name=name)
 
@@ -193,18 +194,17 @@ def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightRepor
             values = dequantize(raw, src.ggml_type)
             out[:, j] = values
             if not exact:
-                sums[j] = (np.sum(np.square(out[:, j].astype(np.float32) - values), dtype=np.float64),
-                           np.sum(np.square(values), dtype=np.float64))
+                sums[j] = _rounding_sums(values, out[:, j])
         return out, sums
 
     def chunks() -> Iterator[np.ndarray]:
         totals = np.zeros((len(sources), 2))
-        for out, sums in _ordered_map(dequantize_chunk, _source_rows(sources)):
+        for out, sums in _ordered_map(dequantize_chunk, (parts for _, parts in _source_rows(sources))):
             totals += sums
             yield out
         if not exact:
             report.measured(name, [bool(e == 0) for e, _ in totals],
-                            [float(np.sqrt(e / r)) if r else 0.0 for e, r in totals])
+                            [rel_rms(e, r) for e, r in totals])
 
     return StreamedTensor(chunks, dtype, shape, name)
 
@@ -295,15 +295,15 @@ class PackedGroup:
                 codes = np.stack([prepack_sm80(e, n, k, form.bits) for e in experts])
             return codes, scales, packed_zeros, packs
 
-        for codes, scales, zeros, packs in _ordered_map(pack_chunk, _numbered_source_rows(self.sources,
-                                                                                            max(1, self.prepack_rows))):
+        chunks = _source_rows(self.sources, max(1, self.prepack_rows))
+        for codes, scales, zeros, packs in _ordered_map(pack_chunk, chunks):
             for stat, p in zip(stats, packs):
                 stat[0] &= p.exact
                 stat[1] += p.error_sq
                 stat[2] += p.reference_sq
             yield codes, (scales, zeros)
         self.report.measured(self.name, [exact for exact, _, _ in stats],
-                             [float(np.sqrt(e / r)) if r else 0.0 for _, e, r in stats])
+                             [rel_rms(e, r) for _, e, r in stats])
 
     def _codes_chunks(self) -> Iterator[np.ndarray]:
         kept = []
