@@ -118,7 +118,8 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
         output_dir: the directory to create (must not exist, or be empty, unless `overwrite`).
         float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
             (quantized into QMoE).
-        expert_format: "auto", "int4" or "int8" for quantized experts (see passes.lower.AUTO_INT4_MAX_ERROR).
+        expert_format: "auto", "int4" or "int8" for quantized experts (see passes.lower.AUTO_INT4_MAX_ERROR),
+            or "offload": what ONNX Runtime's expert offload requires (int4 block 32 prepacked, float16).
         imatrix: a llama.cpp importance matrix (GGUF or .dat) weighting requantization errors per column.
         overwrite: replace an existing output_dir.
         progress: called as progress(done, total) while weights are written.

@@ -17,6 +17,7 @@ past_key_values.N.key/value -> logits, present.N.key/value (KV cache in BNSH lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Callable
 
@@ -327,10 +328,9 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     if hp["value_dim"] != d:
         raise MoepassError(f"{b.gguf.path}: value head size {hp['value_dim']} differs from key head size {d}; "
                            "GroupQueryAttention needs them equal")
-    cos = b.lazy_initializer("rope.cos_cache", b.act, (n_pos, d // 2),
-                             lambda: rope_cache(n_pos, d, hp["rope_base"])[0])
-    sin = b.lazy_initializer("rope.sin_cache", b.act, (n_pos, d // 2),
-                             lambda: rope_cache(n_pos, d, hp["rope_base"])[1])
+    tables = functools.cache(lambda: rope_cache(n_pos, d, hp["rope_base"]))  # cos and sin from one pass
+    cos = b.lazy_initializer("rope.cos_cache", b.act, (n_pos, d // 2), lambda: tables()[0])
+    sin = b.lazy_initializer("rope.sin_cache", b.act, (n_pos, d // 2), lambda: tables()[1])
     attention_scale = hp["attention_scale"] if multipliers and hp["attention_scale"] else 1.0 / np.sqrt(d)
     residual_scale = hp["residual_scale"] if multipliers else 0.0
 
