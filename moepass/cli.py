@@ -1,4 +1,4 @@
-"""The moepass command line: convert, inspect, run.
+"""The moepass command line: convert, inspect, run, bench, profile, merge-profiles, partition.
 
 Bad input ends with one line `moepass: error: ...` on stderr and exit status 2.
 """
@@ -153,9 +153,7 @@ def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, 
             count += 1
         click.echo()
     else:
-        new = []
-        for token in decoder.generate(_parse_ids(prompt_ids), max_new_tokens, sampling=sampling):
-            new.append(token)
+        new = list(decoder.generate(_parse_ids(prompt_ids), max_new_tokens, sampling=sampling))
         click.echo(",".join(str(t) for t in new))
         count = len(new)
     click.echo(f"{count} {'pieces' if prompt is not None else 'tokens'} in {time.perf_counter() - start:.3f} s "
