@@ -1,4 +1,16 @@
-"""Names of the files in a moepass model directory (what convert and partition write)."""
+"""Names of the files in a moepass model directory (what convert and partition write), and how a
+model given as a directory or a model.onnx path is found and loaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moepass.errors import MoepassError
+
+if TYPE_CHECKING:
+    import onnx_ir
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"           # every weight, as ONNX external data
@@ -8,3 +20,24 @@ OPTIONS_FILE = "onnxruntime_options.json"  # partition: session config entries f
 TOKENIZER_FILE = "tokenizer.json"       # convert: Hugging Face tokenizers file rebuilt from the GGUF
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # convert: chat template, BOS/EOS
 GENAI_CONFIG_FILE = "genai_config.json"  # convert: what onnxruntime-genai needs to load the model
+
+
+def model_file(model_dir: str | os.PathLike) -> Path:
+    """The model.onnx of a model directory (or the path itself when it names a file), which must exist."""
+    path = Path(model_dir)
+    path = path / MODEL_FILE if path.is_dir() else path
+    if not path.is_file():
+        raise MoepassError(f"{path}: no such model (run `moepass convert` first)")
+    return path
+
+
+def load_model(model_dir: str | os.PathLike) -> "onnx_ir.Model":
+    """A model (directory or model.onnx) as onnx-ir, its weights left on disk (read lazily)."""
+    import onnx_ir
+
+    path = model_file(model_dir)
+    try:
+        return onnx_ir.load(path)
+    except Exception as e:  # onnx raises many decode error types; report one line
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise MoepassError(f"{path}: not a readable ONNX model ({type(e).__name__}: {detail})") from None

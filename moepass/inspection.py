@@ -18,10 +18,10 @@ import onnx_ir as ir
 
 from moepass.architectures import ARCHITECTURES
 from moepass.errors import MoepassError
-from moepass.files import MODEL_FILE
+from moepass.files import load_model, model_file
 from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
 from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
-
+from moepass.quants import BlockForm
 
 
 def _gguf_group(name: str) -> str:
@@ -74,13 +74,8 @@ def _as_ir_model(source: Any) -> tuple[ir.Model, str]:
     if type(source).__module__.startswith("onnx_graphsurgeon"):
         import onnx_graphsurgeon as gs
         return ir.from_proto(gs.export_onnx(source)), "<onnx_graphsurgeon.Graph>"
-    path = Path(source)
-    if path.is_dir():
-        path = path / MODEL_FILE
-    try:
-        return ir.load(path), str(path)
-    except Exception as e:  # onnx's decode errors have many types; report one line
-        raise MoepassError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    path = model_file(source)
+    return load_model(path), str(path)
 
 
 def inspect_onnx(source: Any) -> dict[str, Any]:
@@ -93,7 +88,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
         attrs = {k: a.value for k, a in m.node.attributes.items()}
         bits = attrs.get("expert_weight_bits")
         if m.node.op_type == "QMoE":
-            form = f"int{bits}/b{attrs['block_size']}" if "block_size" in attrs else f"int{bits}/row"
+            form = str(BlockForm(bits, attrs["block_size"])) if "block_size" in attrs else f"int{bits}/row"
         else:
             form = "float32"
         placement = {k.removeprefix("moepass.placement."): v for k, v in m.node.metadata_props.items()

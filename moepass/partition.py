@@ -33,14 +33,13 @@ from moepass import __version__
 from moepass.atomic import atomic_directory, atomic_file
 from moepass.errors import MoepassError
 from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
-                           TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
+                           TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file)
 from moepass.genai import with_session_entries
 from moepass.passes.moe_nodes import moe_nodes
 from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.placement import (Bandwidths, Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
                                parse_bytes, plan_placement)
 from moepass.popularity import Popularity, model_identity
-from moepass.profile import load_model, model_file
 
 PLAN_FORMAT = "moepass-plan"
 PLAN_VERSION = 1

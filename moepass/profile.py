@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import onnx_ir as ir
 
 from moepass.errors import MoepassError
-from moepass.files import MODEL_FILE
+from moepass.files import load_model, model_file
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.moe_nodes import moe_nodes
 from moepass.popularity import Popularity, model_identity
@@ -45,23 +44,6 @@ def read_prompts(path: str | os.PathLike) -> list[list[int]]:
     if not prompts:
         raise MoepassError(f"{path}: no prompts in the file")
     return prompts
-
-
-def model_file(model_dir: str | os.PathLike) -> Path:
-    path = Path(model_dir)
-    path = path / MODEL_FILE if path.is_dir() else path
-    if not path.is_file():
-        raise MoepassError(f"{path}: no such model (run `moepass convert` first)")
-    return path
-
-
-def load_model(model_dir: str | os.PathLike) -> ir.Model:
-    """A converted model as onnx-ir, its weights left on disk (read lazily)."""
-    path = model_file(model_dir)
-    try:
-        return ir.load(path)
-    except Exception as e:  # onnx raises many decode error types
-        raise MoepassError(f"{path}: not a readable ONNX model ({type(e).__name__})") from None
 
 
 def route(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 
 from moepass.errors import MoepassError
-from moepass.files import MODEL_FILE, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from moepass.files import OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, model_file
 from moepass.runtime.providers import SessionPlan, plan_session
 
 if TYPE_CHECKING:
@@ -76,9 +76,7 @@ class Decoder:
 
         ort = _import_onnxruntime()
         self.model_dir = Path(model_dir)
-        model_path = self.model_dir / MODEL_FILE if self.model_dir.is_dir() else self.model_dir
-        if not model_path.is_file():
-            raise MoepassError(f"{model_path}: no such model (run `moepass convert` first)")
+        model_path = model_file(self.model_dir)
         folder = model_path.parent
         self.info = _read_json(folder / REPORT_FILE)
         option_entries = _read_json(folder / OPTIONS_FILE).get("session_config_entries", {})

@@ -17,7 +17,8 @@ from moepass.cli import main
 from moepass.partition import partition
 from moepass.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, parse_bytes, plan_placement)
 from moepass.popularity import Popularity
-from moepass.profile import load_model, profile
+from moepass.files import load_model
+from moepass.profile import profile
 from moepass.runtime import load
 
 PROMPTS = [[5, 77, 200, 13, 99, 150, 7, 260], [31, 42, 318, 1, 64], [128, 3, 17, 250, 64, 9, 300, 120, 45]]
