@@ -3,7 +3,8 @@
 One table, `QUANT_TYPES`, says for every GGUF type moepass accepts how its values are stored:
 
 - "blocks": values are `scale * code` with small integer codes sharing one float scale per block
-  (Q8_0, Q4_0, Q6_K, Q5_0, and IQ4_NL whose codebook values are integers). Such a type moves *bit-exactly* into any `BlockForm` whose block divides
+  (Q8_0, Q4_0, Q6_K, Q5_0, and IQ4_NL and MXFP4 whose codebook values are integers, or integers
+  times a power of two). Such a type moves *bit-exactly* into any `BlockForm` whose block divides
   the native block and whose integer range holds the codes; `exact_forms()` derives which.
 - "float": F32/F16/BF16, kept as float unless the user asks for quantization.
 - "dequantize": formats with fractional minimums or codebooks (Q4_K, ...): their values come from
@@ -108,6 +109,21 @@ def decode_iq4_nl(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(*raw.shape[:-1], -1), _fp16_field(b, 0)
 
 
+# MXFP4 (gpt-oss): E2M1 codes as llama.cpp's kvalues_mxfp4, doubled into integers, with a shared
+# E8M0 exponent e per 32 values: value = kvalue * 2**(e - 128) (ggml's E8M0_TO_FP32_HALF).
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def decode_mxfp4(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4: exponent byte e, 16 bytes of E2M1 codes laid out as Q4_0's nibbles; value =
+    MXFP4_VALUES[code] * 2**(e - 128). Every such scale is a float32 (2**-128 as a subnormal)."""
+    b = _blocks(raw, GT.MXFP4)
+    qs = b[..., 1:]
+    codes = MXFP4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
+    scales = np.ldexp(np.float32(1), b[..., 0].astype(np.int32) - 128).astype(np.float32)
+    return codes.reshape(*raw.shape[:-1], -1), scales
+
+
 _Q6_K_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(2, 2, 1)
 
 
@@ -199,11 +215,12 @@ QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
     QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k),
     QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0),
     QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl),
-    # Fractional minimums, non-linear codebooks or shared exponents: requantized from the gguf
+    QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4),
+    # Fractional minimums or non-integer codebooks: requantized from the gguf
     # package's dequantization, the added error measured and reported.
     *(QuantType(t, "dequantize") for t in (
         GT.Q4_1, GT.Q5_1, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.IQ4_XS, GT.IQ3_XXS, GT.IQ3_S,
-        GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_S, GT.IQ1_M, GT.MXFP4)),
+        GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_S, GT.IQ1_M)),
 ]}
 
 

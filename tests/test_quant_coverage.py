@@ -25,7 +25,7 @@ from moepass.runtime import load
 from oracle import PROMPT, decided_positions, llama_logits, routing_near_ties
 
 EXPERT_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage != "float"]
-EXACT = {GT.Q8_0, GT.Q4_0, GT.Q6_K, GT.Q5_0, GT.IQ4_NL}
+EXACT = {GT.Q8_0, GT.Q4_0, GT.Q6_K, GT.Q5_0, GT.IQ4_NL, GT.MXFP4}
 MAX_LOGIT_DIFF = 1.0
 MAX_REQUANT_ERROR = 0.006
 

@@ -51,6 +51,7 @@ def test_exact_form_table():
     assert forms["Q6_K"] == {"int8/b16"}
     assert forms["Q5_0"] == {"int8/b32", "int8/b16"}
     assert forms["IQ4_NL"] == {"int8/b32", "int8/b16"}
+    assert forms["MXFP4"] == {"int8/b32", "int8/b16"}
 
 
 def test_pack_codes_layout():
