@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from moepass.errors import MoepassError
 from moepass.gguf_reader import GGUFModel, GGUFTensor, StackedTensor
 
@@ -52,6 +54,7 @@ HPARAMS: dict[str, HParam] = {
     "residual_scale": HParam("{arch}.residual_scale", 0.0, kind=float),
     "embedding_scale": HParam("{arch}.embedding_scale", 0.0, kind=float),
     "attention_scale": HParam("{arch}.attention.scale", 0.0, kind=float),
+    "sliding_window": HParam("{arch}.attention.sliding_window", 0),
 }
 
 # Tensor roles -> GGUF names; `{i}` is the block index, `{e}` an expert index.
@@ -83,6 +86,12 @@ TENSORS: dict[str, str] = {
     "ffn_gate_shexp": "blk.{i}.ffn_gate_shexp.weight",
     "ffn_up_shexp": "blk.{i}.ffn_up_shexp.weight",
     "ffn_down_shexp": "blk.{i}.ffn_down_shexp.weight",
+    "attn_post_norm": "blk.{i}.post_attention_norm.weight",
+    "attn_sinks": "blk.{i}.attn_sinks.weight",
+    "ffn_gate_inp_bias": "blk.{i}.ffn_gate_inp.bias",
+    "ffn_gate_exps_bias": "blk.{i}.ffn_gate_exps.bias",
+    "ffn_up_exps_bias": "blk.{i}.ffn_up_exps.bias",
+    "ffn_down_exps_bias": "blk.{i}.ffn_down_exps.bias",
 }
 # Legacy per-expert names (older Mixtral files) of the stacked expert roles.
 LEGACY_EXPERT_TENSORS = {"ffn_gate_exps": "blk.{i}.ffn_gate.{e}.weight", "ffn_up_exps": "blk.{i}.ffn_up.{e}.weight",
@@ -94,6 +103,25 @@ ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
 ROUTED_EXPERTS = ("ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 ATTENTION_BIASES = ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias")
 SHARED_EXPERT = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+EXPERT_BIASES = ("ffn_gate_inp_bias", "ffn_gate_exps_bias", "ffn_up_exps_bias", "ffn_down_exps_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """An expert activation as QMoE computes it: gate' * sigmoid(alpha * gate') * (up' + beta), with
+    gate' = min(gate, limit) and up' = clamp(up, -limit, limit) when `limit` is set."""
+
+    alpha: float
+    beta: float
+    limit: float | None = None
+    text: str = ""
+
+
+ACTIVATIONS = {
+    "swiglu": Activation(1.0, 0.0, None, "SwiGLU"),
+    # gpt-oss (llama.cpp's ggml_swiglu_oai, constants from its build_moe_ffn)
+    "swiglu_oai": Activation(1.702, 1.0, 7.0, "clamped SwiGLU: alpha 1.702, limit 7, (up + 1)"),
+}
 
 
 def expected_shapes(hp: dict[str, Any], features: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -110,6 +138,8 @@ def expected_shapes(hp: dict[str, Any], features: dict[str, Any]) -> dict[str, t
         "ffn_norm": (h,), "ffn_norm_bias": (h,), "ffn_gate_inp": (e, h),
         "ffn_gate_exps": (e, ff, h), "ffn_up_exps": (e, ff, h), "ffn_down_exps": (e, h, ff),
         "ffn_gate_inp_shexp": (h,), "ffn_gate_shexp": (sff, h), "ffn_up_shexp": (sff, h), "ffn_down_shexp": (h, sff),
+        "attn_post_norm": (h,), "attn_sinks": (hp["n_heads"],), "ffn_gate_inp_bias": (e,),
+        "ffn_gate_exps_bias": (e, ff), "ffn_up_exps_bias": (e, ff), "ffn_down_exps_bias": (e, h),
     }
 
 
@@ -128,6 +158,12 @@ class Architecture:
       norm_bias     norms carry a bias added after the RMSNorm (phimoe)
       multipliers   granite's embedding / residual / attention / logit multipliers
       legacy_experts per-expert tensors accepted in place of stacked ones
+      ffn_norm      the role of the norm before the MoE (default "ffn_norm"; gpt-oss: "attn_post_norm")
+      attention_sinks  a learned per-head logit joins each softmax's denominator (gpt-oss)
+      sliding_window   period of sliding-window layers when the file has no pattern key (gpt-oss: 2,
+                    every even layer slides over `sliding_window` tokens)
+      activation    a key of ACTIVATIONS (default "swiglu")
+      expert_biases biases on the router and on every expert's gate/up/down (gpt-oss)
     """
 
     gguf_arch: str
@@ -167,6 +203,9 @@ class Architecture:
             values["value_dim"] = values["head_dim"]
         values["vocab"] = gguf.tensor(TENSORS["token_embd"]).shape[0]
         _check_hparams(gguf, self, values)
+        values["rope"] = dataclasses.asdict(read_rope(gguf, self, values))  # JSON-friendly, as all of hp
+        values["sliding_window_layers"] = [i for i, slides in enumerate(sliding_window_layers(gguf, self, values))
+                                           if slides]
         return values
 
     def tensor_name(self, role: str, layer: int | None = None) -> str:
@@ -188,8 +227,19 @@ class Architecture:
         parts: dict[str, Any] = {
             "rope": {"neox": "NeoX (rotate halves)", "norm": "interleaved pairs"}[f["rope"]],
             "routing": {"softmax_topk_renorm": f"softmax, top-{hp['n_experts_used']}, renormalized",
-                        "softmax_topk": f"softmax, top-{hp['n_experts_used']}, not renormalized"}[f["routing"]],
+                        "softmax_topk": f"softmax, top-{hp['n_experts_used']}, not renormalized",
+                        "topk_softmax": f"top-{hp['n_experts_used']}, softmax over the selected"}[f["routing"]],
         }
+        scaling = Rope(**hp["rope"]).describe()
+        if scaling:
+            parts["rope_scaling"] = scaling
+        if hp["sliding_window_layers"]:
+            parts["sliding_window"] = f"{hp['sliding_window']} tokens on layers " + \
+                ",".join(str(i) for i in hp["sliding_window_layers"])
+        if f.get("attention_sinks"):
+            parts["attention_sinks"] = "one learned logit per head"
+        if f.get("activation", "swiglu") != "swiglu":
+            parts["activation"] = ACTIVATIONS[f["activation"]].text
         if f.get("qk_norm"):
             parts["qk_norm"] = {"head": "RMSNorm per head", "full": "RMSNorm over the full projection"}[f["qk_norm"]]
         if f.get("shared_expert") and hp.get("shared_ff"):
@@ -199,7 +249,7 @@ class Architecture:
             parts["multipliers"] = {k: hp[f"{k}_scale"] for k in ("embedding", "residual", "attention", "logit")}
         if hp.get("expert_weights_scale") not in (None, 0.0, 1.0):
             parts["expert_weights_scale"] = hp["expert_weights_scale"]
-        biases = [role for role in (*ATTENTION_BIASES, "attn_norm_bias", "ffn_norm_bias", "output_bias")
+        biases = [role for role in (*ATTENTION_BIASES, "attn_norm_bias", "ffn_norm_bias", "output_bias", *EXPERT_BIASES)
                   if self.has_tensor(gguf, role, 0 if role.startswith(("attn", "ffn")) else None)]
         if biases:
             parts["biases"] = biases
@@ -226,24 +276,75 @@ class Architecture:
                                    f"{list(shapes[role])} from the {self.gguf_arch} metadata")
 
 
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary embedding as llama.cpp applies it: the llama_context parameters (after its YaRN
+    corrections) that ggml's rope_yarn takes. float32 values, as llama.cpp holds them."""
+
+    base: float
+    freq_scale: float = 1.0   # 1 / scaling factor ("linear" and "yarn")
+    ext_factor: float = 0.0   # 1 for YaRN: mix extrapolated and interpolated angles
+    attn_factor: float = 1.0  # llama.cpp's yarn_attn_factor
+    n_ctx_orig: int = 0       # YaRN's original context length
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def describe(self) -> str | None:
+        if self.ext_factor:
+            return f"YaRN x{1 / self.freq_scale:g} (original context {self.n_ctx_orig})"
+        return f"linear x{1 / self.freq_scale:g}" if self.freq_scale != 1.0 else None
+
+
 # RoPE variants the recipe does not build yet: refused by name rather than converted wrongly.
 UNSUPPORTED_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-SUPPORTED_ROPE_SCALING = ("none", "")
+SUPPORTED_ROPE_SCALING = ("none", "linear", "yarn")
 
 
-def _check_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
+def read_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> Rope:
+    """The RoPE parameters llama.cpp derives from the metadata (llama_model::load_hparams and
+    llama_context's constructor), with their float32 arithmetic."""
+    a, f32 = arch.gguf_arch, np.float32
     for name in UNSUPPORTED_ROPE_TENSORS:
         if gguf.has_tensor(name):
             raise MoepassError(f"{gguf.path}: tensor '{name}' holds RoPE frequency factors (LongRoPE / llama3 "
                                "scaling), which moepass does not convert yet")
-    scaling = str(gguf.get(f"{arch.gguf_arch}.rope.scaling.type", "none"))
+    scaling = str(gguf.get(f"{a}.rope.scaling.type", "linear"))  # llama.cpp's default when absent
     if scaling not in SUPPORTED_ROPE_SCALING:
-        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.scaling.type' is {scaling!r}; "
-                           "moepass converts unscaled RoPE only so far")
-    rot = gguf.get(f"{arch.gguf_arch}.rope.dimension_count")
-    if rot is not None and int(rot) != hp["head_dim"]:
-        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
-                           f"size {hp['head_dim']}; partial rotary embedding is not converted yet")
+        raise MoepassError(f"{gguf.path}: metadata key '{a}.rope.scaling.type' is {scaling!r}; moepass converts "
+                           f"RoPE scaling {', '.join(SUPPORTED_ROPE_SCALING)}")
+    factor = float(gguf.get(f"{a}.rope.scaling.factor", gguf.get(f"{a}.rope.scale_linear", 0.0)))
+    freq_scale = f32(1) if scaling == "none" or factor == 0 else f32(1) / f32(factor)
+    attn_factor = f32(1)
+    yarn = scaling == "yarn"
+    if yarn:
+        def mscale(s: np.float32, m: float) -> np.float32:
+            return f32(1) if s <= 1 else f32(0.1) * f32(m) * np.log(s) + f32(1)
+
+        scale = f32(1) / freq_scale
+        attn_factor = mscale(scale, 1.0) * (f32(1) / (f32(1) + f32(0.1) * np.log(scale)))
+    attn_factor = attn_factor * f32(gguf.get(f"{a}.rope.scaling.attn_factor", 1.0))
+    n_ctx_orig = int(gguf.get(f"{a}.rope.scaling.original_context_length", hp["context_length"]))
+    return Rope(base=float(f32(hp["rope_base"])), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
+                attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig)
+
+
+def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> tuple[bool, ...]:
+    """Which layers attend through a sliding window: the `sliding_window_pattern` key (a bool per
+    layer, or a period n: layer i slides unless i % n == n - 1), else the architecture's period."""
+    period = arch.features.get("sliding_window")
+    n = hp["n_layers"]
+    if not period:
+        return (False,) * n
+    key = f"{arch.gguf_arch}.attention.sliding_window_pattern"
+    pattern = gguf.get(key, period)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n:
+            raise MoepassError(f"{gguf.path}: metadata key '{key}' has {len(pattern)} entries for {n} layers")
+        return tuple(bool(p) for p in pattern)
+    period = int(pattern)
+    if hp["sliding_window"] <= 0:
+        raise MoepassError(f"{gguf.path}: missing metadata key '{arch.gguf_arch}.attention.sliding_window'")
+    return tuple(period == 0 or i % period < period - 1 for i in range(n))
 
 
 def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
@@ -263,7 +364,10 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
         raise bad(f"head dimension {hp['head_dim']} is odd; rotary embedding needs it even")
     if arch.features.get("multipliers") and hp["logit_scale"] == 0:
         raise bad("logit_scale is 0")
-    _check_rope(gguf, arch, hp)
+    rot = gguf.get(f"{arch.gguf_arch}.rope.dimension_count")
+    if rot is not None and int(rot) != hp["head_dim"]:
+        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
+                           f"size {hp['head_dim']}; partial rotary embedding is not converted yet")
 
 
 _COMMON = ("n_layers", "hidden", "context_length", "n_heads", "n_kv_heads", "head_dim", "value_dim", "rms_eps",
@@ -313,6 +417,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
         block_tensors=(*ATTENTION, "attn_norm_bias", "attn_output_bias", *ROUTED_EXPERTS, "ffn_norm_bias"),
         optional_tensors=ATTENTION_BIASES[:3],
         features={"rope": "neox", "routing": "softmax_topk_renorm", "norm_bias": True},
+    ),
+    Architecture(
+        gguf_arch="gpt-oss", description="gpt-oss (gpt-oss-20b, gpt-oss-120b)",
+        hparams=(*_COMMON, "expert_ff", "sliding_window"),
+        block_tensors=(*ATTENTION, "attn_output_bias", "attn_sinks", "attn_post_norm", *ROUTED_EXPERTS[1:],
+                       *EXPERT_BIASES),
+        optional_tensors=ATTENTION_BIASES[:3],
+        features={"rope": "neox", "routing": "topk_softmax", "ffn_norm": "attn_post_norm", "attention_sinks": True,
+                  "sliding_window": 2, "activation": "swiglu_oai", "expert_biases": True},
     ),
 ]}
 

@@ -26,11 +26,11 @@ import onnx_ir as ir
 from onnx_ir import tape as ir_tape
 
 from moepass import __version__
-from moepass.architectures import Architecture
+from moepass.architectures import ACTIVATIONS, Architecture, Rope
 from moepass.errors import MoepassError
 from moepass.gguf_reader import GGUFModel, GGUFTensor
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
-from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, pack, quant_type
+from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, pack, quant_type
 
 OPSETS = {"": 21, "com.microsoft": 1}
 IR_VERSION = 10
@@ -60,18 +60,46 @@ class LowerOptions:
     imatrix: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False)  # name -> [n_mat, K]
 
 
-def rope_cache(n_positions: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables `[n_positions, head_dim/2]` for NeoX RoPE.
+def rope_cache(n_positions: int, head_dim: int, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables `[n_positions, head_dim/2]` for RoPE, as ggml's rope (rope_yarn) computes them.
 
     The angles follow llama.cpp's float32 recurrence (theta_i = theta_{i-1} * base^(-2/d)), so the
-    tables agree with llama.cpp's to the last bit of float32 for the positions tests reach.
+    tables agree with llama.cpp's to the last bit of float32 for the positions tests reach. Scaling
+    ("linear", YaRN) and YaRN's magnitude factor, in float32 as ggml does them: for YaRN each
+    dimension pair mixes the interpolated angle (theta * freq_scale) and the original one along a
+    ramp between the correction dimensions, and cos/sin are scaled by attn_factor * (1 + 0.1 ln s)
+    (which GroupQueryAttention's rotation then applies to q and k).
     """
-    theta_scale = np.float32(np.power(np.float32(base), np.float32(-2.0 / head_dim)))
-    theta = np.empty((n_positions, head_dim // 2), dtype=np.float32)
+    f32 = np.float32
+    half = head_dim // 2
+    theta_scale = f32(np.power(f32(rope.base), f32(-2.0 / head_dim)))
+    theta = np.empty((n_positions, half), dtype=np.float32)
     theta[:, 0] = np.arange(n_positions, dtype=np.float32)
-    for i in range(1, head_dim // 2):
+    for i in range(1, half):
         theta[:, i] = theta[:, i - 1] * theta_scale
-    return np.cos(theta.astype(np.float64)).astype(np.float32), np.sin(theta.astype(np.float64)).astype(np.float32)
+    freq_scale, mscale = f32(rope.freq_scale), f32(rope.attn_factor)
+    angles = theta * freq_scale
+    if rope.ext_factor:
+        low, high = yarn_correction_dims(head_dim, rope)
+        y = (np.arange(half, dtype=np.float32) - low) / max(f32(0.001), high - low)
+        ramp = (f32(1) - np.clip(y, f32(0), f32(1))) * f32(rope.ext_factor)
+        angles = angles * (f32(1) - ramp) + theta * ramp
+        mscale = mscale * (f32(1) + f32(0.1) * np.log(f32(1) / freq_scale))
+    angles = angles.astype(np.float64)
+    return ((np.cos(angles).astype(np.float32) * mscale).astype(np.float32),
+            (np.sin(angles).astype(np.float32) * mscale).astype(np.float32))
+
+
+def yarn_correction_dims(n_dims: int, rope: Rope) -> tuple[np.float32, np.float32]:
+    """ggml_rope_yarn_corr_dims: the dimension range over which YaRN blends the two angles."""
+    f32 = np.float32
+
+    def corr_dim(n_rot: float) -> np.float32:
+        return f32(n_dims) * np.log(f32(rope.n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi))) / \
+            (f32(2) * np.log(f32(rope.base)))
+
+    start, end = np.floor(corr_dim(rope.beta_fast)), np.ceil(corr_dim(rope.beta_slow))
+    return f32(max(0, start)), f32(min(n_dims - 1, end))
 
 
 class GraphBuilder:
@@ -202,27 +230,37 @@ class GraphBuilder:
     def moe(self, x2d: ir.Value, layer: int, hidden_out: int) -> ir.Value:
         """One MoE layer as a single QMoE node (or MoE, for float experts kept as float).
 
-        Routing: the node gets the router logits and does softmax, top-k and (for
-        "softmax_topk_renorm") renormalization over the k itself. For "softmax_topk" (weights not
-        renormalized) a QMoE node also gets softmax(logits) as router_weights with
+        Routing: the node gets the router logits (with the router's bias, if any) and does softmax,
+        top-k and renormalization over the k itself: for "softmax_topk_renorm", and for
+        "topk_softmax" (softmax over the k selected logits, the same weights). For "softmax_topk"
+        (weights not renormalized) a QMoE node also gets softmax(logits) as router_weights with
         normalize_routing_weights=0, because ORT's CPU QMoE renormalizes unless given the weights
         (the selection still follows the logits: the same order); the float MoE kernel honours
-        normalize_routing_weights=0 by itself."""
+        normalize_routing_weights=0 by itself. Expert biases go to fc1_bias (gate and up
+        interleaved like the weights) and fc2_bias."""
         hp, feats = self.hp, self.arch.features
-        router = self.linear(x2d, self.tensor("ffn_gate_inp", layer), f"blk.{layer}.router")
+        router = self.linear(x2d, self.tensor("ffn_gate_inp", layer), f"blk.{layer}.router",
+                             bias=self.optional("ffn_gate_inp_bias", layer))
         gate, up, down = (self.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
         types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
-        renormalize = feats["routing"] == "softmax_topk_renorm"
+        renormalize = feats["routing"] in ("softmax_topk_renorm", "topk_softmax")
+        activation = ACTIVATIONS[feats.get("activation", "swiglu")]
         attrs: dict[str, Any] = {"k": hp["n_experts_used"], "activation_type": "swiglu", "swiglu_fusion": 1,
-                                 "activation_alpha": 1.0, "activation_beta": 0.0,
+                                 "activation_alpha": activation.alpha, "activation_beta": activation.beta,
                                  "normalize_routing_weights": int(renormalize)}
+        if activation.limit is not None:
+            attrs["swiglu_limit"] = activation.limit
         name = f"blk.{layer}.moe"
         floats = [qt.storage == "float" for qt in types]
         prefix = f"blk.{layer}.ffn_experts"
+        fc1_b = fc2_b = None
+        if feats.get("expert_biases"):
+            fc1_b = self.expert_bias(f"{prefix}.fc1_bias", [self.tensor(f"ffn_{p}_exps_bias", layer) for p in ("gate", "up")])
+            fc2_b = self.expert_bias(f"{prefix}.fc2_bias", [self.tensor("ffn_down_exps_bias", layer)])
         if all(floats) and self.options.float_experts == "keep":
             fc1 = self.float_experts(f"{prefix}.fc1", [gate, up])
             fc2 = self.float_experts(f"{prefix}.fc2", [down])
-            out = self.tape.op("MoE", [x2d, router, fc1, None, fc2, None], attrs, domain="com.microsoft", name=name)
+            out = self.tape.op("MoE", [x2d, router, fc1, fc1_b, fc2, fc2_b], attrs, domain="com.microsoft", name=name)
             form_name = "float32"
         else:
             if any(floats) and self.options.float_experts == "keep":
@@ -243,7 +281,7 @@ class GraphBuilder:
             attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
             if prepack:
                 attrs["weights_prepacked"] = 1
-            inputs = [x2d, router, fc1_w, fc1_s, None, fc2_w, fc2_s, None, None, None, None, fc1_z, fc2_z, None]
+            inputs = [x2d, router, fc1_w, fc1_s, fc1_b, fc2_w, fc2_s, fc2_b, None, None, None, fc1_z, fc2_z, None]
             if not renormalize:  # router_weights (14)
                 inputs.append(self.tape.op("Softmax", [router], {"axis": -1}, name=f"{name}.router_weights"))
             while inputs[-1] is None:
@@ -296,6 +334,17 @@ class GraphBuilder:
                      name=f"{p}.gate_inp")
         return t.op("Mul", [out, t.op("Sigmoid", [logit], name=f"{p}.gate_sigmoid")], name=f"{p}.gated")
 
+    def expert_bias(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
+        """Per-expert biases [E, N] of one or two sources as [E, N * len(sources)] (gate and up
+        interleaved, as the fc1 rows are), in the activation type."""
+        e, n = sources[0].shape
+
+        def make() -> np.ndarray:
+            values = [dequantize(s.read_rows(), s.ggml_type).reshape(e, n) for s in sources]
+            return np.stack(values, axis=-1).reshape(e, n * len(sources))
+
+        return self.lazy_initializer(name, self.act, (e, n * len(sources)), make)
+
     def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
         return self.tape.initializer(float_expert_stack(sources, name, self.report, self.act), name=name)
 
@@ -328,7 +377,7 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     if hp["value_dim"] != d:
         raise MoepassError(f"{b.gguf.path}: value head size {hp['value_dim']} differs from key head size {d}; "
                            "GroupQueryAttention needs them equal")
-    tables = functools.cache(lambda: rope_cache(n_pos, d, hp["rope_base"]))  # cos and sin from one pass
+    tables = functools.cache(lambda: rope_cache(n_pos, d, Rope(**hp["rope"])))  # cos and sin from one pass
     cos = b.lazy_initializer("rope.cos_cache", b.act, (n_pos, d // 2), lambda: tables()[0])
     sin = b.lazy_initializer("rope.sin_cache", b.act, (n_pos, d // 2), lambda: tables()[1])
     attention_scale = hp["attention_scale"] if multipliers and hp["attention_scale"] else 1.0 / np.sqrt(d)
@@ -355,11 +404,17 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
             past.append(ir.Value(name=f"past_key_values.{i}.{kind}", type=act_type,
                                  shape=ir.Shape(["batch_size", nkv, "past_sequence_length", d])))
         inputs += past
-        attn, present_k, present_v = t.op_multi_out(
-            "GroupQueryAttention", [q, k, v, past[0], past[1], seqlens_k, total_len, cos, sin],
-            {"num_heads": nh, "kv_num_heads": nkv, "do_rotary": 1,
-             "rotary_interleaved": int(feats["rope"] == "norm"), "scale": float(attention_scale)},
-            num_outputs=3, domain="com.microsoft", name=f"blk.{i}.attn")
+        attn_inputs = [q, k, v, past[0], past[1], seqlens_k, total_len, cos, sin]
+        attn_attrs = {"num_heads": nh, "kv_num_heads": nkv, "do_rotary": 1,
+                      "rotary_interleaved": int(feats["rope"] == "norm"), "scale": float(attention_scale)}
+        if feats.get("attention_sinks"):  # head_sink (input 11): one logit per head in every softmax
+            attn_inputs += [None, None, b.float_weight(b.arch.tensor_name("attn_sinks", i), b.tensor("attn_sinks", i))]
+        if i in hp["sliding_window_layers"]:
+            # ORT attends to the last local_window_size keys (the query's own included), as llama.cpp's
+            # n_swa (a key p0 is masked for query p1 when p1 - p0 >= n_swa): measured equal.
+            attn_attrs["local_window_size"] = hp["sliding_window"]
+        attn, present_k, present_v = t.op_multi_out("GroupQueryAttention", attn_inputs, attn_attrs, num_outputs=3,
+                                                    domain="com.microsoft", name=f"blk.{i}.attn")
         for value, kind in ((present_k, "key"), (present_v, "value")):
             value.name = f"present.{i}.{kind}"
             value.type = act_type
@@ -367,7 +422,8 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
         outputs += [present_k, present_v]
         attn = b.linear(attn, b.tensor("attn_output", i), f"blk.{i}.attn_output", bias=b.optional("attn_output_bias", i))
         x = t.op("Add", [x, residual_branch(attn, f"blk.{i}.attn")], name=f"blk.{i}.attn_residual")
-        h = b.rms_norm(x, b.tensor("ffn_norm", i), f"blk.{i}.ffn_norm", b.optional("ffn_norm_bias", i))
+        h = b.rms_norm(x, b.tensor(feats.get("ffn_norm", "ffn_norm"), i), f"blk.{i}.ffn_norm",
+                       b.optional("ffn_norm_bias", i))
         h2d = t.op("Reshape", [h, b.ints(-1, hp["hidden"])], name=f"blk.{i}.moe.flatten")
         ffn = b.moe(h2d, i, hp["hidden"])
         if feats.get("shared_expert") and hp["shared_ff"]:

@@ -89,6 +89,14 @@ class ReorderExpertsPass(InPlacePass):
             if not ok:
                 raise MoepassError(f"node {moe.name}: its router logits also feed {use.node.op_type} node "
                                    f"{use.node.name!r}; reordering the experts would change what that node computes")
+        if router.op_type == "Add" and router.domain == "" and router.inputs[1].is_initializer() \
+                and router.inputs[1].const_value.shape.rank() == 1:
+            # MatMul + Add(bias [experts]): the bias, then the MatMul feeding only this Add
+            self._replace(graph, router, 1, order, 0)
+            logits = router.inputs[0]
+            if len(logits.uses()) != 1 or logits.producer() is None:
+                raise MoepassError(f"node {moe.name}: its router's MatMul output feeds more than the bias Add")
+            router = logits.producer()
         if router.op_type == "MatMulNBits" and router.domain == "com.microsoft":
             # B [N=experts, k_blocks, blob], scales [N, k_blocks] (or [N*k_blocks]), zero points [N, ...], bias [N]
             for index in (1, 2, 3, 5):

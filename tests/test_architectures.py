@@ -86,3 +86,84 @@ def test_unsupported_rope_variants_are_refused(extra, message, make_gguf, tmp_pa
                     extra_tensors=extra.get("tensors", {}))
     with pytest.raises(moepass.MoepassError, match=message):
         moepass.convert(bad, tmp_path / "out")
+
+
+# ---- gpt-oss ------------------------------------------------------------------------------------
+
+def test_gpt_oss_graph_has_sinks_windows_clamped_swiglu_and_biases(make_gguf, converted):
+    from gguf import GGUFReader
+
+    out = converted("mxfp4", arch="gpt-oss")
+    model = onnx.load(out / "model.onnx")
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    windows = [next((a.i for a in n.attribute if a.name == "local_window_size"), -1) for n in attention]
+    assert windows == [5, -1, 5, -1]  # sliding, full, sliding, full
+    assert all(n.input[11] == f"blk.{i}.attn_sinks.weight" for i, n in enumerate(attention))
+    moe = [n for n in model.graph.node if n.op_type == "QMoE"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in moe[0].attribute}
+    assert attrs["swiglu_limit"] == 7.0 and attrs["activation_beta"] == 1.0
+    assert abs(attrs["activation_alpha"] - 1.702) < 1e-6 and attrs["normalize_routing_weights"] == 1
+    assert (attrs["expert_weight_bits"], attrs["block_size"]) == (8, 32)
+    # fc1 bias: gate and up interleaved like fc1's rows; fc2 bias as is
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    gguf = {t.name: np.asarray(t.data) for t in GGUFReader(make_gguf("mxfp4", arch="gpt-oss")).tensors}
+    fc1_bias = inits[moe[1].input[4]]
+    np.testing.assert_array_equal(fc1_bias[:, 0::2], gguf["blk.1.ffn_gate_exps.bias"])
+    np.testing.assert_array_equal(fc1_bias[:, 1::2], gguf["blk.1.ffn_up_exps.bias"])
+    np.testing.assert_array_equal(inits[moe[1].input[7]], gguf["blk.1.ffn_down_exps.bias"])
+    report = __import__("json").loads((out / "moepass.json").read_text())
+    experts = [w for w in report["weights"] if ".ffn_experts.fc" in w["onnx_name"] and "bias" not in w["onnx_name"]]
+    assert experts and all(w["source_types"][0] == "MXFP4" and all(w["exact"]) for w in experts)
+    info = moepass.inspect(make_gguf("mxfp4", arch="gpt-oss"))["features"]
+    assert info["sliding_window"] == "5 tokens on layers 0,2"
+    assert info["rope_scaling"] == "YaRN x32 (original context 4096)"
+    assert info["routing"] == "top-2, softmax over the selected" and "attention_sinks" in info
+
+
+def test_gpt_oss_sliding_window_pattern_key_is_followed_like_llama_cpp(make_gguf, converted):
+    """A period of 3 (layers 0, 1 and 3 slide): moepass and llama.cpp read the key alike."""
+    from moepass.runtime import load
+    from oracle import PROMPT, llama_logits
+
+    kwargs = {"arch": "gpt-oss", "extra_metadata": {"gpt-oss.attention.sliding_window_pattern": 3}}
+    out = converted("f32", **kwargs)
+    assert moepass.inspect(out)["metadata"]["moepass.features"].count("layers 0,1,3") == 1
+    decoder = load(out)
+    ours, _ = decoder.forward(np.array([PROMPT]), decoder.empty_cache())
+    assert np.abs(ours[0] - llama_logits(make_gguf("f32", **kwargs))).max() <= 1e-4
+
+
+def test_yarn_tables_match_the_yarn_formula():
+    """cos/sin tables (ggml's angle mixing in float32) against YaRN as published (mixed inverse
+    frequencies, float64): gpt-oss-20b's parameters, every position up to 2048."""
+    from moepass.architectures import Rope
+    from moepass.passes.lower import rope_cache
+
+    d, base, factor, orig = 64, 150000.0, 32.0, 4096
+    rope = Rope(base=base, freq_scale=1 / factor, ext_factor=1.0, attn_factor=1.0, n_ctx_orig=orig)
+    cos, sin = rope_cache(2048, d, rope)
+
+    def correction_dim(rotations):
+        return d * np.log(orig / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low, high = max(np.floor(correction_dim(32)), 0), min(np.ceil(correction_dim(1)), d - 1)
+    extrapolation = base ** (-np.arange(0, d, 2) / d)
+    keep = 1 - np.clip((np.arange(d // 2) - low) / (high - low), 0, 1)  # 1: original frequency
+    inv_freq = extrapolation / factor * (1 - keep) + extrapolation * keep
+    angles = np.arange(2048)[:, None] * inv_freq[None, :]
+    magnitude = 0.1 * np.log(factor) + 1
+    np.testing.assert_allclose(cos, np.cos(angles) * magnitude, rtol=0, atol=2e-4)
+    np.testing.assert_allclose(sin, np.sin(angles) * magnitude, rtol=0, atol=2e-4)
+    assert 0 < low < high < d // 2  # the ramp is exercised
+
+
+@pytest.mark.parametrize("omit,message", [
+    ({"tensors": ("blk.2.attn_sinks.weight",)}, "missing tensor 'blk.2.attn_sinks.weight'"),
+    ({"tensors": ("blk.0.ffn_up_exps.bias",)}, "missing tensor 'blk.0.ffn_up_exps.bias'"),
+    ({"keys": ("gpt-oss.attention.sliding_window",)}, "missing metadata key 'gpt-oss.attention.sliding_window'"),
+])
+def test_gpt_oss_missing_parts_are_named(omit, message, make_gguf, tmp_path):
+    bad = make_gguf("q4_0", arch="gpt-oss", omit_tensors=omit.get("tensors", ()), omit_keys=omit.get("keys", ()))
+    with pytest.raises(moepass.MoepassError, match=message):
+        moepass.convert(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

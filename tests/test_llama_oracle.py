@@ -2,8 +2,11 @@
 
 Every architecture, F32 fixture with an F32 KV cache: max |logit difference| <= 1e-4.
 qwen3moe quantized fixtures: <= 0.1 and the same argmax at every position.
-Other architectures' quantized fixtures: the same argmax at every decided position (tests/oracle.py),
-and at least 40 % of the positions decided.
+gpt-oss MXFP4 (as it ships), Q8_0 and Q4_0 fixtures: the same argmax at every position (measured max
+|logit difference| 0.12, 0.09, 0.012). Its fixture has 4 layers (sliding, full, sliding, full; a
+window of 5 tokens that the 14-token prompt passes), attention sinks, YaRN and biases everywhere.
+Other quantized fixtures: the same argmax at every decided position (tests/oracle.py), and at least
+40 % of the positions decided.
 Prefill of the whole prompt, token-by-token decode through the KV cache, and a prompt fed in two
 chunks must all match.
 """
@@ -21,6 +24,10 @@ pytestmark = pytest.mark.llama
 
 TOLERANCE = {"f32": 1e-4, "q8_0": 0.1, "q4_0": 0.1, "q4_k": 0.1, "q6_k": 0.1}
 ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe"]
+# (arch, preset) pairs checked at every position, not only at decided ones
+EVERY_POSITION = {("gpt-oss", "mxfp4"), ("gpt-oss", "q8_0"), ("gpt-oss", "q4_0")}
+CASES = [(arch, preset) for arch in ARCHITECTURES for preset in sorted(TOLERANCE)] + \
+    [("gpt-oss", preset) for preset in ("f32", "mxfp4", "q8_0", "q4_0", "q4_k")]
 
 
 def _check(ours, ref, preset, what, arch="qwen3moe", router_ties=None):
@@ -29,7 +36,7 @@ def _check(ours, ref, preset, what, arch="qwen3moe", router_ties=None):
         assert diff <= TOLERANCE[preset], f"{arch} {preset} {what}: max |logit diff| {diff}"
     if preset != "f32":
         decided = np.ones(len(ref), dtype=bool)
-        if arch != "qwen3moe":
+        if arch != "qwen3moe" and (arch, preset) not in EVERY_POSITION:
             decided = decided_positions(ref, router_ties)
             assert decided.mean() >= 0.4, f"{arch} {preset}: only {decided.sum()} of {len(ref)} positions decided"
         same = ours.argmax(-1) == ref.argmax(-1)
@@ -37,8 +44,7 @@ def _check(ours, ref, preset, what, arch="qwen3moe", router_ties=None):
             f"{arch} {preset} {what}: argmax differs at positions {np.flatnonzero(decided & ~same).tolist()}"
 
 
-@pytest.mark.parametrize("preset", sorted(TOLERANCE))
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch,preset", CASES)
 def test_matches_llama_cpp(arch, preset, make_gguf, converted):
     ref = llama_logits(make_gguf(preset, arch=arch), PROMPT)
     decoder = load(converted(preset, arch=arch))
