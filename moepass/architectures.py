@@ -55,6 +55,19 @@ HPARAMS: dict[str, HParam] = {
     "embedding_scale": HParam("{arch}.embedding_scale", 0.0, kind=float),
     "attention_scale": HParam("{arch}.attention.scale", 0.0, kind=float),
     "sliding_window": HParam("{arch}.attention.sliding_window", 0),
+    # multi-head latent attention (deepseek2); key/value_length_mla absent: the older kv_b files
+    "q_lora_rank": HParam("{arch}.attention.q_lora_rank", 0),
+    "kv_lora_rank": HParam("{arch}.attention.kv_lora_rank"),
+    "k_head_mla": HParam("{arch}.attention.key_length_mla", 0),
+    "v_head_mla": HParam("{arch}.attention.value_length_mla", 0),
+    "rope_dim": HParam("{arch}.rope.dimension_count"),
+    "leading_dense": HParam("{arch}.leading_dense_block_count", 0),
+    "n_shared_experts": HParam("{arch}.expert_shared_count", 0),
+    # deepseek2 routing: 1 softmax, 2 sigmoid (0: absent, softmax as llama.cpp assumes)
+    "gating_func": HParam("{arch}.expert_gating_func", 0),
+    "expert_weights_norm": HParam("{arch}.expert_weights_norm", False, kind=bool),
+    "n_expert_groups": HParam("{arch}.expert_group_count", 0),
+    "n_group_used": HParam("{arch}.expert_group_used_count", 0),
 }
 
 # Tensor roles -> GGUF names; `{i}` is the block index, `{e}` an expert index.
@@ -92,6 +105,18 @@ TENSORS: dict[str, str] = {
     "ffn_gate_exps_bias": "blk.{i}.ffn_gate_exps.bias",
     "ffn_up_exps_bias": "blk.{i}.ffn_up_exps.bias",
     "ffn_down_exps_bias": "blk.{i}.ffn_down_exps.bias",
+    "attn_q_a": "blk.{i}.attn_q_a.weight",
+    "attn_q_a_norm": "blk.{i}.attn_q_a_norm.weight",
+    "attn_q_b": "blk.{i}.attn_q_b.weight",
+    "attn_kv_a_mqa": "blk.{i}.attn_kv_a_mqa.weight",
+    "attn_kv_a_norm": "blk.{i}.attn_kv_a_norm.weight",
+    "attn_k_b": "blk.{i}.attn_k_b.weight",
+    "attn_v_b": "blk.{i}.attn_v_b.weight",
+    "attn_kv_b": "blk.{i}.attn_kv_b.weight",
+    "ffn_gate": "blk.{i}.ffn_gate.weight",
+    "ffn_up": "blk.{i}.ffn_up.weight",
+    "ffn_down": "blk.{i}.ffn_down.weight",
+    "exp_probs_b": "blk.{i}.exp_probs_b.bias",
 }
 # Legacy per-expert names (older Mixtral files) of the stacked expert roles.
 LEGACY_EXPERT_TENSORS = {"ffn_gate_exps": "blk.{i}.ffn_gate.{e}.weight", "ffn_up_exps": "blk.{i}.ffn_up.{e}.weight",
@@ -104,6 +129,9 @@ ROUTED_EXPERTS = ("ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "f
 ATTENTION_BIASES = ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias")
 SHARED_EXPERT = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 EXPERT_BIASES = ("ffn_gate_inp_bias", "ffn_gate_exps_bias", "ffn_up_exps_bias", "ffn_down_exps_bias")
+DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
+# Roles of a MoE block that a leading dense block (deepseek2) has in their place
+MOE_ROLES = (*ROUTED_EXPERTS[1:], "ffn_gate_inp_shexp", *SHARED_EXPERT, "exp_probs_b", *EXPERT_BIASES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +168,28 @@ def expected_shapes(hp: dict[str, Any], features: dict[str, Any]) -> dict[str, t
         "ffn_gate_inp_shexp": (h,), "ffn_gate_shexp": (sff, h), "ffn_up_shexp": (sff, h), "ffn_down_shexp": (h, sff),
         "attn_post_norm": (h,), "attn_sinks": (hp["n_heads"],), "ffn_gate_inp_bias": (e,),
         "ffn_gate_exps_bias": (e, ff), "ffn_up_exps_bias": (e, ff), "ffn_down_exps_bias": (e, h),
+        "ffn_gate": (hp.get("ffn", 0), h), "ffn_up": (hp.get("ffn", 0), h), "ffn_down": (h, hp.get("ffn", 0)),
+        "exp_probs_b": (e,),
+        **(latent_attention_shapes(hp) if features.get("mla") else {}),
+    }
+
+
+def latent_dims(hp: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    """(heads, key head size, value head size, RoPE part, no-RoPE part) of multi-head latent
+    attention as llama.cpp derives them (key/value_length when the _mla keys are absent)."""
+    k_head = hp["k_head_mla"] or hp["head_dim"]
+    v_head = hp["v_head_mla"] or hp["value_dim"]
+    return hp["n_heads"], k_head, v_head, hp["rope_dim"], k_head - hp["rope_dim"]
+
+
+def latent_attention_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    n, k_head, v_head, rope, nope = latent_dims(hp)
+    h, q_lora, kv_lora = hp["hidden"], hp["q_lora_rank"], hp["kv_lora_rank"]
+    return {
+        "attn_q": (n * k_head, h), "attn_q_a": (q_lora, h), "attn_q_a_norm": (q_lora,), "attn_q_b": (n * k_head, q_lora),
+        "attn_kv_a_mqa": (kv_lora + rope, h), "attn_kv_a_norm": (kv_lora,),
+        "attn_k_b": (n, kv_lora, nope), "attn_v_b": (n, v_head, kv_lora), "attn_kv_b": (n * (nope + v_head), kv_lora),
+        "attn_output": (h, n * v_head),
     }
 
 
@@ -164,6 +214,11 @@ class Architecture:
                     every even layer slides over `sliding_window` tokens)
       activation    a key of ACTIVATIONS (default "swiglu")
       expert_biases biases on the router and on every expert's gate/up/down (gpt-oss)
+      mla           multi-head latent attention (deepseek2): compressed KV, decoupled RoPE; the
+                    first `leading_dense` blocks have a dense FFN instead of experts
+      yarn_log_multiplier  read rope.scaling.yarn_log_multiplier as llama.cpp does for deepseek2
+      routing "deepseek"  softmax or sigmoid gating (expert_gating_func), selection bias
+                    exp_probs_b, group-limited top-k, optional renormalization
     """
 
     gguf_arch: str
@@ -195,6 +250,8 @@ class Architecture:
         values["expert_ff"] = values[self.expert_ff_from]
         if "shared_ff" in values and not values["shared_ff"] and self.features.get("shared_ff_fallback"):
             values["shared_ff"] = values[self.features["shared_ff_fallback"]]
+        if "n_shared_experts" in values:  # deepseek2: shared experts of the routed experts' width
+            values["shared_ff"] = values["n_shared_experts"] * values["expert_ff"]
         if values.get("n_kv_heads") is None:
             values["n_kv_heads"] = values["n_heads"]
         if values.get("head_dim") is None:
@@ -228,8 +285,15 @@ class Architecture:
             "rope": {"neox": "NeoX (rotate halves)", "norm": "interleaved pairs"}[f["rope"]],
             "routing": {"softmax_topk_renorm": f"softmax, top-{hp['n_experts_used']}, renormalized",
                         "softmax_topk": f"softmax, top-{hp['n_experts_used']}, not renormalized",
-                        "topk_softmax": f"top-{hp['n_experts_used']}, softmax over the selected"}[f["routing"]],
+                        "topk_softmax": f"top-{hp['n_experts_used']}, softmax over the selected",
+                        "deepseek": None}[f["routing"]] or _deepseek_routing_text(hp),
         }
+        if f.get("mla"):
+            n, k_head, v_head, rope, nope = latent_dims(hp)
+            parts["attention"] = (f"multi-head latent attention: {n} heads, KV rank {hp['kv_lora_rank']}, "
+                                  f"q rank {hp['q_lora_rank'] or 'full'}, key {nope}+{rope} (RoPE), value {v_head}")
+            if hp["leading_dense"]:
+                parts["dense_blocks"] = f"the first {hp['leading_dense']} (ffn {hp['ffn']})"
         scaling = Rope(**hp["rope"]).describe()
         if scaling:
             parts["rope_scaling"] = scaling
@@ -260,13 +324,29 @@ class Architecture:
     def has_tensor(self, gguf: GGUFModel, role: str, layer: int | None = None) -> bool:
         return gguf.has_tensor(self.tensor_name(role, layer))
 
+    def is_dense(self, layer: int, hp: dict[str, Any]) -> bool:
+        """A leading block with a dense FFN in place of experts (deepseek2's first_k_dense_replace)."""
+        return layer < hp.get("leading_dense", 0)
+
+    def block_roles(self, layer: int, hp: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(required, optional) tensor roles of one block."""
+        required, optional = list(self.block_tensors), list(self.optional_tensors)
+        if self.features.get("mla"):
+            required += ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if hp["q_lora_rank"] else ["attn_q"]
+            required += ["attn_k_b", "attn_v_b"] if hp["k_head_mla"] else ["attn_kv_b"]
+        if self.is_dense(layer, hp):
+            required = [r for r in required if r not in MOE_ROLES] + list(DENSE_FFN)
+            optional = [r for r in optional if r not in MOE_ROLES]
+        return tuple(required), tuple(optional)
+
     def check_tensors(self, gguf: GGUFModel, hp: dict[str, Any]) -> None:
         """Every tensor the recipe reads is present with the shape the metadata implies."""
         shapes = expected_shapes(hp, self.features)
+        roles = [self.block_roles(i, hp) for i in range(hp["n_layers"])]
         wanted = [(role, None, True) for role in GLOBAL_TENSORS] + \
             [(role, None, False) for role in GLOBAL_OPTIONAL] + \
-            [(role, i, True) for i in range(hp["n_layers"]) for role in self.block_tensors] + \
-            [(role, i, False) for i in range(hp["n_layers"]) for role in self.optional_tensors]
+            [(role, i, True) for i in range(hp["n_layers"]) for role in roles[i][0]] + \
+            [(role, i, False) for i in range(hp["n_layers"]) for role in roles[i][1]]
         for role, layer, required in wanted:
             if not required and not self.has_tensor(gguf, role, layer):
                 continue
@@ -288,6 +368,15 @@ class Rope:
     n_ctx_orig: int = 0       # YaRN's original context length
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    yarn_log_mul: float = 0.0  # deepseek2's mscale_all_dim (rope.scaling.yarn_log_multiplier / 0.1)
+
+    def latent_attention_mscale(self) -> float:
+        """deepseek2's YaRN magnitude for its attention scale (kq_scale = mscale^2 / sqrt(head)),
+        as llama.cpp's deepseek2 graph derives it from attn_factor."""
+        f32 = np.float32
+        log_inverse = np.log(f32(1) / f32(self.freq_scale))
+        original = f32(self.attn_factor) * (f32(1) + f32(0.1) * log_inverse)
+        return float(original * (f32(1) + f32(0.1) * f32(self.yarn_log_mul) * log_inverse))
 
     def describe(self) -> str | None:
         if self.ext_factor:
@@ -316,16 +405,23 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> Rope:
     freq_scale = f32(1) if scaling == "none" or factor == 0 else f32(1) / f32(factor)
     attn_factor = f32(1)
     yarn = scaling == "yarn"
+    log_mul = f32(0)
+    if arch.features.get("yarn_log_multiplier"):  # the converter stores 0.1 * mscale_all_dim
+        log_mul = f32(gguf.get(f"{a}.rope.scaling.yarn_log_multiplier", 0.0)) / f32(0.1)
     if yarn:
         def mscale(s: np.float32, m: float) -> np.float32:
             return f32(1) if s <= 1 else f32(0.1) * f32(m) * np.log(s) + f32(1)
 
         scale = f32(1) / freq_scale
-        attn_factor = mscale(scale, 1.0) * (f32(1) / (f32(1) + f32(0.1) * np.log(scale)))
+        if log_mul:  # llama_context: deepseek2 takes mscale = mscale_all_dim when that is not 1
+            attn_factor = mscale(scale, log_mul if log_mul != 1 else 1.0) / mscale(scale, log_mul)
+        else:
+            attn_factor = mscale(scale, 1.0)
+        attn_factor = attn_factor * (f32(1) / (f32(1) + f32(0.1) * np.log(scale)))
     attn_factor = attn_factor * f32(gguf.get(f"{a}.rope.scaling.attn_factor", 1.0))
     n_ctx_orig = int(gguf.get(f"{a}.rope.scaling.original_context_length", hp["context_length"]))
     return Rope(base=float(f32(hp["rope_base"])), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
-                attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig)
+                attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul))
 
 
 def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> tuple[bool, ...]:
@@ -347,6 +443,13 @@ def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any
     return tuple(period == 0 or i % period < period - 1 for i in range(n))
 
 
+def _deepseek_routing_text(hp: dict[str, Any]) -> str:
+    gating = "sigmoid" if hp["gating_func"] == 2 else "softmax"
+    groups = f", best {hp['n_group_used']} of {hp['n_expert_groups']} groups" if hp["n_expert_groups"] > 1 else ""
+    norm = "renormalized" if hp["expert_weights_norm"] else "not renormalized"
+    return f"{gating}, selection bias when present{groups}, top-{hp['n_experts_used']}, {norm}"
+
+
 def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
     def bad(what: str) -> MoepassError:
         return MoepassError(f"{gguf.path}: {arch.gguf_arch} hyperparameters are inconsistent: {what}")
@@ -364,8 +467,17 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
         raise bad(f"head dimension {hp['head_dim']} is odd; rotary embedding needs it even")
     if arch.features.get("multipliers") and hp["logit_scale"] == 0:
         raise bad("logit_scale is 0")
+    if arch.features.get("mla"):
+        if hp["gating_func"] not in (0, 1, 2):
+            raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.expert_gating_func' is "
+                               f"{hp['gating_func']}; moepass converts 1 (softmax) and 2 (sigmoid)")
+        groups = hp["n_expert_groups"]
+        if groups > 1 and (hp["n_experts"] % groups or not 0 < hp["n_group_used"] <= groups):
+            raise bad(f"{hp['n_experts']} experts in {groups} groups, {hp['n_group_used']} used")
+        if not 0 < hp["rope_dim"] < latent_dims(hp)[1] or hp["rope_dim"] % 2:
+            raise bad(f"RoPE dimension {hp['rope_dim']} does not fit the key head {latent_dims(hp)[1]}")
     rot = gguf.get(f"{arch.gguf_arch}.rope.dimension_count")
-    if rot is not None and int(rot) != hp["head_dim"]:
+    if rot is not None and int(rot) != hp["head_dim"] and not arch.features.get("mla"):
         raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
                            f"size {hp['head_dim']}; partial rotary embedding is not converted yet")
 
@@ -426,6 +538,16 @@ ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
         optional_tensors=ATTENTION_BIASES[:3],
         features={"rope": "neox", "routing": "topk_softmax", "ffn_norm": "attn_post_norm", "attention_sinks": True,
                   "sliding_window": 2, "activation": "swiglu_oai", "expert_biases": True},
+    ),
+    Architecture(
+        gguf_arch="deepseek2", description="DeepSeek-V2/V2.5/V3/R1 and other MLA models (Kimi K2)",
+        hparams=(*_COMMON, "expert_ff", "ffn", "q_lora_rank", "kv_lora_rank", "k_head_mla", "v_head_mla", "rope_dim",
+                 "leading_dense", "n_shared_experts", "gating_func", "expert_weights_norm", "n_expert_groups",
+                 "n_group_used"),
+        block_tensors=("attn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output", *ROUTED_EXPERTS),
+        optional_tensors=("exp_probs_b", *SHARED_EXPERT),
+        features={"rope": "norm", "routing": "deepseek", "mla": True, "shared_expert": "plain",
+                  "yarn_log_multiplier": True},
     ),
 ]}
 

@@ -26,7 +26,7 @@ import onnx_ir as ir
 from onnx_ir import tape as ir_tape
 
 from moepass import __version__
-from moepass.architectures import ACTIVATIONS, Architecture, Rope
+from moepass.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT, Architecture, Rope, latent_dims
 from moepass.errors import MoepassError
 from moepass.gguf_reader import GGUFModel, GGUFTensor
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
@@ -241,9 +241,12 @@ class GraphBuilder:
         hp, feats = self.hp, self.arch.features
         router = self.linear(x2d, self.tensor("ffn_gate_inp", layer), f"blk.{layer}.router",
                              bias=self.optional("ffn_gate_inp_bias", layer))
+        weight_sum = None
+        if feats["routing"] == "deepseek":
+            router, weight_sum = self.deepseek_routing(router, layer)
         gate, up, down = (self.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
         types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
-        renormalize = feats["routing"] in ("softmax_topk_renorm", "topk_softmax")
+        renormalize = feats["routing"] in ("softmax_topk_renorm", "topk_softmax", "deepseek")
         activation = ACTIVATIONS[feats.get("activation", "swiglu")]
         attrs: dict[str, Any] = {"k": hp["n_experts_used"], "activation_type": "swiglu", "swiglu_fusion": 1,
                                  "activation_alpha": activation.alpha, "activation_beta": activation.beta,
@@ -298,9 +301,76 @@ class GraphBuilder:
         })
         self.moe_layers.append({"layer": layer, "node": name, "experts": hp["n_experts"], "top_k": hp["n_experts_used"],
                                 "form": form_name, "source_types": [qt.name for qt in types]})
+        if weight_sum is not None:  # the node renormalized weights that the model leaves as they are
+            out = self.tape.op("Mul", [out, weight_sum], name=f"{name}.weights_unnormalize")
         if hp["expert_weights_scale"] not in (0.0, 1.0):   # llama.cpp scales the routing weights
             out = self.scale(out, hp["expert_weights_scale"], f"{name}.weights_scale")
         return out
+
+    def deepseek_routing(self, logits: ir.Value, layer: int) -> tuple[ir.Value, ir.Value | None]:
+        """deepseek2's routing as llama.cpp's build_moe_ffn does it, as scores for the MoE node:
+        log(weight) at the selected experts, -inf elsewhere, so that the node's softmax over them
+        gives the selected weights renormalized (expert_weights_norm); without that flag, the sum
+        of the selected weights is returned too, to multiply the node's output by.
+
+        Gating probs = softmax or sigmoid(logits) (expert_gating_func); selection by probs plus the
+        bias exp_probs_b, within the best `expert_group_used_count` of `expert_group_count` groups
+        (a group's score is the sum of its best two); weights = the unbiased probs of the selected.
+        Sigmoid gating uses ONNX Runtime's com.microsoft::MoEGroupRouter, which computes exactly
+        these scores (measured equal to llama.cpp's selection); softmax gating is built from ONNX ops.
+        """
+        hp, t, name = self.hp, self.tape, f"blk.{layer}.router"
+        k, groups = hp["n_experts_used"], max(hp["n_expert_groups"], 1)
+        groups_used = hp["n_group_used"] if groups > 1 else 1
+        bias = self.optional("exp_probs_b", layer)
+        if hp["gating_func"] == 2:
+            n = hp["n_experts"]
+            bias_value = self.lazy_initializer(
+                bias.name if bias is not None else f"{name}.no_selection_bias", ir.DataType.FLOAT, (n,),
+                (lambda: dequantize(bias.read_rows(), bias.ggml_type).reshape(n)) if bias is not None
+                else (lambda: np.zeros(n, np.float32)))
+            scores = t.op("MoEGroupRouter", [logits, bias_value],
+                          {"n_group": groups, "topk_group": groups_used, "group_topk": 2, "top_k": k,
+                           "router_sentinel": float("-inf")}, domain="com.microsoft", name=f"{name}.group_topk")
+            if hp["expert_weights_norm"]:
+                return scores, None
+            weights = t.op("Exp", [scores], name=f"{name}.selected_weights")
+            return scores, t.op("ReduceSum", [weights, self.ints(-1)], {"keepdims": 1}, name=f"{name}.weight_sum")
+        probs = t.op("Softmax", [logits], {"axis": -1}, name=f"{name}.softmax")
+        selection = probs if bias is None else \
+            t.op("Add", [probs, self.float_weight(bias.name, bias)], name=f"{name}.selection_bias")
+        if groups > 1:
+            selection = self.group_limit(selection, groups, groups_used, name)
+        _, chosen = t.op_multi_out("TopK", [selection, self.ints(k)], {"axis": -1}, num_outputs=2, name=f"{name}.topk")
+        weights = t.op("GatherElements", [probs, chosen], {"axis": -1}, name=f"{name}.selected_weights")
+        fill = t.op("Expand", [self.const(f"const.{self.act.name.lower()}.-inf", np.array(-np.inf, self.np_act)),
+                               t.op("Shape", [logits], name=f"{name}.shape")], name=f"{name}.fill")
+        scores = t.op("ScatterElements", [fill, chosen, t.op("Log", [weights], name=f"{name}.log_weights")],
+                      {"axis": -1}, name=f"{name}.scores")
+        if hp["expert_weights_norm"]:
+            return scores, None
+        return scores, t.op("ReduceSum", [weights, self.ints(-1)], {"keepdims": 1}, name=f"{name}.weight_sum")
+
+    def group_limit(self, selection: ir.Value, groups: int, used: int, name: str) -> ir.Value:
+        """Selection scores [T, E] with every expert outside the `used` best groups set to -inf;
+        a group's score is the sum of its two best experts (llama.cpp, DeepSeek-V3)."""
+        t, per_group = self.tape, self.hp["n_experts"] // groups
+        grouped = t.op("Reshape", [selection, self.ints(-1, groups, per_group)], name=f"{name}.groups")
+        best = grouped if per_group < 2 else \
+            t.op_multi_out("TopK", [grouped, self.ints(2)], {"axis": -1}, num_outputs=2, name=f"{name}.group_best")[0]
+        group_scores = t.op("ReduceSum", [best, self.ints(-1)], {"keepdims": 0}, name=f"{name}.group_scores")
+        _, kept = t.op_multi_out("TopK", [group_scores, self.ints(used)], {"axis": -1}, num_outputs=2,
+                                 name=f"{name}.group_topk")
+        zero = self.const("const.bool.false", np.array(False))
+        keep = t.op("ScatterElements", [
+            t.op("Expand", [zero, t.op("Shape", [group_scores], name=f"{name}.group_shape")], name=f"{name}.no_group"),
+            kept, t.op("Expand", [self.const("const.bool.true", np.array(True)),
+                                  t.op("Shape", [kept], name=f"{name}.kept_shape")], name=f"{name}.kept_true")],
+            {"axis": -1}, name=f"{name}.group_mask")
+        masked = t.op("Where", [t.op("Unsqueeze", [keep, self.ints(-1)], name=f"{name}.group_mask_column"), grouped,
+                                self.const(f"const.{self.act.name.lower()}.-inf", np.array(-np.inf, self.np_act))],
+                      name=f"{name}.group_limited")
+        return t.op("Reshape", [masked, self.ints(-1, self.hp["n_experts"])], name=f"{name}.ungroup")
 
     def expert_form(self, tensors: list[tuple[GGUFTensor, QuantType]]) -> BlockForm:
         """The QMoE form of one layer's experts, by --expert-format."""
@@ -318,14 +388,19 @@ class GraphBuilder:
         worst = max(pack(raw, qt, int4).rel_rms_error for raw, (_, qt) in zip(rows, tensors))
         return int4 if worst <= AUTO_INT4_MAX_ERROR else exact
 
+    def gated_mlp(self, x2d: ir.Value, roles: tuple[str, str, str], layer: int, prefix: str) -> ir.Value:
+        """down(silu(gate(x)) * up(x)) of the (gate, up, down) tensor roles of one block."""
+        t = self.tape
+        gate = self.linear(x2d, self.tensor(roles[0], layer), f"{prefix}.gate")
+        up = self.linear(x2d, self.tensor(roles[1], layer), f"{prefix}.up")
+        act = t.op("Mul", [t.op("Mul", [gate, t.op("Sigmoid", [gate], name=f"{prefix}.sigmoid")], name=f"{prefix}.silu"),
+                           up], name=f"{prefix}.swiglu")
+        return self.linear(act, self.tensor(roles[2], layer), f"{prefix}.down")
+
     def shared_expert(self, x2d: ir.Value, layer: int) -> ir.Value:
-        """The dense shared expert: down(silu(gate(x)) * up(x)), times sigmoid(x . g) when gated (qwen2moe)."""
+        """The dense shared expert, times sigmoid(x . g) when gated (qwen2moe)."""
         t, p = self.tape, f"blk.{layer}.shared_expert"
-        gate = self.linear(x2d, self.tensor("ffn_gate_shexp", layer), f"{p}.gate")
-        up = self.linear(x2d, self.tensor("ffn_up_shexp", layer), f"{p}.up")
-        act = t.op("Mul", [t.op("Mul", [gate, t.op("Sigmoid", [gate], name=f"{p}.sigmoid")], name=f"{p}.silu"), up],
-                   name=f"{p}.swiglu")
-        out = self.linear(act, self.tensor("ffn_down_shexp", layer), f"{p}.down")
+        out = self.gated_mlp(x2d, SHARED_EXPERT, layer, p)
         if self.arch.features.get("shared_expert") != "sigmoid_gated":
             return out
         g = self.tensor("ffn_gate_inp_shexp", layer)
@@ -333,6 +408,76 @@ class GraphBuilder:
         logit = t.op("MatMul", [x2d, t.op("Unsqueeze", [weight, self.ints(-1)], name=f"{p}.gate_inp.column")],
                      name=f"{p}.gate_inp")
         return t.op("Mul", [out, t.op("Sigmoid", [logit], name=f"{p}.gate_sigmoid")], name=f"{p}.gated")
+
+    # ---- multi-head latent attention (deepseek2) --------------------------------------------------
+    def latent_qkv(self, h: ir.Value, layer: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """Query, key and value of multi-head latent attention, in the absorbed form llama.cpp uses,
+        for one GroupQueryAttention with a single KV head over the compressed cache:
+
+          c = RMSNorm(kv_a(x)[:rank]), k_pe = kv_a(x)[rank:]        (compressed KV, shared RoPE key)
+          key   = [k_pe | c]                                         (rope + rank per token)
+          value = [c | 0]                                            (padded to the key width)
+          query = [q_pe | q_nope @ Wk_h] per head                    (Wk_h: [nope, rank], from attn_k_b)
+
+        q.k = q_pe.k_pe + q_nope.(Wk_h c): the key each head would decompress. GQA rotates the
+        first `rope` dims of each head (interleaved pairs, as deepseek2's RoPE). The attention output
+        per head is then mapped by Wv_h (latent_values)."""
+        t, hp, p = self.tape, self.hp, f"blk.{layer}"
+        n, k_head, _, rope, nope = latent_dims(hp)
+        rank = hp["kv_lora_rank"]
+        if hp["q_lora_rank"]:
+            q = self.linear(h, self.tensor("attn_q_a", layer), f"{p}.attn_q_a")
+            q = self.rms_norm(q, self.tensor("attn_q_a_norm", layer), f"{p}.attn_q_a_norm")
+            q = self.linear(q, self.tensor("attn_q_b", layer), f"{p}.attn_q_b")
+        else:
+            q = self.linear(h, self.tensor("attn_q", layer), f"{p}.attn_q")
+        heads = t.op("Reshape", [q, self.ints(0, 0, n, k_head)], name=f"{p}.attn_q.split_heads")
+        q_nope = t.op("Slice", [heads, self.ints(0), self.ints(nope), self.ints(3)], name=f"{p}.attn_q.nope")
+        q_pe = t.op("Slice", [heads, self.ints(nope), self.ints(k_head), self.ints(3)], name=f"{p}.attn_q.pe")
+        per_head = t.op("Transpose", [q_nope], {"perm": [0, 2, 1, 3]}, name=f"{p}.attn_q.heads_first")
+        absorbed = t.op("MatMul", [per_head, self.latent_matrix(layer, "k")], name=f"{p}.attn_q.absorb")
+        absorbed = t.op("Transpose", [absorbed], {"perm": [0, 2, 1, 3]}, name=f"{p}.attn_q.tokens_first")
+        q = t.op("Reshape", [t.op("Concat", [q_pe, absorbed], {"axis": 3}, name=f"{p}.attn_q.concat"),
+                             self.ints(0, 0, n * (rope + rank))], name=f"{p}.attn_q.merge_heads")
+        kv = self.linear(h, self.tensor("attn_kv_a_mqa", layer), f"{p}.attn_kv_a_mqa")
+        compressed = t.op("Slice", [kv, self.ints(0), self.ints(rank), self.ints(2)], name=f"{p}.attn_kv.compressed")
+        k_pe = t.op("Slice", [kv, self.ints(rank), self.ints(rank + rope), self.ints(2)], name=f"{p}.attn_kv.k_pe")
+        compressed = self.rms_norm(compressed, self.tensor("attn_kv_a_norm", layer), f"{p}.attn_kv_a_norm")
+        k = t.op("Concat", [k_pe, compressed], {"axis": 2}, name=f"{p}.attn_k")
+        v = t.op("Pad", [compressed, self.ints(0, 0, 0, 0, 0, rope)], name=f"{p}.attn_v")
+        return q, k, v
+
+    def latent_values(self, attn: ir.Value, layer: int) -> ir.Value:
+        """GQA's output per head ([weighted c | 0]) -> the heads' values: c' @ Wv_h, [B, S, n * v_head]."""
+        t, hp, p = self.tape, self.hp, f"blk.{layer}"
+        n, _, v_head, rope, _ = latent_dims(hp)
+        rank = hp["kv_lora_rank"]
+        heads = t.op("Reshape", [attn, self.ints(0, 0, n, rope + rank)], name=f"{p}.attn_out.split_heads")
+        latent = t.op("Slice", [heads, self.ints(0), self.ints(rank), self.ints(3)], name=f"{p}.attn_out.latent")
+        latent = t.op("Transpose", [latent], {"perm": [0, 2, 1, 3]}, name=f"{p}.attn_out.heads_first")
+        values = t.op("MatMul", [latent, self.latent_matrix(layer, "v")], name=f"{p}.attn_out.decompress")
+        values = t.op("Transpose", [values], {"perm": [0, 2, 1, 3]}, name=f"{p}.attn_out.tokens_first")
+        return t.op("Reshape", [values, self.ints(0, 0, n * v_head)], name=f"{p}.attn_out.merge_heads")
+
+    def latent_matrix(self, layer: int, which: str) -> ir.Value:
+        """Per-head decompression matrices as float: "k" -> Wk [n, nope, rank] (q_nope to the latent
+        space), "v" -> Wv [n, rank, v_head]; from attn_k_b / attn_v_b, or split from an older file's
+        attn_kv_b ([n * (nope + v_head), rank])."""
+        hp = self.hp
+        n, _, v_head, _, nope = latent_dims(hp)
+        rank = hp["kv_lora_rank"]
+        absorbed = bool(hp["k_head_mla"])
+        src = self.tensor(f"attn_{which}_b" if absorbed else "attn_kv_b", layer)
+        shape = (n, nope, rank) if which == "k" else (n, rank, v_head)
+
+        def make() -> np.ndarray:
+            values = dequantize(src.read_rows(), src.ggml_type)
+            if absorbed:  # attn_k_b [n, rank, nope], attn_v_b [n, v_head, rank]
+                return values.reshape(src.shape).transpose(0, 2, 1)
+            kv = values.reshape(n, nope + v_head, rank)
+            return kv[:, :nope, :] if which == "k" else kv[:, nope:, :].transpose(0, 2, 1)
+
+        return self.lazy_initializer(f"blk.{layer}.attn_{which}_b.latent", self.act, shape, make)
 
     def expert_bias(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
         """Per-expert biases [E, N] of one or two sources as [E, N * len(sources)] (gate and up
@@ -359,6 +504,10 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     """
     hp, t, feats = b.hp, b.tape, b.arch.features
     nh, nkv, d = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
+    latent = feats.get("mla", False)
+    rot = d  # rotary dimensions at the start of each GQA head
+    if latent:  # GQA over the compressed cache: one KV head of [k_pe | c] (see latent_attention)
+        nkv, d, rot = 1, hp["kv_lora_rank"] + hp["rope_dim"], hp["rope_dim"]
     multipliers = feats.get("multipliers", False)
     act_type = ir.TensorType(b.act)  # float32, or float16 for the offload format
     input_ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64),
@@ -374,13 +523,16 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     total_len = t.op("Cast", [t.op("Gather", [t.op("Shape", [mask]), one], {"axis": 0})],
                      {"to": ir.DataType.INT32}, name="attn_mask.total_seq_len")
     n_pos = hp["context_length"]
-    if hp["value_dim"] != d:
+    if hp["value_dim"] != hp["head_dim"] and not latent:
         raise MoepassError(f"{b.gguf.path}: value head size {hp['value_dim']} differs from key head size {d}; "
                            "GroupQueryAttention needs them equal")
-    tables = functools.cache(lambda: rope_cache(n_pos, d, Rope(**hp["rope"])))  # cos and sin from one pass
-    cos = b.lazy_initializer("rope.cos_cache", b.act, (n_pos, d // 2), lambda: tables()[0])
-    sin = b.lazy_initializer("rope.sin_cache", b.act, (n_pos, d // 2), lambda: tables()[1])
+    rope = Rope(**hp["rope"])
+    tables = functools.cache(lambda: rope_cache(n_pos, rot, rope))  # cos and sin from one pass
+    cos = b.lazy_initializer("rope.cos_cache", b.act, (n_pos, rot // 2), lambda: tables()[0])
+    sin = b.lazy_initializer("rope.sin_cache", b.act, (n_pos, rot // 2), lambda: tables()[1])
     attention_scale = hp["attention_scale"] if multipliers and hp["attention_scale"] else 1.0 / np.sqrt(d)
+    if latent:  # llama.cpp's deepseek2: mscale^2 / sqrt(key head), mscale from YaRN's log multiplier
+        attention_scale = rope.latent_attention_mscale() ** 2 / np.sqrt(latent_dims(hp)[1])
     residual_scale = hp["residual_scale"] if multipliers else 0.0
 
     def residual_branch(value: ir.Value, name: str) -> ir.Value:
@@ -391,8 +543,11 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
         x = b.scale(x, hp["embedding_scale"], "embed_tokens.scale")
     for i in range(hp["n_layers"]):
         h = b.rms_norm(x, b.tensor("attn_norm", i), f"blk.{i}.attn_norm", b.optional("attn_norm_bias", i))
-        q, k, v = (b.linear(h, b.tensor(f"attn_{p}", i), f"blk.{i}.attn_{p}", bias=b.optional(f"attn_{p}_bias", i))
-                   for p in "qkv")
+        if latent:
+            q, k, v = b.latent_qkv(h, i)
+        else:
+            q, k, v = (b.linear(h, b.tensor(f"attn_{p}", i), f"blk.{i}.attn_{p}", bias=b.optional(f"attn_{p}_bias", i))
+                       for p in "qkv")
         if feats.get("qk_norm") == "head":
             q = b.per_head_rms_norm(q, b.tensor("attn_q_norm", i), nh, f"blk.{i}.attn_q_norm")
             k = b.per_head_rms_norm(k, b.tensor("attn_k_norm", i), nkv, f"blk.{i}.attn_k_norm")
@@ -420,14 +575,19 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
             value.type = act_type
             value.shape = ir.Shape(["batch_size", nkv, "total_sequence_length", d])
         outputs += [present_k, present_v]
+        if latent:
+            attn = b.latent_values(attn, i)
         attn = b.linear(attn, b.tensor("attn_output", i), f"blk.{i}.attn_output", bias=b.optional("attn_output_bias", i))
         x = t.op("Add", [x, residual_branch(attn, f"blk.{i}.attn")], name=f"blk.{i}.attn_residual")
         h = b.rms_norm(x, b.tensor(feats.get("ffn_norm", "ffn_norm"), i), f"blk.{i}.ffn_norm",
                        b.optional("ffn_norm_bias", i))
         h2d = t.op("Reshape", [h, b.ints(-1, hp["hidden"])], name=f"blk.{i}.moe.flatten")
-        ffn = b.moe(h2d, i, hp["hidden"])
-        if feats.get("shared_expert") and hp["shared_ff"]:
-            ffn = t.op("Add", [ffn, b.shared_expert(h2d, i)], name=f"blk.{i}.shared_expert.add")
+        if b.arch.is_dense(i, hp):
+            ffn = b.gated_mlp(h2d, DENSE_FFN, i, f"blk.{i}.ffn")
+        else:
+            ffn = b.moe(h2d, i, hp["hidden"])
+            if feats.get("shared_expert") and hp["shared_ff"]:
+                ffn = t.op("Add", [ffn, b.shared_expert(h2d, i)], name=f"blk.{i}.shared_expert.add")
         ffn = t.op("Reshape", [ffn, t.op("Shape", [x], name=f"blk.{i}.moe.shape")], name=f"blk.{i}.moe.unflatten")
         x = t.op("Add", [x, residual_branch(ffn, f"blk.{i}.moe")], name=f"blk.{i}.moe_residual")
 
