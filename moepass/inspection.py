@@ -2,7 +2,8 @@
 
 For both, the answer is a plain dict (for the API and `--json`) and the lines the CLI prints:
 architecture, MoE layers, quantization formats, and bytes per group of weights. Weight groups:
-"experts" (routed expert matrices), "attention", "embedding/output", "router" and "norms".
+"experts" (routed expert matrices and biases), "shared experts", "dense ffn" (deepseek2's leading
+blocks), "attention", "embedding/output", "router" and "norms".
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ from moepass.quants import BlockForm
 def _gguf_group(name: str) -> str:
     if "_exps" in name:
         return "experts"
-    if "ffn_gate_inp" in name:
+    if "_shexp" in name:
+        return "shared experts"
+    if "ffn_gate_inp" in name or "exp_probs_b" in name:
         return "router"
     if name.endswith("norm.weight"):
         return "norms"
     if ".attn_" in name:
         return "attention"
+    if ".ffn_" in name:
+        return "dense ffn"
     if name.startswith(("token_embd", "output")):
         return "embedding/output"
     return "other"
@@ -60,7 +65,7 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
     if arch is not None:
         hp = arch.read_hparams(gguf)
         info["hparams"] = hp
-        info["moe_layers"] = hp["n_layers"]
+        info["moe_layers"] = sum(not arch.is_dense(i, hp) for i in range(hp["n_layers"]))
         info["features"] = arch.describe(gguf, hp)
     return info
 
@@ -139,7 +144,7 @@ def _feature_lines(features: dict[str, Any]) -> list[str]:
             value = ", ".join(f"{k} {v:g}" for k, v in value.items())
         elif isinstance(value, list):
             value = ", ".join(value)
-        lines.append(f"{key.replace('_', ' '):<14}{value}")
+        lines.append(f"{key.replace('_', ' '):<13} {value}")
     return lines
 
 

@@ -2,8 +2,9 @@
 
 An exact rewrite: for every MoE node, the expert tensors (experts on axis 0) are permuted, and so
 is the router that produces the node's logits (rows of a MatMulNBits weight, columns of a MatMul
-weight), so the logits for expert slot i are those of the expert now stored in slot i. Routing
-picks the same experts, and the model's outputs do not change.
+weight, a bias), so the logits for expert slot i are those of the expert now stored in slot i; a
+router computed by a subgraph (deepseek2) gets a Gather of its result instead. Routing picks the
+same experts, and the model's outputs do not change.
 
 After it, each node's first `resident` experts form one contiguous prefix of every expert tensor:
 the GPU-resident group. The node records the mapping in metadata_props:
@@ -82,6 +83,9 @@ class ReorderExpertsPass(InPlacePass):
         router = moe.inputs[1].producer()
         if router is None:
             raise MoepassError(f"node {moe.name}: its router logits are a graph input, which cannot be reordered")
+        if (router.domain, router.op_type) not in (("", "MatMul"), ("", "Add"), ("com.microsoft", "MatMulNBits")):
+            self._gather_routing(graph, moe, order)
+            return
         for use in moe.inputs[1].uses():
             # the node itself, or a Softmax over the experts that feeds only it (router_weights)
             ok = use.node is moe or (use.node.op_type == "Softmax" and use.node.attributes.get_int("axis", -1) == -1
@@ -113,3 +117,23 @@ class ReorderExpertsPass(InPlacePass):
         else:
             raise MoepassError(f"node {moe.name}: its router is a {router.domain or 'ai.onnx'}::{router.op_type} "
                                "node; moepass reorders MatMul and MatMulNBits routers with constant weights")
+
+    def _gather_routing(self, graph: ir.Graph, moe: ir.Node, order: list[int]) -> None:
+        """A router computed by a subgraph (deepseek2's group-limited routing, whose groups are
+        ranges of expert ids): its result is permuted instead, by a Gather over the expert axis
+        right before the node; anything else reading the routing still sees it in the original order."""
+        indices = ir.Value(name=f"{moe.name}.expert_order", type=ir.TensorType(ir.DataType.INT64),
+                           shape=ir.Shape([len(order)]),
+                           const_value=ir.Tensor(np.array(order, np.int64), name=f"{moe.name}.expert_order"))
+        graph.register_initializer(indices)
+        for index in (1, 14):  # router scores, router_weights
+            if index >= len(moe.inputs) or moe.inputs[index] is None:
+                continue
+            source = moe.inputs[index]
+            gather = ir.Node("", "Gather", [source, indices], attributes=[ir.AttrInt64("axis", -1)],
+                             name=f"{moe.name}.reorder_routing_{index}")
+            graph.insert_before(moe, gather)
+            reordered = gather.outputs[0]
+            reordered.name = f"{source.name}.reordered"
+            reordered.type, reordered.shape = source.type, source.shape
+            moe.replace_input_with(index, reordered)

@@ -167,3 +167,54 @@ def test_gpt_oss_missing_parts_are_named(omit, message, make_gguf, tmp_path):
     with pytest.raises(moepass.MoepassError, match=message):
         moepass.convert(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# ---- deepseek2 ----------------------------------------------------------------------------------
+
+def _ops(model, op_type):
+    return [n for n in model.graph.node if n.op_type == op_type]
+
+
+def test_deepseek2_graph_latent_cache_dense_block_and_routing(make_gguf, converted):
+    model = onnx.load(converted("q4_0", arch="deepseek2") / "model.onnx")
+    # one QMoE per MoE block: block 0 is dense
+    assert [n.name for n in _ops(model, "QMoE")] == ["blk.1.moe", "blk.2.moe"]
+    # the compressed cache: one KV head of rank 64 + RoPE 32 per token
+    past = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert past["past_key_values.0.key"] == ["batch_size", 1, "past_sequence_length", 96]
+    attention = _ops(model, "GroupQueryAttention")[0]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
+    assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["rotary_interleaved"]) == (4, 1, 1)
+    mscale = 1 + 0.1 * 0.707 * np.log(40.0)  # YaRN x40, mscale_all_dim 0.707 (stored as 0.0707)
+    assert attrs["scale"] == pytest.approx(mscale ** 2 / np.sqrt(64), rel=1e-5)
+    cos = next(t for t in model.graph.initializer if t.name == "rope.cos_cache")
+    assert list(cos.dims) == [512, 16]  # RoPE over 32 of the 96 head dims
+    # sigmoid gating: ONNX Runtime's fused group router
+    routers = _ops(model, "MoEGroupRouter")
+    assert len(routers) == 2
+    r = {a.name: onnx.helper.get_attribute_value(a) for a in routers[0].attribute}
+    assert (r["n_group"], r["topk_group"], r["group_topk"], r["top_k"]) == (4, 2, 2, 2)
+    assert routers[0].input[1] == "blk.1.exp_probs_b.bias"
+    # softmax gating: ONNX ops, the weights not renormalized (the node's output times their sum)
+    softmax = onnx.load(converted("q4_0", arch="deepseek2-softmax") / "model.onnx")
+    assert not _ops(softmax, "MoEGroupRouter") and len(_ops(softmax, "ScatterElements")) == 4
+    assert any(n.name == "blk.1.moe.weights_unnormalize" for n in softmax.graph.node)
+    features = moepass.inspect(make_gguf("q4_0", arch="deepseek2"))["features"]
+    assert features["routing"] == "sigmoid, selection bias when present, best 2 of 4 groups, top-2, renormalized"
+    assert features["attention"].startswith("multi-head latent attention: 4 heads, KV rank 64")
+    assert features["dense_blocks"] == "the first 1 (ffn 512)"
+    assert moepass.inspect(make_gguf("q4_0", arch="deepseek2"))["moe_layers"] == 2
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"omit_tensors": ("blk.1.attn_k_b.weight",)}, "missing tensor 'blk.1.attn_k_b.weight'"),
+    ({"omit_tensors": ("blk.0.ffn_up.weight",)}, "missing tensor 'blk.0.ffn_up.weight'"),
+    ({"omit_keys": ("deepseek2.attention.kv_lora_rank",)}, "missing metadata key 'deepseek2.attention.kv_lora_rank'"),
+    ({"extra_metadata": {"deepseek2.expert_gating_func": 3}}, "'deepseek2.expert_gating_func' is 3"),
+    ({"extra_metadata": {"deepseek2.expert_group_count": 3}}, "8 experts in 3 groups"),
+])
+def test_deepseek2_bad_input_is_named(kwargs, message, make_gguf, tmp_path):
+    bad = make_gguf("q4_0", arch="deepseek2", **kwargs)  # extra_metadata overwrites the fixture's value
+    with pytest.raises(moepass.MoepassError, match=message):
+        moepass.convert(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

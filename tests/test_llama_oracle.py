@@ -28,13 +28,13 @@ ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe
 EVERY_POSITION = {("gpt-oss", "mxfp4"), ("gpt-oss", "q8_0"), ("gpt-oss", "q4_0")}
 CASES = [(arch, preset) for arch in ARCHITECTURES for preset in sorted(TOLERANCE)] + \
     [("gpt-oss", preset) for preset in ("f32", "mxfp4", "q8_0", "q4_0", "q4_k")] + \
-    [("deepseek2", "f32"), ("deepseek2-softmax", "f32")]
+    [("deepseek2", "f32"), ("deepseek2-softmax", "f32"), ("deepseek2-kv_b", "f32")]
 # Q4_0 moves exactly (int4 block 32) and ONNX Runtime's 4-bit kernels keep float32 activations:
 # the converted model computes the file's weights exactly, as llama.cpp does on their F32 copy.
 # Measured: max |logit difference| 1e-5 or less for every architecture, against 0.002-0.17 between
 # llama.cpp on the quantized file and on its F32 copy (it quantizes activations to 8 bits).
 EXACT_TOLERANCE = 1e-4
-EXACT_ARCHITECTURES = [*ARCHITECTURES, "gpt-oss", "deepseek2", "deepseek2-softmax"]
+EXACT_ARCHITECTURES = [*ARCHITECTURES, "gpt-oss", "deepseek2", "deepseek2-softmax", "deepseek2-kv_b"]
 
 
 def _check(ours, ref, preset, what, arch="qwen3moe", router_ties=None):

@@ -248,11 +248,13 @@ def test_more_budget_never_serves_less(problem, extra, policy):
     assert more >= less - 1e-12
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "llama", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "llama", "gpt-oss", "deepseek2", "deepseek2-softmax"])
 def test_other_architectures_profile_and_partition_exactly(arch, tmp_path, converted):
     """Routing without renormalization feeds QMoE softmax(router logits) too: reordering keeps both in step.
     (The softmax then sums its exponentials in the new order: equal to rounding, not bit for bit.)
-    gpt-oss: the router's bias (MatMul + Add) and the experts' biases are permuted with the experts."""
+    gpt-oss: the router's bias (MatMul + Add) and the experts' biases are permuted with the experts.
+    deepseek2: the group-limited routing's result is gathered into the new order; its dense first
+    block has no experts."""
     source = converted("q4_0", arch=arch)
     pop = profile(source, PROMPTS)
     memory = _memory(lambda *a, **k: source)
@@ -262,7 +264,7 @@ def test_other_architectures_profile_and_partition_exactly(arch, tmp_path, conve
     assert sum(n["resident_count"] for n in result.plan["nodes"]) == 5
     a = load(source).forward(IDS, load(source).empty_cache())[0]
     b = load(tmp_path / arch).forward(IDS, load(tmp_path / arch).empty_cache())[0]
-    if arch in ("llama", "gpt-oss"):
+    if arch in ("llama", "gpt-oss", "deepseek2", "deepseek2-softmax"):
         np.testing.assert_array_equal(a, b)
     else:
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
