@@ -24,6 +24,8 @@ def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
                  config_entries: dict[str, str] | None = None) -> dict[str, Any]:
     arch = model.metadata_props.get("moepass.architecture", "")
     stop = list(tokenizer.get("stop_token_ids") or [])
+    # the KV cache as the graph holds it (deepseek2: one head of the compressed latent per token)
+    cache = next(v for v in model.graph.inputs if v.name == "past_key_values.0.key").shape
     return with_session_entries({
         "model": {
             "bos_token_id": tokenizer.get("bos_token_id") if tokenizer.get("bos_token_id") is not None else 0,
@@ -31,7 +33,7 @@ def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
             "decoder": {
                 "session_options": {"log_id": "moepass", "provider_options": []},
                 "filename": MODEL_FILE,
-                "head_size": hp["head_dim"],
+                "head_size": int(cache[3]),
                 "hidden_size": hp["hidden"],
                 "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
                            "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
@@ -39,7 +41,7 @@ def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
                             "present_value_names": "present.%d.value"},
                 "num_attention_heads": hp["n_heads"],
                 "num_hidden_layers": hp["n_layers"],
-                "num_key_value_heads": hp["n_kv_heads"],
+                "num_key_value_heads": int(cache[1]),
             },
             "eos_token_id": stop if len(stop) != 1 else stop[0],
             "pad_token_id": stop[0] if stop else 0,

@@ -199,10 +199,12 @@ def test_old_onnxruntime(converted, caplog):
 
 # ---- onnxruntime-genai -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("preset", ["f32", "q4_0"])
-def test_onnxruntime_genai_generates_the_same_tokens(preset, converted):
+@pytest.mark.parametrize("preset,arch", [("f32", "qwen3moe"), ("q4_0", "qwen3moe"), ("q4_0", "gpt-oss"),
+                                         ("q4_0", "deepseek2"), ("q4_0", "deepseek2-kv_b")])
+def test_onnxruntime_genai_generates_the_same_tokens(preset, arch, converted):
+    """genai_config.json describes the KV cache as the graph holds it (deepseek2: the compressed one)."""
     import onnxruntime_genai as og
-    model = og.Model(str(converted(preset)))
+    model = og.Model(str(converted(preset, arch=arch)))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=3 + 20, do_sample=False)
     generator = og.Generator(model, params)
@@ -211,7 +213,7 @@ def test_onnxruntime_genai_generates_the_same_tokens(preset, converted):
     while not generator.is_done():
         generator.generate_next_token()
         theirs.append(int(generator.get_next_tokens()[0]))
-    assert theirs == list(load(converted(preset)).generate([5, 77, 200], 20, stop_ids=()))
+    assert theirs == list(load(converted(preset, arch=arch)).generate([5, 77, 200], 20, stop_ids=()))
 
 
 def test_onnxruntime_genai_takes_the_offload_options(partitioned):
