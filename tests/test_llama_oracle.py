@@ -74,8 +74,12 @@ def test_matches_llama_cpp(arch, preset, make_gguf, converted):
 @pytest.mark.parametrize("arch", EXACT_ARCHITECTURES)
 def test_exact_weights_match_llama_cpp_on_the_dequantized_file(arch, make_gguf, converted, tmp_path):
     """Q4_0 fixture: max |logit difference| <= 1e-4 and the same argmax at every position, prefill,
-    decode and chunked prefill, against llama.cpp on the F32 dequantization of the same file."""
+    decode and chunked prefill, against llama.cpp on the F32 dequantization of the same file.
+    Against llama.cpp on the quantized file itself: the same argmax at every position except where
+    that run departs from the exact computation of the same weights (measured: 1 of 14 positions for
+    phimoe, 3 for deepseek2 with softmax gating, none for the others)."""
     ref = llama_logits(dequantized_copy(make_gguf("q4_0", arch=arch), tmp_path / "f32.gguf"), PROMPT)
+    quantized_run = llama_logits(make_gguf("q4_0", arch=arch), PROMPT).argmax(-1)
     decoder = load(converted("q4_0", arch=arch))
     cache, steps = decoder.empty_cache(), []
     for token in PROMPT:
@@ -89,6 +93,9 @@ def test_exact_weights_match_llama_cpp_on_the_dequantized_file(arch, make_gguf, 
         diff = float(np.abs(ours - ref).max())
         assert diff <= EXACT_TOLERANCE, f"{arch} {what}: max |logit diff| {diff}"
         assert (ours.argmax(-1) == ref.argmax(-1)).all(), f"{arch} {what}: argmax differs"
+        differs = ours.argmax(-1) != quantized_run
+        assert not (differs & (quantized_run == ref.argmax(-1))).any(), \
+            f"{arch} {what}: argmax differs from llama.cpp's quantized run where that run is exact"
 
 
 def test_split_gguf_matches_llama_cpp(make_gguf, converted):
