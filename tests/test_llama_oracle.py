@@ -77,7 +77,7 @@ def test_exact_weights_match_llama_cpp_on_the_dequantized_file(arch, make_gguf, 
     decode and chunked prefill, against llama.cpp on the F32 dequantization of the same file.
     Against llama.cpp on the quantized file itself: the same argmax at every position except where
     that run departs from the exact computation of the same weights (measured: 1 of 14 positions for
-    phimoe, 3 for deepseek2 with softmax gating, none for the others)."""
+    phimoe, 3 each for deepseek2 with softmax gating and for the older kv_b form, none for the others)."""
     ref = llama_logits(dequantized_copy(make_gguf("q4_0", arch=arch), tmp_path / "f32.gguf"), PROMPT)
     quantized_run = llama_logits(make_gguf("q4_0", arch=arch), PROMPT).argmax(-1)
     decoder = load(converted("q4_0", arch=arch))
