@@ -31,7 +31,7 @@ CASES = [(arch, preset) for arch in ARCHITECTURES for preset in sorted(TOLERANCE
     [("deepseek2", "f32"), ("deepseek2-softmax", "f32"), ("deepseek2-kv_b", "f32")]
 # Q4_0 moves exactly (int4 block 32) and ONNX Runtime's 4-bit kernels keep float32 activations:
 # the converted model computes the file's weights exactly, as llama.cpp does on their F32 copy.
-# Measured: max |logit difference| 1e-5 or less for every architecture, against 0.002-0.17 between
+# Measured: max |logit difference| 1.3e-5 or less for every architecture, against 0.002-1.9 between
 # llama.cpp on the quantized file and on its F32 copy (it quantizes activations to 8 bits).
 EXACT_TOLERANCE = 1e-4
 EXACT_ARCHITECTURES = [*ARCHITECTURES, "gpt-oss", "deepseek2", "deepseek2-softmax", "deepseek2-kv_b"]
