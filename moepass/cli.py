@@ -77,7 +77,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(model: str, output: str, float_experts: str, expert_format: str, imatrix: str | None, force: bool,
             print_after: str | None, quiet: bool) -> None:
-    """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder."""
+    """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
+    subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
 
     progress = _Progress("writing weights", enabled=not quiet)

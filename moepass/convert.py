@@ -1,8 +1,12 @@
-"""`moepass convert`: GGUF -> ONNX decoder with QMoE experts, written atomically.
+"""`moepass convert`: GGUF -> ONNX decoder with QMoE experts, or an ONNX model's MoE subgraphs
+fused into QMoE; written atomically.
 
-Read (moepass.gguf_reader) -> lower (moepass.passes.lower) -> passes (moepass.passes.PIPELINE)
+GGUF: read (moepass.gguf_reader) -> lower (moepass.passes.lower) -> passes (moepass.passes.PIPELINE)
 -> write: model.onnx + model.onnx.data (weights streamed tensor by tensor) + moepass.json
-(hyperparameters, MoE layers and the per-tensor conversion report).
+(hyperparameters, MoE layers and the per-tensor conversion report), tokenizer and genai config.
+ONNX: load (weights stay on disk until written) -> fuse-moe (moepass.passes.fuse_moe) ->
+remove-unused, topological-sort -> write: model.onnx + model.onnx.data + moepass.json (which layers
+were fused and why others were not, and the per-tensor report).
 
 Everything is written into a temporary directory beside the output and renamed at the end, so a
 failure leaves nothing at the output path, and an existing output is replaced only on request.
@@ -24,15 +28,18 @@ import onnx_ir as ir
 from moepass import __version__
 from moepass.architectures import architecture_of
 from moepass.atomic import atomic_directory
+from moepass.errors import MoepassError
 from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
-                           TOKENIZER_FILE)
+                           TOKENIZER_FILE, as_ir_model)
 from moepass.genai import genai_config
 from moepass.imatrix import load_imatrix
 from moepass.runtime.providers import offload_violations
 from moepass.tokenizer import tokenizer_from_gguf
-from moepass.gguf_reader import GGUFModel
+from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
 from moepass.passes import run_pipeline
-from moepass.passes.lower import LowerOptions, lower_gguf
+from moepass.passes.fuse_moe import FuseMoePass
+from moepass.passes.lower import FLOAT_EXPERT_CHOICES, META, LowerOptions, lower_gguf
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 
 ProgressFn = Callable[[int, int], None]  # (tensors written, total tensors)
@@ -54,6 +61,7 @@ class ConvertResult:
     seconds: float
     tokenizer: dict[str, Any] = dataclasses.field(default_factory=dict)
     offload: str = ""  # whether ONNX Runtime's expert offload can take the model, and if not, why
+    fusion: list[dict[str, Any]] | None = None  # ONNX input: what happened to each candidate MoE layer
 
     @property
     def model_path(self) -> Path:
@@ -72,21 +80,30 @@ class ConvertResult:
         groups: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
         for w in self.weights:
             groups[("+".join(sorted(set(w["source_types"]))), w["target"])].append(w)
-        rows = [f"{'source':<12}{'target':<10}{'tensors':>8}{'bits/w':>8}  rel. RMS error"]
+        width = max([12] + [len(source) + 2 for source, _ in groups])
+        rows = [f"{'source':<{width}}{'target':<10}{'tensors':>8}{'bits/w':>8}  rel. RMS error"]
         for (source, target), members in sorted(groups.items()):
             bpw = sum(m["bits_per_weight"] * m["bytes"] for m in members) / sum(m["bytes"] for m in members)
             errors = [e for m in members for e in m["rel_rms_error"]]
             error = "exact" if all(all(m["exact"]) for m in members) else f"max {max(errors):.4f}"
-            rows.append(f"{source:<12}{target:<10}{len(members):>8}{bpw:>8.2f}  {error}")
+            rows.append(f"{source:<{width}}{target:<10}{len(members):>8}{bpw:>8.2f}  {error}")
         return rows
 
     def summary_lines(self) -> list[str]:
         experts = self.moe_layers[0]["experts"] if self.moe_layers else 0
         top_k = self.moe_layers[0]["top_k"] if self.moe_layers else 0
         forms = collections.Counter(m["form"] for m in self.moe_layers)
-        lines = [
-            f"converted {self.source.name} ({self.architecture}) -> {self.output_dir}",
-            f"  layers        {self.n_layers} ({len(self.moe_layers)} MoE, {experts} experts, top-{top_k})",
+        lines = [f"converted {self.source.name} ({self.architecture}) -> {self.output_dir}"]
+        if self.fusion is not None:
+            fused = [f for f in self.fusion if f["fused"]]
+            lines.append(f"  MoE layers    {len(fused)} of {len(self.fusion)} candidates fused "
+                         f"({experts} experts, top-{top_k})" if self.fusion else
+                         "  MoE layers    none found: the model is written unchanged")
+            lines.extend(f"    {f['anchor']}: -> {f['node']} ({f['form']})" if f["fused"] else
+                         f"    not fused: {f['reason']}" for f in self.fusion)
+        else:
+            lines.append(f"  layers        {self.n_layers} ({len(self.moe_layers)} MoE, {experts} experts, top-{top_k})")
+        lines += [
             "  expert form   " + ", ".join(f"{form} x{n}" for form, n in sorted(forms.items())),
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]
@@ -97,24 +114,28 @@ class ConvertResult:
                      + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
         lines.extend("    " + row for row in self.quality_table())
         lines.append(f"  offload       {self.offload}")
-        if self.tokenizer.get("reason"):
+        if self.fusion is not None:
+            pass  # an ONNX model carries no tokenizer of its own
+        elif self.tokenizer.get("reason"):
             lines.append(f"  tokenizer     none written: {self.tokenizer['reason']} (token ids only)")
         else:
             pre = f", {self.tokenizer['pre']} pre-tokenizer" if self.tokenizer.get("pre") else ""
             lines.append(f"  tokenizer     {self.tokenizer.get('model')}{pre} -> {TOKENIZER_FILE}")
         rate = self.source_bytes / self.seconds / 1e9 if self.seconds else 0.0
-        lines.append(f"  time          {self.seconds:.2f} s ({rate:.2f} GB/s of GGUF)")
+        lines.append(f"  time          {self.seconds:.2f} s ({rate:.2f} GB/s of input)")
         return lines
 
 
-def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_experts: str = "keep",
+def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
             expert_format: str = "auto", imatrix: str | os.PathLike | None = None,
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print) -> ConvertResult:
-    """Convert a GGUF model into an ONNX decoder directory.
+    """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
     Args:
-        model: the .gguf file (for split files, the first part).
+        model: the .gguf file (for split files, the first part); or an ONNX model: a .onnx file, a
+            model directory, an onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph
+            (see convert_onnx; `expert_format`, `imatrix` and `print_after` are for GGUF input).
         output_dir: the directory to create (must not exist, or be empty, unless `overwrite`).
         float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
             (quantized into QMoE).
@@ -125,6 +146,8 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
         progress: called as progress(done, total) while weights are written.
         print_after: print the graph after this pass (see moepass.passes.PASS_NAMES).
     """
+    if _is_onnx(model):
+        return convert_onnx(model, output_dir, float_experts=float_experts, overwrite=overwrite, progress=progress)
     start = time.perf_counter()
     source, output_dir = Path(model), Path(output_dir)
     gguf = GGUFModel(source)
@@ -138,17 +161,7 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
                                                                  if expert_format != "offload" else "")
 
     with atomic_directory(output_dir, overwrite) as tmp:
-        done = 0
-
-        def on_tensor(_tensor: ir.TensorProtocol, info: Any) -> None:
-            nonlocal done
-            done += 1
-            if progress is not None:
-                progress(done, info.total)
-
-        # One writer thread, in initializer order: each tensor is converted on several threads
-        # chunk by chunk (moepass.passes.weights), and a group's codes are written before its scales.
-        ir.save(onnx_model, tmp / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1)
+        _save(onnx_model, tmp, progress)
         weights = [r.as_dict() for r in lowered.report.records.values()]
         bytes_by_target: dict[str, int] = collections.Counter()
         for w in weights:
@@ -173,3 +186,85 @@ def convert(model: str | os.PathLike, output_dir: str | os.PathLike, *, float_ex
                          bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
                          output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info,
                          offload=offload)
+
+
+def _save(model: ir.Model, folder: Path, progress: ProgressFn | None) -> None:
+    """model.onnx + model.onnx.data. One writer thread, in initializer order: each tensor is
+    converted on several threads chunk by chunk (moepass.passes.weights), and a group's codes are
+    written before its scales."""
+    done = 0
+
+    def on_tensor(_tensor: ir.TensorProtocol, info: Any) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, info.total)
+
+    ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1)
+
+
+def _is_onnx(model: Any) -> bool:
+    """An ONNX model (file, directory or in-memory), rather than a GGUF file."""
+    if not isinstance(model, (str, os.PathLike)):
+        return True
+    path = Path(model)
+    if path.is_dir():
+        return True
+    if path.is_file():
+        with open(path, "rb") as f:
+            return f.read(4) != GGUF_MAGIC and path.suffix == ".onnx"
+    return path.suffix == ".onnx"
+
+
+def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
+                 overwrite: bool = False, progress: ProgressFn | None = None) -> ConvertResult:
+    """Fuse the MoE layers of an ONNX model into QMoE (or float MoE) nodes (moepass.passes.fuse_moe).
+
+    Per-expert MatMulNBits blobs move bit-exactly when their block geometry fits QMoE; float
+    experts become one float com.microsoft::MoE node unless `float_experts` is "int8" or "int4";
+    com.microsoft::MoE nodes are quantized into QMoE when `float_experts` asks for it. A layer the
+    rules do not match is left as it was, and moepass.json says why. A model with no MoE layer is
+    written unchanged.
+    """
+    if float_experts not in FLOAT_EXPERT_CHOICES:
+        raise MoepassError(f"float_experts must be one of {', '.join(FLOAT_EXPERT_CHOICES)}, not {float_experts!r}")
+    start = time.perf_counter()
+    onnx_model, label = as_ir_model(model)
+    source = Path(label)
+    source_bytes = _model_bytes(source)
+    fuse = FuseMoePass(float_experts)
+    fuse(onnx_model)
+    fused = [r for r in fuse.records if r.fused]
+    if fused:
+        for cleanup in (RemoveUnusedNodesPass(), TopologicalSortPass()):
+            cleanup(onnx_model)
+    onnx_model.metadata_props[META + "version"] = __version__
+    onnx_model.metadata_props[META + "source"] = source.name
+    onnx_model.metadata_props[META + "moe_layers"] = str(len(fused))
+    violations = offload_violations(onnx_model)
+    offload = "eligible" if fused and not violations else \
+        f"not eligible: {violations[0][0]}: {violations[0][1]}" if violations else "no MoE layer"
+    moe_layers = [{"layer": i, "node": r.node, "experts": r.experts, "top_k": r.top_k, "form": r.form,
+                   "fused_from": r.anchor} for i, r in enumerate(fused)]
+    with atomic_directory(Path(output_dir), overwrite) as tmp:
+        _save(onnx_model, tmp, progress)
+        weights = [r.as_dict() for r in fuse.report.records.values()]
+        report = {"moepass_version": __version__, "source": {"file": source.name, "bytes": source_bytes},
+                  "fusion": [r.as_dict() for r in fuse.records], "moe_layers": moe_layers, "weights": weights}
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
+    bytes_by_target: dict[str, int] = collections.Counter()
+    for w in weights:
+        bytes_by_target[w["target"]] += w["bytes"]
+    return ConvertResult(output_dir=Path(output_dir), source=source, architecture="onnx", n_layers=len(fuse.records),
+                         moe_layers=moe_layers, bytes_by_target=dict(bytes_by_target), weights=weights,
+                         source_bytes=source_bytes, output_bytes=output_bytes, seconds=time.perf_counter() - start,
+                         offload=offload, fusion=[r.as_dict() for r in fuse.records])
+
+
+def _model_bytes(path: Path) -> int:
+    """Bytes of an ONNX model file and the external data files beside it (0 for in-memory models)."""
+    if not path.is_file():
+        return 0
+    return sum(f.stat().st_size for f in path.parent.iterdir()
+               if f == path or (f.is_file() and f.name.startswith(path.name) and f.name != path.name))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moepass.errors import MoepassError
 
@@ -41,3 +41,20 @@ def load_model(model_dir: str | os.PathLike) -> "onnx_ir.Model":
     except Exception as e:  # onnx raises many decode error types; report one line
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise MoepassError(f"{path}: not a readable ONNX model ({type(e).__name__}: {detail})") from None
+
+
+def as_ir_model(source: Any) -> tuple["onnx_ir.Model", str]:
+    """An onnx-ir model and a label for it, from a path (model.onnx or a model directory), an
+    onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph (what pipelines hand in)."""
+    import onnx
+    import onnx_ir as ir
+
+    if isinstance(source, ir.Model):
+        return source, "<onnx_ir.Model>"
+    if isinstance(source, onnx.ModelProto):
+        return ir.from_proto(source), "<onnx.ModelProto>"
+    if type(source).__module__.startswith("onnx_graphsurgeon"):
+        import onnx_graphsurgeon as gs
+        return ir.from_proto(gs.export_onnx(source)), "<onnx_graphsurgeon.Graph>"
+    path = model_file(source)
+    return load_model(path), str(path)

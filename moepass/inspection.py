@@ -14,13 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import onnx
-import onnx_ir as ir
-
 from moepass.architectures import ARCHITECTURES
 from moepass.errors import MoepassError
-from moepass.files import load_model, model_file
+from moepass.files import REPORT_FILE, as_ir_model
 from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
+from moepass.passes.fuse_moe import FuseMoePass
 from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
 from moepass.quants import BlockForm
 
@@ -70,21 +68,8 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
     return info
 
 
-def _as_ir_model(source: Any) -> tuple[ir.Model, str]:
-    """An onnx-ir model from a path, an onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph."""
-    if isinstance(source, ir.Model):
-        return source, "<onnx_ir.Model>"
-    if isinstance(source, onnx.ModelProto):
-        return ir.from_proto(source), "<onnx.ModelProto>"
-    if type(source).__module__.startswith("onnx_graphsurgeon"):
-        import onnx_graphsurgeon as gs
-        return ir.from_proto(gs.export_onnx(source)), "<onnx_graphsurgeon.Graph>"
-    path = model_file(source)
-    return load_model(path), str(path)
-
-
 def inspect_onnx(source: Any) -> dict[str, Any]:
-    model, label = _as_ir_model(source)
+    model, label = as_ir_model(source)
     graph = model.graph
     found = moe_nodes(graph)
     expert_inputs = {v.name for m in found for v in m.expert_values}
@@ -110,6 +95,10 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
         groups["experts" if value.name in expert_inputs else "non-expert"] += n
         dtypes[value.const_value.dtype.name if value.const_value is not None else "?"] += n
     ops = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in graph)
+    dry_run = FuseMoePass(dry_run=True)
+    dry_run(model)
+    report = Path(label).parent / REPORT_FILE
+    fused = json.loads(report.read_text()).get("fusion") if report.is_file() else None
     return {
         "kind": "onnx",
         "file": label,
@@ -121,6 +110,10 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
         "ops": dict(sorted(ops.items())),
         "inputs": [v.name for v in graph.inputs],
         "outputs": [v.name for v in graph.outputs],
+        # MoE subgraphs `moepass convert` would fuse in this model, and why others would not be
+        "fusion_candidates": [r.as_dict() for r in dry_run.records],
+        # what convert did when it made this model from an ONNX model (its moepass.json)
+        "fusion": fused,
     }
 
 
@@ -177,6 +170,14 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
         resident = "" if m["resident"] is None else f", {m['resident']} resident on the GPU (stored first)"
         lines.append(f"  {m['node']:<16}{m['op']:<6}{m['form']:<10}{m['experts']} experts, top-{m['top_k']}, "
                      f"{m['bytes']:,} bytes{resident}")
+    for record in info.get("fusion") or []:
+        lines.append(f"  fused {record['anchor']} -> {record['node']} ({record['form']})" if record["fused"] else
+                     f"  not fused: {record['reason']}")
+    candidates = info.get("fusion_candidates") or []
+    if candidates:
+        lines.append(f"fusable       {sum(r['fused'] for r in candidates)} of {len(candidates)} MoE subgraphs "
+                     "(moepass convert fuses them into QMoE)")
+        lines.extend(f"  {r['anchor']}" if r["fused"] else f"  not fusable: {r['reason']}" for r in candidates)
     lines.append("bytes by group")
     for group, n in sorted(info["bytes_by_group"].items()):
         lines.append(f"  {group:<18}{n:>16,}")

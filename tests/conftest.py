@@ -45,3 +45,19 @@ def converted(tmp_path_factory, make_gguf):
     return _cached_by_arguments(
         tmp_path_factory.mktemp("onnx"),
         lambda folder, preset, **kw: convert(make_gguf(preset, **kw), folder / "model").output_dir)
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """exported(family, bits=None, block_size=32, **export_kwargs) -> path of a Hugging Face MoE model
+    exported by torch.onnx.export (and quantized by ONNX Runtime's MatMulNBits quantizer when `bits`)."""
+    import make_onnx_fixtures
+
+    def build(folder: Path, family: str, bits=None, block_size=32, symmetric=False, **kwargs) -> Path:
+        path = make_onnx_fixtures.export_hf_moe(folder / f"{family}.onnx", family, **kwargs)
+        if bits:
+            path = make_onnx_fixtures.quantize_matmul_nbits(path, folder / f"{family}-q{bits}.onnx", bits=bits,
+                                                            block_size=block_size, symmetric=symmetric)
+        return path
+
+    return _cached_by_arguments(tmp_path_factory.mktemp("exported"), build)

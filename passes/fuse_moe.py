@@ -1,0 +1,564 @@
+"""fuse-moe: the MoE layers of an existing ONNX model become one QMoE (or float MoE) node each.
+
+Written as rules. A rule finds candidate anchors in the graph, checks each one (the answer is
+either a `Match` holding everything the rewrite needs, or the reason it does not match, naming the
+node at fault), and rewrites a match. Every check runs before anything is rewritten, and a
+rewrite only adds the new node and redirects the layer's output to it: the old subgraph becomes
+dead and `remove-unused` deletes it, so a layer is either fused whole or left exactly as it was.
+
+Rules:
+- `ExpertBranchesRule`: the per-expert branches torch.onnx.export traces from Hugging Face's sparse
+  MoE blocks (Qwen3-MoE, Mixtral, and others written the same way): router MatMul -> Softmax ->
+  TopK (-> divided by its sum), OneHot mask, and per expert a NonZero, a Gather of its tokens,
+  SwiGLU (gate, up, down as MatMul with float weights or as MatMulNBits blobs), the routing weight,
+  and a ScatterElements + Add into the output. MatMulNBits blobs `[N, k_blocks, blob]` are QMoE's
+  raw rows already (element 2j in the low nibble), so they move bit-exactly when every expert
+  matrix shares bits and block size and the block divides K; otherwise they are dequantized and
+  requantized into int8 block 32 with the error measured.
+- `MoeNodeRule`: com.microsoft::MoE nodes (float experts) are quantized into QMoE when the user asks
+  for it (`float_experts` int8 / int4), with the error measured.
+
+The result of each candidate is a `FusionRecord` (fused or not, and why), which convert writes to
+moepass.json and `moepass inspect` shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Any, Iterator
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from moepass.passes.weights import StreamedTensor, WeightRecord, WeightReport
+from moepass.quants import BlockForm, quantize_values, rel_rms, unpack_values
+
+META = "moepass."
+# Forms QMoE's CPU kernel runs that MatMulNBits blobs can move into unchanged.
+QMOE_BITS = (4, 8)
+QMOE_BLOCKS = (16, 32, 64, 128)
+REQUANTIZE_FORM = BlockForm(8, 32)
+
+
+@dataclasses.dataclass
+class FusionRecord:
+    """What happened to one candidate MoE layer."""
+
+    rule: str
+    anchor: str                 # the node the rule started from
+    fused: bool
+    reason: str = ""            # why not, when not fused
+    node: str = ""              # the new node, when fused
+    experts: int = 0
+    top_k: int = 0
+    form: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Mismatch(Exception):
+    """A candidate that a rule does not fuse, and why."""
+
+
+# ---- small graph helpers ------------------------------------------------------------------------
+
+def constant(value: ir.Value | None) -> np.ndarray | None:
+    """The value of an initializer or a Constant node's output, else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+        attr = producer.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+    return None
+
+
+def consumers(value: ir.Value) -> list[ir.Node]:
+    return [use.node for use in value.uses()]
+
+
+def _through(value: ir.Value, ops: tuple[str, ...]) -> ir.Value:
+    """Walk up from `value` while it is produced by one of `ops` (their first input)."""
+    while value.producer() is not None and value.producer().op_type in ops:
+        value = value.producer().inputs[0]
+    return value
+
+
+def _node_name(node: ir.Node) -> str:
+    return node.name or f"<{node.op_type}>"
+
+
+# ---- linear layers: MatMul with a constant weight, or MatMulNBits --------------------------------
+
+@dataclasses.dataclass
+class Linear:
+    """y = x @ W^T with W [N, K]: a MatMul with a constant B [K, N], or a MatMulNBits. The weight
+    tensors are held (not read) here, so that they stay reachable once the node is removed."""
+
+    node: ir.Node
+    tensors: list[ir.TensorProtocol | None] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        inputs = list(self.node.inputs[1:4]) + [None] * 3
+        self.tensors = [v.const_value if v is not None else None for v in inputs[:3]]
+
+    @property
+    def quantized(self) -> bool:
+        return self.node.op_type == "MatMulNBits"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        if self.quantized:
+            return self.node.attributes.get_int("N"), self.node.attributes.get_int("K")
+        k, n = self.tensors[0].shape
+        return int(n), int(k)
+
+    @property
+    def form(self) -> BlockForm | None:
+        if not self.quantized:
+            return None
+        return BlockForm(self.node.attributes.get_int("bits", 4), self.node.attributes.get_int("block_size"))
+
+    def float_weight(self) -> np.ndarray:
+        """W [N, K] as float32 (dequantized for MatMulNBits)."""
+        if not self.quantized:
+            return np.ascontiguousarray(self.tensors[0].numpy().T, dtype=np.float32)
+        codes, scales, zeros = self.blobs()
+        _, k = self.shape
+        return unpack_values(codes, scales, self.form, zeros)[:, :k]
+
+    def blobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """MatMulNBits codes [N, k_blocks * blob] (QMoE's raw row layout), scales [N, k_blocks] and
+        packed zero points [N, ceil(k_blocks * bits / 8)] (None: the default)."""
+        n, _ = self.shape
+        codes, scales, zeros = self.tensors
+        return (codes.numpy().reshape(n, -1), scales.numpy().reshape(n, -1).astype(np.float32),
+                None if zeros is None else zeros.numpy().reshape(n, -1))
+
+
+def as_linear(node: ir.Node | None) -> Linear | None:
+    """The node as a Linear if it is one with constant weights (and no bias / g_idx for MatMulNBits)."""
+    if node is None:
+        return None
+    if node.op_type == "MatMul" and node.domain == "":
+        b = node.inputs[1]
+        if b is not None and b.const_value is not None and len(b.const_value.shape) == 2:
+            return Linear(node)
+    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+        extra = [v for v in node.inputs[4:] if v is not None]
+        if not extra and all(v is not None and v.const_value is not None for v in node.inputs[1:3]) and \
+                (len(node.inputs) < 4 or node.inputs[3] is None or node.inputs[3].const_value is not None):
+            return Linear(node)
+    return None
+
+
+# ---- the per-expert branches rule ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class Expert:
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+@dataclasses.dataclass
+class BranchesMatch:
+    anchor: ir.Node       # TopK
+    hidden: ir.Value      # [tokens, hidden], the router's (and experts') input
+    router: ir.Value      # router logits
+    softmax: ir.Value     # softmax(router logits)
+    top_k: int
+    normalize: bool
+    experts: list[Expert]
+    output: ir.Value      # the accumulated MoE output [tokens, hidden]
+
+
+_TOKEN_OPS = ("Unsqueeze", "Gather", "Reshape", "Squeeze", "Flatten")
+# what lies between an expert's down projection and the scatter of its rows: the routing weight, casts
+_WEIGHT_OPS = ("Mul", "Cast", "Reshape", "Unsqueeze", "Expand", "Flatten")
+
+
+class ExpertBranchesRule:
+    name = "expert-branches"
+
+    def anchors(self, graph: ir.Graph) -> Iterator[ir.Node]:
+        return (n for n in graph if n.op_type == "TopK" and n.domain == "")
+
+    def check(self, topk: ir.Node) -> BranchesMatch:
+        where = f"TopK node '{_node_name(topk)}'"
+        k = constant(topk.inputs[1])
+        if k is None:
+            raise Mismatch(f"{where}: K is not a constant")
+        probs = _through(topk.inputs[0], ("Cast",))
+        softmax = probs.producer()
+        if softmax is None or softmax.op_type != "Softmax":
+            raise Mismatch(f"{where}: does not select from a Softmax over router logits")
+        router = as_linear(softmax.inputs[0].producer())
+        if router is None:
+            raise Mismatch(f"{where}: the softmax's input is not a MatMul with a constant weight or a MatMulNBits")
+        n_experts, hidden_size = router.shape
+        axis = softmax.attributes.get_int("axis", -1)
+        if axis not in (-1, 1):
+            raise Mismatch(f"{where}: softmax over axis {axis}, not over the experts")
+        hidden = router.node.inputs[0]
+        normalize = any(
+            n.op_type == "Div" and n.inputs[0] is topk.outputs[0] and n.inputs[1].producer() is not None
+            and n.inputs[1].producer().op_type == "ReduceSum" and n.inputs[1].producer().inputs[0] is topk.outputs[0]
+            for n in consumers(topk.outputs[0]))
+        experts_by_slot = self._experts(topk, hidden, router, where)
+        if sorted(experts_by_slot) != list(range(n_experts)):
+            raise Mismatch(f"{where}: the graph has branches for {len(experts_by_slot)} of the router's {n_experts} "
+                           "experts (an export leaves out experts its example input did not reach)")
+        experts = [experts_by_slot[e] for e in range(n_experts)]
+        for e, ex in enumerate(experts):
+            n_ff = ex.gate.shape[0]
+            if ex.gate.shape != (n_ff, hidden_size) or ex.up.shape != (n_ff, hidden_size) or \
+                    ex.down.shape != (hidden_size, n_ff):
+                raise Mismatch(f"{where}: expert {e}'s matrices {ex.gate.shape}, {ex.up.shape}, {ex.down.shape} do "
+                               f"not form a SwiGLU MLP of width {hidden_size}")
+        if len({ex.gate.shape for ex in experts}) != 1:
+            raise Mismatch(f"{where}: the experts have different widths")
+        output = self._output(experts, where)
+        return BranchesMatch(topk, hidden, softmax.inputs[0], softmax.outputs[0], int(np.asarray(k).reshape(-1)[0]),
+                             normalize, experts, output)
+
+    def _experts(self, topk: ir.Node, hidden: ir.Value, router: Linear, where: str) -> dict[int, Expert]:
+        """Expert slot -> its SwiGLU: projections that read tokens gathered from `hidden`."""
+        token_values, queue, seen = [], deque([hidden]), {id(hidden)}
+        while queue:
+            value = queue.popleft()
+            for node in consumers(value):
+                if node.op_type in _TOKEN_OPS and node.inputs[0] is value:
+                    out = node.outputs[0]
+                    if id(out) not in seen:
+                        seen.add(id(out))
+                        token_values.append(out)
+                        queue.append(out)
+        experts: dict[int, Expert] = {}
+        for x in token_values:
+            projections = [lin for lin in map(as_linear, consumers(x)) if lin is not None and lin.node is not router.node]
+            if not projections:
+                continue
+            expert = self._swiglu(projections, where)
+            slot = self._slot(x, topk, where)
+            if slot in experts:
+                raise Mismatch(f"{where}: two branches for expert {slot}")
+            experts[slot] = expert
+        return experts
+
+    def _swiglu(self, projections: list[Linear], where: str) -> Expert:
+        """gate, up, down from down(silu(gate(x)) * up(x)), silu written as g * sigmoid(g)."""
+        names = ", ".join(f"'{_node_name(p.node)}'" for p in projections)
+        if len(projections) != 2:
+            raise Mismatch(f"{where}: {len(projections)} projections ({names}) read one expert's tokens, not gate and up")
+        for gate, up in (projections, projections[::-1]):
+            g = gate.node.outputs[0]
+            sigmoid = next((n for n in consumers(g) if n.op_type == "Sigmoid"), None)
+            if sigmoid is None:
+                continue
+            silu = next((n for n in consumers(g) if n.op_type == "Mul" and sigmoid.outputs[0] in n.inputs), None)
+            if silu is None:
+                continue
+            product = next((n for n in consumers(silu.outputs[0])
+                            if n.op_type == "Mul" and up.node.outputs[0] in n.inputs), None)
+            if product is None:
+                continue
+            downs = [lin for lin in map(as_linear, consumers(product.outputs[0])) if lin is not None]
+            if len(downs) == 1:
+                return Expert(gate, up, downs[0])
+        raise Mismatch(f"{where}: the expert branch of {names} is not down(silu(gate(x)) * up(x))")
+
+    def _slot(self, tokens: ir.Value, topk: ir.Node, where: str) -> int:
+        """Which expert a branch serves: its tokens are gathered by the positions of that expert's row
+        of the routing mask (OneHot of the TopK indices); the row is the i-th entry of the list of
+        experts hit, traced as output i of a Split (or a constant index)."""
+        queue, seen = deque([tokens]), set()
+        while queue:
+            value = queue.popleft()
+            node = value.producer()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.op_type == "Gather" and self._is_routing_mask(node.inputs[0], topk):
+                index = node.inputs[1]
+                fixed = constant(index)
+                if fixed is not None:
+                    return int(np.asarray(fixed).reshape(-1)[0])
+                source = _through(index, ("Squeeze", "Unsqueeze", "Cast", "Reshape"))
+                split = source.producer()
+                if split is not None and split.op_type == "Split":
+                    return list(split.outputs).index(source)
+                raise Mismatch(f"{where}: cannot tell which expert the branch at Gather '{_node_name(node)}' serves")
+            queue.extend(v for v in node.inputs if v is not None)
+        raise Mismatch(f"{where}: no routing mask found above the expert tokens '{tokens.name}'")
+
+    @staticmethod
+    def _is_routing_mask(value: ir.Value, topk: ir.Node) -> bool:
+        value = _through(value, ("Transpose", "Cast"))
+        node = value.producer()
+        return node is not None and node.op_type == "OneHot" and _through(node.inputs[0], ("Cast",)) is topk.outputs[1]
+
+    def _output(self, experts: list[Expert], where: str) -> ir.Value:
+        """The value every expert's contribution accumulates into: each branch's output, times its
+        routing weight, is scattered onto zeros at its tokens' rows (index_add_) and added to the
+        running sum; the sum after the last expert is the layer's output."""
+        ends = set()
+        for ex in experts:
+            scatter = self._scatter(ex.down.node.outputs[0], where)
+            value = scatter.outputs[0]
+            while True:
+                adds = [n for n in consumers(value) if n.op_type == "Add"]
+                if len(adds) != 1:
+                    break
+                value = adds[0].outputs[0]
+                following = [n for n in consumers(value) if n.op_type == "Add"]
+                if not (len(following) == 1 and any(_is_scatter(v.producer()) for v in following[0].inputs if v)):
+                    break
+            if value is scatter.outputs[0]:
+                raise Mismatch(f"{where}: the scattered outputs of expert branch '{_node_name(ex.down.node)}' are not "
+                               "added up")
+            ends.add(value)
+        if len(ends) != 1:
+            raise Mismatch(f"{where}: the experts' outputs add up into {len(ends)} different values")
+        return ends.pop()
+
+    @staticmethod
+    def _scatter(value: ir.Value, where: str) -> ir.Node:
+        """The ScatterElements / ScatterND that puts an expert's (weighted) output at its tokens' rows."""
+        queue, seen, found = deque([value]), set(), []
+        while queue:
+            current = queue.popleft()
+            for node in consumers(current):
+                if id(node) in seen:
+                    continue
+                seen.add(id(node))
+                if _is_scatter(node) and node.inputs[2] is current:
+                    found.append(node)
+                elif node.op_type in _WEIGHT_OPS:
+                    queue.extend(node.outputs)
+        if len(found) != 1:
+            raise Mismatch(f"{where}: the output of '{value.name}' reaches {len(found)} scatter nodes, not one")
+        return found[0]
+
+
+def _is_scatter(node: ir.Node | None) -> bool:
+    return node is not None and node.op_type in ("ScatterElements", "ScatterND") and node.domain == ""
+
+
+# ---- com.microsoft::MoE nodes ---------------------------------------------------------------------
+
+@dataclasses.dataclass
+class MoeNodeMatch:
+    anchor: ir.Node
+
+
+class MoeNodeRule:
+    name = "moe-node"
+
+    def __init__(self, float_experts: str):
+        self.float_experts = float_experts
+
+    def anchors(self, graph: ir.Graph) -> Iterator[ir.Node]:
+        return (n for n in graph if n.op_type == "MoE" and n.domain == "com.microsoft")
+
+    def check(self, node: ir.Node) -> MoeNodeMatch:
+        where = f"MoE node '{_node_name(node)}'"
+        if self.float_experts == "keep":
+            raise Mismatch(f"{where}: already one float MoE node; --float-experts int8 or int4 quantizes it into QMoE")
+        inputs = list(node.inputs) + [None] * (8 - len(node.inputs))
+        if any(v is not None for v in inputs[6:8]):
+            raise Mismatch(f"{where}: has separate fc3 weights, which ONNX Runtime's CPU QMoE does not take")
+        for index in (2, 4):
+            if inputs[index] is None or inputs[index].const_value is None:
+                raise Mismatch(f"{where}: input {index} is not a constant initializer")
+        if node.attributes.get_int("use_sparse_mixer", 0):
+            raise Mismatch(f"{where}: uses the sparse mixer")
+        return MoeNodeMatch(node)
+
+
+# ---- the pass ----------------------------------------------------------------------------------------
+
+class FuseMoePass(InPlacePass):
+    """Apply the rules; `records` says what happened to every candidate, `report` the weights."""
+
+    def __init__(self, float_experts: str = "keep", dry_run: bool = False):
+        super().__init__()
+        self.float_experts = float_experts
+        self.dry_run = dry_run
+        self.records: list[FusionRecord] = []
+        self.report = WeightReport()
+        self.rules = [ExpertBranchesRule(), MoeNodeRule(float_experts)]
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        matches = []
+        for rule in self.rules:
+            for anchor in list(rule.anchors(graph)):
+                try:
+                    matches.append((rule, rule.check(anchor)))
+                except Mismatch as why:
+                    self.records.append(FusionRecord(rule.name, _node_name(anchor), False, str(why)))
+        if self.dry_run:
+            for rule, match in matches:
+                self.records.append(FusionRecord(rule.name, _node_name(match.anchor), True))
+            return PassResult(model, False)
+        for index, (rule, match) in enumerate(matches):
+            if isinstance(match, BranchesMatch):
+                self.records.append(self._fuse_branches(graph, match, index))
+            else:
+                self.records.append(self._quantize_moe_node(graph, match.anchor, index))
+        return PassResult(model, bool(matches))
+
+    # -- rewrites ------------------------------------------------------------------------------
+    def _fuse_branches(self, graph: ir.Graph, m: BranchesMatch, index: int) -> FusionRecord:
+        name = f"moe.{index}"
+        attrs = {"k": m.top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": 1.0,
+                 "activation_beta": 0.0, "normalize_routing_weights": int(m.normalize)}
+        linears = [lin for ex in m.experts for lin in (ex.gate, ex.up, ex.down)]
+        forms = {lin.form for lin in linears}
+        form = forms.pop() if len(forms) == 1 else None
+        gates_ups = [(ex.gate, ex.up) for ex in m.experts]
+        downs = [(ex.down,) for ex in m.experts]
+        if form is None and self.float_experts == "keep" and not any(lin.quantized for lin in linears):
+            fc1 = self._float_stack(graph, f"{name}.fc1", gates_ups)
+            fc2 = self._float_stack(graph, f"{name}.fc2", downs)
+            node = ir.node("MoE", [m.hidden, m.router, fc1, None, fc2, None], attributes=attrs,
+                           domain="com.microsoft", name=name)
+            form_name = "float32"
+        else:
+            exact = form is not None and form.bits in QMOE_BITS and form.block_size in QMOE_BLOCKS and \
+                all(lin.shape[1] % form.block_size == 0 for lin in linears)
+            if not exact:
+                form = BlockForm(8 if self.float_experts in ("keep", "int8") else 4, 32)
+            fc1 = self._packed_stack(graph, f"{name}.fc1", gates_ups, form, exact)
+            fc2 = self._packed_stack(graph, f"{name}.fc2", downs, form, exact)
+            attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
+            inputs = [m.hidden, m.router, fc1[0], fc1[1], None, fc2[0], fc2[1], None, None, None, None, fc1[2], fc2[2]]
+            if not m.normalize:  # ORT's CPU QMoE renormalizes unless given the weights
+                inputs.append(m.softmax)
+            while inputs[-1] is None:
+                inputs.pop()
+            node = ir.node("QMoE", inputs, attributes=attrs, domain="com.microsoft", name=name)
+            form_name = str(form)
+        self._replace(graph, node, m.output, m.anchor, form_name)
+        return FusionRecord(ExpertBranchesRule.name, _node_name(m.anchor), True, node=name, experts=len(m.experts),
+                            top_k=m.top_k, form=form_name)
+
+    def _quantize_moe_node(self, graph: ir.Graph, moe: ir.Node, index: int) -> FusionRecord:
+        form = BlockForm(8 if self.float_experts == "int8" else 4, 32)
+        name = moe.name or f"moe.{index}"
+        packed = []
+        for position in (2, 4):
+            weights = moe.inputs[position].const_value.numpy().astype(np.float32)
+            record = self.report.add(WeightRecord(f"{name}.fc{1 if position == 2 else 2}", [moe.inputs[position].name],
+                                                  ["float32"], str(form), 0, float(form.bits)))
+            result = quantize_values(weights, form)
+            record.exact, record.rel_rms_error = [False], [result.rel_rms_error]
+            record.bytes = int(result.weights.nbytes + result.scales.nbytes)
+            codes = _initializer(graph, f"{record.onnx_name}.weight", result.weights)
+            scales = _initializer(graph, f"{record.onnx_name}.scales", result.scales)
+            packed.append((codes, scales))
+        attrs = {a.name: a for a in moe.attributes.values()}
+        attrs["expert_weight_bits"] = ir.AttrInt64("expert_weight_bits", form.bits)
+        attrs["block_size"] = ir.AttrInt64("block_size", form.block_size)
+        inputs = list(moe.inputs) + [None] * (8 - len(moe.inputs))
+        qmoe_inputs = [inputs[0], inputs[1], packed[0][0], packed[0][1], inputs[3], packed[1][0], packed[1][1], inputs[5]]
+        while qmoe_inputs[-1] is None:
+            qmoe_inputs.pop()
+        node = ir.Node("com.microsoft", "QMoE", qmoe_inputs, attributes=list(attrs.values()), name=f"{name}.quantized")
+        self._replace(graph, node, moe.outputs[0], moe, str(form))
+        return FusionRecord(MoeNodeRule.name, _node_name(moe), True, node=node.name,
+                            experts=int(moe.inputs[2].const_value.shape[0]), top_k=moe.attributes.get_int("k", 1),
+                            form=str(form))
+
+    @staticmethod
+    def _replace(graph: ir.Graph, node: ir.Node, old: ir.Value, anchor: ir.Node, form: str) -> None:
+        """Put `node` after the layer's last node and make its output take the place of `old`."""
+        out = node.outputs[0]
+        out.name = f"{node.name}.output"
+        out.type, out.shape = old.type, old.shape
+        node.metadata_props.update({META + "fused_from": _node_name(anchor), META + "expert_form": form})
+        graph.insert_after(old.producer(), node)
+        old.replace_all_uses_with(out)
+        if old.is_graph_output():
+            graph.outputs[graph.outputs.index(old)] = out
+
+    def _float_stack(self, graph: ir.Graph, name: str, groups: list[tuple[Linear, ...]]) -> ir.Value:
+        """[E, N * len(group), K] float32, the group's rows interleaved (gate/up)."""
+        n, k = groups[0][0].shape
+        shape = (len(groups), n * len(groups[0]), k)
+        sources = [lin.tensors[0].name for group in groups for lin in group]
+        self.report.add(WeightRecord(name, sources, ["float32"] * len(sources), "float32",
+                                     int(np.prod(shape)) * 4, 32.0, [True] * len(sources), [0.0] * len(sources)))
+
+        def chunks() -> Iterator[np.ndarray]:
+            for group in groups:
+                yield np.stack([lin.float_weight() for lin in group], axis=1).reshape(shape[1:])
+
+        return _value(graph, StreamedTensor(chunks, ir.DataType.FLOAT, shape, name))
+
+    def _packed_stack(self, graph: ir.Graph, name: str, groups: list[tuple[Linear, ...]], form: BlockForm,
+                      exact: bool) -> tuple[ir.Value, ir.Value, ir.Value | None]:
+        """QMoE codes, scales (and zero points) of the groups' matrices, rows interleaved: the blobs
+        moved unchanged when `exact`, else requantized from their values (error measured)."""
+        e, per = len(groups), len(groups[0])
+        n, k = groups[0][0].shape
+        rows = n * per
+        k_blocks = k // form.block_size
+        zero_cols = -(-k_blocks * form.bits // 8)
+        with_zeros = exact and any(lin.blobs()[2] is not None for g in groups for lin in g)
+        sources = [lin.tensors[0].name for group in groups for lin in group]
+        types = [f"MatMulNBits{lin.form.bits}/b{lin.form.block_size}" if lin.quantized else "float32"
+                 for group in groups for lin in group]
+        record = self.report.add(WeightRecord(name, sources, types, str(form), 0, float(form.bits)))
+        errors = np.zeros((len(sources), 2))
+
+        def packed(group: tuple[Linear, ...], which: int) -> list[np.ndarray]:
+            parts = []
+            for j, lin in enumerate(group):
+                if exact:
+                    codes, scales, zeros = lin.blobs()
+                    if zeros is None:
+                        zeros = np.full((n, zero_cols), 0x88 if form.bits == 4 else form.zero_point, np.uint8)
+                    parts.append((codes, scales, zeros[:, :zero_cols])[which])
+                else:
+                    result = quantize_values(lin.float_weight(), form)
+                    parts.append((result.weights, result.scales, None)[which])
+                    if which == 0:
+                        errors[groups.index(group) * per + j] = result.error_sq, result.reference_sq
+            return parts
+
+        def stack(which: int, last: int, dtype: Any) -> StreamedTensor:
+            def chunks() -> Iterator[np.ndarray]:
+                for group in groups:
+                    yield np.stack(packed(group, which), axis=1).reshape(rows, last).astype(dtype, copy=False)
+                if which == 0:
+                    record.exact = [exact] * len(sources)
+                    record.rel_rms_error = [0.0 if exact else rel_rms(*errors[i]) for i in range(len(sources))]
+
+            shape = (e, rows, last)
+            onnx_type = ir.DataType.UINT8 if dtype == np.uint8 else ir.DataType.FLOAT
+            return StreamedTensor(chunks, onnx_type, shape, f"{name}.{('weight', 'scales', 'zero_points')[which]}")
+
+        codes = _value(graph, stack(0, form.packed_bytes(k), np.uint8))
+        scales = _value(graph, stack(1, k_blocks, np.float32))
+        zeros = _value(graph, stack(2, zero_cols, np.uint8)) if with_zeros else None
+        record.bytes = sum(int(np.prod(v.const_value.shape.numpy())) * int(v.const_value.dtype.itemsize)
+                           for v in (codes, scales, zeros) if v is not None)
+        return codes, scales, zeros
+
+
+def _value(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:
+    value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    return _value(graph, ir.Tensor(np.ascontiguousarray(array), name=name))
