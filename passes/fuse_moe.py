@@ -113,6 +113,10 @@ class Linear:
         return self.node.op_type == "MatMulNBits"
 
     @property
+    def name(self) -> str:
+        return self.tensors[0].name
+
+    @property
     def shape(self) -> tuple[int, int]:
         if self.quantized:
             return self.node.attributes.get_int("N"), self.node.attributes.get_int("K")
@@ -140,6 +144,28 @@ class Linear:
         codes, scales, zeros = self.tensors
         return (codes.numpy().reshape(n, -1), scales.numpy().reshape(n, -1).astype(np.float32),
                 None if zeros is None else zeros.numpy().reshape(n, -1))
+
+
+@dataclasses.dataclass
+class ExpertMatrix:
+    """Expert `expert`'s matrix [N, K] of a float [E, N, K] initializer (a com.microsoft::MoE input),
+    read when the model is written (a memory map for external data)."""
+
+    tensor: ir.TensorProtocol
+    expert: int
+    quantized = False
+    form = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.tensor.name}[{self.expert}]"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.tensor.shape[1]), int(self.tensor.shape[2])
+
+    def float_weight(self) -> np.ndarray:
+        return np.asarray(self.tensor.numpy()[self.expert], dtype=np.float32)
 
 
 def as_linear(node: ir.Node | None) -> Linear | None:
@@ -451,24 +477,24 @@ class FuseMoePass(InPlacePass):
                             top_k=m.top_k, form=form_name)
 
     def _quantize_moe_node(self, graph: ir.Graph, moe: ir.Node, index: int) -> FusionRecord:
+        """A float MoE node -> QMoE in int8 / int4 block 32, expert by expert as the model is written."""
         form = BlockForm(8 if self.float_experts == "int8" else 4, 32)
         name = moe.name or f"moe.{index}"
-        packed = []
+        stacks = []
         for position in (2, 4):
-            weights = moe.inputs[position].const_value.numpy().astype(np.float32)
-            record = self.report.add(WeightRecord(f"{name}.fc{1 if position == 2 else 2}", [moe.inputs[position].name],
-                                                  ["float32"], str(form), 0, float(form.bits)))
-            result = quantize_values(weights, form)
-            record.exact, record.rel_rms_error = [False], [result.rel_rms_error]
-            record.bytes = int(result.weights.nbytes + result.scales.nbytes)
-            codes = _initializer(graph, f"{record.onnx_name}.weight", result.weights)
-            scales = _initializer(graph, f"{record.onnx_name}.scales", result.scales)
-            packed.append((codes, scales))
+            tensor = moe.inputs[position].const_value
+            groups = [(ExpertMatrix(tensor, e),) for e in range(int(tensor.shape[0]))]
+            stacks.append(self._packed_stack(graph, f"{name}.fc{1 if position == 2 else 2}", groups, form, False))
         attrs = {a.name: a for a in moe.attributes.values()}
         attrs["expert_weight_bits"] = ir.AttrInt64("expert_weight_bits", form.bits)
         attrs["block_size"] = ir.AttrInt64("block_size", form.block_size)
         inputs = list(moe.inputs) + [None] * (8 - len(moe.inputs))
-        qmoe_inputs = [inputs[0], inputs[1], packed[0][0], packed[0][1], inputs[3], packed[1][0], packed[1][1], inputs[5]]
+        qmoe_inputs = [inputs[0], inputs[1], stacks[0][0], stacks[0][1], inputs[3], stacks[1][0], stacks[1][1], inputs[5]]
+        if not moe.attributes.get_int("normalize_routing_weights", 0):
+            # ORT's CPU QMoE renormalizes unless given the weights; the float MoE node did not
+            weights = ir.node("Softmax", [inputs[1]], attributes={"axis": -1}, name=f"{name}.router_weights")
+            graph.insert_before(moe, weights)
+            qmoe_inputs += [None] * 6 + [weights.outputs[0]]
         while qmoe_inputs[-1] is None:
             qmoe_inputs.pop()
         node = ir.Node("com.microsoft", "QMoE", qmoe_inputs, attributes=list(attrs.values()), name=f"{name}.quantized")
@@ -493,7 +519,7 @@ class FuseMoePass(InPlacePass):
         """[E, N * len(group), K] float32, the group's rows interleaved (gate/up)."""
         n, k = groups[0][0].shape
         shape = (len(groups), n * len(groups[0]), k)
-        sources = [lin.tensors[0].name for group in groups for lin in group]
+        sources = [lin.name for group in groups for lin in group]
         self.report.add(WeightRecord(name, sources, ["float32"] * len(sources), "float32",
                                      int(np.prod(shape)) * 4, 32.0, [True] * len(sources), [0.0] * len(sources)))
 
@@ -513,7 +539,7 @@ class FuseMoePass(InPlacePass):
         k_blocks = k // form.block_size
         zero_cols = -(-k_blocks * form.bits // 8)
         with_zeros = exact and any(lin.blobs()[2] is not None for g in groups for lin in g)
-        sources = [lin.tensors[0].name for group in groups for lin in group]
+        sources = [lin.name for group in groups for lin in group]
         types = [f"MatMulNBits{lin.form.bits}/b{lin.form.block_size}" if lin.quantized else "float32"
                  for group in groups for lin in group]
         record = self.report.add(WeightRecord(name, sources, types, str(form), 0, float(form.bits)))
@@ -558,7 +584,3 @@ def _value(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:
     value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
     graph.register_initializer(value)
     return value
-
-
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    return _value(graph, ir.Tensor(np.ascontiguousarray(array), name=name))
