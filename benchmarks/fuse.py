@@ -45,7 +45,7 @@ def main() -> None:
     import make_onnx_fixtures
 
     moepass = [sys.executable, "-m", "moepass.cli"]
-    with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as tmp:
+    with tempfile.TemporaryDirectory(prefix="moepass-fuse-bench-") as tmp:
         work = Path(tmp)
         exported = work / "float"
         exported.mkdir()
