@@ -4,7 +4,8 @@
     python benchmarks/fuse.py --layers 8 --experts 64
 
 It exports a random Hugging Face Qwen3-MoE model of the given sizes with torch.onnx.export (weights
-as external data), quantizes a copy with ONNX Runtime's MatMulNBits quantizer (4 bits, block 32),
+as external data), quantizes a copy with ONNX Runtime's MatMulNBits quantizer (4 bits, block 32;
+saved with external data too, as models of real size are),
 then for each alternates `cp -r` of the model's folder and `moepass convert MODEL.onnx` (each in
 its own process, best of --repeats) and prints the input size, GB/s, peak RSS and the ratios.
 Target: peak RSS well under the model's size (weights are read lazily and written expert by expert).
@@ -56,7 +57,9 @@ def main() -> None:
                   location="model.onnx.data", size_threshold=1024)
         quantized = work / "q4"
         quantized.mkdir()
-        make_onnx_fixtures.quantize_matmul_nbits(exported / "model.onnx", quantized / "model.onnx")
+        make_onnx_fixtures.quantize_matmul_nbits(exported / "model.onnx", work / "q4.onnx")
+        onnx.save(onnx.load(str(work / "q4.onnx")), str(quantized / "model.onnx"), save_as_external_data=True,
+                  location="model.onnx.data", size_threshold=1024)
         rows = []
         for label, folder in (("float experts -> MoE", exported), ("MatMulNBits int4 -> QMoE", quantized)):
             size = folder_bytes(folder)

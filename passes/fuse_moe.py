@@ -25,6 +25,7 @@ moepass.json and `moepass inspect` shows.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import deque
 from typing import Any, Iterator
 
@@ -32,6 +33,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from moepass.errors import MoepassError
 from moepass.passes.weights import StreamedTensor, WeightRecord, WeightReport
 from moepass.quants import BlockForm, quantize_values, rel_rms, unpack_values
 
@@ -94,6 +96,23 @@ def _node_name(node: ir.Node) -> str:
     return node.name or f"<{node.op_type}>"
 
 
+def read(tensor: ir.TensorProtocol, first: int = 0, count: int | None = None) -> np.ndarray:
+    """Rows [first, first + count) along axis 0 of a tensor (all by default). External data is read
+    with pread, as the GGUF path reads: pages read that way stay in the page cache and out of this
+    process's RSS, where onnx-ir's memory map of the whole file would count every page touched."""
+    shape = tuple(int(d) for d in tensor.shape)
+    count = shape[0] - first if count is None else count
+    if not isinstance(tensor, ir.ExternalTensor) or tensor.dtype.itemsize != int(tensor.dtype.itemsize):
+        return tensor.numpy()[first:first + count]
+    dtype = tensor.dtype.numpy()
+    row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    with open(tensor.path, "rb", buffering=0) as f:
+        data = os.pread(f.fileno(), row * count, (tensor.offset or 0) + row * first)
+    if len(data) != row * count:
+        raise MoepassError(f"{tensor.path}: external data of tensor '{tensor.name}' ends early")
+    return np.frombuffer(data, dtype=dtype).reshape((count, *shape[1:]))
+
+
 # ---- linear layers: MatMul with a constant weight, or MatMulNBits --------------------------------
 
 @dataclasses.dataclass
@@ -132,7 +151,7 @@ class Linear:
     def float_weight(self) -> np.ndarray:
         """W [N, K] as float32 (dequantized for MatMulNBits)."""
         if not self.quantized:
-            return np.ascontiguousarray(self.tensors[0].numpy().T, dtype=np.float32)
+            return np.ascontiguousarray(read(self.tensors[0]).T, dtype=np.float32)
         codes, scales, zeros = self.blobs()
         _, k = self.shape
         return unpack_values(codes, scales, self.form, zeros)[:, :k]
@@ -142,8 +161,8 @@ class Linear:
         packed zero points [N, ceil(k_blocks * bits / 8)] (None: the default)."""
         n, _ = self.shape
         codes, scales, zeros = self.tensors
-        return (codes.numpy().reshape(n, -1), scales.numpy().reshape(n, -1).astype(np.float32),
-                None if zeros is None else zeros.numpy().reshape(n, -1))
+        return (read(codes).reshape(n, -1), read(scales).reshape(n, -1).astype(np.float32),
+                None if zeros is None else read(zeros).reshape(n, -1))
 
 
 @dataclasses.dataclass
@@ -165,7 +184,7 @@ class ExpertMatrix:
         return int(self.tensor.shape[1]), int(self.tensor.shape[2])
 
     def float_weight(self) -> np.ndarray:
-        return np.asarray(self.tensor.numpy()[self.expert], dtype=np.float32)
+        return np.asarray(read(self.tensor, self.expert, 1)[0], dtype=np.float32)
 
 
 def as_linear(node: ir.Node | None) -> Linear | None:
