@@ -52,7 +52,7 @@ def main() -> None:
         exported.mkdir()
         raw = make_onnx_fixtures.export_hf_moe(work / "raw.onnx", "qwen3moe", layers=args.layers,
                                                hidden=args.hidden, experts=args.experts, ffn=args.ffn,
-                                               example_length=8 * args.experts)
+                                               example_length=16 * args.experts)
         onnx.save(onnx.load(str(raw)), str(exported / "model.onnx"), save_as_external_data=True,
                   location="model.onnx.data", size_threshold=1024)
         quantized = work / "q4"
@@ -72,6 +72,11 @@ def main() -> None:
                 fuse_runs.append(measure([*moepass, "convert", str(folder / "model.onnx"), "-o", str(out), "--quiet"]))
                 shutil.rmtree(out)
             cp, fuse = best(cp_runs), best(fuse_runs)
+            check = subprocess.run([*moepass, "inspect", str(folder / "model.onnx"), "--json"], capture_output=True,
+                                   text=True, check=True)
+            candidates = __import__("json").loads(check.stdout)["fusion_candidates"]
+            if not candidates or not all(c["fused"] for c in candidates):
+                raise SystemExit(f"{label}: not every MoE layer fuses: {candidates}")
             rows.append((label, size, cp, fuse))
     print(f"machine: {platform.node()} {platform.machine()}, {platform.python_version()}; "
           f"model: {args.layers} layers, hidden {args.hidden}, {args.experts} experts, ffn {args.ffn}")
