@@ -50,9 +50,16 @@ def main() -> None:
         work = Path(tmp)
         exported = work / "float"
         exported.mkdir()
-        raw = make_onnx_fixtures.export_hf_moe(work / "raw.onnx", "qwen3moe", layers=args.layers,
-                                               hidden=args.hidden, experts=args.experts, ffn=args.ffn,
-                                               example_length=16 * args.experts)
+        for seed in range(8):  # a random router at initialization can starve an expert: try another seed
+            try:
+                raw = make_onnx_fixtures.export_hf_moe(work / "raw.onnx", "qwen3moe", seed, layers=args.layers,
+                                                       hidden=args.hidden, experts=args.experts, ffn=args.ffn,
+                                                       example_length=16 * args.experts)
+                break
+            except RuntimeError as why:
+                print(f"seed {seed}: {why}", file=sys.stderr)
+        else:
+            raise SystemExit("no seed gave an example input that reaches every expert")
         onnx.save(onnx.load(str(raw)), str(exported / "model.onnx"), save_as_external_data=True,
                   location="model.onnx.data", size_threshold=1024)
         quantized = work / "q4"
