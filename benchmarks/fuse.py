@@ -1,7 +1,7 @@
 """Fusing an exported ONNX MoE model: time and peak memory against `cp` of the same files, side by side.
 
-    python benchmarks/fuse.py                 # hidden 1024, 32 experts, ffn 512, 4 layers
-    python benchmarks/fuse.py --layers 8 --experts 64
+    python benchmarks/fuse.py                 # hidden 2048, 8 experts, ffn 2048, 2 layers
+    python benchmarks/fuse.py --layers 3 --ffn 1024
 
 It exports a random Hugging Face Qwen3-MoE model of the given sizes with torch.onnx.export (weights
 as external data), quantizes a copy with ONNX Runtime's MatMulNBits quantizer (4 bits, block 32;
@@ -34,10 +34,10 @@ def folder_bytes(folder: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=2)  # deeper random HF models starve experts
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
@@ -54,7 +54,7 @@ def main() -> None:
             try:
                 raw = make_onnx_fixtures.export_hf_moe(work / "raw.onnx", "qwen3moe", seed, layers=args.layers,
                                                        hidden=args.hidden, experts=args.experts, ffn=args.ffn,
-                                                       example_length=16 * args.experts)
+                                                       example_length=32 * args.experts)
                 break
             except RuntimeError as why:
                 print(f"seed {seed}: {why}", file=sys.stderr)

@@ -436,11 +436,19 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
         scales = np.where(better, scale_b, refit_a).astype(np.float32)
         codes = np.where(better[..., None], codes_b, codes_a)
     packed = pack_codes(codes.astype(np.int8).reshape(values.shape), form)
+    xx = _block_dot(x, x)
+    if form.bits > 4 and w is None:
+        # the kept codes are codes_a with the least-squares scale: per block the error is
+        # sum x^2 - 2 s sum x q + s^2 sum q^2 from moments already at hand (in float64), no residual pass
+        s64, xq64, qq64 = (a.astype(np.float64) for a in (scales, xq_a, qq_a))
+        error = np.maximum(xx.astype(np.float64) - 2 * s64 * xq64 + s64 * s64 * qq64, 0)
+        return Packed(form, packed, scales, False, error_sq=float(np.sum(error)),
+                      reference_sq=float(np.sum(xx, dtype=np.float64)))
     residual = np.multiply(codes, scales[..., None], out=codes)  # codes are packed: reuse their memory
     np.subtract(residual, x, out=residual)
     return Packed(form, packed, scales, False,
                   error_sq=float(np.sum(_block_dot(residual, residual), dtype=np.float64)),
-                  reference_sq=float(np.sum(_block_dot(x, x), dtype=np.float64)))
+                  reference_sq=float(np.sum(xx, dtype=np.float64)))
 
 
 def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | None = None,

@@ -168,7 +168,7 @@ class Linear:
 @dataclasses.dataclass
 class ExpertMatrix:
     """Expert `expert`'s matrix [N, K] of a float [E, N, K] initializer (a com.microsoft::MoE input),
-    read when the model is written (a memory map for external data)."""
+    read when the model is written."""
 
     tensor: ir.TensorProtocol
     expert: int
@@ -227,6 +227,9 @@ class BranchesMatch:
 _TOKEN_OPS = ("Unsqueeze", "Gather", "Reshape", "Squeeze", "Flatten")
 # what lies between an expert's down projection and the scatter of its rows: the routing weight, casts
 _WEIGHT_OPS = ("Mul", "Cast", "Reshape", "Unsqueeze", "Expand", "Flatten")
+# how a branch picks its tokens' routing weights out of the top-k weights
+_GATHER_OPS = ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Gather", "GatherND", "GatherElements", "Expand",
+               "Slice")
 
 
 class ExpertBranchesRule:
@@ -269,7 +272,9 @@ class ExpertBranchesRule:
                                f"not form a SwiGLU MLP of width {hidden_size}")
         if len({ex.gate.shape for ex in experts}) != 1:
             raise Mismatch(f"{where}: the experts have different widths")
-        output = self._output(experts, where)
+        weights = next((n.outputs[0] for n in consumers(topk.outputs[0]) if normalize and n.op_type == "Div"),
+                       topk.outputs[0])
+        output = self._output(experts, weights, where)
         return BranchesMatch(topk, hidden, softmax.inputs[0], softmax.outputs[0], int(np.asarray(k).reshape(-1)[0]),
                              normalize, experts, output)
 
@@ -349,13 +354,13 @@ class ExpertBranchesRule:
         node = value.producer()
         return node is not None and node.op_type == "OneHot" and _through(node.inputs[0], ("Cast",)) is topk.outputs[1]
 
-    def _output(self, experts: list[Expert], where: str) -> ir.Value:
+    def _output(self, experts: list[Expert], weights: ir.Value, where: str) -> ir.Value:
         """The value every expert's contribution accumulates into: each branch's output, times its
         routing weight, is scattered onto zeros at its tokens' rows (index_add_) and added to the
         running sum; the sum after the last expert is the layer's output."""
         ends = set()
         for ex in experts:
-            scatter = self._scatter(ex.down.node.outputs[0], where)
+            scatter = self._scatter(ex.down.node.outputs[0], weights, where)
             value = scatter.outputs[0]
             while True:
                 adds = [n for n in consumers(value) if n.op_type == "Add"]
@@ -374,9 +379,11 @@ class ExpertBranchesRule:
         return ends.pop()
 
     @staticmethod
-    def _scatter(value: ir.Value, where: str) -> ir.Node:
-        """The ScatterElements / ScatterND that puts an expert's (weighted) output at its tokens' rows."""
-        queue, seen, found = deque([value]), set(), []
+    def _scatter(value: ir.Value, weights: ir.Value, where: str) -> ir.Node:
+        """The ScatterElements / ScatterND that puts an expert's output, times its routing weight, at
+        its tokens' rows. The factor must be the router's top-k weights, gathered and reshaped but
+        not changed (a model that scales them, say by a routed scaling factor, is not this pattern)."""
+        queue, seen, found, factors = deque([value]), set(), [], 0
         while queue:
             current = queue.popleft()
             for node in consumers(current):
@@ -386,9 +393,16 @@ class ExpertBranchesRule:
                 if _is_scatter(node) and node.inputs[2] is current:
                     found.append(node)
                 elif node.op_type in _WEIGHT_OPS:
+                    if node.op_type == "Mul":
+                        other = node.inputs[1] if node.inputs[0] is current else node.inputs[0]
+                        if _through(other, _GATHER_OPS) is not weights:
+                            raise Mismatch(f"{where}: expert output '{value.name}' is multiplied by '{other.name}', "
+                                           "not by the router's top-k weights")
+                        factors += 1
                     queue.extend(node.outputs)
-        if len(found) != 1:
-            raise Mismatch(f"{where}: the output of '{value.name}' reaches {len(found)} scatter nodes, not one")
+        if len(found) != 1 or factors != 1:
+            raise Mismatch(f"{where}: the output of '{value.name}' reaches {len(found)} scatter nodes through "
+                           f"{factors} routing-weight products, not one of each")
         return found[0]
 
 

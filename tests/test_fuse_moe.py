@@ -177,3 +177,23 @@ def test_unreadable_onnx_is_one_clear_error(tmp_path):
     with pytest.raises(moepass.MoepassError, match="bad.onnx: not a readable ONNX model"):
         moepass.convert(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_scaled_routing_weights_are_not_mistaken_for_the_pattern(exported, tmp_path):
+    """A model that scales the top-k weights (a routed scaling factor, edited into the export) is not
+    what the rule fuses: left as it is, with the reason."""
+    import onnx_ir as ir
+
+    model = ir.load(str(exported("qwen3moe")))
+    div = next(n for n in model.graph if n.op_type == "Div" and n.name.endswith("layers.0/mlp/Div"))
+    weights = div.outputs[0]
+    users = [(use.node, use.idx) for use in weights.uses()]
+    scale = ir.node("Mul", [weights, ir.Value(name="routed_scaling_factor",
+                                               const_value=ir.tensor(np.array(2.5, np.float32)))], name="scale")
+    model.graph.register_initializer(scale.inputs[1])
+    model.graph.insert_after(div, scale)
+    for node, index in users:
+        node.replace_input_with(index, scale.outputs[0])
+    result = moepass.convert(model, tmp_path / "out")
+    assert [f["fused"] for f in result.fusion] == [False, True]
+    assert "not by the router's top-k weights" in result.fusion[0]["reason"]
