@@ -77,7 +77,9 @@ def test_requantization_error_is_measured(ggml_type, form, bound):
     reference = gguf_dequantize(raw, ggml_type).astype(np.float64)
     restored = unpack_values(packed.weights, packed.scales, form)
     measured = np.linalg.norm(restored - reference) / np.linalg.norm(reference)
-    assert packed.rel_rms_error == pytest.approx(measured, rel=1e-5)
+    # 8-bit forms take the error per block from the float32 moments (sum x^2 - 2 s sum xq + s^2 sum q^2),
+    # which carries the moments' rounding: measured 2e-5 - 7e-5 relative; 4-bit forms sum the residuals
+    assert packed.rel_rms_error == pytest.approx(measured, rel=2e-4 if form.bits == 8 else 1e-5)
     assert 0 < packed.rel_rms_error < bound
 
 
