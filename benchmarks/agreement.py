@@ -1,7 +1,14 @@
-"""Argmax agreement over a long sequence: the converted model, llama.cpp and an exact float64 forward.
+"""Argmax agreement over a long sequence: the converted model, llama.cpp and an exact forward.
 
     python benchmarks/agreement.py                   # every expert type, 200 positions
     python benchmarks/agreement.py --types Q4_K,Q6_K --positions 400
+    python benchmarks/agreement.py --trained         # a trained model, llama.cpp's own quantizer
+
+--trained: the small qwen3moe of fixtures/train_fixture.py (trained on a synthetic language, so its
+logits are decisive), quantized by llama.cpp's quantizer (llama_model_quantize) into each file type,
+converted by moepass; the positions are a sample of that language. "Exact" is llama.cpp on the F32
+dequantization of the quantized file (the same weights, no 8-bit activations). File types whose
+quantizer needs an importance matrix (IQ2_*, IQ1_*) are skipped.
 
 For each GGUF expert type: the qwen3moe test fixture (other matrices Q8_0) with experts of that type,
 converted by moepass; one prefill of --positions random token ids (fixed seed) through ONNX Runtime
@@ -36,11 +43,65 @@ from moepass.quants import QUANT_TYPES  # noqa: E402
 from moepass.runtime import load  # noqa: E402
 
 
+TRAINED_FILE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q5_1", "Q4_K_M", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS",
+                      "Q3_K_M", "IQ3_S", "Q2_K", "MXFP4_MOE")
+
+
+def llama_quantize(source: Path, destination: Path, file_type: str) -> bool:
+    """llama.cpp's quantizer (the one behind llama-quantize); False when it refuses."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.nthread = 2
+    return llama_cpp.llama_model_quantize(str(source).encode(), str(destination).encode(), ctypes.byref(params)) == 0
+
+
+def trained(args: argparse.Namespace) -> None:
+    import train_fixture
+    from gguf import GGUFReader
+    from oracle import dequantized_copy
+
+    print(f"date {time.strftime('%Y-%m-%d')}, {args.positions} positions of the synthetic language, trained "
+          f"qwen3moe ({train_fixture.DIMS.n_layers} layers, hidden {train_fixture.DIMS.hidden}, "
+          f"{train_fixture.DIMS.n_experts} experts), quantized by llama.cpp")
+    print("| llama.cpp file type | expert types | ONNX = llama.cpp | ONNX = exact | llama.cpp = exact | "
+          "max abs logit diff ONNX vs llama.cpp | logit std |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        source = train_fixture.train(work / "trained-f32.gguf", args.steps, echo=lambda line: None)
+        successors = train_fixture.markov_chain(len(train_fixture.make_fixtures.tokenizer_vocab()[0]))
+        ids = train_fixture.sample(successors, args.positions, np.random.default_rng(7)).tolist()
+        for file_type in ("F32", *TRAINED_FILE_TYPES):
+            path = source if file_type == "F32" else work / f"{file_type}.gguf"
+            if file_type != "F32" and not llama_quantize(source, path, file_type):
+                print(f"| {file_type} | llama.cpp refused | | | | | |", flush=True)
+                continue
+            experts = sorted({t.tensor_type.name for t in GGUFReader(path).tensors if "_exps" in t.name})
+            decoder = load(convert(path, work / f"{file_type}-onnx", echo=lambda line: None).output_dir)
+            ours_logits = decoder.forward(np.array([ids]), decoder.empty_cache())[0][0]
+            llama_all = llama_logits(path, ids)
+            exact = llama_logits(dequantized_copy(path, work / f"{file_type}-exact.gguf"), ids).argmax(-1)
+            ours, llama = ours_logits.argmax(-1), llama_all.argmax(-1)
+            share = lambda a, b: f"{np.mean(a == b) * 100:.1f} %"  # noqa: E731
+            print(f"| {file_type} | {', '.join(experts)} | {share(ours, llama)} | {share(ours, exact)} | "
+                  f"{share(llama, exact)} | {np.abs(ours_logits - llama_all).max():.3f} | {llama_all.std():.2f} |",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default=",".join(t.name for t, qt in QUANT_TYPES.items() if qt.storage != "float"))
     ap.add_argument("--positions", type=int, default=200)
+    ap.add_argument("--trained", action="store_true", help="a trained model quantized by llama.cpp (see above)")
+    ap.add_argument("--steps", type=int, default=400, help="training steps for --trained")
     args = ap.parse_args()
+    if args.trained:
+        trained(args)
+        return
     print(f"date {time.strftime('%Y-%m-%d')}, {args.positions} positions, qwen3moe fixture, other matrices Q8_0")
     print("| expert type | exact repack | ONNX = llama.cpp | ONNX = float64 | llama.cpp = float64 |")
     print("|---|---|---|---|---|")

@@ -64,22 +64,6 @@ def dequantized_copy(gguf_path, out_path):
     """The same model with every tensor as F32, dequantized by the gguf package: llama.cpp on this
     copy computes the quantized file's weights exactly (no activation quantization in its dot
     products), the reference for conversions whose ONNX Runtime kernels are exact too."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import dequantize
+    from make_fixtures import rewrite_gguf
 
-    reader = GGUFReader(gguf_path)
-    writer = GGUFWriter(str(out_path), str(reader.fields["general.architecture"].contents()))
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
-    for tensor in reader.tensors:
-        shape = tuple(reversed([int(d) for d in tensor.shape]))
-        writer.add_tensor(tensor.name, dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
-                          .astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_path
+    return rewrite_gguf(gguf_path, out_path)
