@@ -7,8 +7,9 @@
 --trained: the small qwen3moe of fixtures/train_fixture.py (trained on a synthetic language, so its
 logits are decisive), quantized by llama.cpp's quantizer (llama_model_quantize) into each file type,
 converted by moepass; the positions are a sample of that language. "Exact" is llama.cpp on the F32
-dequantization of the quantized file (the same weights, no 8-bit activations). File types whose
-quantizer needs an importance matrix (IQ2_*, IQ1_*) are skipped.
+dequantization of the quantized file (the same weights, no 8-bit activations). The very-low-bit
+types (IQ3_XXS, IQ2_*, IQ1_*), which llama.cpp's quantizer refuses without an importance matrix, get
+one gathered from the trained model's activations on the language.
 
 For each GGUF expert type: the qwen3moe test fixture (other matrices Q8_0) with experts of that type,
 converted by moepass; one prefill of --positions random token ids (fixed seed) through ONNX Runtime
@@ -44,25 +45,13 @@ from moepass.runtime import load  # noqa: E402
 
 
 TRAINED_FILE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q5_1", "Q4_K_M", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS",
-                      "Q3_K_M", "IQ3_S", "Q2_K", "MXFP4_MOE")
-
-
-def llama_quantize(source: Path, destination: Path, file_type: str) -> bool:
-    """llama.cpp's quantizer (the one behind llama-quantize); False when it refuses."""
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
-    params.nthread = 2
-    return llama_cpp.llama_model_quantize(str(source).encode(), str(destination).encode(), ctypes.byref(params)) == 0
+                      "Q3_K_M", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "MXFP4_MOE")
 
 
 def trained(args: argparse.Namespace) -> None:
     import train_fixture
     from gguf import GGUFReader
-    from oracle import dequantized_copy
+    from oracle import dequantized_copy, llama_quantize
 
     print(f"date {time.strftime('%Y-%m-%d')}, {args.positions} positions of the synthetic language, trained "
           f"qwen3moe ({train_fixture.DIMS.n_layers} layers, hidden {train_fixture.DIMS.hidden}, "
@@ -72,12 +61,12 @@ def trained(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        source = train_fixture.train(work / "trained-f32.gguf", args.steps, echo=lambda line: None)
+        source, imatrix = train_fixture.train(work / "trained-f32.gguf", args.steps, echo=lambda line: None)
         successors = train_fixture.markov_chain(len(train_fixture.make_fixtures.tokenizer_vocab()[0]))
         ids = train_fixture.sample(successors, args.positions, np.random.default_rng(7)).tolist()
         for file_type in ("F32", *TRAINED_FILE_TYPES):
             path = source if file_type == "F32" else work / f"{file_type}.gguf"
-            if file_type != "F32" and not llama_quantize(source, path, file_type):
+            if file_type != "F32" and not llama_quantize(source, path, file_type, imatrix):
                 print(f"| {file_type} | llama.cpp refused | | | | | |", flush=True)
                 continue
             experts = sorted({t.tensor_type.name for t in GGUFReader(path).tensors if "_exps" in t.name})

@@ -61,3 +61,12 @@ def exported(tmp_path_factory):
         return path
 
     return _cached_by_arguments(tmp_path_factory.mktemp("exported"), build)
+
+
+@pytest.fixture(scope="session")
+def trained_gguf(tmp_path_factory):
+    """(path of the trained qwen3moe F32 GGUF, its importance matrix) — fixtures/train_fixture.py."""
+    import train_fixture
+
+    return train_fixture.train(tmp_path_factory.mktemp("trained") / "trained-f32.gguf", steps=300,
+                               echo=lambda line: None)

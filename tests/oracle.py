@@ -67,3 +67,25 @@ def dequantized_copy(gguf_path, out_path):
     from make_fixtures import rewrite_gguf
 
     return rewrite_gguf(gguf_path, out_path)
+
+
+def llama_quantize(source: Path, destination: Path, file_type: str, imatrix: dict[str, np.ndarray]) -> bool:
+    """llama.cpp's quantizer (the one behind llama-quantize), with an importance matrix; False when
+    it refuses."""
+    import ctypes
+
+    import llama_cpp
+
+    entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+    keep = []
+    for entry, (name, values) in zip(entries, imatrix.items()):
+        values, encoded = np.ascontiguousarray(values, dtype=np.float32), name.encode()
+        keep += [values, encoded]  # the C struct points into these
+        entry.name = encoded
+        entry.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entry.size = values.size
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.nthread = 2
+    params.imatrix = ctypes.cast(entries, type(params.imatrix))
+    return llama_cpp.llama_model_quantize(str(source).encode(), str(destination).encode(), ctypes.byref(params)) == 0
