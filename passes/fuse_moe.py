@@ -456,23 +456,24 @@ class FuseMoePass(InPlacePass):
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
-        matches = []
+        checked = []  # (rule, anchor, match or the reason it does not match), in graph order per rule
         for rule in self.rules:
             for anchor in list(rule.anchors(graph)):
                 try:
-                    matches.append((rule, rule.check(anchor)))
+                    checked.append((rule, anchor, rule.check(anchor)))
                 except Mismatch as why:
-                    self.records.append(FusionRecord(rule.name, _node_name(anchor), False, str(why)))
-        if self.dry_run:
-            for rule, match in matches:
-                self.records.append(FusionRecord(rule.name, _node_name(match.anchor), True))
-            return PassResult(model, False)
-        for index, (rule, match) in enumerate(matches):
-            if isinstance(match, BranchesMatch):
-                self.records.append(self._fuse_branches(graph, match, index))
+                    checked.append((rule, anchor, str(why)))
+        fused = 0
+        for rule, anchor, result in checked:  # every check is done before the first rewrite
+            if isinstance(result, str):
+                self.records.append(FusionRecord(rule.name, _node_name(anchor), False, result))
+            elif self.dry_run:
+                self.records.append(FusionRecord(rule.name, _node_name(anchor), True))
             else:
-                self.records.append(self._quantize_moe_node(graph, match.anchor, index))
-        return PassResult(model, bool(matches))
+                rewrite = self._fuse_branches if isinstance(result, BranchesMatch) else self._quantize_moe_node
+                self.records.append(rewrite(graph, result, fused))
+                fused += 1
+        return PassResult(model, fused > 0)
 
     # -- rewrites ------------------------------------------------------------------------------
     def _fuse_branches(self, graph: ir.Graph, m: BranchesMatch, index: int) -> FusionRecord:
@@ -509,8 +510,9 @@ class FuseMoePass(InPlacePass):
         return FusionRecord(ExpertBranchesRule.name, _node_name(m.anchor), True, node=name, experts=len(m.experts),
                             top_k=m.top_k, form=form_name)
 
-    def _quantize_moe_node(self, graph: ir.Graph, moe: ir.Node, index: int) -> FusionRecord:
+    def _quantize_moe_node(self, graph: ir.Graph, match: MoeNodeMatch, index: int) -> FusionRecord:
         """A float MoE node -> QMoE in int8 / int4 block 32, expert by expert as the model is written."""
+        moe = match.anchor
         form = BlockForm(8 if self.float_experts == "int8" else 4, 32)
         name = moe.name or f"moe.{index}"
         stacks = []
