@@ -214,14 +214,14 @@ class _BoundDecoding:
     def __init__(self, decoder: Decoder):
         import onnxruntime as ort
 
-        self._ort, self._decoder = ort, decoder
+        self._decoder = decoder
         self._binding = decoder.session.io_binding()
         self._past: dict[str, object] = {n: ort.OrtValue.ortvalue_from_numpy(a)
                                          for n, a in decoder.empty_cache().items()}
         self._length = 0
 
     def run(self, token_ids: Sequence[int]) -> np.ndarray:
-        ort, d, binding = self._ort, self._decoder, self._binding
+        d, binding = self._decoder, self._binding
         ids = np.asarray([token_ids], dtype=np.int64)
         self._length += ids.shape[1]
         binding.clear_binding_inputs()

@@ -13,6 +13,8 @@ whose 2nd/3rd router logits differ by 0.016-0.046.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import llama_cpp
 import numpy as np
 
