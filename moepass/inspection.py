@@ -173,7 +173,8 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     for record in info.get("fusion") or []:
         lines.append(f"  fused {record['anchor']} -> {record['node']} ({record['form']})" if record["fused"] else
                      f"  not fused: {record['reason']}")
-    candidates = info.get("fusion_candidates") or []
+    # float MoE nodes that stay as they are are listed above already
+    candidates = [r for r in info.get("fusion_candidates") or [] if r["fused"] or r["rule"] != "moe-node"]
     if candidates:
         lines.append(f"fusable       {sum(r['fused'] for r in candidates)} of {len(candidates)} MoE subgraphs "
                      "(moepass convert fuses them into QMoE)")
