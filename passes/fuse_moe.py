@@ -573,35 +573,50 @@ class FuseMoePass(InPlacePass):
         rows = n * per
         k_blocks = k // form.block_size
         zero_cols = -(-k_blocks * form.bits // 8)
-        with_zeros = exact and any(lin.blobs()[2] is not None for g in groups for lin in g)
+        with_zeros = exact and any(lin.tensors[2] is not None for g in groups for lin in g)
         sources = [lin.name for group in groups for lin in group]
         types = [f"MatMulNBits{lin.form.bits}/b{lin.form.block_size}" if lin.quantized else "float32"
                  for group in groups for lin in group]
         record = self.report.add(WeightRecord(name, sources, types, str(form), 0, float(form.bits)))
-        errors = np.zeros((len(sources), 2))
+        default_zeros = 0x88 if form.bits == 4 else form.zero_point
 
-        def packed(group: tuple[Linear, ...], which: int) -> list[np.ndarray]:
-            parts = []
-            for j, lin in enumerate(group):
+        def packed(group: tuple[Linear, ...]) -> tuple[list[np.ndarray], ...]:
+            """Codes, scales and zero points of one group's matrices, and (error, reference) sums."""
+            parts: tuple[list, ...] = ([], [], [], [])
+            for lin in group:
                 if exact:
                     codes, scales, zeros = lin.blobs()
-                    if zeros is None:
-                        zeros = np.full((n, zero_cols), 0x88 if form.bits == 4 else form.zero_point, np.uint8)
-                    parts.append((codes, scales, zeros[:, :zero_cols])[which])
+                    zeros = np.full((n, zero_cols), default_zeros, np.uint8) if zeros is None else zeros[:, :zero_cols]
+                    sums = (0.0, 0.0)
                 else:
                     result = quantize_values(lin.float_weight(), form)
-                    parts.append((result.weights, result.scales, None)[which])
-                    if which == 0:
-                        errors[groups.index(group) * per + j] = result.error_sq, result.reference_sq
+                    codes, scales, zeros, sums = result.weights, result.scales, None, (result.error_sq,
+                                                                                        result.reference_sq)
+                for part, value in zip(parts, (codes, scales, zeros, sums)):
+                    part.append(value)
             return parts
+
+        kept: list[tuple[list[np.ndarray], list[np.ndarray]]] | None = None  # scales, zero points per group
 
         def stack(which: int, last: int, dtype: Any) -> StreamedTensor:
             def chunks() -> Iterator[np.ndarray]:
-                for group in groups:
-                    yield np.stack(packed(group, which), axis=1).reshape(rows, last).astype(dtype, copy=False)
-                if which == 0:
+                nonlocal kept
+                if which == 0:  # the codes pass packs each group once and keeps its scales and zero points
+                    extras, errors = [], []
+                    for group in groups:
+                        codes, scales, zeros, sums = packed(group)
+                        extras.append((scales, zeros))
+                        errors += sums
+                        yield np.stack(codes, axis=1).reshape(rows, last)
+                    kept = extras
                     record.exact = [exact] * len(sources)
-                    record.rel_rms_error = [0.0 if exact else rel_rms(*errors[i]) for i in range(len(sources))]
+                    record.rel_rms_error = [0.0 if exact else rel_rms(*sums) for sums in errors]
+                    return
+                parts = kept if kept is not None else [packed(group)[1:3] for group in groups]
+                if which == 2 or not with_zeros:  # the last stream that needs them
+                    kept = None
+                for part in parts:
+                    yield np.stack(part[which - 1], axis=1).reshape(rows, last).astype(dtype, copy=False)
 
             shape = (e, rows, last)
             onnx_type = ir.DataType.UINT8 if dtype == np.uint8 else ir.DataType.FLOAT
