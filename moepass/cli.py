@@ -12,7 +12,7 @@ import time
 import click
 
 from moepass.errors import MoepassError
-from moepass.passes import PASS_NAMES
+from moepass.passes import ACTIVATION_MODES, PASS_NAMES
 from moepass.passes.lower import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES
 from moepass.placement import MODES, POLICIES, Bandwidths
 from moepass.runtime.providers import DEVICES, MODES as OFFLOAD_MODES, PLUGIN_ENV
@@ -60,7 +60,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())
 @click.option("-o", "--output", "output", required=True, type=click.Path(file_okay=True),
               help="Directory to create for model.onnx, model.onnx.data and moepass.json.")
 @click.option("--float-experts", type=click.Choice(FLOAT_EXPERT_CHOICES), default="keep", show_default=True,
@@ -69,21 +69,25 @@ def _parse_ids(text: str) -> list[int]:
               help="auto: int4 when it adds < 2 % error, else the form holding most experts exactly; "
                    "int4 / int8: force the width; offload: what ONNX Runtime's expert offload takes "
                    "(int4 block 32 prepacked, float16 graph).")
+@click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default="int8", show_default=True,
+              help="int8: quantized to 8 bits inside each quantized matmul, as llama.cpp does (ONNX Runtime "
+                   "accuracy_level 4; fast). float: exact float arithmetic on the weights (slower; for tests).")
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
               help="Print the graph after this pass.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(model: str, output: str, float_experts: str, expert_format: str, imatrix: str | None, force: bool,
-            print_after: str | None, quiet: bool) -> None:
+def convert(model: str, output: str, float_experts: str, expert_format: str, activations: str, imatrix: str | None,
+            force: bool, print_after: str | None, quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
 
     progress = _Progress("writing weights", enabled=not quiet)
     try:
-        result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format, imatrix=imatrix,
+        result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format,
+                             activations=activations, imatrix=imatrix,
                              overwrite=force, progress=progress,
                              print_after=print_after, echo=click.echo)
     finally:
@@ -165,20 +169,43 @@ def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, 
 @click.argument("model_dir", type=click.Path())
 @click.option("--prompt-tokens", type=click.IntRange(1, None), default=128, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(1, None), default=64, show_default=True)
+@click.option("--depth", type=click.IntRange(1, None), default=None,
+              help="Decode after this many cached tokens (default: after the prompt).")
 @click.option("--repeats", type=click.IntRange(1, None), default=3, show_default=True)
+@click.option("--profile", is_flag=True, help="Also profile 16 decode steps: kernel time per operator type.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout (llama-bench-like fields).")
 @_runtime_options
-def bench(model_dir: str, prompt_tokens: int, new_tokens: int, repeats: int, device: str, cuda_plugin: str | None,
-          mode: str | None, threads: int | None) -> None:
-    """Prefill and decode speed (tokens/s, best of --repeats) and peak RSS."""
+def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None, repeats: int, profile: bool,
+          as_json: bool, device: str, cuda_plugin: str | None, mode: str | None, threads: int | None) -> None:
+    """Prefill and decode speed (tokens/s of the best of --repeats; min/median/max), peak RSS."""
     from moepass.runtime import load
-    from moepass.runtime.bench import measure
+    from moepass.runtime.bench import measure, operator_shares
 
+    start = time.perf_counter()
     decoder = load(model_dir, device=device, cuda_plugin=cuda_plugin, mode=mode, threads=threads)
-    result = measure(decoder, prompt_tokens, new_tokens, repeats)
-    click.echo(f"prefill  {result['prefill_tokens_per_s']:10.1f} tokens/s  ({prompt_tokens} tokens)")
-    click.echo(f"decode   {result['decode_tokens_per_s']:10.1f} tokens/s  ({new_tokens} tokens)")
+    click.echo(f"loaded {model_dir} in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
+    result = measure(decoder, prompt_tokens, new_tokens, repeats, depth,
+                     progress=None if as_json else lambda text: click.echo(text, err=True))
+    result.update(model=str(model_dir), backend=decoder.plan.provider, threads=threads or 0,
+                  activations=decoder.info.get("activations", "float"),
+                  size_bytes=sum(f.stat().st_size for f in decoder.model_dir.iterdir() if f.is_file())
+                  if decoder.model_dir.is_dir() else 0)
+    if profile:
+        result["decode_operator_shares"] = operator_shares(model_dir, depth=depth or prompt_tokens, device=device,
+                                                           cuda_plugin=cuda_plugin, mode=mode, threads=threads)
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True))
+        return
+    for phase, what in (("prefill", f"{prompt_tokens} tokens"),
+                        ("decode", f"{new_tokens} tokens after {result['decode']['depth']}")):
+        r = result[phase]
+        click.echo(f"{phase:<8} {r['tokens_per_s']:10.1f} tokens/s  ({what}; seconds min/median/max "
+                   f"{r['seconds_min']:.3f}/{r['seconds_median']:.3f}/{r['seconds_max']:.3f})")
     click.echo(f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({decoder.plan.provider}, "
-               f"{threads or 'default'} threads)")
+               f"{threads or 'default'} threads, {result['activations']} activations)")
+    for op, share in result.get("decode_operator_shares", {}).items():
+        if share >= 0.01:
+            click.echo(f"  {op:<36}{share:7.1%} of decode kernel time")
 
 
 @main.command()

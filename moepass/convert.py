@@ -36,13 +36,18 @@ from moepass.imatrix import load_imatrix
 from moepass.runtime.providers import offload_violations
 from moepass.tokenizer import tokenizer_from_gguf
 from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
-from moepass.passes import run_pipeline
+from moepass.passes import ACTIVATION_MODES, QuantizeActivationsPass, run_pipeline
 from moepass.passes.fuse_moe import FuseMoePass
 from moepass.passes.lower import FLOAT_EXPERT_CHOICES, META, LowerOptions, lower_gguf
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 
 ProgressFn = Callable[[int, int], None]  # (tensors written, total tensors)
+ACTIVATION_SUMMARY = {
+    "int8": "int8 inside quantized matmuls (ONNX Runtime accuracy_level 4, as llama.cpp): fast; "
+            "--activations float for exact arithmetic",
+    "float": "float (exact arithmetic on the weights; several times slower than int8 on the CPU)",
+}
 
 
 @dataclasses.dataclass
@@ -62,6 +67,7 @@ class ConvertResult:
     tokenizer: dict[str, Any] = dataclasses.field(default_factory=dict)
     offload: str = ""  # whether ONNX Runtime's expert offload can take the model, and if not, why
     fusion: list[dict[str, Any]] | None = None  # ONNX input: what happened to each candidate MoE layer
+    activations: str = "int8"  # inside quantized matrix products: "int8" (as llama.cpp) or "float" (exact)
 
     @property
     def model_path(self) -> Path:
@@ -105,6 +111,7 @@ class ConvertResult:
             lines.append(f"  layers        {self.n_layers} ({len(self.moe_layers)} MoE, {experts} experts, top-{top_k})")
         lines += [
             "  expert form   " + ", ".join(f"{form} x{n}" for form, n in sorted(forms.items())),
+            "  activations   " + ACTIVATION_SUMMARY[self.activations],
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]
         for target, nbytes in sorted(self.bytes_by_target.items(), key=lambda kv: -kv[1]):
@@ -127,7 +134,7 @@ class ConvertResult:
 
 
 def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
-            expert_format: str = "auto", imatrix: str | os.PathLike | None = None,
+            expert_format: str = "auto", activations: str = "int8", imatrix: str | os.PathLike | None = None,
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
@@ -141,20 +148,26 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             (quantized into QMoE).
         expert_format: "auto", "int4" or "int8" for quantized experts (see passes.lower.AUTO_INT4_MAX_ERROR),
             or "offload": what ONNX Runtime's expert offload requires (int4 block 32 prepacked, float16).
+        activations: "int8" (default): activations quantized to 8 bits inside every quantized matrix
+            product, as llama.cpp does (ONNX Runtime's accuracy_level 4, several times faster on the
+            CPU); "float": exact float arithmetic (see moepass.passes.activations).
         imatrix: a llama.cpp importance matrix (GGUF or .dat) weighting requantization errors per column.
         overwrite: replace an existing output_dir.
         progress: called as progress(done, total) while weights are written.
         print_after: print the graph after this pass (see moepass.passes.PASS_NAMES).
     """
+    if activations not in ACTIVATION_MODES:
+        raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")
     if _is_onnx(model):
-        return convert_onnx(model, output_dir, float_experts=float_experts, overwrite=overwrite, progress=progress)
+        return convert_onnx(model, output_dir, float_experts=float_experts, activations=activations,
+                            overwrite=overwrite, progress=progress)
     start = time.perf_counter()
     source, output_dir = Path(model), Path(output_dir)
     gguf = GGUFModel(source)
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
                                                        imatrix=load_imatrix(imatrix) if imatrix else None))
-    onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo)
+    onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo, activations=activations)
     violations = offload_violations(onnx_model)
     offload = "eligible (int4 block 32 prepacked, float16)" if not violations else \
         f"not eligible: {violations[0][0]}: {violations[0][1]}" + (" (--expert-format offload makes it eligible)"
@@ -170,6 +183,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             "moepass_version": __version__,
             "source": {"file": source.name, "parts": [p.name for p in gguf.parts], "bytes": gguf.file_bytes},
             "architecture": arch.gguf_arch,
+            "activations": activations,
             "hparams": lowered.hparams,
             "moe_layers": lowered.moe_layers,
             "weights": weights,
@@ -185,7 +199,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
                          n_layers=lowered.hparams["n_layers"], moe_layers=lowered.moe_layers,
                          bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
                          output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info,
-                         offload=offload)
+                         offload=offload, activations=activations)
 
 
 def _save(model: ir.Model, folder: Path, progress: ProgressFn | None) -> None:
@@ -217,14 +231,15 @@ def _is_onnx(model: Any) -> bool:
 
 
 def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
-                 overwrite: bool = False, progress: ProgressFn | None = None) -> ConvertResult:
+                 activations: str = "int8", overwrite: bool = False,
+                 progress: ProgressFn | None = None) -> ConvertResult:
     """Fuse the MoE layers of an ONNX model into QMoE (or float MoE) nodes (moepass.passes.fuse_moe).
 
     Per-expert MatMulNBits blobs move bit-exactly when their block geometry fits QMoE; float
     experts become one float com.microsoft::MoE node unless `float_experts` is "int8" or "int4";
     com.microsoft::MoE nodes are quantized into QMoE when `float_experts` asks for it. A layer the
     rules do not match is left as it was, and moepass.json says why. A model with no MoE layer is
-    written unchanged.
+    written unchanged. `activations` sets accuracy_level on every quantized matrix product, as for GGUF.
     """
     if float_experts not in FLOAT_EXPERT_CHOICES:
         raise MoepassError(f"float_experts must be one of {', '.join(FLOAT_EXPERT_CHOICES)}, not {float_experts!r}")
@@ -238,6 +253,7 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     if fused:
         for cleanup in (RemoveUnusedNodesPass(), TopologicalSortPass()):
             cleanup(onnx_model)
+    QuantizeActivationsPass(activations)(onnx_model)
     onnx_model.metadata_props[META + "version"] = __version__
     onnx_model.metadata_props[META + "source"] = source.name
     onnx_model.metadata_props[META + "moe_layers"] = str(len(fused))
@@ -250,6 +266,7 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
         _save(onnx_model, tmp, progress)
         weights = [r.as_dict() for r in fuse.report.records.values()]
         report = {"moepass_version": __version__, "source": {"file": source.name, "bytes": source_bytes},
+                  "activations": activations,
                   "fusion": [r.as_dict() for r in fuse.records], "moe_layers": moe_layers, "weights": weights}
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
@@ -259,7 +276,7 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     return ConvertResult(output_dir=Path(output_dir), source=source, architecture="onnx", n_layers=len(fuse.records),
                          moe_layers=moe_layers, bytes_by_target=dict(bytes_by_target), weights=weights,
                          source_bytes=source_bytes, output_bytes=output_bytes, seconds=time.perf_counter() - start,
-                         offload=offload, fusion=[r.as_dict() for r in fuse.records])
+                         offload=offload, fusion=[r.as_dict() for r in fuse.records], activations=activations)
 
 
 def _model_bytes(path: Path) -> int:

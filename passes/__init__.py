@@ -14,33 +14,36 @@ import onnx_ir as ir
 from onnx_ir.passes import PassBase
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from moepass.passes.activations import ACTIVATION_MODES, QuantizeActivationsPass
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.fuse_skip_norm import FuseSkipNormPass
 from moepass.passes.lower import LowerOptions, lower_gguf
 from moepass.passes.reorder_experts import ReorderExpertsPass
 
-# name -> factory; the order is the pipeline's order.
-PIPELINE: dict[str, Callable[[], PassBase]] = {
-    "fuse-skip-norm": FuseSkipNormPass,
-    "remove-unused": RemoveUnusedNodesPass,
-    "topological-sort": TopologicalSortPass,
+# name -> factory(activations mode); the order is the pipeline's order.
+PIPELINE: dict[str, Callable[[str], PassBase]] = {
+    "fuse-skip-norm": lambda activations: FuseSkipNormPass(),
+    "quantize-activations": QuantizeActivationsPass,
+    "remove-unused": lambda activations: RemoveUnusedNodesPass(),
+    "topological-sort": lambda activations: TopologicalSortPass(),
 }
 PASS_NAMES = ("lower", *PIPELINE)
 
 
 def run_pipeline(model: ir.Model, print_after: str | None = None,
-                 echo: Callable[[str], None] = print) -> ir.Model:
-    """Run every pass of PIPELINE; print the graph after the pass named `print_after` (or after `lower`)."""
+                 echo: Callable[[str], None] = print, activations: str = "int8") -> ir.Model:
+    """Run every pass of PIPELINE; print the graph after the pass named `print_after` (or after `lower`).
+    `activations`: "int8" (quantized inside the quantized matrix products, as llama.cpp) or "float"."""
     if print_after is not None and print_after not in PASS_NAMES:
         raise ValueError(f"no pass named {print_after!r}; passes: {', '.join(PASS_NAMES)}")
     if print_after == "lower":
         echo(str(model.graph))
     for name, factory in PIPELINE.items():
-        model = factory()(model).model
+        model = factory(activations)(model).model
         if print_after == name:
             echo(str(model.graph))
     return model
 
 
-__all__ = ["ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE", "ReorderExpertsPass",
+__all__ = ["ACTIVATION_MODES", "ExposeRouterLogitsPass", "QuantizeActivationsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE", "ReorderExpertsPass",
            "lower_gguf", "run_pipeline"]

@@ -39,12 +39,14 @@ def make_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory, make_gguf):
-    """converted(preset, **gguf_kwargs) -> directory of the converted model (cached)."""
+    """converted(preset, activations="int8", **gguf_kwargs) -> directory of the converted model
+    (cached); tests of exact arithmetic ask for activations="float"."""
     from moepass.convert import convert
 
     return _cached_by_arguments(
         tmp_path_factory.mktemp("onnx"),
-        lambda folder, preset, **kw: convert(make_gguf(preset, **kw), folder / "model").output_dir)
+        lambda folder, preset, activations="int8", **kw: convert(make_gguf(preset, **kw), folder / "model",
+                                                                 activations=activations).output_dir)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def _initializers(path):
 @pytest.mark.parametrize("bits", [None, 4, 8])
 def test_fused_model_matches_the_export(family, bits, exported, tmp_path):
     source = exported(family, bits=bits)
-    result = moepass.convert(source, tmp_path / "fused")
+    result = moepass.convert(source, tmp_path / "fused", activations="float")  # exact arithmetic, as the export
     assert [f["fused"] for f in result.fusion] == [True, True]
     fused = result.output_dir / "model.onnx"
     for ids in _inputs():
@@ -84,7 +84,7 @@ def test_geometry_that_does_not_fit_is_requantized_with_the_error_reported(expor
     """Blocks of 128 over K = 64 (MatMulNBits pads the row; QMoE needs the block to divide K): the
     blob values are requantized into int8 block 32 and the error is measured."""
     source = exported("qwen3moe", bits=4, block_size=128)
-    result = moepass.convert(source, tmp_path / "fused")
+    result = moepass.convert(source, tmp_path / "fused", activations="float")
     assert {m["form"] for m in result.moe_layers} == {"int8/b32"}
     errors = [e for w in result.weights for e in w["rel_rms_error"]]
     assert not any(any(w["exact"]) for w in result.weights) and 0 < max(errors) < 0.01
@@ -163,7 +163,7 @@ def test_in_memory_models_and_external_data(exported, tmp_path):
     external.parent.mkdir()
     onnx.save(onnx.load(str(source)), str(external), save_as_external_data=True, location="weights.bin",
               size_threshold=0)
-    outputs = [moepass.convert(m, tmp_path / f"out{i}").output_dir
+    outputs = [moepass.convert(m, tmp_path / f"out{i}", activations="float").output_dir
                for i, m in enumerate([proto, gs.import_onnx(proto), external])]
     ids = _inputs(1)[0]
     reference = _logits(source, ids)

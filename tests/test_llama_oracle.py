@@ -1,14 +1,18 @@
 """ONNX Runtime on the converted model against llama.cpp (llama-cpp-python) on the same GGUF file.
 
 Every architecture, F32 fixture with an F32 KV cache: max |logit difference| <= 1e-4.
-qwen3moe quantized fixtures: <= 0.1 and the same argmax at every position.
-gpt-oss MXFP4 (as it ships), Q8_0 and Q4_0 fixtures: the same argmax at every position (measured max
-|logit difference| 0.12, 0.09, 0.012). Its fixture has 4 layers (sliding, full, sliding, full; a
-window of 5 tokens that the 14-token prompt passes), attention sinks, YaRN and biases everywhere.
-Other quantized fixtures: the same argmax at every decided position (tests/oracle.py), and at least
-40 % of the positions decided.
+
+Quantized fixtures, converted with the defaults (int8 activations inside the quantized matmuls, as
+llama.cpp computes them): both are held against the exact computation of the file's weights
+(llama.cpp on the file's F32 dequantization), and the converted model must be as close to it as
+llama.cpp itself is: max |logit difference from exact| <= 2x llama.cpp's own + 1 % of the logit
+spread, and the exact argmax at every position the exact computation decides (top-2 margin >=
+NEAR_TIE of the spread). Positions where a router's k-th and (k+1)-th logits nearly tie are left
+out of both (a routing choice that falls either way, in llama.cpp as here). Measured on these
+fixtures (prefill): 0.21x-1.26x llama.cpp's distance from exact (phimoe Q4_K: llama.cpp 1.6 away,
+the converted model 0.05); the argmax equal to exact at 13-14 of 14 positions, as llama.cpp's.
 Prefill of the whole prompt, token-by-token decode through the KV cache, and a prompt fed in two
-chunks must all match.
+chunks must all hold.
 """
 
 from __future__ import annotations
@@ -18,78 +22,80 @@ import numpy as np
 import pytest
 
 from moepass.runtime import load
-from oracle import PROMPT, decided_positions, dequantized_copy, llama_logits, routing_near_ties
+from oracle import NEAR_TIE, PROMPT, dequantized_copy, llama_logits, routing_near_ties
 
 pytestmark = pytest.mark.llama
 
-TOLERANCE = {"f32": 1e-4, "q8_0": 0.1, "q4_0": 0.1, "q4_k": 0.1, "q6_k": 0.1}
+F32_TOLERANCE = 1e-4
+PRESETS = ("f32", "q8_0", "q4_0", "q4_k", "q6_k")
 ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe"]
-# (arch, preset) pairs checked at every position, not only at decided ones
-EVERY_POSITION = {("gpt-oss", "mxfp4"), ("gpt-oss", "q8_0"), ("gpt-oss", "q4_0")}
-CASES = [(arch, preset) for arch in ARCHITECTURES for preset in sorted(TOLERANCE)] + \
+CASES = [(arch, preset) for arch in ARCHITECTURES for preset in PRESETS] + \
     [("gpt-oss", preset) for preset in ("f32", "mxfp4", "q8_0", "q4_0", "q4_k")] + \
     [("deepseek2", "f32"), ("deepseek2-softmax", "f32"), ("deepseek2-kv_b", "f32")]
-# Q4_0 moves exactly (int4 block 32) and ONNX Runtime's 4-bit kernels keep float32 activations:
-# the converted model computes the file's weights exactly, as llama.cpp does on their F32 copy.
-# Measured: max |logit difference| 1.3e-5 or less for every architecture, against 0.002-1.9 between
-# llama.cpp on the quantized file and on its F32 copy (it quantizes activations to 8 bits).
+DISTANCE_FACTOR, SPREAD_FLOOR = 2.0, 0.01  # ours from exact <= 2x llama.cpp's + 1 % of the logit spread
+# Q4_0 moves exactly (int4 block 32) and, with --activations float, ONNX Runtime's 4-bit kernels
+# keep float32 activations: the converted model computes the file's weights exactly, as llama.cpp
+# does on their F32 copy. Measured: max |logit difference| 1.3e-5 or less for every architecture,
+# against 0.002-1.9 between llama.cpp on the quantized file and on its F32 copy.
 EXACT_TOLERANCE = 1e-4
 EXACT_ARCHITECTURES = [*ARCHITECTURES, "gpt-oss", "deepseek2", "deepseek2-softmax", "deepseek2-kv_b"]
 
 
-def _check(ours, ref, preset, what, arch="qwen3moe", router_ties=None):
-    diff = float(np.abs(ours - ref).max())
-    if preset == "f32" or arch == "qwen3moe":
-        assert diff <= TOLERANCE[preset], f"{arch} {preset} {what}: max |logit diff| {diff}"
-    if preset != "f32":
-        decided = np.ones(len(ref), dtype=bool)
-        if arch != "qwen3moe" and (arch, preset) not in EVERY_POSITION:
-            decided = decided_positions(ref, router_ties)
-            assert decided.mean() >= 0.4, f"{arch} {preset}: only {decided.sum()} of {len(ref)} positions decided"
-        same = ours.argmax(-1) == ref.argmax(-1)
-        assert same[decided].all(), \
-            f"{arch} {preset} {what}: argmax differs at positions {np.flatnonzero(decided & ~same).tolist()}"
+def _check_against_exact(ours, exact, theirs, what, router_ties):
+    """As close to the exact computation as llama.cpp is, and its argmax wherever exact decides."""
+    kept = ~router_ties
+    spread = float(exact.std())
+    our_distance = float(np.abs(ours - exact)[kept].max())
+    their_distance = float(np.abs(theirs - exact)[kept].max())
+    assert our_distance <= DISTANCE_FACTOR * their_distance + SPREAD_FLOOR * spread, \
+        f"{what}: max |logit - exact| {our_distance:.4f}, llama.cpp's {their_distance:.4f} (spread {spread:.3f})"
+    top2 = np.sort(exact, axis=-1)[:, -2:]
+    decided = kept & (top2[:, 1] - top2[:, 0] >= NEAR_TIE * exact.std(axis=-1))
+    wrong = decided & (ours.argmax(-1) != exact.argmax(-1))
+    assert not wrong.any(), f"{what}: argmax differs from the exact computation at {np.flatnonzero(wrong).tolist()}"
 
 
-@pytest.mark.parametrize("arch,preset", CASES)
-def test_matches_llama_cpp(arch, preset, make_gguf, converted):
-    ref = llama_logits(make_gguf(preset, arch=arch), PROMPT)
-    decoder = load(converted(preset, arch=arch))
-    ties = None if preset == "f32" else routing_near_ties(converted(preset, arch=arch), PROMPT)
-
+def _three_ways(decoder):
+    """Logits of PROMPT by one prefill, token by token through the KV cache, and in two chunks."""
     prefill, _ = decoder.forward(np.array([PROMPT]), decoder.empty_cache())
-    _check(prefill[0], ref, preset, "prefill", arch, ties)
-
     cache, steps = decoder.empty_cache(), []
     for token in PROMPT:
         logits, cache = decoder.forward(np.array([[token]]), cache)
         steps.append(logits[0, -1])
-    _check(np.array(steps), ref, preset, "token-by-token decode", arch, ties)
-
     first, cache = decoder.forward(np.array([PROMPT[:5]]), decoder.empty_cache())
     rest, _ = decoder.forward(np.array([PROMPT[5:]]), cache)
-    _check(np.concatenate([first[0], rest[0]]), ref, preset, "chunked prefill", arch, ties)
+    return {"prefill": prefill[0], "token-by-token decode": np.array(steps),
+            "chunked prefill": np.concatenate([first[0], rest[0]])}
+
+
+@pytest.mark.parametrize("arch,preset", CASES)
+def test_matches_llama_cpp(arch, preset, make_gguf, converted, tmp_path):
+    gguf = make_gguf(preset, arch=arch)
+    theirs = llama_logits(gguf, PROMPT)
+    decoder = load(converted(preset, arch=arch))
+    if preset == "f32":
+        for what, ours in _three_ways(decoder).items():
+            diff = float(np.abs(ours - theirs).max())
+            assert diff <= F32_TOLERANCE, f"{arch} {what}: max |logit diff| {diff}"
+        return
+    exact = llama_logits(dequantized_copy(gguf, tmp_path / "f32.gguf"), PROMPT)
+    ties = routing_near_ties(converted(preset, arch=arch), PROMPT)
+    for what, ours in _three_ways(decoder).items():
+        _check_against_exact(ours, exact, theirs, f"{arch} {preset} {what}", ties)
 
 
 @pytest.mark.parametrize("arch", EXACT_ARCHITECTURES)
 def test_exact_weights_match_llama_cpp_on_the_dequantized_file(arch, make_gguf, converted, tmp_path):
-    """Q4_0 fixture: max |logit difference| <= 1e-4 and the same argmax at every position, prefill,
-    decode and chunked prefill, against llama.cpp on the F32 dequantization of the same file.
-    Against llama.cpp on the quantized file itself: the same argmax at every position except where
-    that run departs from the exact computation of the same weights (measured: 1 of 14 positions for
-    phimoe, 3 each for deepseek2 with softmax gating and for the older kv_b form, none for the others)."""
+    """Q4_0 fixture converted with --activations float: max |logit difference| <= 1e-4 and the same
+    argmax at every position, prefill, decode and chunked prefill, against llama.cpp on the F32
+    dequantization of the same file. Against llama.cpp on the quantized file itself: the same argmax
+    at every position except where that run departs from the exact computation of the same weights
+    (measured: 1 of 14 positions for phimoe, 3 each for deepseek2 with softmax gating and for the
+    older kv_b form, none for the others)."""
     ref = llama_logits(dequantized_copy(make_gguf("q4_0", arch=arch), tmp_path / "f32.gguf"), PROMPT)
     quantized_run = llama_logits(make_gguf("q4_0", arch=arch), PROMPT).argmax(-1)
-    decoder = load(converted("q4_0", arch=arch))
-    cache, steps = decoder.empty_cache(), []
-    for token in PROMPT:
-        logits, cache = decoder.forward(np.array([[token]]), cache)
-        steps.append(logits[0, -1])
-    first, cache = decoder.forward(np.array([PROMPT[:5]]), decoder.empty_cache())
-    rest, _ = decoder.forward(np.array([PROMPT[5:]]), cache)
-    prefill, _ = decoder.forward(np.array([PROMPT]), decoder.empty_cache())
-    for what, ours in (("prefill", prefill[0]), ("decode", np.array(steps)),
-                       ("chunked prefill", np.concatenate([first[0], rest[0]]))):
+    decoder = load(converted("q4_0", arch=arch, activations="float"))
+    for what, ours in _three_ways(decoder).items():
         diff = float(np.abs(ours - ref).max())
         assert diff <= EXACT_TOLERANCE, f"{arch} {what}: max |logit diff| {diff}"
         assert (ours.argmax(-1) == ref.argmax(-1)).all(), f"{arch} {what}: argmax differs"
@@ -103,7 +109,7 @@ def test_split_gguf_matches_llama_cpp(make_gguf, converted):
     ref = llama_logits(make_gguf("f32", split_max_tensors=8), PROMPT)
     decoder = load(converted("f32", split_max_tensors=8))
     logits, _ = decoder.forward(np.array([PROMPT]), decoder.empty_cache())
-    _check(logits[0], ref, "f32", "split prefill")
+    assert float(np.abs(logits[0] - ref).max()) <= F32_TOLERANCE
 
 
 def test_greedy_generation_matches_llama_cpp(make_gguf, converted):
