@@ -20,6 +20,8 @@ OPTIONS_FILE = "onnxruntime_options.json"  # partition: session config entries f
 TOKENIZER_FILE = "tokenizer.json"       # convert: Hugging Face tokenizers file rebuilt from the GGUF
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # convert: chat template, BOS/EOS
 GENAI_CONFIG_FILE = "genai_config.json"  # convert: what onnxruntime-genai needs to load the model
+# the decoder's optional input (an initializer a feed overrides): logits of the last N positions, 0 = all
+LOGITS_TO_KEEP = "logits_to_keep"
 
 
 def model_file(model_dir: str | os.PathLike) -> Path:

@@ -28,6 +28,7 @@ from onnx_ir import tape as ir_tape
 from moepass import __version__
 from moepass.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT, Architecture, Rope, latent_dims
 from moepass.errors import MoepassError
+from moepass.files import LOGITS_TO_KEEP
 from moepass.gguf_reader import GGUFModel, GGUFTensor
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
 from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, pack, quant_type
@@ -592,6 +593,13 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
         x = t.op("Add", [x, residual_branch(ffn, f"blk.{i}.moe")], name=f"blk.{i}.moe_residual")
 
     h = b.rms_norm(x, b.tensor("output_norm"), "output_norm", b.optional("output_norm_bias"))
+    # logits for the last `logits_to_keep` positions only (0, the default: every position). During
+    # generation only the last position's logits are used, and the LM head over a large vocabulary
+    # is a large share of a prefill: the runtime feeds 1, as llama.cpp computes only what it returns.
+    keep = t.initializer(ir.Tensor(np.array([0], dtype=np.int64), name=LOGITS_TO_KEEP), name=LOGITS_TO_KEEP)
+    inputs.append(keep)
+    start = t.op("Neg", [keep], name="logits_to_keep.start")
+    h = t.op("Slice", [h, start, b.ints(np.iinfo(np.int64).max), b.ints(1)], name="logits_to_keep.slice")
     tied = not b.arch.has_tensor(b.gguf, "output")
     head = b.tensor("token_embd") if tied else b.tensor("output")
     logits = b.linear(h, head, "lm_head", weight_name="lm_head.weight" if tied else None, bias=b.optional("output_bias"))
@@ -599,7 +607,7 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
         logits = b.scale(logits, 1.0 / hp["logit_scale"], "lm_head.logit_scale")
     logits.name = "logits"
     logits.type = act_type
-    logits.shape = ir.Shape(["batch_size", "sequence_length", hp["vocab"]])
+    logits.shape = ir.Shape(["batch_size", "logits_sequence_length", hp["vocab"]])
     return ir.Graph(inputs, [logits] + outputs, nodes=t.nodes, initializers=t.initializers,
                     opset_imports=dict(OPSETS), name=f"moepass_{b.arch.gguf_arch}")
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 
 from moepass.errors import MoepassError
-from moepass.files import OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, model_file
+from moepass.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+                           model_file)
 from moepass.runtime.providers import SessionPlan, plan_session
 
 if TYPE_CHECKING:
@@ -69,9 +70,11 @@ class Decoder:
     """An ONNX Runtime session over a converted decoder, with its KV-cache bookkeeping."""
 
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", threads: int | None = None,
-                 graph: "onnx_ir.Model | None" = None, cuda_plugin: str | None = None, mode: str | None = None):
+                 graph: "onnx_ir.Model | None" = None, cuda_plugin: str | None = None, mode: str | None = None,
+                 profile_prefix: str | None = None):
         """`graph`: run this in-memory variant of the model (e.g. a profiling copy) with the weights
-        of `model_dir`'s data file instead of `model_dir`'s own model.onnx."""
+        of `model_dir`'s data file instead of `model_dir`'s own model.onnx. `profile_prefix`: record
+        ONNX Runtime's per-node profile (`session.end_profiling()` writes it under this prefix)."""
         import onnx_ir
 
         ort = _import_onnxruntime()
@@ -86,6 +89,9 @@ class Decoder:
         if threads:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3
+        if profile_prefix:
+            options.enable_profiling = True
+            options.profile_file_prefix = profile_prefix
         for key, value in self.plan.config_entries.items():
             options.add_session_config_entry(key, value)
         source: str | bytes = str(model_path)
@@ -107,6 +113,8 @@ class Decoder:
         self._cache_shapes = {n: inputs[n].shape for n in self.past_names}
         self._cache_dtype = np.float16 if self.past_names and inputs[self.past_names[0]].type == "tensor(float16)" \
             else np.float32
+        # models converted by moepass >= 0.1 compute the logits of the last N positions on request
+        self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
         self.stop_ids = tuple(self.info.get("tokenizer", {}).get("stop_token_ids", ()))
         self._tokenizer = None
         self._tokenizer_path = folder / TOKENIZER_FILE
@@ -133,8 +141,9 @@ class Decoder:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def empty_cache(self, batch: int = 1) -> dict[str, np.ndarray]:
-        return {n: np.zeros((batch, shape[1], 0, shape[3]), dtype=self._cache_dtype)
+    def empty_cache(self, batch: int = 1, length: int = 0) -> dict[str, np.ndarray]:
+        """Zero KV cache tensors of `length` positions (0: an empty cache for `forward`)."""
+        return {n: np.zeros((batch, shape[1], length, shape[3]), dtype=self._cache_dtype)
                 for n, shape in self._cache_shapes.items()}
 
     def forward(self, input_ids: np.ndarray, cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -167,7 +176,7 @@ class Decoder:
             raise MoepassError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         stops = set(self.stop_ids if stop_ids is None else stop_ids)
         rng = np.random.default_rng(sampling.seed)
-        step = _BoundDecoding(self)
+        step = _BoundDecoding(self, capacity=len(prompt_ids) + max_new_tokens)
         logits = step.run(prompt_ids)
         for _ in range(max_new_tokens):
             token = choose_token(logits, sampling, rng)
@@ -207,36 +216,45 @@ class Decoder:
 
 
 class _BoundDecoding:
-    """Decoding steps through an IO binding: each step's present.N.* stay ONNX Runtime values bound
-    as the next step's past_key_values.N.*, never copied out to numpy; only the last position's
-    logits come back."""
+    """Decoding steps through an IO binding, with a KV cache that does not grow by copying.
 
-    def __init__(self, decoder: Decoder):
+    Each layer's cache is one ONNX Runtime buffer of `capacity` positions, bound both as
+    past_key_values.N.* and as present.N.*: GroupQueryAttention sees the same memory on both sides
+    and writes each step's keys and values in place (ONNX Runtime's past/present shared-buffer
+    mode), so a step costs the same whatever the context length, instead of copying the whole
+    cache into a new present tensor. The attention mask's length tells it how many positions are
+    filled. Only the last position's logits are computed (the model's `logits_to_keep` input) and
+    copied back."""
+
+    def __init__(self, decoder: Decoder, capacity: int):
         import onnxruntime as ort
 
         self._decoder = decoder
         self._binding = decoder.session.io_binding()
-        self._past: dict[str, object] = {n: ort.OrtValue.ortvalue_from_numpy(a)
-                                         for n, a in decoder.empty_cache().items()}
+        self._capacity = capacity
+        self._last_only = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))
+        self._cache = {n: ort.OrtValue.ortvalue_from_numpy(a)
+                       for n, a in decoder.empty_cache(length=capacity).items()}
         self._length = 0
 
     def run(self, token_ids: Sequence[int]) -> np.ndarray:
         d, binding = self._decoder, self._binding
         ids = np.asarray([token_ids], dtype=np.int64)
+        if self._length + ids.shape[1] > self._capacity:
+            raise MoepassError(f"{self._length + ids.shape[1]} tokens do not fit the KV cache of {self._capacity}")
         self._length += ids.shape[1]
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", np.ones((1, self._length), dtype=np.int64))
-        for name, value in self._past.items():
-            binding.bind_ortvalue_input(name, value)
-        binding.bind_output("logits", "cpu")
-        for name in d.present_names:
-            binding.bind_output(name, "cpu")
+        if d.keeps_logits:  # an overridable initializer: bound as an OrtValue (bind_cpu_input refuses it)
+            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._last_only)
+        binding.bind_output("logits", "cpu")  # the first output bound: get_outputs()[0]
+        for past, present in zip(d.past_names, d.present_names):
+            binding.bind_ortvalue_input(past, self._cache[past])
+            binding.bind_ortvalue_output(present, self._cache[past])
         d.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        self._past = dict(zip(d.past_names, outputs[1:]))
-        return outputs[0].numpy()[0, -1]
+        return binding.get_outputs()[0].numpy()[0, -1]
 
 
 def _read_json(path: Path) -> dict:

@@ -100,7 +100,9 @@ def test_graph_shape(converted):
     assert ops.count("SkipSimplifiedLayerNormalization") == 4   # residual adds folded into the next norm
     assert "Add" not in ops
     assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask"] + [
-        f"past_key_values.{i}.{kv}" for i in range(2) for kv in ("key", "value")]
+        f"past_key_values.{i}.{kv}" for i in range(2) for kv in ("key", "value")] + ["logits_to_keep"]
+    # logits_to_keep is optional: an initializer (0 = every position) that a feed overrides
+    assert "logits_to_keep" in {t.name for t in model.graph.initializer}
     assert [o.name for o in model.graph.output] == ["logits"] + [f"present.{i}.{kv}" for i in range(2)
                                                                  for kv in ("key", "value")]
     meta = {p.key: p.value for p in model.metadata_props}
@@ -222,3 +224,37 @@ def test_int4_zero_points_stored_as_reported(tmp_path, make_gguf):
     attn_q = values["blk.0.attn_q.weight"]
     assert reported["blk.0.attn_q.weight"]["rel_rms_error"][0] == pytest.approx(
         np.linalg.norm(q - attn_q) / np.linalg.norm(attn_q), rel=1e-4)
+
+
+def test_activation_modes(tmp_path, make_gguf, converted):
+    """Default: accuracy_level 4 (int8 activations) on every quantized matmul; --activations float: none.
+    The mode is in the graph metadata, moepass.json and the summary; the weights are the same bytes."""
+    fast = converted("q8_0")
+    exact = moepass.convert(make_gguf("q8_0"), tmp_path / "exact", activations="float")
+    for folder, level, mode in ((fast, 4, "int8"), (exact.output_dir, None, "float")):
+        model = onnx.load(folder / "model.onnx", load_external_data=False)
+        quantized = [n for n in model.graph.node if n.op_type in ("QMoE", "MatMulNBits")]
+        assert quantized and all({a.name: a.i for a in n.attribute}.get("accuracy_level") == level for n in quantized)
+        assert {p.key: p.value for p in model.metadata_props}["moepass.activations"] == mode
+        assert json.loads((folder / "moepass.json").read_text())["activations"] == mode
+    assert (fast / "model.onnx.data").read_bytes() == (exact.output_dir / "model.onnx.data").read_bytes()
+    assert any(line.startswith("  activations   float") for line in exact.summary_lines())
+    result = CliRunner().invoke(main, ["convert", str(make_gguf("q8_0")), "-o", str(tmp_path / "bad"), "-q",
+                                       "--activations", "fp8"])
+    assert result.exit_code == 2 and not (tmp_path / "bad").exists()
+
+
+def test_logits_to_keep(converted):
+    """logits_to_keep = 0 (the default) returns every position; 1 only the last, with the same values."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(converted("q4_0") / "model.onnx"))
+    ids = np.array([[5, 77, 200, 31]])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_values."):
+            feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+    every = session.run(["logits"], feeds)[0]
+    last = session.run(["logits"], {**feeds, "logits_to_keep": np.array([1])})[0]
+    assert every.shape[1] == 4 and last.shape[1] == 1
+    np.testing.assert_array_equal(last[:, 0], every[:, -1])
