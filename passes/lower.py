@@ -188,26 +188,31 @@ class GraphBuilder:
 
         The weight initializers are named after the GGUF tensor unless `weight_name` says otherwise
         (a tied LM head shares its GGUF tensor with the embedding table)."""
-        qt = quant_type(src.ggml_type, src.name, src.path)
         n, k = src.shape
         weight_name = weight_name or src.name
         b = self.float_weight(bias.name, bias) if bias is not None else None
-        if qt.storage == "blocks":
-            form = best_exact_form(qt)
-        elif qt.storage == "dequantize":  # requantized, the error reported
-            form = BlockForm(4 if self.options.expert_format in ("int4", "offload") else 8, 32)
-        else:
-            form = None
+        form, zero_points = self.matrix_form(src)
         if form is None:
             w = self.float_weight(f"{weight_name}.T", src, transpose=True)
             y = self.tape.op("MatMul", [x, w], name=name)
             return y if b is None else self.tape.op("Add", [y, b], name=f"{name}.bias")
-        # a 4-bit requantization takes a zero point per block (the better of it and none)
-        codes, scales, zeros = self.packed_weights(weight_name, [src], form, blob_layout=True,
-                                                   zero_points=form.bits == 4 and form not in qt.exact_forms())
+        codes, scales, zeros = self.packed_weights(weight_name, [src], form, blob_layout=True, zero_points=zero_points)
         inputs = [x, codes, scales, zeros] + ([None, b] if b is not None else [])
         return self.tape.op("MatMulNBits", inputs, {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
                             domain="com.microsoft", name=name)
+
+    def matrix_form(self, src: GGUFTensor) -> tuple[BlockForm | None, bool]:
+        """(block form, zero points) of a non-expert matrix: its exact form when its blocks move
+        exactly; else requantized into 8 bits block 32 (4 bits for --expert-format int4/offload, with
+        a zero point per block, the better of it and none), the error reported; None for float."""
+        qt = quant_type(src.ggml_type, src.name, src.path)
+        if qt.storage == "blocks":
+            form = best_exact_form(qt)
+        elif qt.storage == "dequantize":
+            form = BlockForm(4 if self.options.expert_format in ("int4", "offload") else 8, 32)
+        else:
+            return None, False
+        return form, form is not None and form.bits == 4 and form not in qt.exact_forms()
 
     def rms_norm(self, x: ir.Value, src: GGUFTensor, name: str, bias: GGUFTensor | None = None) -> ir.Value:
         """RMSNorm(x) * gamma (+ beta: phimoe's norms add a bias after normalizing, as llama.cpp does)."""
@@ -225,8 +230,19 @@ class GraphBuilder:
         return self.tape.op("Reshape", [normed, self.ints(0, 0, n_heads * d)], name=f"{name}.merge_heads")
 
     def embedding(self, input_ids: ir.Value) -> ir.Value:
-        table = self.float_weight(self.arch.tensor_name("token_embd"), self.tensor("token_embd"))
-        return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
+        """Rows of the token embedding table. A quantized table stays quantized, in the form its
+        matrix would take (com.microsoft::GatherBlockQuantized dequantizes only the rows it gathers,
+        and the same codes layout as QMoE's rows): a float32 copy of a 151,936-token table would
+        take 1.2 GB where llama.cpp keeps its blocks."""
+        src = self.tensor("token_embd")
+        form, zero_points = self.matrix_form(src)
+        if form is None:
+            table = self.float_weight(self.arch.tensor_name("token_embd"), src)
+            return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
+        codes, scales, zeros = self.packed_weights(src.name, [src], form, zero_points=zero_points)
+        return self.tape.op("GatherBlockQuantized", [codes, input_ids, scales, zeros],
+                            {"gather_axis": 0, "quantize_axis": 1, "block_size": form.block_size, "bits": form.bits},
+                            domain="com.microsoft", name="embed_tokens")
 
     def moe(self, x2d: ir.Value, layer: int, hidden_out: int) -> ir.Value:
         """One MoE layer as a single QMoE node (or MoE, for float experts kept as float).
