@@ -1,42 +1,66 @@
-"""Generation speed: `moepass bench` (ONNX Runtime, CPU) beside llama.cpp on the same GGUF, same threads.
+"""Generation speed beside llama.cpp on the same GGUF files: the benchmark users would trust.
 
-    python benchmarks/runtime.py                    # the demo fixture and a Qwen3-30B-A3B-layer model
-    python benchmarks/runtime.py --layers 4 --threads 2
+    python benchmarks/runtime.py                       # Q4_0, Q4_K_M-like and Q8_0, 6 layers
+    python benchmarks/runtime.py --presets q4_0 --layers 6 --rounds 2
 
-For each model: prefill of --prompt-tokens tokens from an empty cache and --new-tokens single-token
-decode steps (best of --repeats), each side in its own process, peak RSS from GNU time. llama.cpp
-runs through llama-cpp-python with an F16 KV cache (its default), the same thread count, and
-logits for every prompt position, as the converted model computes them.
+Files: Qwen3-30B-A3B layer sizes (hidden 2048, 128 experts, top-8, expert ffn 768, 32 q / 4 kv
+heads x 128) and vocabulary (151,936 tokens: the LM head is a large share of a decode step), fewer
+layers, written by fixtures/make_fixtures.py (fixed seed). Each is converted with moepass's
+defaults. For each file and side: prefill of 128 and of 512 tokens from an empty cache, decode of
+--new-tokens steps after 128 and after 2,048 cached tokens. Each side runs in its own process
+(`moepass bench --json` for moepass; llama-cpp-python with its default settings for llama.cpp:
+logits of the last token only, F16 KV cache, n_batch 512), same thread count; the two alternate
+for --rounds rounds and each figure is the best of them, so both sides see the same machine state.
+Peak RSS is GNU time's, per process, the largest over the rounds.
+
+The MoE ceiling: bytes of expert weights a decode step reads (top-k experts per layer) and the other
+weights it reads (attention, router, LM head), over the measured memory bandwidth (a 1 GiB numpy
+copy), is the fastest a decode step could be; the report gives it beside the measured step time
+and ONNX Runtime's profile of where the step goes (`moepass bench --profile`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "fixtures"))
+
+import make_fixtures  # noqa: E402
+
+PRESET_NAMES = {"q4_0": "Q4_0", "q4_k": "Q4_K_M-like (Q4_K, Q6_K down/attn_v/output)", "q8_0": "Q8_0"}
 
 LLAMA_SCRIPT = r"""
 import json, sys, time
 import numpy as np, llama_cpp
-path, threads, n_prompt, n_new, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-llm = llama_cpp.Llama(path, n_ctx=n_prompt + n_new + 8, n_batch=n_prompt, n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
-prompt = np.random.default_rng(0).integers(0, llm.n_vocab(), size=n_prompt).tolist()
-prefill, decode = [], []
-for _ in range(repeats):
+path, threads, new_tokens, depths, prompts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5])
+llm = llama_cpp.Llama(path, n_ctx=max(depths + prompts) + new_tokens + 8, n_threads=threads, n_threads_batch=threads, verbose=False)
+def prompt(n):
+    return np.random.default_rng(0).integers(0, llm.n_vocab(), size=n).tolist()
+def run(ids, n_new):
     llm.reset()
-    t = time.perf_counter(); llm.eval(prompt); prefill.append(time.perf_counter() - t)
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t = time.perf_counter(); llm.eval(ids); token = int(np.argmax(llm.scores[llm.n_tokens - 1])); first = time.perf_counter() - t
     t = time.perf_counter()
     for _ in range(n_new):
         llm.eval([token]); token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    decode.append(time.perf_counter() - t)
-print(json.dumps({"prefill": n_prompt / min(prefill), "decode": n_new / min(decode)}))
+    return first, time.perf_counter() - t
+out = {"prefill": {}, "decode": {}}
+for n in prompts:
+    out["prefill"][n] = n / run(prompt(n), 0)[0]
+for n in depths:
+    out["decode"][n] = new_tokens / run(prompt(n), new_tokens)[1]
+print(json.dumps(out))
 """
 
 
@@ -45,51 +69,148 @@ def timed(cmd: list[str]) -> tuple[str, int]:
     with tempfile.NamedTemporaryFile("r") as report:
         proc = subprocess.run(["/usr/bin/time", "-o", report.name, "-f", "%M", *cmd], capture_output=True, text=True)
         if proc.returncode:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         return proc.stdout, int(report.read().split()[-1]) * 1024
 
 
-def bench(gguf: Path, workdir: Path, args) -> dict:
-    out = workdir / (gguf.stem + "-onnx")
-    subprocess.run([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q", "--force"],
-                   check=True, capture_output=True)
-    text, ours_rss = timed([sys.executable, "-m", "moepass.cli", "bench", str(out), "--prompt-tokens",
-                            str(args.prompt_tokens), "--new-tokens", str(args.new_tokens), "--repeats",
-                            str(args.repeats), "--threads", str(args.threads)])
-    ours = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if "tokens/s" in line}
-    text, theirs_rss = timed([sys.executable, "-c", LLAMA_SCRIPT, str(gguf), str(args.threads),
-                              str(args.prompt_tokens), str(args.new_tokens), str(args.repeats)])
-    theirs = json.loads(text.strip().splitlines()[-1])
-    return {"model": gguf.name, "gguf_bytes": gguf.stat().st_size, "ours": ours, "theirs": theirs,
-            "ours_rss": ours_rss, "theirs_rss": theirs_rss}
+def ours(model_dir: Path, args) -> tuple[dict, int]:
+    """moepass bench --json per figure, in one process per figure kind; (results, peak RSS)."""
+    result: dict = {"prefill": {}, "decode": {}}
+    rss = 0
+    for n in args.prompts:
+        text, peak = timed([sys.executable, "-m", "moepass.cli", "bench", str(model_dir), "--json", "--threads",
+                            str(args.threads), "--prompt-tokens", str(n), "--new-tokens", "1", "--repeats", "1"])
+        result["prefill"][n] = json.loads(text)["prefill_tokens_per_s"]
+        rss = max(rss, peak)
+    for n in args.depths:
+        text, peak = timed([sys.executable, "-m", "moepass.cli", "bench", str(model_dir), "--json", "--threads",
+                            str(args.threads), "--prompt-tokens", str(n), "--new-tokens", str(args.new_tokens),
+                            "--repeats", "1"])
+        result["decode"][n] = json.loads(text)["decode_tokens_per_s"]
+        rss = max(rss, peak)
+    return result, rss
+
+
+def theirs(gguf: Path, args) -> tuple[dict, int]:
+    text, rss = timed([sys.executable, "-c", LLAMA_SCRIPT, str(gguf), str(args.threads), str(args.new_tokens),
+                       json.dumps(args.depths), json.dumps(args.prompts)])
+    raw = json.loads(text.strip().splitlines()[-1])
+    return {kind: {int(n): v for n, v in values.items()} for kind, values in raw.items()}, rss
+
+
+def best(runs: list[dict]) -> dict:
+    return {kind: {n: max(r[kind][n] for r in runs) for n in runs[0][kind]} for kind in runs[0]}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s a 1 GiB numpy copy reads (it also writes as much: read bandwidth is at least this)."""
+    src = np.ones(2**30 // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return src.nbytes / min(times)
+
+
+def bytes_per_decode_step(model_dir: Path) -> tuple[int, int]:
+    """(expert bytes, other weight bytes) one decode step reads: top-k of each MoE layer's experts;
+    every other weight except the embedding table (one row of it)."""
+    report = json.loads((model_dir / "moepass.json").read_text())
+    layers = {m["node"].rsplit(".", 1)[0]: m for m in report["moe_layers"]}
+    expert = other = 0
+    for w in report["weights"]:
+        name = w["onnx_name"]
+        layer = name.split(".ffn_experts")[0] if ".ffn_experts" in name else None
+        if layer in layers:
+            expert += w["bytes"] * layers[layer]["top_k"] // layers[layer]["experts"]
+        elif not name.startswith("token_embd"):
+            other += w["bytes"]
+    return expert, other
+
+
+def profile(model_dir: Path, args) -> dict:
+    text, _ = timed([sys.executable, "-m", "moepass.cli", "bench", str(model_dir), "--json", "--profile", "--threads",
+                     str(args.threads), "--prompt-tokens", "128", "--new-tokens", "4", "--repeats", "1"])
+    return json.loads(text)["decode_operator_shares"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-30B-A3B-sized model")
+    ap.add_argument("--presets", nargs="+", default=["q4_0", "q4_k", "q8_0"], choices=sorted(PRESET_NAMES))
+    ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--depths", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=None, help="Keep the generated files here (default: a temp dir).")
     args = ap.parse_args()
+    bandwidth = copy_bandwidth()
+    rows = []
     with tempfile.TemporaryDirectory(prefix="moepass-runtime-bench-") as tmp:
-        workdir = Path(tmp)
-        big = workdir / f"qwen3moe-30b-sizes-q4_0-{args.layers}l.gguf"
-        subprocess.run([sys.executable, "-c", "import sys, dataclasses; sys.path.insert(0, sys.argv[1]); "
-                        "import make_fixtures as m; m.write_moe_gguf(sys.argv[2], 'q4_0', "
-                        "dataclasses.replace(m.QWEN3_30B_DIMS, n_layers=int(sys.argv[3])), seed=0)",
-                        str(ROOT / "fixtures"), str(big), str(args.layers)], check=True)
-        rows = [bench(ROOT / "fixtures" / "qwen3moe-tiny-q4_0.gguf", workdir, args), bench(big, workdir, args)]
-    print(f"\ndate {time.strftime('%Y-%m-%d')}, {args.threads} threads, prompt {args.prompt_tokens} tokens, "
-          f"{args.new_tokens} decode steps, best of {args.repeats}")
-    print("| model | GGUF | prefill moepass / llama.cpp (tok/s) | decode moepass / llama.cpp (tok/s) | "
-          "peak RSS moepass / llama.cpp |")
-    print("|---|---|---|---|---|")
+        work = args.workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for preset in args.presets:
+            gguf = work / f"qwen3moe-30b-sizes-{preset}-{args.layers}l.gguf"
+            if not gguf.exists():
+                print(f"writing {gguf.name}", file=sys.stderr, flush=True)
+                make_fixtures.write_moe_gguf(gguf, preset, dataclasses.replace(make_fixtures.QWEN3_30B_DIMS,
+                                                                                n_layers=args.layers), seed=0)
+            out = work / f"{gguf.stem}-onnx"
+            if not out.exists():
+                print(f"converting {gguf.name}", file=sys.stderr, flush=True)
+                subprocess.run([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q"],
+                               check=True, capture_output=True)
+            our_runs, their_runs, our_rss, their_rss = [], [], 0, 0
+            for r in range(args.rounds):
+                print(f"{preset}: round {r + 1}/{args.rounds}: moepass", file=sys.stderr, flush=True)
+                result, rss = ours(out, args)
+                our_runs.append(result)
+                our_rss = max(our_rss, rss)
+                print(f"{preset}: round {r + 1}/{args.rounds}: llama.cpp", file=sys.stderr, flush=True)
+                result, rss = theirs(gguf, args)
+                their_runs.append(result)
+                their_rss = max(their_rss, rss)
+            expert_bytes, other_bytes = bytes_per_decode_step(out)
+            rows.append({"preset": preset, "gguf_bytes": gguf.stat().st_size,
+                         "onnx_bytes": sum(f.stat().st_size for f in out.iterdir()),
+                         "ours": best(our_runs), "theirs": best(their_runs), "ours_rss": our_rss,
+                         "theirs_rss": their_rss, "expert_bytes": expert_bytes, "other_bytes": other_bytes,
+                         "profile": profile(out, args)})
+    report(rows, args, bandwidth)
+
+
+def report(rows: list[dict], args, bandwidth: float) -> None:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    print(f"\ndate {time.strftime('%Y-%m-%d')}, {cpu}, {os.cpu_count()} cores, {args.threads} threads each, "
+          f"{args.layers} layers, vocabulary 151,936, best of {args.rounds} alternating rounds; "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    prompts, depths = args.prompts, args.depths
+    print("| file | GGUF / ONNX | " + " | ".join(f"prefill {n}" for n in prompts) + " | "
+          + " | ".join(f"decode after {n}" for n in depths) + " | peak RSS |")
+    print("|---|---|" + "---|" * (len(prompts) + len(depths)) + "---|")
     for r in rows:
         o, t = r["ours"], r["theirs"]
-        print(f"| {r['model']} | {r['gguf_bytes'] / 2**20:.1f} MiB | {o['prefill']:.0f} / {t['prefill']:.0f} "
-              f"({o['prefill'] / t['prefill']:.2f}x) | {o['decode']:.1f} / {t['decode']:.1f} "
-              f"({o['decode'] / t['decode']:.2f}x) | {r['ours_rss'] / 2**20:.0f} / {r['theirs_rss'] / 2**20:.0f} MiB |")
+        cells = [f"{o['prefill'][n]:.0f} / {t['prefill'][n]:.0f} (**{o['prefill'][n] / t['prefill'][n]:.2f}x**)"
+                 for n in prompts]
+        cells += [f"{o['decode'][n]:.1f} / {t['decode'][n]:.1f} (**{o['decode'][n] / t['decode'][n]:.2f}x**)"
+                  for n in depths]
+        print(f"| {PRESET_NAMES[r['preset']]} | {r['gguf_bytes'] / 2**30:.2f} / {r['onnx_bytes'] / 2**30:.2f} GiB | "
+              + " | ".join(cells) + f" | {r['ours_rss'] / 2**20:.0f} / {r['theirs_rss'] / 2**20:.0f} MiB |")
+    print("\nmoepass / llama.cpp, tokens/s. Where a decode step goes (moepass, ONNX Runtime profiler, after 128 "
+          "tokens) and the memory-bandwidth floor of a step:")
+    print("| file | expert bytes / other bytes per step | floor at copy bandwidth | measured step (after 128) | "
+          "kernel time by operator |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        floor = (r["expert_bytes"] + r["other_bytes"]) / bandwidth
+        step = 1 / r["ours"]["decode"][depths[0]]
+        shares = ", ".join(f"{op} {s:.0%}" for op, s in r["profile"].items() if s >= 0.02)
+        print(f"| {r['preset']} | {r['expert_bytes'] / 2**20:.0f} / {r['other_bytes'] / 2**20:.0f} MiB | "
+              f"{floor * 1e3:.1f} ms | {step * 1e3:.1f} ms | {shares} |")
 
 
 if __name__ == "__main__":

@@ -1,34 +1,90 @@
-"""`moepass bench`: prefill and decode throughput of a loaded model, and the process's peak RSS.
+"""`moepass bench`: prefill and decode throughput of a loaded model, where the time goes, peak RSS.
 
-Measured on the generation path users get (`Decoder.generate`, greedy, KV cache through an IO
-binding): prefill is the time to the first new token (one pass over `prompt_tokens` tokens from an
-empty cache); decode is `new_tokens` single-token steps after it. Best of `repeats` for each; the
-prompt is a fixed pseudo-random token sequence (seed 0) so runs compare.
+Measured on the generation path users get (`Decoder.generate`, greedy, KV cache in place through
+an IO binding, logits of the last position only): prefill is the time to the first new token (one
+pass over `prompt_tokens` tokens from an empty cache); decode is `new_tokens` single-token steps
+after `depth` cached tokens (default: after the prompt). Each figure is given as min / median / max
+over `repeats`; tokens/s come from the best (the least disturbed) run, as llama-bench reports its
+mean over quiet runs. The prompt is a fixed pseudo-random token sequence (seed 0) so runs compare.
+
+`operator_shares` runs a few decode steps under ONNX Runtime's profiler and adds up the kernel
+time per operator type, to say which operator a decode step spends its time in.
 """
 
 from __future__ import annotations
 
+import json
 import resource
+import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 
-def measure(decoder, prompt_tokens: int, new_tokens: int, repeats: int = 3) -> dict[str, Any]:
-    prompt = np.random.default_rng(0).integers(0, decoder.vocab_size, size=prompt_tokens).tolist()
+def _prompt(decoder, n: int) -> list[int]:
+    return np.random.default_rng(0).integers(0, decoder.vocab_size, size=n).tolist()
+
+
+def _stats(seconds: list[float], tokens: int) -> dict[str, float]:
+    return {"tokens_per_s": tokens / min(seconds), "seconds_min": min(seconds),
+            "seconds_median": statistics.median(seconds), "seconds_max": max(seconds), "tokens": tokens}
+
+
+def _timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, seconds for the `new_tokens` after it)."""
+    tokens = decoder.generate(prompt, new_tokens + 1, stop_ids=())
+    start = time.perf_counter()
+    next(tokens)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in tokens:
+        pass
+    return first, time.perf_counter() - start
+
+
+def measure(decoder, prompt_tokens: int, new_tokens: int, repeats: int = 3, depth: int | None = None,
+            progress=None) -> dict[str, Any]:
+    """Prefill of `prompt_tokens` and decode of `new_tokens` after `depth` cached tokens (default:
+    the prompt), each `repeats` times; `progress(text)` is told what runs."""
+    depth = prompt_tokens if depth is None else depth
     prefill, decode = [], []
-    for _ in range(repeats):
-        tokens = decoder.generate(prompt, new_tokens + 1, stop_ids=())
-        start = time.perf_counter()
-        next(tokens)
-        prefill.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for _ in tokens:
-            pass
-        decode.append(time.perf_counter() - start)
+    for i in range(repeats):
+        if progress:
+            progress(f"run {i + 1}/{repeats}: prefill {prompt_tokens} tokens, decode {new_tokens} after {depth}")
+        first, steps = _timed_generation(decoder, _prompt(decoder, prompt_tokens), new_tokens)
+        prefill.append(first)
+        if depth != prompt_tokens:
+            _, steps = _timed_generation(decoder, _prompt(decoder, depth), new_tokens)
+        decode.append(steps)
     return {
+        "prefill": {**_stats(prefill, prompt_tokens), "prompt_tokens": prompt_tokens},
+        "decode": {**_stats(decode, new_tokens), "depth": depth},
         "prefill_tokens_per_s": prompt_tokens / min(prefill),
         "decode_tokens_per_s": new_tokens / min(decode),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def operator_shares(model_dir, new_tokens: int = 16, depth: int = 128, **load_options) -> dict[str, float]:
+    """Share of the kernel time of `new_tokens` decode steps (after `depth` cached tokens) per
+    operator type, from ONNX Runtime's profiler; the prefill is left out."""
+    from moepass.runtime import Decoder
+
+    with tempfile.TemporaryDirectory(prefix="moepass-profile-") as tmp:
+        decoder = Decoder(model_dir, profile_prefix=str(Path(tmp) / "run"), **load_options)
+        prompt = _prompt(decoder, depth)
+        tokens = decoder.generate(prompt, new_tokens + 1, stop_ids=())
+        list(tokens)
+        events = json.loads(Path(decoder.session.end_profiling()).read_text())
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    decode_from = runs[1]["ts"] if len(runs) > 1 else 0  # the first run is the prefill
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= decode_from:
+            op = e.get("args", {}).get("op_name", "?")
+            totals[op] = totals.get(op, 0.0) + e["dur"]
+    whole = sum(totals.values()) or 1.0
+    return {op: t / whole for op, t in sorted(totals.items(), key=lambda kv: -kv[1])}
