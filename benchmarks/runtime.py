@@ -48,12 +48,14 @@ path, threads, new_tokens, depths, prompts = sys.argv[1], int(sys.argv[2]), int(
 llm = llama_cpp.Llama(path, n_ctx=max(depths + prompts) + new_tokens + 8, n_threads=threads, n_threads_batch=threads, verbose=False)
 def prompt(n):
     return np.random.default_rng(0).integers(0, llm.n_vocab(), size=n).tolist()
+def greedy():  # the last position's logits, as llama.cpp computes them by default (scores stay empty)
+    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
 def run(ids, n_new):
     llm.reset()
-    t = time.perf_counter(); llm.eval(ids); token = int(np.argmax(llm.scores[llm.n_tokens - 1])); first = time.perf_counter() - t
+    t = time.perf_counter(); llm.eval(ids); token = greedy(); first = time.perf_counter() - t
     t = time.perf_counter()
     for _ in range(n_new):
-        llm.eval([token]); token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        llm.eval([token]); token = greedy()
     return first, time.perf_counter() - t
 out = {"prefill": {}, "decode": {}}
 for n in prompts:
@@ -92,7 +94,7 @@ def ours(model_dir: Path, args) -> tuple[dict, int]:
 
 
 def theirs(gguf: Path, args) -> tuple[dict, int]:
-    text, rss = timed([sys.executable, "-c", LLAMA_SCRIPT, str(gguf), str(args.threads), str(args.new_tokens),
+    text, rss = timed([args.llama_python, "-c", LLAMA_SCRIPT, str(gguf), str(args.threads), str(args.new_tokens),
                        json.dumps(args.depths), json.dumps(args.prompts)])
     raw = json.loads(text.strip().splitlines()[-1])
     return {kind: {int(n): v for n, v in values.items()} for kind, values in raw.items()}, rss
@@ -103,7 +105,8 @@ def best(runs: list[dict]) -> dict:
 
 
 def copy_bandwidth() -> float:
-    """Bytes/s a 1 GiB numpy copy reads (it also writes as much: read bandwidth is at least this)."""
+    """Memory bandwidth as STREAM's copy counts it: bytes read plus bytes written per second, by a
+    1 GiB numpy copy on one thread (best of 3)."""
     src = np.ones(2**30 // 8, dtype=np.float64)
     dst = np.empty_like(src)
     times = []
@@ -111,7 +114,7 @@ def copy_bandwidth() -> float:
         start = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - start)
-    return src.nbytes / min(times)
+    return 2 * src.nbytes / min(times)
 
 
 def bytes_per_decode_step(model_dir: Path) -> tuple[int, int]:
@@ -146,7 +149,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=None, help="Keep the generated files here (default: a temp dir).")
+    ap.add_argument("--llama-python", default=sys.executable,
+                    help="Python whose llama_cpp runs the llama.cpp side (default: this one; the tests' oracle is "
+                         "an AVX2 build, a benchmark wants the best build the CPU runs)")
     args = ap.parse_args()
+    args.llama_build = subprocess.run([args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__, "
+                                       "llama_cpp.llama_print_system_info().decode())"],
+                                      capture_output=True, text=True, check=True).stdout.strip()
     bandwidth = copy_bandwidth()
     rows = []
     with tempfile.TemporaryDirectory(prefix="moepass-runtime-bench-") as tmp:
@@ -187,7 +196,7 @@ def report(rows: list[dict], args, bandwidth: float) -> None:
                 if line.startswith("model name")), platform.processor())
     print(f"\ndate {time.strftime('%Y-%m-%d')}, {cpu}, {os.cpu_count()} cores, {args.threads} threads each, "
           f"{args.layers} layers, vocabulary 151,936, best of {args.rounds} alternating rounds; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp: {args.llama_build}")
     prompts, depths = args.prompts, args.depths
     print("| file | GGUF / ONNX | " + " | ".join(f"prefill {n}" for n in prompts) + " | "
           + " | ".join(f"decode after {n}" for n in depths) + " | peak RSS |")

@@ -39,6 +39,7 @@ from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
 from moepass.passes import ACTIVATION_MODES, QuantizeActivationsPass, run_pipeline
 from moepass.passes.fuse_moe import FuseMoePass
 from moepass.passes.lower import FLOAT_EXPERT_CHOICES, META, LowerOptions, lower_gguf
+from moepass.quants import parse_form, speed_class
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 
@@ -110,7 +111,9 @@ class ConvertResult:
         else:
             lines.append(f"  layers        {self.n_layers} ({len(self.moe_layers)} MoE, {experts} experts, top-{top_k})")
         lines += [
-            "  expert form   " + ", ".join(f"{form} x{n}" for form, n in sorted(forms.items())),
+            "  expert form   " + ", ".join(f"{form} x{n}" + (f" ({speed_class(parse_form(form))})"
+                                                                 if parse_form(form) else "")
+                                       for form, n in sorted(forms.items())),
             "  activations   " + ACTIVATION_SUMMARY[self.activations],
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]

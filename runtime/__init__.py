@@ -178,10 +178,10 @@ class Decoder:
         rng = np.random.default_rng(sampling.seed)
         step = _BoundDecoding(self, capacity=len(prompt_ids) + max_new_tokens)
         logits = step.run(prompt_ids)
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             token = choose_token(logits, sampling, rng)
             yield token
-            if token in stops:
+            if token in stops or i == max_new_tokens - 1:  # no step for a token nobody will read
                 return
             logits = step.run([token])
 
