@@ -8,7 +8,8 @@ heads x 128) and vocabulary (151,936 tokens: the LM head is a large share of a d
 layers, written by fixtures/make_fixtures.py (fixed seed). Each is converted with moepass's
 defaults. For each file and side: prefill of 128 and of 512 tokens from an empty cache, decode of
 --new-tokens steps after 128 and after 2,048 cached tokens. Each side runs in its own process
-(`moepass bench --json` for moepass; llama-cpp-python with its default settings for llama.cpp:
+(moepass.runtime's generation path, as `moepass bench` measures it; llama-cpp-python with its
+default settings for llama.cpp:
 logits of the last token only, F16 KV cache, n_batch 512), same thread count; the two alternate
 for --rounds rounds and each figure is the best of them, so both sides see the same machine state.
 Peak RSS is GNU time's, per process, the largest over the rounds.
@@ -57,6 +58,7 @@ def run(ids, n_new):
     for _ in range(n_new):
         llm.eval([token]); token = greedy()
     return first, time.perf_counter() - t
+run(prompt(8), 2)  # warm-up, as on the other side
 out = {"prefill": {}, "decode": {}}
 for n in prompts:
     out["prefill"][n] = n / run(prompt(n), 0)[0]
@@ -75,22 +77,28 @@ def timed(cmd: list[str]) -> tuple[str, int]:
         return proc.stdout, int(report.read().split()[-1]) * 1024
 
 
+OURS_SCRIPT = r"""
+import json, sys
+from moepass.runtime import load
+from moepass.runtime.bench import measure
+path, threads, new_tokens, depths, prompts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5])
+decoder = load(path, device="cpu", threads=threads)
+measure(decoder, 8, 2, repeats=1)  # warm-up, as on the other side
+out = {"prefill": {}, "decode": {}}
+for n in prompts:
+    out["prefill"][n] = measure(decoder, n, 1, repeats=1)["prefill_tokens_per_s"]
+for n in depths:
+    out["decode"][n] = measure(decoder, n, new_tokens, repeats=1)["decode_tokens_per_s"]
+print(json.dumps(out))
+"""
+
+
 def ours(model_dir: Path, args) -> tuple[dict, int]:
-    """moepass bench --json per figure, in one process per figure kind; (results, peak RSS)."""
-    result: dict = {"prefill": {}, "decode": {}}
-    rss = 0
-    for n in args.prompts:
-        text, peak = timed([sys.executable, "-m", "moepass.cli", "bench", str(model_dir), "--json", "--threads",
-                            str(args.threads), "--prompt-tokens", str(n), "--new-tokens", "1", "--repeats", "1"])
-        result["prefill"][n] = json.loads(text)["prefill_tokens_per_s"]
-        rss = max(rss, peak)
-    for n in args.depths:
-        text, peak = timed([sys.executable, "-m", "moepass.cli", "bench", str(model_dir), "--json", "--threads",
-                            str(args.threads), "--prompt-tokens", str(n), "--new-tokens", str(args.new_tokens),
-                            "--repeats", "1"])
-        result["decode"][n] = json.loads(text)["decode_tokens_per_s"]
-        rss = max(rss, peak)
-    return result, rss
+    """Every figure from one process (the generation path of `moepass bench`); (results, peak RSS)."""
+    text, rss = timed([sys.executable, "-c", OURS_SCRIPT, str(model_dir), str(args.threads), str(args.new_tokens),
+                       json.dumps(args.depths), json.dumps(args.prompts)])
+    raw = json.loads(text.strip().splitlines()[-1])
+    return {kind: {int(n): v for n, v in values.items()} for kind, values in raw.items()}, rss
 
 
 def theirs(gguf: Path, args) -> tuple[dict, int]:
