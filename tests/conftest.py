@@ -39,14 +39,15 @@ def make_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory, make_gguf):
-    """converted(preset, activations="int8", **gguf_kwargs) -> directory of the converted model
-    (cached); tests of exact arithmetic ask for activations="float"."""
+    """converted(preset, activations="int8", expert_format="auto", **gguf_kwargs) -> directory of the
+    converted model (cached); tests of exact arithmetic ask for activations="float"."""
     from moepass.convert import convert
 
-    return _cached_by_arguments(
-        tmp_path_factory.mktemp("onnx"),
-        lambda folder, preset, activations="int8", **kw: convert(make_gguf(preset, **kw), folder / "model",
-                                                                 activations=activations).output_dir)
+    def build(folder, preset, activations="int8", expert_format="auto", **kw):
+        return convert(make_gguf(preset, **kw), folder / "model", activations=activations,
+                       expert_format=expert_format).output_dir
+
+    return _cached_by_arguments(tmp_path_factory.mktemp("onnx"), build)
 
 
 @pytest.fixture(scope="session")
@@ -65,10 +66,13 @@ def exported(tmp_path_factory):
     return _cached_by_arguments(tmp_path_factory.mktemp("exported"), build)
 
 
+TRAINED_STEPS = 300
+
+
 @pytest.fixture(scope="session")
 def trained_gguf(tmp_path_factory):
     """(path of the trained qwen3moe F32 GGUF, its importance matrix) — fixtures/train_fixture.py."""
     import train_fixture
 
-    return train_fixture.train(tmp_path_factory.mktemp("trained") / "trained-f32.gguf", steps=300,
+    return train_fixture.train(tmp_path_factory.mktemp("trained") / "trained-f32.gguf", steps=TRAINED_STEPS,
                                echo=lambda line: None)
