@@ -3,6 +3,7 @@
     python benchmarks/agreement.py                   # every expert type, 200 positions
     python benchmarks/agreement.py --types Q4_K,Q6_K --positions 400
     python benchmarks/agreement.py --trained         # a trained model, llama.cpp's own quantizer
+    python benchmarks/agreement.py --trained --expert-formats int4,int8   # what auto decides from
 
 --trained: the small qwen3moe of fixtures/train_fixture.py (trained on a synthetic language, so its
 logits are decisive), quantized by llama.cpp's quantizer (llama_model_quantize) into each file type,
@@ -49,36 +50,50 @@ TRAINED_FILE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q5_1", "Q4_K_M", "Q4_0"
 
 
 def trained(args: argparse.Namespace) -> None:
+    """The trained model through llama.cpp's quantizer into every file type, converted with each of
+    --expert-formats; per file type and form: argmax agreement with llama.cpp and with the exact
+    computation, and the distance from exact against llama.cpp's own (the criteria --expert-format
+    auto decides by: >= 99 % agreement with llama.cpp and at most 2x its distance from exact)."""
     import train_fixture
     from gguf import GGUFReader
     from oracle import dequantized_copy, llama_quantize
 
     print(f"date {time.strftime('%Y-%m-%d')}, {args.positions} positions of the synthetic language, trained "
           f"qwen3moe ({train_fixture.DIMS.n_layers} layers, hidden {train_fixture.DIMS.hidden}, "
-          f"{train_fixture.DIMS.n_experts} experts), quantized by llama.cpp")
-    print("| llama.cpp file type | expert types | ONNX = llama.cpp | ONNX = exact | llama.cpp = exact | "
-          "max abs logit diff ONNX vs llama.cpp | logit std |")
-    print("|---|---|---|---|---|---|---|")
+          f"{train_fixture.DIMS.n_experts} experts), quantized by llama.cpp; default activations (int8)")
+    print("| llama.cpp file type | expert types | --expert-format | QMoE form | ONNX = llama.cpp | ONNX = exact | "
+          "llama.cpp = exact | max abs diff from exact: ONNX / llama.cpp | passes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         source, imatrix = train_fixture.train(work / "trained-f32.gguf", args.steps, echo=lambda line: None)
         successors = train_fixture.markov_chain(len(train_fixture.make_fixtures.tokenizer_vocab()[0]))
         ids = train_fixture.sample(successors, args.positions, np.random.default_rng(7)).tolist()
-        for file_type in ("F32", *TRAINED_FILE_TYPES):
+        types = ("F32", *TRAINED_FILE_TYPES) if args.file_types is None else args.file_types.split(",")
+        for file_type in types:
             path = source if file_type == "F32" else work / f"{file_type}.gguf"
             if file_type != "F32" and not llama_quantize(source, path, file_type, imatrix):
-                print(f"| {file_type} | llama.cpp refused | | | | | |", flush=True)
+                print(f"| {file_type} | llama.cpp refused | | | | | | | |", flush=True)
                 continue
             experts = sorted({t.tensor_type.name for t in GGUFReader(path).tensors if "_exps" in t.name})
-            decoder = load(convert(path, work / f"{file_type}-onnx", echo=lambda line: None).output_dir)
-            ours_logits = decoder.forward(np.array([ids]), decoder.empty_cache())[0][0]
             llama_all = llama_logits(path, ids)
-            exact = llama_logits(dequantized_copy(path, work / f"{file_type}-exact.gguf"), ids).argmax(-1)
-            ours, llama = ours_logits.argmax(-1), llama_all.argmax(-1)
-            share = lambda a, b: f"{np.mean(a == b) * 100:.1f} %"  # noqa: E731
-            print(f"| {file_type} | {', '.join(experts)} | {share(ours, llama)} | {share(ours, exact)} | "
-                  f"{share(llama, exact)} | {np.abs(ours_logits - llama_all).max():.3f} | {llama_all.std():.2f} |",
-                  flush=True)
+            exact_all = llama_logits(dequantized_copy(path, work / f"{file_type}-exact.gguf"), ids)
+            llama, exact = llama_all.argmax(-1), exact_all.argmax(-1)
+            their_distance = float(np.abs(llama_all - exact_all).max())
+            for fmt in args.expert_formats.split(","):
+                result = convert(path, work / f"{file_type}-{fmt}-onnx", expert_format=fmt, overwrite=True,
+                                 echo=lambda line: None)
+                decoder = load(result.output_dir)
+                ours_logits = decoder.forward(np.array([ids]), decoder.empty_cache())[0][0]
+                ours = ours_logits.argmax(-1)
+                our_distance = float(np.abs(ours_logits - exact_all).max())
+                agree = float(np.mean(ours == llama))
+                passes = agree >= 0.99 and our_distance <= 2 * their_distance + 0.01 * float(exact_all.std())
+                forms = ",".join(sorted({m["form"] for m in result.moe_layers}))
+                share = lambda a, b: f"{np.mean(a == b) * 100:.1f} %"  # noqa: E731
+                print(f"| {file_type} | {', '.join(experts)} | {fmt} | {forms} | {share(ours, llama)} | "
+                      f"{share(ours, exact)} | {share(llama, exact)} | {our_distance:.3f} / {their_distance:.3f} | "
+                      f"{'yes' if passes else 'no'} |", flush=True)
 
 
 def main() -> None:
@@ -87,6 +102,8 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=200)
     ap.add_argument("--trained", action="store_true", help="a trained model quantized by llama.cpp (see above)")
     ap.add_argument("--steps", type=int, default=400, help="training steps for --trained")
+    ap.add_argument("--expert-formats", default="auto", help="--trained: the --expert-format values to compare")
+    ap.add_argument("--file-types", default=None, help="--trained: llama.cpp file types (default: all)")
     args = ap.parse_args()
     if args.trained:
         trained(args)

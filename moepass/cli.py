@@ -66,7 +66,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--float-experts", type=click.Choice(FLOAT_EXPERT_CHOICES), default="keep", show_default=True,
               help="F32/F16/BF16 experts: keep as float (com.microsoft::MoE) or quantize into QMoE.")
 @click.option("--expert-format", type=click.Choice(EXPERT_FORMATS), default="auto", show_default=True,
-              help="auto: int4 when it adds < 2 % error, else the form holding most experts exactly; "
+              help="auto: the exact form when the experts move bit-exactly; else int4 where measured to keep "
+                   "llama.cpp's fidelity (Q4_K_M, Q4_K, Q5_K, IQ4_XS, Q4_1, Q5_1), else int8; "
                    "int4 / int8: force the width; offload: what ONNX Runtime's expert offload takes "
                    "(int4 block 32 prepacked, float16 graph).")
 @click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default="int8", show_default=True,

@@ -31,7 +31,7 @@ from moepass.errors import MoepassError
 from moepass.files import LOGITS_TO_KEEP
 from moepass.gguf_reader import GGUFModel, GGUFTensor
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
-from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, pack, quant_type
+from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, quant_type
 
 OPSETS = {"": 21, "com.microsoft": 1}
 IR_VERSION = 10
@@ -39,11 +39,6 @@ FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")
 EXPERT_FORMATS = ("auto", "int4", "int8", "offload")
 # What ONNX Runtime 1.32's expert offload backend requires (see runtime.providers.offload_violations).
 OFFLOAD_FORM = BlockForm(4, 32)
-# --expert-format auto takes 4 bits when requantizing a layer's experts into int4 block 32 adds at
-# most this relative RMS error (estimated on the first rows of each tensor); else the smallest
-# form that holds the most tensors exactly (int8 block 32 when none does, error ~0.5 %).
-AUTO_INT4_MAX_ERROR = 0.02
-AUTO_SAMPLE_ROWS = 256
 META = "moepass."  # namespace of moepass's metadata_props
 
 
@@ -51,7 +46,7 @@ META = "moepass."  # namespace of moepass's metadata_props
 class LowerOptions:
     """What the user chose. `float_experts`: keep F32/F16/BF16 experts as float (com.microsoft::MoE)
     or quantize them into QMoE int8 / int4 (block 32). `expert_format`: "auto" (see
-    AUTO_INT4_MAX_ERROR), or force "int4" / "int8" for quantized experts; requantizable non-expert
+    GraphBuilder.expert_form), or force "int4" / "int8" for quantized experts; requantizable non-expert
     matrices follow it too (int4 for "int4", else int8 block 32). "offload": what ONNX Runtime's
     expert offload requires: int4 block 32 experts prepacked in the SM80 layout
     (weights_prepacked=1) and a float16 graph."""
@@ -201,15 +196,17 @@ class GraphBuilder:
         return self.tape.op("MatMulNBits", inputs, {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
                             domain="com.microsoft", name=name)
 
-    def matrix_form(self, src: GGUFTensor) -> tuple[BlockForm | None, bool]:
+    def matrix_form(self, src: GGUFTensor, requantize_bits: int | None = None) -> tuple[BlockForm | None, bool]:
         """(block form, zero points) of a non-expert matrix: its exact form when its blocks move
-        exactly; else requantized into 8 bits block 32 (4 bits for --expert-format int4/offload, with
-        a zero point per block, the better of it and none), the error reported; None for float."""
+        exactly; else requantized into `requantize_bits` (default: 8, or 4 for --expert-format
+        int4/offload, with a zero point per block, the better of it and none) block 32, the error
+        reported; None for float."""
         qt = quant_type(src.ggml_type, src.name, src.path)
         if qt.storage == "blocks":
             form = best_exact_form(qt)
         elif qt.storage == "dequantize":
-            form = BlockForm(4 if self.options.expert_format in ("int4", "offload") else 8, 32)
+            bits = requantize_bits or (4 if self.options.expert_format in ("int4", "offload") else 8)
+            form = BlockForm(bits, 32)
         else:
             return None, False
         return form, form is not None and form.bits == 4 and form not in qt.exact_forms()
@@ -230,12 +227,14 @@ class GraphBuilder:
         return self.tape.op("Reshape", [normed, self.ints(0, 0, n_heads * d)], name=f"{name}.merge_heads")
 
     def embedding(self, input_ids: ir.Value) -> ir.Value:
-        """Rows of the token embedding table. A quantized table stays quantized, in the form its
-        matrix would take (com.microsoft::GatherBlockQuantized dequantizes only the rows it gathers,
-        and the same codes layout as QMoE's rows): a float32 copy of a 151,936-token table would
-        take 1.2 GB where llama.cpp keeps its blocks."""
+        """Rows of the token embedding table. A quantized table stays quantized: exact where its
+        blocks move exactly, else requantized to 8 bits (com.microsoft::GatherBlockQuantized
+        dequantizes only the rows it gathers, codes laid out as QMoE's rows): a float32 copy of a
+        151,936-token table would take 1.2 GB where llama.cpp keeps its blocks."""
         src = self.tensor("token_embd")
-        form, zero_points = self.matrix_form(src)
+        # never requantized to 4 bits: an embedding's error enters the residual stream before every
+        # layer (a Q4_K table at int4: 5x the logit error of every other matrix at int4 together)
+        form, zero_points = self.matrix_form(src, requantize_bits=8)
         if form is None:
             table = self.float_weight(self.arch.tensor_name("token_embd"), src)
             return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
@@ -390,7 +389,11 @@ class GraphBuilder:
         return t.op("Reshape", [masked, self.ints(-1, self.hp["n_experts"])], name=f"{name}.ungroup")
 
     def expert_form(self, tensors: list[tuple[GGUFTensor, QuantType]]) -> BlockForm:
-        """The QMoE form of one layer's experts, by --expert-format."""
+        """The QMoE form of one layer's experts, by --expert-format. auto: the exact form when every
+        expert matrix moves bit-exactly (Q8_0, Q4_0, Q6_K, ...); else, since the layer is requantized
+        anyway, int4 block 32 when every type's int4 requantization was measured to keep llama.cpp's
+        fidelity (QuantType.int4_agrees: a Q4_K_M layer, Q4_K gate/up and Q6_K down), else the form
+        holding the most matrices exactly (int8 block 32 when none does)."""
         types = [qt for _, qt in tensors]
         choice = self.options.expert_format
         if choice == "offload":
@@ -398,12 +401,12 @@ class GraphBuilder:
         if choice in ("int4", "int8"):
             return choose_expert_form(types, bits=int(choice[3]))
         exact = choose_expert_form(types)
-        int4 = BlockForm(4, 32)
-        if exact.bits == 4:
+        if all(exact in qt.exact_forms() for qt in types):  # everything moves bit-exactly: keep it so
             return exact
-        rows = [t.read_rows(0, min(AUTO_SAMPLE_ROWS, t.nbytes // t.row_bytes)) for t, _ in tensors]
-        worst = max(pack(raw, qt, int4).rel_rms_error for raw, (_, qt) in zip(rows, tensors))
-        return int4 if worst <= AUTO_INT4_MAX_ERROR else exact
+        # requantized anyway: the fast form, where it was measured to keep llama.cpp's fidelity
+        if all(qt.int4_agrees for qt in types):
+            return choose_expert_form(types, bits=4)
+        return exact
 
     def gated_mlp(self, x2d: ir.Value, roles: tuple[str, str, str], layer: int, prefix: str) -> ir.Value:
         """down(silu(gate(x)) * up(x)) of the (gate, up, down) tensor roles of one block."""

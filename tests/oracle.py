@@ -21,6 +21,7 @@ import numpy as np
 PROMPT = [5, 77, 200, 13, 99, 150, 7, 260, 31, 42, 318, 1, 64, 128]
 NEAR_TIE = 0.1     # of the position's logit std
 ROUTER_TIE = 0.05  # of the position's router logit std
+DISTANCE_FACTOR, SPREAD_FLOOR = 2.0, 0.01  # ours from exact <= 2x llama.cpp's + 1 % of the logit spread
 
 
 def llama_logits(gguf_path, ids=PROMPT):
@@ -60,6 +61,23 @@ def routing_near_ties(model_dir, ids=PROMPT):
 def decided_positions(ref, router_ties):
     top2 = np.sort(ref, axis=-1)[:, -2:]
     return (top2[:, 1] - top2[:, 0] >= NEAR_TIE * ref.std(axis=-1)) & ~router_ties
+
+
+def check_against_exact(ours, exact, theirs, what, router_ties):
+    """The converted model as close to the exact computation of the file's weights as llama.cpp is
+    (max |logit - exact| <= DISTANCE_FACTOR x llama.cpp's + SPREAD_FLOOR of the logit spread), and
+    the exact argmax wherever exact arithmetic decides (top-2 margin >= NEAR_TIE of the spread);
+    positions where a router nearly ties are left out of both."""
+    kept = ~router_ties
+    spread = float(exact.std())
+    our_distance = float(np.abs(ours - exact)[kept].max())
+    their_distance = float(np.abs(theirs - exact)[kept].max())
+    assert our_distance <= DISTANCE_FACTOR * their_distance + SPREAD_FLOOR * spread, \
+        f"{what}: max |logit - exact| {our_distance:.4f}, llama.cpp's {their_distance:.4f} (spread {spread:.3f})"
+    top2 = np.sort(exact, axis=-1)[:, -2:]
+    decided = kept & (top2[:, 1] - top2[:, 0] >= NEAR_TIE * exact.std(axis=-1))
+    wrong = decided & (ours.argmax(-1) != exact.argmax(-1))
+    assert not wrong.any(), f"{what}: argmax differs from the exact computation at {np.flatnonzero(wrong).tolist()}"
 
 
 def dequantized_copy(gguf_path, out_path):
