@@ -215,6 +215,12 @@ class Decoder:
             shown = text
 
 
+# Prompt tokens per step: GroupQueryAttention's CPU kernel holds [heads, new, total] attention
+# probabilities, so one step over a 32k-token prompt would need 128 GB for 32 heads; at 512 a step
+# needs at most heads x 512 x context floats.
+PREFILL_CHUNK = 512
+
+
 class _BoundDecoding:
     """Decoding steps through an IO binding, with a KV cache that does not grow by copying.
 
@@ -238,6 +244,14 @@ class _BoundDecoding:
         self._length = 0
 
     def run(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The next-token logits after `token_ids`; a long prompt goes in PREFILL_CHUNK-token steps
+        (as llama.cpp's n_ubatch), so the attention and expert buffers stay bounded."""
+        chunks = [token_ids[i:i + PREFILL_CHUNK] for i in range(0, len(token_ids), PREFILL_CHUNK)]
+        for chunk in chunks[:-1]:
+            self._step(chunk)
+        return self._step(chunks[-1])
+
+    def _step(self, token_ids: Sequence[int]) -> np.ndarray:
         d, binding = self._decoder, self._binding
         ids = np.asarray([token_ids], dtype=np.int64)
         if self._length + ids.shape[1] > self._capacity:

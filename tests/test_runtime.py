@@ -235,6 +235,23 @@ def test_io_bound_generation_equals_plain_forward_steps(converted):
     assert list(decoder.generate([5, 77, 200], 12, stop_ids=())) == plain
 
 
+def test_long_prompts_are_prefilled_in_chunks(converted, monkeypatch):
+    """A prompt longer than PREFILL_CHUNK goes in several steps into the shared KV cache: the same
+    next-token logits as one plain forward over the whole prompt."""
+    import moepass.runtime as runtime
+
+    decoder = load(converted("q4_0"))
+    prompt = np.random.default_rng(0).integers(0, decoder.vocab_size, 40).tolist()
+    whole, _ = decoder.forward(np.array([prompt]), decoder.empty_cache())
+    monkeypatch.setattr(runtime, "PREFILL_CHUNK", 16)
+    calls = []
+    original = runtime._BoundDecoding._step
+    monkeypatch.setattr(runtime._BoundDecoding, "_step", lambda self, ids: calls.append(len(ids)) or original(self, ids))
+    step = runtime._BoundDecoding(decoder, capacity=41)
+    np.testing.assert_allclose(step.run(prompt), whole[0, -1], rtol=0, atol=1e-4 * float(whole.std()))
+    assert calls == [16, 16, 8]
+
+
 def test_text_refusals(make_gguf, tmp_path):
     spm = moepass.convert(make_gguf("q4_0", tokenizer="llama"), tmp_path / "spm").output_dir
     with pytest.raises(moepass.MoepassError, match="the model has no chat template"):
