@@ -167,6 +167,32 @@ def decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(*raw.shape[:-1], -1), scales.reshape(*raw.shape[:-1], -1)
 
 
+def own_codes_q4_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 as (codes u 0..15 [..., K], scale, offset [..., K/32]): value = scale * u - offset
+    (fp16 d and m: value = d * q + m; byte j holds element j low, j + 16 high)."""
+    blocks = _blocks(raw, GT.Q4_1)
+    d, m = _fp16_field(blocks, 0).astype(np.float32), _fp16_field(blocks, 2).astype(np.float32)
+    qs = blocks[..., 4:]
+    u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return u.reshape(*raw.shape[:-1], -1), d, -m
+
+
+def own_codes_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K as (codes u 0..15 [..., K], scale, offset [..., K/32]) per 32-element sub-block: value
+    = (d * sc) * u - dmin * m, the gguf package's own arithmetic (its 6-bit scale/min unpacking);
+    each 64-element chunk holds sub-block 2c in the low nibbles, 2c + 1 in the high ones."""
+    from gguf.quants import Q4_K
+
+    blocks = _blocks(raw, GT.Q4_K)
+    lead = blocks.shape[:-1]
+    d, dmin = _fp16_field(blocks, 0).astype(np.float32), _fp16_field(blocks, 2).astype(np.float32)
+    sc, mins = (a.reshape(*lead, 8).astype(np.float32) for a in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12)))
+    qs = blocks[..., 16:].reshape(*lead, 4, 1, 32)
+    u = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F            # [..., 4 chunks, 2, 32]
+    return (u.reshape(*raw.shape[:-1], -1), (d[..., None] * sc).reshape(*raw.shape[:-1], -1),
+            (dmin[..., None] * mins).reshape(*raw.shape[:-1], -1))
+
+
 def direct_q8_0_int8(raw: np.ndarray, out: np.ndarray) -> None:
     """Q8_0 codes straight into int8 form bytes: c + 128 is the code with its sign bit flipped."""
     blocks = _blocks(raw, GT.Q8_0)
@@ -218,6 +244,11 @@ class QuantType:
     # (benchmarks/agreement.py --trained --expert-formats auto,int4; docs/benchmarks.md). What
     # --expert-format auto takes for a layer that is requantized anyway (see passes.lower).
     int4_agrees: bool = False
+    # The type's own 4-bit codes with a scale and an offset per 32 elements, (raw rows) -> (u, scale,
+    # offset) with value = scale * u - offset: int4 block 32 with zero points keeps the codes and
+    # rounds only offset / scale to the integer zero point (exact where it is one), instead of
+    # requantizing from floats (see pack_own_codes).
+    own_codes: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     @property
     def name(self) -> str:
@@ -245,7 +276,9 @@ QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
     QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4),
     # Fractional minimums or non-integer codebooks: requantized from the gguf
     # package's dequantization, the added error measured and reported.
-    *(QuantType(t, "dequantize", int4_agrees=True) for t in (GT.Q4_1, GT.Q5_1, GT.Q4_K, GT.Q5_K, GT.IQ4_XS)),
+    QuantType(GT.Q4_1, "dequantize", int4_agrees=True, own_codes=own_codes_q4_1),
+    QuantType(GT.Q4_K, "dequantize", int4_agrees=True, own_codes=own_codes_q4_k),
+    *(QuantType(t, "dequantize", int4_agrees=True) for t in (GT.Q5_1, GT.Q5_K, GT.IQ4_XS)),
     # int4 measured beyond 2x llama.cpp's distance from exact (Q3_K at 2.1-2.2x), or not measured (IQ1_*)
     *(QuantType(t, "dequantize") for t in (
         GT.Q2_K, GT.Q3_K, GT.IQ3_XXS, GT.IQ3_S, GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_S, GT.IQ1_M)),
@@ -499,6 +532,8 @@ def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | No
         if zero_points is not None:
             zero_points[...] = form.zero_point
         return Packed(form, codes, scales, True, zero_points=zero_points)
+    if zero_points is not None and qt.own_codes is not None and form == OWN_CODES_FORM:
+        return _pack_keeping_codes(raw, qt, codes, scales, zero_points, importance)
     values = dequantize(raw, qt.ggml_type)
     requantized = quantize_values(values, form, importance)
     if zero_points is not None:  # the better of symmetric (default zero point) and asymmetric codes
@@ -511,6 +546,87 @@ def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | No
     codes[...] = requantized.weights
     scales[...] = requantized.scales
     return Packed(form, codes, scales, False, requantized.error_sq, requantized.reference_sq, zero_points)
+
+
+OWN_CODES_FORM = BlockForm(4, 32)
+
+
+def own_zero_points(scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """offset / scale per block: the zero point that keeps a block's own codes exactly."""
+    return np.divide(offset, scale, out=np.zeros_like(scale), where=scale != 0)
+
+
+def pack_own_codes(u: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                   importance: np.ndarray | None = None) -> Packed:
+    """4-bit codes that carry a scale and an offset per 32 elements (value = scale * u - offset:
+    Q4_1, Q4_K) into int4 block 32 with zero points, keeping the codes: the zero point is offset /
+    scale rounded to an integer (exact where it is one), then the least-squares scale for those
+    codes (never worse than the file's own; weighted by `importance` when given). A block whose
+    scale is 0 holds the constant -offset: codes 0 and zero point 15.
+
+    Every sum the fit and the reported error need follows from the blocks' code moments (sum u,
+    sum u^2, weighted where asked), so the cost is about one pass over the codes."""
+    form = OWN_CODES_FORM
+    levels = (1 << form.bits) - 1
+    flat = scale == 0
+    if flat.any():  # only the offset is left: s * (0 - 15) = -offset
+        u = np.where(np.repeat(flat, form.block_size, axis=-1), np.uint8(0), u)
+        scale = np.where(flat, offset / levels, scale)
+    z = np.clip(np.rint(own_zero_points(scale, offset)), 0, levels)
+    z = np.where(flat, levels, z)
+    uf = u.reshape(*scale.shape, form.block_size).astype(np.float32)
+
+    def moments(w: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        """sum w, sum w u, sum w u^2 per block, in float64."""
+        if w is None:
+            return (np.float64(form.block_size), uf.sum(-1, dtype=np.float64),
+                    _block_dot(uf, uf).astype(np.float64))
+        wu = w * uf
+        return (np.broadcast_to(w.sum(-1, dtype=np.float64), scale.shape), wu.sum(-1, dtype=np.float64),
+                _block_dot(wu, uf).astype(np.float64))
+
+    s64, o64, z64 = scale.astype(np.float64), offset.astype(np.float64), z.astype(np.float64)
+
+    def sums(m0, m1, m2):
+        """sum x c, sum c c, sum x x for x = s u - o (the GGUF values), c = u - z (the codes kept)."""
+        return (s64 * m2 - (s64 * z64 + o64) * m1 + o64 * z64 * m0, m2 - 2 * z64 * m1 + z64 * z64 * m0,
+                s64 * s64 * m2 - 2 * s64 * o64 * m1 + o64 * o64 * m0)
+
+    plain = sums(*moments(None))
+    weights = None if importance is None else _blocked(uf.reshape(u.shape), form, importance)[1]
+    xc, cc, _ = plain if weights is None else sums(*moments(weights))
+    fitted = np.divide(xc, cc, out=s64.copy(), where=cc > 0)
+    xc, cc, xx = plain
+    error = np.maximum(xx - 2 * fitted * xc + fitted * fitted * cc, 0)
+    return Packed(form, _pack_unsigned(u.astype(np.uint8, copy=False), form), fitted.astype(np.float32), False,
+                  error_sq=float(np.sum(error)), reference_sq=float(np.sum(xx)), zero_points=z.astype(np.uint8))
+
+
+def _pack_keeping_codes(raw: np.ndarray, qt: QuantType, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
+                        importance: np.ndarray | None) -> Packed:
+    """pack() for a type with its own 4-bit codes into int4 block 32 with zero points: the codes are
+    kept (pack_own_codes) in every row whose blocks' zero points lie in the code range, as the
+    quantizers that write these types make them; a row with a zero point outside (the error of
+    clipping it would be large) is requantized from its values instead."""
+    u, scale, offset = qt.own_codes(raw)
+    fraction = own_zero_points(scale, offset)
+    levels = (1 << OWN_CODES_FORM.bits) - 1
+    outside = ((fraction < -0.5) | (fraction > levels + 0.5)).any(-1)
+    per_row_importance = importance is not None and np.ndim(importance) > 1
+    error_sq = reference_sq = 0.0
+    for rows, keep in ((~outside, True), (outside, False)):
+        if not rows.any():
+            continue
+        imp = importance[rows] if per_row_importance else importance
+        if keep:
+            part = pack_own_codes(u[rows], scale[rows], offset[rows], imp)
+        else:
+            z = np.empty(zero_points[rows].shape, np.uint8)
+            part = pack(raw[rows], dataclasses.replace(qt, own_codes=None), OWN_CODES_FORM, importance=imp,
+                        zero_points=z)
+        codes[rows], scales[rows], zero_points[rows] = part.weights, part.scales, part.zero_points
+        error_sq, reference_sq = error_sq + part.error_sq, reference_sq + part.reference_sq
+    return Packed(OWN_CODES_FORM, codes, scales, False, error_sq, reference_sq, zero_points)
 
 
 def best_exact_form(qt: QuantType) -> BlockForm | None:

@@ -138,3 +138,45 @@ def test_block_extremes_by_integer_reduction_equal_numpy():
     lo, hi = _block_min_max(x)
     assert np.array_equal(lo, x.min(axis=-1)) and np.array_equal(hi, x.max(axis=-1))
     assert np.array_equal(_block_absmax(x), np.abs(x).max(axis=-1))
+
+
+def _q4_k_blocks(rng, n_blocks: int, zero_points: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks whose 8 sub-blocks have zero point dmin * m / (d * sc) = zero_points exactly
+    (dmin = d, m = sc * z), random codes; the 6-bit scales/mins packed as ggml's get_scale_min reads them."""
+    sc = rng.integers(1, 7, (n_blocks, 8)).astype(np.uint8)
+    mins = (sc * zero_points.reshape(n_blocks, 8)).astype(np.uint8)
+    d = np.full((n_blocks, 1), 0.01, np.float16).view(np.uint8).reshape(n_blocks, 2)
+    packed = np.empty((n_blocks, 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mins[:, :4] | ((mins[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mins[:, 4:] & 0x0F) << 4)
+    qs = rng.integers(0, 256, (n_blocks, 128), dtype=np.uint8)
+    return np.concatenate([d, d, packed, qs], axis=1)
+
+
+@pytest.mark.parametrize("ggml_type", [GT.Q4_K, GT.Q4_1])
+def test_int4_keeps_the_files_own_codes(ggml_type):
+    """Q4_K / Q4_1 into int4 block 32 with zero points: the file's 4-bit codes are kept, the zero point
+    is offset / scale rounded; where that is an integer the values come out exact (to float32
+    rounding of the scale products), and the reported error is the error of the stored values."""
+    from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+    rng = np.random.default_rng(3)
+    rows, k = 6, 512
+    if ggml_type == GT.Q4_K:
+        raw = _q4_k_blocks(rng, rows * k // 256, rng.integers(0, 10, rows * k // 32)).reshape(rows, -1)
+    else:  # gguf's own Q4_1 quantizer: m = block min, d = range / 15, so the zero point -m/d is in range
+        raw = gguf_quantize(rng.standard_normal((rows, k)).astype(np.float32), ggml_type)
+    qt, form = QUANT_TYPES[ggml_type], BlockForm(4, 32)
+    values = gguf_dequantize(raw, ggml_type).reshape(rows, k)
+    zero_points = np.empty((rows, k // 32), np.uint8)
+    packed = pack(raw, qt, form, zero_points=zero_points)
+    own, _, _ = qt.own_codes(raw)
+    np.testing.assert_array_equal(unpack_codes(packed.weights, form) + form.zero_point, own)   # codes kept
+    stored = unpack_values(packed.weights, packed.scales, form, pack_zero_points(zero_points, form))
+    error = np.linalg.norm(stored - values) / np.linalg.norm(values)
+    assert packed.rel_rms_error == pytest.approx(error, rel=1e-3, abs=1e-7)
+    if ggml_type == GT.Q4_K:
+        assert error < 1e-6
+    else:
+        assert error < 0.08   # the zero point's rounding: at most half a step per block
