@@ -237,10 +237,15 @@ class _BoundDecoding:
 
         self._decoder = decoder
         self._binding = decoder.session.io_binding()
+        # In place on the CPU EP, where the buffers are the kernel's own memory. On a GPU EP host
+        # buffers would be copied to the device and back each step, so the pointers differ there:
+        # it keeps the growing cache (present.N.* bound as the next step's past) until device-side
+        # buffers are checked on a GPU.
+        self._in_place = decoder.plan.provider == "CPUExecutionProvider"
         self._capacity = capacity
         self._last_only = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))
         self._cache = {n: ort.OrtValue.ortvalue_from_numpy(a)
-                       for n, a in decoder.empty_cache(length=capacity).items()}
+                       for n, a in decoder.empty_cache(length=capacity if self._in_place else 0).items()}
         self._length = 0
 
     def run(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -254,7 +259,7 @@ class _BoundDecoding:
     def _step(self, token_ids: Sequence[int]) -> np.ndarray:
         d, binding = self._decoder, self._binding
         ids = np.asarray([token_ids], dtype=np.int64)
-        if self._length + ids.shape[1] > self._capacity:
+        if self._in_place and self._length + ids.shape[1] > self._capacity:
             raise MoepassError(f"{self._length + ids.shape[1]} tokens do not fit the KV cache of {self._capacity}")
         self._length += ids.shape[1]
         binding.clear_binding_inputs()
@@ -266,9 +271,15 @@ class _BoundDecoding:
         binding.bind_output("logits", "cpu")  # the first output bound: get_outputs()[0]
         for past, present in zip(d.past_names, d.present_names):
             binding.bind_ortvalue_input(past, self._cache[past])
-            binding.bind_ortvalue_output(present, self._cache[past])
+            if self._in_place:
+                binding.bind_ortvalue_output(present, self._cache[past])
+            else:
+                binding.bind_output(present, "cpu")
         d.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()[0, -1]
+        outputs = binding.get_outputs()
+        if not self._in_place:
+            self._cache = dict(zip(d.past_names, outputs[1:]))
+        return outputs[0].numpy()[0, -1]
 
 
 def _read_json(path: Path) -> dict:

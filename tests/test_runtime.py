@@ -3,6 +3,7 @@ provider choice with every fallback and refusal, onnxruntime-genai on the same f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import types
@@ -232,6 +233,9 @@ def test_io_bound_generation_equals_plain_forward_steps(converted):
     for _ in range(12):
         plain.append(int(np.argmax(logits[0, -1])))
         logits, cache = decoder.forward(np.array([[plain[-1]]]), cache)
+    assert list(decoder.generate([5, 77, 200], 12, stop_ids=())) == plain
+    # the growing cache other execution providers keep (present bound as the next past): the same
+    decoder.plan = dataclasses.replace(decoder.plan, provider="OtherExecutionProvider")
     assert list(decoder.generate([5, 77, 200], 12, stop_ids=())) == plain
 
 
