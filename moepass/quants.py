@@ -240,8 +240,8 @@ class QuantType:
     direct: dict[int, Callable[[np.ndarray, np.ndarray], None]] = dataclasses.field(default_factory=dict)
     # Requantized into int4 block 32 (with zero points), experts of this type keep llama.cpp's
     # fidelity: measured on a trained model through llama.cpp's own quantizer, >= 99 % the same
-    # argmax as llama.cpp and at most 2x its distance from the exact computation
-    # (benchmarks/agreement.py --trained --expert-formats auto,int4; docs/benchmarks.md). What
+    # argmax as llama.cpp and at most 2x its distance from the exact computation (the auto rows of
+    # benchmarks/agreement.py --trained; how each type was decided: docs/benchmarks.md). What
     # --expert-format auto takes for a layer that is requantized anyway (see passes.lower).
     int4_agrees: bool = False
     # The type's own 4-bit codes with a scale and an offset per 32 elements, (raw rows) -> (u, scale,

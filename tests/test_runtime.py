@@ -108,6 +108,15 @@ def test_bench_cli(converted):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].startswith("prefill") and "tokens/s" in lines[0] and lines[2].startswith("peak RSS")
+    result = CliRunner().invoke(main, ["bench", str(converted("q4_0")), "--prompt-tokens", "8", "--new-tokens", "2",
+                                       "--depth", "20", "--repeats", "2", "--threads", "2", "--json", "--profile"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["decode"]["depth"] == 20 and report["prefill"]["prompt_tokens"] == 8
+    assert report["decode"]["seconds_min"] <= report["decode"]["seconds_median"] <= report["decode"]["seconds_max"]
+    assert report["activations"] == "int8" and report["threads"] == 2
+    shares = report["decode_operator_shares"]
+    assert {"QMoE", "MatMulNBits", "GroupQueryAttention"} <= set(shares) and sum(shares.values()) == pytest.approx(1)
 
 
 # ---- execution providers, offload options: every fallback and refusal ---------------------------
