@@ -9,15 +9,16 @@ layers, written by fixtures/make_fixtures.py (fixed seed). Each is converted wit
 defaults. For each file and side: prefill of 128 and of 512 tokens from an empty cache, decode of
 --new-tokens steps after 128 and after 2,048 cached tokens. Each side runs in its own process
 (moepass.runtime's generation path, as `moepass bench` measures it; llama-cpp-python with its
-default settings for llama.cpp:
-logits of the last token only, F16 KV cache, n_batch 512), same thread count; the two alternate
-for --rounds rounds and each figure is the best of them, so both sides see the same machine state.
-Peak RSS is GNU time's, per process, the largest over the rounds.
+default settings: logits of the last token only, F16 KV cache, n_batch 512), same thread count,
+after a short warm-up; the two alternate for --rounds rounds and each figure is the best of them,
+so both sides see the same machine state. Peak RSS is GNU time's, per process, the largest over
+the rounds.
 
-The MoE ceiling: bytes of expert weights a decode step reads (top-k experts per layer) and the other
-weights it reads (attention, router, LM head), over the measured memory bandwidth (a 1 GiB numpy
-copy), is the fastest a decode step could be; the report gives it beside the measured step time
-and ONNX Runtime's profile of where the step goes (`moepass bench --profile`).
+The bandwidth floor: bytes of expert weights a decode step reads (top-k experts per layer) and of
+the other weights (attention, router, LM head; one embedding row), over the measured memory
+bandwidth (a 1 GiB numpy copy, read + write bytes as STREAM counts them), is the fastest a decode
+step could be; the report gives it beside the measured step time and ONNX Runtime's profile of
+where the step goes (`moepass bench --profile`).
 """
 
 from __future__ import annotations
