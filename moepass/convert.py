@@ -111,9 +111,9 @@ class ConvertResult:
         else:
             lines.append(f"  layers        {self.n_layers} ({len(self.moe_layers)} MoE, {experts} experts, top-{top_k})")
         lines += [
-            "  expert form   " + ", ".join(f"{form} x{n}" + (f" ({speed_class(parse_form(form))})"
-                                                                 if parse_form(form) else "")
-                                       for form, n in sorted(forms.items())),
+            "  expert form   " + (", ".join(f"{form} x{n}" + (f" ({speed_class(parse_form(form))})"
+                                                                  if parse_form(form) else "")
+                                        for form, n in sorted(forms.items())) or "none"),
             "  activations   " + ACTIVATION_SUMMARY[self.activations],
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]
