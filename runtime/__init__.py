@@ -22,7 +22,7 @@ import numpy as np
 from moepass.errors import MoepassError
 from moepass.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
                            model_file)
-from moepass.runtime.providers import SessionPlan, plan_session
+from moepass.runtime.providers import SessionPlan, log, plan_session
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -116,6 +116,8 @@ class Decoder:
         # models converted by moepass >= 0.1 compute the logits of the last N positions on request
         self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
         self.stop_ids = tuple(self.info.get("tokenizer", {}).get("stop_token_ids", ()))
+        # positions the model has RoPE tables for (GGUF conversions; None where unknown)
+        self.context_length: int | None = self.info.get("hparams", {}).get("context_length")
         self._tokenizer = None
         self._tokenizer_path = folder / TOKENIZER_FILE
 
@@ -174,6 +176,15 @@ class Decoder:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise MoepassError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if self.context_length:
+            room = self.context_length - len(prompt_ids)
+            if room <= 0:
+                raise MoepassError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
+                                   f"{self.context_length}")
+            if max_new_tokens > room:
+                log.warning(f"generation stops after {room} new tokens, at the model's context length "
+                            f"({self.context_length})")
+                max_new_tokens = room
         stops = set(self.stop_ids if stop_ids is None else stop_ids)
         rng = np.random.default_rng(sampling.seed)
         step = _BoundDecoding(self, capacity=len(prompt_ids) + max_new_tokens)
@@ -195,10 +206,20 @@ class Decoder:
             import jinja2
         except ImportError:
             raise MoepassError("--chat needs jinja2: pip install jinja2") from None
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-        return env.from_string(template).render(messages=[{"role": "user", "content": user_message}],
-                                                add_generation_prompt=True, bos_token=config.get("bos_token") or "",
-                                                eos_token=config.get("eos_token") or "")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        # the template comes from the model file: rendered in jinja2's sandbox (no attribute of
+        # Python's internals, no mutation), as Hugging Face transformers renders chat templates
+        env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, extensions=["jinja2.ext.loopcontrols"])
+        try:
+            return env.from_string(template).render(messages=[{"role": "user", "content": user_message}],
+                                                    add_generation_prompt=True,
+                                                    bos_token=config.get("bos_token") or "",
+                                                    eos_token=config.get("eos_token") or "")
+        except jinja2.TemplateError as e:  # SecurityError included
+            where = self._tokenizer_path.with_name(TOKENIZER_CONFIG_FILE)
+            raise MoepassError(f"{where}: the chat template cannot be rendered ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else 'no message'})") from None
 
     def generate_text(self, prompt: str, max_new_tokens: int, sampling: Sampling = Sampling()) -> Iterator[str]:
         """Text in, text out, streamed: yields pieces of text as tokens complete them."""

@@ -274,3 +274,38 @@ def test_text_refusals(make_gguf, tmp_path):
     assert "none written: the GGUF has no tokenizer metadata (token ids only)" in "\n".join(bare.summary_lines())
     with pytest.raises(moepass.MoepassError, match="tokenizer.json: no tokenizer beside the model; use token ids"):
         load(bare.output_dir).encode("hello")
+
+
+@pytest.mark.parametrize("template,why", [
+    ("{{ messages.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),      # reaching Python's internals
+    ("{{ ''.__class__.__base__.__subclasses__() }}", "SecurityError"),
+    ("{% for m in messages %}{{ m.content.__class__ }}{% endfor %}", "SecurityError"),
+    ("{{ messages.append('x') }}", "SecurityError"),                                   # mutation
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),                  # broken
+    ("{{ no_such_variable }}", "UndefinedError"),
+])
+def test_chat_templates_render_in_a_sandbox(template, why, converted, tmp_path):
+    """A GGUF's chat template is the model file's code: rendered in jinja2's immutable sandbox, and
+    anything it may not do, or a broken template, is one clear error naming the file."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(converted("q4_0"), folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(moepass.MoepassError, match=f"tokenizer_config.json: the chat template cannot be rendered "
+                                                   f"\\({why}"):
+        load(folder).apply_chat_template("hi")
+
+
+def test_generation_stops_at_the_context_length(converted, caplog):
+    decoder = load(converted("q4_0"))
+    context = decoder.context_length
+    assert context == 512
+    with pytest.raises(moepass.MoepassError, match=f"the prompt has {context} tokens; the model's context holds 512"):
+        list(decoder.generate([5] * context, 4))
+    with caplog.at_level(logging.WARNING, logger="moepass"):
+        tokens = list(decoder.generate([5] * (context - 3), 10, stop_ids=()))
+    assert len(tokens) == 3 and "generation stops after 3 new tokens, at the model's context length (512)" in caplog.text
