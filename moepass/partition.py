@@ -40,6 +40,7 @@ from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.placement import (Bandwidths, Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
                                parse_bytes, plan_placement)
 from moepass.popularity import Popularity, model_identity
+from moepass.runtime.providers import offload_violations
 
 PLAN_FORMAT = "moepass-plan"
 PLAN_VERSION = 1
@@ -57,8 +58,10 @@ class PartitionResult:
         nodes = self.plan["nodes"]
         resident = sum(n["resident_count"] for n in nodes)
         total = sum(n["experts"] for n in nodes)
+        offload = self.plan.get("offload", {"active": True})
         lines = [
-            f"placed {resident} of {total} experts on the GPU ({self.plan['inputs']['policy']} policy) -> {self.output_dir}",
+            f"placed {resident} of {total} experts on the GPU ({self.plan['inputs']['policy']} policy) -> {self.output_dir}"
+            + ("" if offload["active"] else " (inactive: ONNX Runtime will not offload this model)"),
             f"  VRAM budget      {format_bytes(mem['vram_bytes']):>12}",
             f"  non-expert       {format_bytes(mem['non_expert_bytes']):>12}",
             f"  KV cache         {format_bytes(mem['kv_cache_bytes']):>12}  "
@@ -120,6 +123,8 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     for name, value in (("context", context), ("batch", batch), ("prefill_tokens", prefill_tokens)):
         if not isinstance(value, int) or value < 1:
             raise MoepassError(f"{name} must be a positive integer, not {value!r}")
+    if report is not None and Path(report).suffix.lower() != ".png":
+        raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
     source = model_file(model_dir)
     model = load_model(source)
     identity = model_identity(model)
@@ -131,7 +136,17 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         popularity.check_fits(identity, label)
         profile_info = {"file": Path(label).name, "tokens": popularity.tokens, "prompts": popularity.prompts}
     budget = Budget(parse_bytes(vram, "--vram"), context, batch, prefill_tokens, parse_bytes(reserve, "--reserve"))
+    violations = offload_violations(model)
+    inactive = None
+    if violations:  # said before planning: the plan would not change what ONNX Runtime does
+        node, rule = violations[0]
+        inactive = (f"{source.parent}: ONNX Runtime will not offload this model's experts ({node}: {rule}); "
+                    "convert the GGUF with --expert-format offload for a model it will")
+        if mode == "required":
+            raise MoepassError(inactive)
     plan = plan_placement(memory, budget, popularity, policy, mode, bandwidths)
+    if inactive and warn is not None:  # first, once the inputs are known to be good
+        warn(inactive + "; the plan is written but inactive")
     for message in plan.warnings:
         if warn is not None:
             warn(message)
@@ -140,14 +155,13 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               "prefill_tokens": prefill_tokens, "policy": plan.policy, "mode": mode, "profile": profile_info,
               "bandwidths_gbps": dataclasses.asdict(bandwidths)}
     document = _plan_document(plan, memory, inputs, identity, options)
+    document["offload"] = {"active": inactive is None, "reason": inactive}
 
     ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
     model.metadata_props["moepass.placement"] = json.dumps(
         {"plan": PLAN_FILE, "options": OPTIONS_FILE, "vram_bytes": budget.vram_bytes, "policy": plan.policy,
          "resident_expert_bytes": plan.resident_bytes, "fingerprint": identity["fingerprint"]}, sort_keys=True)
     output_dir = Path(output_dir)
-    if report is not None and Path(report).suffix.lower() != ".png":
-        raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
     with atomic_directory(output_dir, overwrite) as tmp:
         ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE, max_workers=1)
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
@@ -164,4 +178,4 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
 
             with atomic_file(report, overwrite) as picture:
                 draw_plan(document, popularity, picture)
-    return PartitionResult(output_dir, document, options, plan.warnings)
+    return PartitionResult(output_dir, document, options, ([inactive] if inactive else []) + plan.warnings)

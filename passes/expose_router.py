@@ -31,7 +31,8 @@ class ExposeRouterLogitsPass(InPlacePass):
             # An Identity keeps the original value's name and users untouched.
             exposed = ir.node("Identity", [logits], name=f"{node.name}.expose_router")
             exposed.outputs[0].name = name
-            exposed.outputs[0].dtype = logits.dtype or ir.DataType.FLOAT
+            # the router logits have the activation type (float16 in the offload format), as the node's output
+            exposed.outputs[0].dtype = logits.dtype or node.outputs[0].dtype or ir.DataType.FLOAT
             exposed.outputs[0].shape = ir.Shape(["tokens", node.inputs[2].shape[0]])
             graph.insert_after(node, exposed)
             graph.outputs.append(exposed.outputs[0])

@@ -135,19 +135,42 @@ def test_required_mode_fails_with_missing_bytes(tmp_path, converted):
     memory = _memory(converted)
     need = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16)
     out = tmp_path / "placed"
-    with pytest.raises(moepass.MoepassError, match=f"{need - 1000:,} bytes .* missing"):
-        partition(converted("q4_0"), out, 1000, mode="required", context=64, prefill_tokens=16, reserve=0)
+    offloadable = converted("q4_0", expert_format="offload")
+    need_offload = MemoryModel.of(load_model(offloadable))
+    need_offload = (need_offload.non_expert_bytes + need_offload.kv_bytes(64, 1)
+                    + need_offload.work_bytes(64, 1, 16))
+    with pytest.raises(moepass.MoepassError, match=f"{need_offload - 1000:,} bytes .* missing"):
+        partition(offloadable, out, 1000, mode="required", context=64, prefill_tokens=16, reserve=0)
     assert not out.exists() and not list(tmp_path.glob(".placed.*"))
     warnings = []
     result = partition(converted("q4_0"), out, 1000, mode="auto", context=64, prefill_tokens=16, reserve=0,
                        warn=warnings.append)
-    assert result.plan["fits"] is False and "missing; no expert is placed on the GPU" in warnings[0]
+    assert f"{need - 1000:,} bytes" in warnings[1] and "missing; no expert is placed on the GPU" in warnings[1]
+    assert result.plan["fits"] is False
     assert all(n["resident_count"] == 0 for n in result.plan["nodes"])
 
 
-def test_everything_fits(tmp_path, converted, popularity):
-    result = partition(converted("q4_0"), tmp_path / "all", "1G", profile=popularity)
+def test_everything_fits(tmp_path, converted):
+    offloadable = converted("q4_0", expert_format="offload")
+    result = partition(offloadable, tmp_path / "all", "1G", profile=profile(offloadable, PROMPTS))
     assert all(n["resident_count"] == 8 for n in result.plan["nodes"]) and not result.warnings
+    assert result.plan["offload"] == {"active": True, "reason": None}
+
+
+def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, converted, popularity):
+    """A default conversion (int4 experts in the raw layout) is not offload-eligible: partition says so
+    before planning, names the node and rule and the way out; required mode refuses it."""
+    warnings = []
+    result = partition(converted("q4_0"), tmp_path / "placed", "1G", profile=popularity, warn=warnings.append)
+    assert "ONNX Runtime will not offload this model's experts (blk.0.moe: int4 experts need weights_prepacked=1" \
+        in warnings[0] and "--expert-format offload" in warnings[0] and warnings[0].endswith("inactive")
+    assert result.plan["offload"]["active"] is False and "blk.0.moe" in result.plan["offload"]["reason"]
+    plan = json.loads((tmp_path / "placed" / "plan.json").read_text())
+    assert plan["offload"]["active"] is False
+    assert "(inactive: ONNX Runtime will not offload this model)" in result.summary_lines()[0]
+    with pytest.raises(moepass.MoepassError, match="will not offload this model's experts"):
+        partition(converted("q4_0"), tmp_path / "required", "1G", profile=popularity, mode="required")
+    assert not (tmp_path / "required").exists()
     assert result.plan["prediction"]["gpu_hit_rate_by_mass"] == pytest.approx(1.0)
 
 
