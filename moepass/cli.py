@@ -14,6 +14,7 @@ import click
 from moepass.errors import MoepassError
 from moepass.passes import ACTIVATION_MODES, PASS_NAMES
 from moepass.passes.lower import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES
+from moepass.profile import PROMPT_FORMATS
 from moepass.placement import MODES, POLICIES, Bandwidths
 from moepass.runtime.providers import DEVICES, MODES as OFFLOAD_MODES, PLUGIN_ENV
 
@@ -212,7 +213,11 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
 @main.command()
 @click.argument("model_dir", type=click.Path())
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
-              help="Calibration prompts: one per line, token ids separated by commas or spaces.")
+              help="Calibration prompts file (see --prompts-format).")
+@click.option("--prompts-format", type=click.Choice(PROMPT_FORMATS), default="text", show_default=True,
+              help="text: one prompt per line; ids: token ids per line (commas or spaces, '#' comments); "
+                   "jsonl: a JSON string, id list, or {\"text\"|\"ids\": ...} per line.")
+@click.option("--chat", is_flag=True, help="Wrap each text prompt in the model's chat template, as run --chat does.")
 @click.option("--prompt-ids", default=None, help="One calibration prompt as comma-separated token ids.")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Popularity file to write (JSON).")
 @click.option("--merge", "merge_with", multiple=True, type=click.Path(dir_okay=False),
@@ -220,19 +225,19 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
 @click.option("--threads", type=click.IntRange(1, None), default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def profile(model_dir: str, prompts_file: str | None, prompt_ids: str | None, output: str, merge_with: tuple[str, ...],
-            threads: int | None, force: bool, quiet: bool) -> None:
+def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat: bool, prompt_ids: str | None,
+            output: str, merge_with: tuple[str, ...], threads: int | None, force: bool, quiet: bool) -> None:
     """Measure expert popularity: run calibration prompts through a converted model on the CPU."""
     from moepass.popularity import Popularity
     from moepass.profile import profile as run_profile, read_prompts
 
     if (prompts_file is None) == (prompt_ids is None):
         raise MoepassError("give exactly one of --prompts FILE or --prompt-ids 1,2,3")
-    prompts = read_prompts(prompts_file) if prompts_file else [_parse_ids(prompt_ids)]
+    prompts = read_prompts(prompts_file, prompts_format) if prompts_file else [_parse_ids(prompt_ids)]
     earlier = [Popularity.load(p) for p in merge_with]
     progress = _Progress("profiling prompts", enabled=not quiet)
     try:
-        result = run_profile(model_dir, prompts, threads=threads, progress=progress)
+        result = run_profile(model_dir, prompts, threads=threads, progress=progress, chat=chat)
     finally:
         progress.close()
     for path, other in zip(merge_with, earlier):
@@ -240,6 +245,7 @@ def profile(model_dir: str, prompts_file: str | None, prompt_ids: str | None, ou
     result.save(output, overwrite=force)
     click.echo(f"profiled {result.tokens} tokens ({result.prompts} prompts) over {len(result.selected)} MoE layers "
                f"-> {output}")
+    click.echo(f"  {result.coverage_line()}")
 
 
 @main.command("merge-profiles")

@@ -81,6 +81,22 @@ class Popularity:
         total = s.sum()
         return s / total if total > 0 else np.full(len(s), 1.0 / len(s))
 
+    def never_selected(self) -> dict[str, int]:
+        """Per node, how many experts no calibration token was routed to (a calibration set that
+        reaches few experts gives the planner little to go on)."""
+        return {node: int(np.count_nonzero(counts == 0)) for node, counts in self.selected.items()}
+
+    def coverage_line(self) -> str:
+        """One line on the experts the calibration never reached, worst layers first."""
+        missing = {n: c for n, c in self.never_selected().items() if c}
+        if not missing:
+            return "every expert of every MoE layer was selected at least once"
+        worst = sorted(missing.items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{n} {c} of {len(self.selected[n])}" for n, c in worst[:4])
+        more = f" (and {len(worst) - 4} more layers)" if len(worst) > 4 else ""
+        return (f"experts never selected in {len(missing)} of {len(self.selected)} MoE layers: {shown}{more}; "
+                "more or more varied prompts would measure them")
+
     def merge(self, other: "Popularity", other_label: str = "profile") -> "Popularity":
         if other.fingerprint != self.fingerprint:
             raise MoepassError(f"{other_label}: profiles of different models cannot be merged "

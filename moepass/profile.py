@@ -8,9 +8,10 @@ when the node says so, as QMoE does) is tallied into a `Popularity`.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 
@@ -20,30 +21,57 @@ from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.moe_nodes import moe_nodes
 from moepass.popularity import Popularity, model_identity
 
+PROMPT_FORMATS = ("text", "ids", "jsonl")
+
+Prompt = Union[str, Sequence[int]]  # text (tokenized with the model's tokenizer) or token ids
 
 
-def read_prompts(path: str | os.PathLike) -> list[list[int]]:
-    """A prompts file: one prompt per line as token ids separated by commas or spaces; '#' comments."""
+def read_prompts(path: str | os.PathLike, fmt: str = "text") -> list[Prompt]:
+    """A prompts file. "text": one prompt per line (blank lines skipped); "ids": one prompt per line
+    as token ids separated by commas or spaces, '#' comments; "jsonl": one JSON value per line, a
+    string (text), a list of token ids, or an object with "text" or "ids"."""
+    if fmt not in PROMPT_FORMATS:
+        raise MoepassError(f"prompts format must be one of {', '.join(PROMPT_FORMATS)}, not {fmt!r}")
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
     except UnicodeDecodeError:
-        raise MoepassError(f"{path}: not a text file of token ids") from None
-    prompts = []
+        raise MoepassError(f"{path}: not a UTF-8 text file") from None
+    prompts: list[Prompt] = []
     for number, line in enumerate(lines, 1):
-        text = line.split("#", 1)[0].replace(",", " ").strip()
-        if not text:
-            continue
-        try:
-            prompts.append([int(t) for t in text.split()])
-        except ValueError:
-            raise MoepassError(f"{path}:{number}: expected token ids separated by commas or spaces, "
-                               f"got {line.strip()[:60]!r}") from None
+        if fmt == "text":
+            if line.strip():
+                prompts.append(line)
+        elif fmt == "ids":
+            text = line.split("#", 1)[0].replace(",", " ").strip()
+            if not text:
+                continue
+            try:
+                prompts.append([int(t) for t in text.split()])
+            except ValueError:
+                raise MoepassError(f"{path}:{number}: expected token ids separated by commas or spaces, "
+                                   f"got {line.strip()[:60]!r}") from None
+        elif line.strip():
+            prompts.append(_json_prompt(line, f"{path}:{number}"))
     if not prompts:
         raise MoepassError(f"{path}: no prompts in the file")
     return prompts
+
+
+def _json_prompt(line: str, where: str) -> Prompt:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise MoepassError(f"{where}: not JSON ({e.msg})") from None
+    if isinstance(value, dict):
+        value = value.get("text", value.get("ids"))
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    raise MoepassError(f"{where}: expected a string, a list of token ids, or an object with \"text\" or \"ids\"")
 
 
 def route(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -58,13 +86,17 @@ def route(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, 
     return chosen, weights
 
 
-def profile(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], threads: int | None = None,
-            progress: Callable[[int, int], None] | None = None) -> Popularity:
-    """Run `prompts` (lists of token ids) through the model and count each node's routing."""
+def profile(model_dir: str | os.PathLike, prompts: Sequence[Prompt], threads: int | None = None,
+            progress: Callable[[int, int], None] | None = None, chat: bool = False) -> Popularity:
+    """Run `prompts` through the model and count each node's routing. A prompt is text (encoded with
+    the tokenizer convert wrote; `chat` wraps it in the model's chat template first) or a list of
+    token ids."""
     from moepass.runtime import Decoder
 
+    if isinstance(prompts, str):
+        raise MoepassError("prompts is a list of prompts (text or token ids), not one string")
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise MoepassError("every prompt needs at least one token id")
+        raise MoepassError("every prompt needs at least one token (an empty prompt was given)")
     source = model_file(model_dir)
     model = load_model(source)
     identity = model_identity(model)
@@ -78,7 +110,13 @@ def profile(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], thre
     decoder = Decoder(source, threads=threads, graph=model)
     vocab = decoder.vocab_size
     for i, prompt in enumerate(prompts):
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        if isinstance(prompt, str):
+            prompt = decoder.encode(decoder.apply_chat_template(prompt) if chat else prompt)
+            if not prompt:
+                raise MoepassError(f"prompt {i + 1}: no tokens after tokenization")
+        elif chat:
+            raise MoepassError(f"prompt {i + 1}: the chat template applies to text, not token ids")
+        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
         if bad:
             raise MoepassError(f"prompt {i + 1}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         _, _, routers = decoder.forward_with(np.array([prompt]), decoder.empty_cache(), list(expose.outputs.values()))

@@ -69,10 +69,10 @@ def test_cli_profile_and_merge(tmp_path, converted):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# calibration\n5, 77, 200\n\n31 42 318 1\n")
     runner = CliRunner()
-    result = runner.invoke(main, ["profile", str(converted("q4_0")), "--prompts", str(prompts), "-o",
-                                  str(tmp_path / "p1.json"), "-q"])
+    result = runner.invoke(main, ["profile", str(converted("q4_0")), "--prompts", str(prompts), "--prompts-format",
+                                  "ids", "-o", str(tmp_path / "p1.json"), "-q"])
     assert result.exit_code == 0, result.output
-    assert "profiled 7 tokens (2 prompts)" in result.stdout
+    assert "profiled 7 tokens (2 prompts)" in result.stdout and "experts never selected in" in result.stdout
     result = runner.invoke(main, ["profile", str(converted("q4_0")), "--prompt-ids", "1,2,3", "-o",
                                   str(tmp_path / "p2.json"), "-q"])
     assert result.exit_code == 0, result.output
@@ -89,7 +89,47 @@ def test_bad_prompts_files(tmp_path, content, message):
     path = tmp_path / "prompts.txt"
     path.write_text(content)
     with pytest.raises(moepass.MoepassError, match=message):
-        read_prompts(path)
+        read_prompts(path, "ids")
+
+
+def test_text_prompts_are_the_default(tmp_path, converted):
+    """Prompts are text by default, one per line, tokenized as `run` does; JSONL takes text or ids;
+    --chat wraps each in the chat template; the summary says which experts no prompt reached."""
+    from moepass.runtime import load
+
+    decoder = load(converted("q4_0"))
+    lines = ["the other one", "", "she is here, there and then"]
+    path = tmp_path / "calib.txt"
+    path.write_text("\n".join(lines) + "\n")
+    assert read_prompts(path) == ["the other one", "she is here, there and then"]
+    ids = [decoder.encode(t) for t in read_prompts(path)]
+    as_text, as_ids = profile(converted("q4_0"), read_prompts(path)), profile(converted("q4_0"), ids)
+    assert as_text.tokens == sum(map(len, ids)) and as_text.to_json() == as_ids.to_json()
+    jsonl = tmp_path / "calib.jsonl"
+    jsonl.write_text('"the other one"\n{"text": "she is here, there and then"}\n{"ids": [5, 77]}\n[1, 2]\n')
+    assert read_prompts(jsonl, "jsonl") == ["the other one", "she is here, there and then", [5, 77], [1, 2]]
+    chat = profile(converted("q4_0"), ["the other one"], chat=True)
+    assert chat.tokens == len(decoder.encode(decoder.apply_chat_template("the other one")))
+    runner = CliRunner()
+    result = runner.invoke(main, ["profile", str(converted("q4_0")), "--prompts", str(path), "-o",
+                                  str(tmp_path / "p.json"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert f"profiled {as_text.tokens} tokens (2 prompts)" in result.stdout
+    assert as_text.coverage_line() in result.stdout
+    with pytest.raises(moepass.MoepassError, match="a list of prompts"):
+        profile(converted("q4_0"), "the other one")
+    with pytest.raises(moepass.MoepassError, match="calib.jsonl:1: expected a string"):
+        jsonl.write_text('{"tokens": 3}\n')
+        read_prompts(jsonl, "jsonl")
+
+
+def test_coverage_line():
+    pop = Popularity.empty({"moe_nodes": []})
+    pop.selected = {"blk.0.moe": np.array([3, 0, 1, 0]), "blk.1.moe": np.array([1, 1, 1, 1])}
+    assert pop.never_selected() == {"blk.0.moe": 2, "blk.1.moe": 0}
+    assert pop.coverage_line().startswith("experts never selected in 1 of 2 MoE layers: blk.0.moe 2 of 4")
+    pop.selected["blk.0.moe"][:] = 1
+    assert pop.coverage_line() == "every expert of every MoE layer was selected at least once"
 
 
 @pytest.mark.parametrize("content,message", [
