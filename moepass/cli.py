@@ -149,7 +149,10 @@ def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, 
 
     if (prompt is None) == (prompt_ids is None):
         raise MoepassError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    start = time.perf_counter()
+    click.echo(f"loading {model_dir} ...", err=True)
     decoder = load(model_dir, device=device, cuda_plugin=cuda_plugin, mode=mode, threads=threads)
+    click.echo(f"loaded in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
     sampling = Sampling(temperature, top_k, top_p, seed)
     start = time.perf_counter()
     if prompt is not None:
@@ -191,7 +194,9 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
     result.update(model=str(model_dir), backend=decoder.plan.provider, threads=threads or 0,
                   activations=decoder.info.get("activations", "float"),
                   size_bytes=sum(f.stat().st_size for f in decoder.model_dir.iterdir() if f.is_file())
-                  if decoder.model_dir.is_dir() else 0)
+                  if decoder.model_dir.is_dir() else 0,
+                  n_params=sum(round(w["bytes"] * 8 / w["bits_per_weight"])
+                               for w in decoder.info.get("weights", []) if w.get("bits_per_weight")))
     if profile:
         result["decode_operator_shares"] = operator_shares(model_dir, depth=depth or prompt_tokens, device=device,
                                                            cuda_plugin=cuda_plugin, mode=mode, threads=threads)

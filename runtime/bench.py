@@ -29,8 +29,12 @@ def _prompt(decoder, n: int) -> list[int]:
 
 
 def _stats(seconds: list[float], tokens: int) -> dict[str, float]:
+    """Best-run tokens/s, the seconds' min/median/max, and llama-bench's avg_ts / stddev_ts (tokens/s
+    over the runs)."""
+    rates = [tokens / t for t in seconds]
     return {"tokens_per_s": tokens / min(seconds), "seconds_min": min(seconds),
-            "seconds_median": statistics.median(seconds), "seconds_max": max(seconds), "tokens": tokens}
+            "seconds_median": statistics.median(seconds), "seconds_max": max(seconds), "tokens": tokens,
+            "avg_ts": statistics.fmean(rates), "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0}
 
 
 def _timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[float, float]:

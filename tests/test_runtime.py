@@ -114,7 +114,8 @@ def test_bench_cli(converted):
     report = json.loads(result.stdout)
     assert report["decode"]["depth"] == 20 and report["prefill"]["prompt_tokens"] == 8
     assert report["decode"]["seconds_min"] <= report["decode"]["seconds_median"] <= report["decode"]["seconds_max"]
-    assert report["activations"] == "int8" and report["threads"] == 2
+    assert report["activations"] == "int8" and report["threads"] == 2 and report["n_params"] > 0
+    assert report["decode"]["avg_ts"] > 0 and report["decode"]["stddev_ts"] >= 0
     shares = report["decode_operator_shares"]
     assert {"QMoE", "MatMulNBits", "GroupQueryAttention"} <= set(shares) and sum(shares.values()) == pytest.approx(1)
 
