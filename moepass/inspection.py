@@ -178,7 +178,8 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     if candidates:
         lines.append(f"fusable       {sum(r['fused'] for r in candidates)} of {len(candidates)} MoE subgraphs "
                      "(moepass convert fuses them into QMoE)")
-        lines.extend(f"  {r['anchor']}" if r["fused"] else f"  not fusable: {r['reason']}" for r in candidates)
+        lines.extend(f"  {r['anchor']}: {r['geometry']}" if r["fused"] else f"  not fusable: {r['reason']}"
+                     for r in candidates)
     lines.append("bytes by group")
     for group, n in sorted(info["bytes_by_group"].items()):
         lines.append(f"  {group:<18}{n:>16,}")

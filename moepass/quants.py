@@ -30,7 +30,8 @@ from moepass.errors import MoepassError
 
 @dataclasses.dataclass(frozen=True, order=True)
 class BlockForm:
-    """An integer block form of ONNX Runtime's QMoE / MatMulNBits."""
+    """An integer block form of ONNX Runtime's QMoE / MatMulNBits (block_size 0: one scale per row,
+    QMoE without a block_size attribute)."""
 
     bits: int
     block_size: int
@@ -48,7 +49,7 @@ class BlockForm:
         return k * self.bits // 8
 
     def __str__(self) -> str:
-        return f"int{self.bits}/b{self.block_size}"
+        return f"int{self.bits}/b{self.block_size}" if self.block_size else f"int{self.bits}/row"
 
 
 # Forms the CPU EP runs: 4 and 8 bits; blocks are powers of two >= 16.

@@ -41,7 +41,6 @@ META = "moepass."
 # Forms QMoE's CPU kernel runs that MatMulNBits blobs can move into unchanged.
 QMOE_BITS = (4, 8)
 QMOE_BLOCKS = (16, 32, 64, 128)
-REQUANTIZE_FORM = BlockForm(8, 32)
 
 
 @dataclasses.dataclass
@@ -56,6 +55,7 @@ class FusionRecord:
     experts: int = 0
     top_k: int = 0
     form: str = ""
+    geometry: str = ""          # the experts' matrices as found, and what becomes of them
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -468,52 +468,72 @@ class FuseMoePass(InPlacePass):
             if isinstance(result, str):
                 self.records.append(FusionRecord(rule.name, _node_name(anchor), False, result))
             elif self.dry_run:
-                self.records.append(FusionRecord(rule.name, _node_name(anchor), True))
+                form, _, _, geometry = self._target(result)
+                self.records.append(FusionRecord(rule.name, _node_name(anchor), True, form=form, geometry=geometry))
             else:
                 rewrite = self._fuse_branches if isinstance(result, BranchesMatch) else self._quantize_moe_node
                 self.records.append(rewrite(graph, result, fused))
                 fused += 1
         return PassResult(model, fused > 0)
 
+    def _target(self, match: "BranchesMatch | MoeNodeMatch") -> tuple[str, BlockForm | None, bool, str]:
+        """(form name, QMoE form or None for a float MoE node, whether the blobs move byte for byte,
+        the geometry found and its fate)."""
+        if isinstance(match, MoeNodeMatch):
+            ks = [int(match.anchor.inputs[p].const_value.shape[2]) for p in (2, 4)]
+            form = requantize_form(8 if self.float_experts == "int8" else 4, ks)
+            return str(form), form, False, f"float com.microsoft::MoE, K {ks[0]}/{ks[1]} -> {form}, quantized"
+        linears = [lin for ex in match.experts for lin in (ex.gate, ex.up, ex.down)]
+        ks = "/".join(str(k) for k in sorted({lin.shape[1] for lin in linears}, reverse=True))
+        if self.float_experts == "keep" and not any(lin.quantized for lin in linears):
+            return "float32", None, True, f"float MatMul experts, K {ks} -> com.microsoft::MoE float32, exact"
+        forms = {lin.form for lin in linears}
+        found = ", ".join(sorted(f"{f.bits}-bit blocks of {f.block_size}" for f in forms if f is not None))
+        if None in forms:
+            found = ", ".join(filter(None, [found, "float"]))
+        zeros = " with zero points" if any(lin.quantized and lin.tensors[2] is not None for lin in linears) else ""
+        form = next(iter(forms)) if len(forms) == 1 else None
+        exact = form is not None and form.bits in QMOE_BITS and form.block_size in QMOE_BLOCKS and \
+            all(lin.shape[1] % form.block_size == 0 for lin in linears)
+        if not exact:
+            form = requantize_form(8 if self.float_experts in ("keep", "int8") else 4,
+                                   [lin.shape[1] for lin in linears])
+        fate = "moved byte for byte" if exact else "requantized, the error reported"
+        return str(form), form, exact, f"MatMulNBits {found}{zeros}, K {ks} -> {form}, {fate}"
+
     # -- rewrites ------------------------------------------------------------------------------
     def _fuse_branches(self, graph: ir.Graph, m: BranchesMatch, index: int) -> FusionRecord:
         name = f"moe.{index}"
         attrs = {"k": m.top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": 1.0,
                  "activation_beta": 0.0, "normalize_routing_weights": int(m.normalize)}
-        linears = [lin for ex in m.experts for lin in (ex.gate, ex.up, ex.down)]
-        forms = {lin.form for lin in linears}
-        form = forms.pop() if len(forms) == 1 else None
+        form_name, form, exact, geometry = self._target(m)
         gates_ups = [(ex.gate, ex.up) for ex in m.experts]
         downs = [(ex.down,) for ex in m.experts]
-        if form is None and self.float_experts == "keep" and not any(lin.quantized for lin in linears):
+        if form is None:
             fc1 = self._float_stack(graph, f"{name}.fc1", gates_ups)
             fc2 = self._float_stack(graph, f"{name}.fc2", downs)
             node = ir.node("MoE", [m.hidden, m.router, fc1, None, fc2, None], attributes=attrs,
                            domain="com.microsoft", name=name)
-            form_name = "float32"
         else:
-            exact = form is not None and form.bits in QMOE_BITS and form.block_size in QMOE_BLOCKS and \
-                all(lin.shape[1] % form.block_size == 0 for lin in linears)
-            if not exact:
-                form = BlockForm(8 if self.float_experts in ("keep", "int8") else 4, 32)
             fc1 = self._packed_stack(graph, f"{name}.fc1", gates_ups, form, exact)
             fc2 = self._packed_stack(graph, f"{name}.fc2", downs, form, exact)
-            attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
+            attrs.update(expert_weight_bits=form.bits)
+            if form.block_size:  # absent: one scale per row
+                attrs.update(block_size=form.block_size)
             inputs = [m.hidden, m.router, fc1[0], fc1[1], None, fc2[0], fc2[1], None, None, None, None, fc1[2], fc2[2]]
             if not m.normalize:  # ORT's CPU QMoE renormalizes unless given the weights
                 inputs.append(m.softmax)
             while inputs[-1] is None:
                 inputs.pop()
             node = ir.node("QMoE", inputs, attributes=attrs, domain="com.microsoft", name=name)
-            form_name = str(form)
         self._replace(graph, node, m.output, m.anchor, form_name)
         return FusionRecord(ExpertBranchesRule.name, _node_name(m.anchor), True, node=name, experts=len(m.experts),
-                            top_k=m.top_k, form=form_name)
+                            top_k=m.top_k, form=form_name, geometry=geometry)
 
     def _quantize_moe_node(self, graph: ir.Graph, match: MoeNodeMatch, index: int) -> FusionRecord:
         """A float MoE node -> QMoE in int8 / int4 block 32, expert by expert as the model is written."""
         moe = match.anchor
-        form = BlockForm(8 if self.float_experts == "int8" else 4, 32)
+        _, form, _, geometry = self._target(match)
         name = moe.name or f"moe.{index}"
         stacks = []
         for position in (2, 4):
@@ -522,7 +542,10 @@ class FuseMoePass(InPlacePass):
             stacks.append(self._packed_stack(graph, f"{name}.fc{1 if position == 2 else 2}", groups, form, False))
         attrs = {a.name: a for a in moe.attributes.values()}
         attrs["expert_weight_bits"] = ir.AttrInt64("expert_weight_bits", form.bits)
-        attrs["block_size"] = ir.AttrInt64("block_size", form.block_size)
+        if form.block_size:
+            attrs["block_size"] = ir.AttrInt64("block_size", form.block_size)
+        else:  # one scale per row
+            attrs.pop("block_size", None)
         inputs = list(moe.inputs) + [None] * (8 - len(moe.inputs))
         qmoe_inputs = [inputs[0], inputs[1], stacks[0][0], stacks[0][1], inputs[3], stacks[1][0], stacks[1][1], inputs[5]]
         if not moe.attributes.get_int("normalize_routing_weights", 0):
@@ -536,7 +559,7 @@ class FuseMoePass(InPlacePass):
         self._replace(graph, node, moe.outputs[0], moe, str(form))
         return FusionRecord(MoeNodeRule.name, _node_name(moe), True, node=node.name,
                             experts=int(moe.inputs[2].const_value.shape[0]), top_k=moe.attributes.get_int("k", 1),
-                            form=str(form))
+                            form=str(form), geometry=geometry)
 
     @staticmethod
     def _replace(graph: ir.Graph, node: ir.Node, old: ir.Value, anchor: ir.Node, form: str) -> None:
@@ -571,7 +594,9 @@ class FuseMoePass(InPlacePass):
         e, per = len(groups), len(groups[0])
         n, k = groups[0][0].shape
         rows = n * per
-        k_blocks = k // form.block_size
+        per_row = form.block_size == 0  # one scale per output row: [E, rows] scales
+        k_blocks = 1 if per_row else k // form.block_size
+        blocks = BlockForm(form.bits, k) if per_row else form
         zero_cols = -(-k_blocks * form.bits // 8)
         with_zeros = exact and any(lin.tensors[2] is not None for g in groups for lin in g)
         sources = [lin.name for group in groups for lin in group]
@@ -589,7 +614,7 @@ class FuseMoePass(InPlacePass):
                     zeros = np.full((n, zero_cols), default_zeros, np.uint8) if zeros is None else zeros[:, :zero_cols]
                     sums = (0.0, 0.0)
                 else:
-                    result = quantize_values(lin.float_weight(), form)
+                    result = quantize_values(lin.float_weight(), blocks)
                     codes, scales, zeros, sums = result.weights, result.scales, None, (result.error_sq,
                                                                                         result.reference_sq)
                 for part, value in zip(parts, (codes, scales, zeros, sums)):
@@ -618,7 +643,7 @@ class FuseMoePass(InPlacePass):
                 for part in parts:
                     yield np.stack(part[which - 1], axis=1).reshape(rows, last).astype(dtype, copy=False)
 
-            shape = (e, rows, last)
+            shape = (e, rows) if per_row and which == 1 else (e, rows, last)
             onnx_type = ir.DataType.UINT8 if dtype == np.uint8 else ir.DataType.FLOAT
             return StreamedTensor(chunks, onnx_type, shape, f"{name}.{('weight', 'scales', 'zero_points')[which]}")
 
@@ -628,6 +653,13 @@ class FuseMoePass(InPlacePass):
         record.bytes = sum(int(np.prod(v.const_value.shape.numpy())) * int(v.const_value.dtype.itemsize)
                            for v in (codes, scales, zeros) if v is not None)
         return codes, scales, zeros
+
+
+def requantize_form(bits: int, ks: list[int]) -> BlockForm:
+    """The form experts are requantized into: `bits` with blocks of 32, else 16, when the block
+    divides every matrix's K (QMoE takes one block size for fc1 and fc2); else one scale per output
+    row (block_size 0: ONNX Runtime's per-row QMoE, no block_size attribute), whatever K is."""
+    return BlockForm(bits, next((b for b in (32, 16) if all(k % b == 0 for k in ks)), 0))
 
 
 def _value(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:
