@@ -45,5 +45,5 @@ def run_pipeline(model: ir.Model, print_after: str | None = None,
     return model
 
 
-__all__ = ["ACTIVATION_MODES", "ExposeRouterLogitsPass", "QuantizeActivationsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE", "ReorderExpertsPass",
-           "lower_gguf", "run_pipeline"]
+__all__ = ["ACTIVATION_MODES", "ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE",
+           "QuantizeActivationsPass", "ReorderExpertsPass", "lower_gguf", "run_pipeline"]
