@@ -56,11 +56,13 @@ def exported(tmp_path_factory):
     exported by torch.onnx.export (and quantized by ONNX Runtime's MatMulNBits quantizer when `bits`)."""
     import make_onnx_fixtures
 
-    def build(folder: Path, family: str, bits=None, block_size=32, symmetric=False, **kwargs) -> Path:
+    def build(folder: Path, family: str, bits=None, block_size=32, symmetric=False, exclude=(), accuracy_level=None,
+              **kwargs) -> Path:
         path = make_onnx_fixtures.export_hf_moe(folder / f"{family}.onnx", family, **kwargs)
         if bits:
             path = make_onnx_fixtures.quantize_matmul_nbits(path, folder / f"{family}-q{bits}.onnx", bits=bits,
-                                                            block_size=block_size, symmetric=symmetric)
+                                                            block_size=block_size, symmetric=symmetric,
+                                                            exclude=exclude, accuracy_level=accuracy_level)
         return path
 
     return _cached_by_arguments(tmp_path_factory.mktemp("exported"), build)
