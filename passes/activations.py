@@ -53,7 +53,3 @@ class QuantizeActivationsPass(InPlacePass):
             modified = True
         return PassResult(model, modified)
 
-
-def activation_mode(model: ir.Model) -> str | None:
-    """The mode a converted model was built in ("int8" or "float"), None for a model moepass did not write."""
-    return model.metadata_props.get(METADATA_KEY)
