@@ -268,6 +268,8 @@ class _BoundDecoding:
         self._cache = {n: ort.OrtValue.ortvalue_from_numpy(a)
                        for n, a in decoder.empty_cache(length=capacity if self._in_place else 0).items()}
         self._length = 0
+        if self._in_place:
+            self._bind_cache()
 
     def run(self, token_ids: Sequence[int]) -> np.ndarray:
         """The next-token logits after `token_ids`; a long prompt goes in PREFILL_CHUNK-token steps
@@ -277,16 +279,10 @@ class _BoundDecoding:
             self._step(chunk)
         return self._step(chunks[-1])
 
-    def _step(self, token_ids: Sequence[int]) -> np.ndarray:
+    def _bind_cache(self) -> None:
+        """Bind what stays the same from step to step: logits_to_keep, the logits output and the
+        KV cache (in place: each buffer as both past and present, once for the whole request)."""
         d, binding = self._decoder, self._binding
-        ids = np.asarray([token_ids], dtype=np.int64)
-        if self._in_place and self._length + ids.shape[1] > self._capacity:
-            raise MoepassError(f"{self._length + ids.shape[1]} tokens do not fit the KV cache of {self._capacity}")
-        self._length += ids.shape[1]
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("attention_mask", np.ones((1, self._length), dtype=np.int64))
         if d.keeps_logits:  # an overridable initializer: bound as an OrtValue (bind_cpu_input refuses it)
             binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._last_only)
         binding.bind_output("logits", "cpu")  # the first output bound: get_outputs()[0]
@@ -296,6 +292,19 @@ class _BoundDecoding:
                 binding.bind_ortvalue_output(present, self._cache[past])
             else:
                 binding.bind_output(present, "cpu")
+
+    def _step(self, token_ids: Sequence[int]) -> np.ndarray:
+        d, binding = self._decoder, self._binding
+        ids = np.asarray([token_ids], dtype=np.int64)
+        if self._in_place and self._length + ids.shape[1] > self._capacity:
+            raise MoepassError(f"{self._length + ids.shape[1]} tokens do not fit the KV cache of {self._capacity}")
+        self._length += ids.shape[1]
+        if not self._in_place:  # the cache values change every step: bind them anew
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            self._bind_cache()
+        binding.bind_cpu_input("input_ids", ids)  # replaces the previous step's binding of the name
+        binding.bind_cpu_input("attention_mask", np.ones((1, self._length), dtype=np.int64))
         d.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         if not self._in_place:
