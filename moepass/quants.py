@@ -630,6 +630,13 @@ def _pack_keeping_codes(raw: np.ndarray, qt: QuantType, codes: np.ndarray, scale
     return Packed(OWN_CODES_FORM, codes, scales, False, error_sq, reference_sq, zero_points)
 
 
+def requantize_form(bits: int, ks: list[int]) -> BlockForm:
+    """The form experts are requantized into: `bits` with blocks of 32, else 16, when the block
+    divides every matrix's K (QMoE takes one block size for fc1 and fc2); else one scale per output
+    row (block_size 0: ONNX Runtime's per-row QMoE, no block_size attribute), whatever K is."""
+    return BlockForm(bits, next((b for b in (32, 16) if all(k % b == 0 for k in ks)), 0))
+
+
 def best_exact_form(qt: QuantType) -> BlockForm | None:
     """The smallest exact form: fewest bits, then the largest block (fewest scales)."""
     forms = sorted(qt.exact_forms(), key=lambda f: (f.bits, -f.block_size))

@@ -35,7 +35,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.errors import MoepassError
 from moepass.passes.weights import StreamedTensor, WeightRecord, WeightReport
-from moepass.quants import BlockForm, quantize_values, rel_rms, unpack_values
+from moepass.quants import BlockForm, quantize_values, rel_rms, requantize_form, unpack_values
 
 META = "moepass."
 # Forms QMoE's CPU kernel runs that MatMulNBits blobs can move into unchanged.
@@ -653,13 +653,6 @@ class FuseMoePass(InPlacePass):
         record.bytes = sum(int(np.prod(v.const_value.shape.numpy())) * int(v.const_value.dtype.itemsize)
                            for v in (codes, scales, zeros) if v is not None)
         return codes, scales, zeros
-
-
-def requantize_form(bits: int, ks: list[int]) -> BlockForm:
-    """The form experts are requantized into: `bits` with blocks of 32, else 16, when the block
-    divides every matrix's K (QMoE takes one block size for fc1 and fc2); else one scale per output
-    row (block_size 0: ONNX Runtime's per-row QMoE, no block_size attribute), whatever K is."""
-    return BlockForm(bits, next((b for b in (32, 16) if all(k % b == 0 for k in ks)), 0))
 
 
 def _value(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:
