@@ -6,12 +6,16 @@ Bad input ends with one line `moepass: error: ...` on stderr and exit status 2.
 from __future__ import annotations
 
 import json
+import logging
+import math
+import signal
 import sys
 import time
+import traceback
 
 import click
 
-from moepass.errors import MoepassError
+from moepass.errors import MoepassError, expected_failure
 from moepass.passes import ACTIVATION_MODES, PASS_NAMES
 from moepass.passes.lower import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES
 from moepass.profile import PROMPT_FORMATS
@@ -20,12 +24,66 @@ from moepass.runtime.providers import DEVICES, MODES as OFFLOAD_MODES, PLUGIN_EN
 
 
 class _Group(click.Group):
-    def invoke(self, ctx: click.Context):
+    """The CLI boundary: every expected failure becomes one line and exit status 2, an interrupt
+    (SIGINT, SIGTERM) exit 130/143 after the running command removed what it had half-written,
+    and anything else, a bug, keeps its traceback and says so."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        extra.pop("standalone_mode", None)
+        previous = signal.signal(signal.SIGTERM, _terminated)
+        handler = _WarningLine()
+        logging.getLogger("moepass").addHandler(handler)
         try:
-            return super().invoke(ctx)
-        except MoepassError as e:
-            click.echo(f"moepass: error: {e}", err=True)
+            code = super().main(args, prog_name, standalone_mode=False, **extra)
+            sys.exit(code if isinstance(code, int) else 0)
+        except click.exceptions.NoArgsIsHelpError as e:  # `moepass` alone: the help, exit 2
+            click.echo(e.ctx.get_help(), err=True)
             sys.exit(2)
+        except click.ClickException as e:
+            option = f"{e.param_hint}: " if isinstance(e, click.BadParameter) and e.param_hint else ""
+            message = e.message if option else e.format_message()
+            click.echo(f"moepass: error: {option}{message}", err=True)
+            sys.exit(2)
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("moepass: interrupted; nothing half-written was left", err=True)
+            sys.exit(130)
+        except SystemExit:
+            raise
+        except Exception as e:  # noqa: BLE001 - the one place failures are worded
+            message = expected_failure(e)
+            if message is None:
+                traceback.print_exc()
+                click.echo(f"moepass: this is a bug in moepass {_version()} ({type(e).__name__}); please report it "
+                           "with the traceback above", err=True)
+                sys.exit(1)
+            click.echo(f"moepass: error: {message}", err=True)
+            sys.exit(2)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            logging.getLogger("moepass").removeHandler(handler)
+
+
+class _WarningLine(logging.Handler):
+    """The library's warnings (logger "moepass") as `moepass: warning: ...` lines on stderr."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"moepass: warning: {record.getMessage()}", err=True)
+
+
+def _terminated(signum, frame):
+    click.echo("moepass: terminated; nothing half-written was left", err=True)
+    sys.exit(128 + signum)  # SystemExit unwinds through every cleanup (atomic outputs remove their temporaries)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("moepass")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 @click.group(cls=_Group)
@@ -55,9 +113,18 @@ class _Progress:
 
 def _parse_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise MoepassError(f"--prompt-ids must be comma-separated integers, not {text!r}") from None
+    if not ids:
+        raise MoepassError(f"--prompt-ids {text!r} gives no token id")
+    return ids
+
+
+def _finite(param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", param=param)
+    return value
 
 
 @main.command()
@@ -77,11 +144,13 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
+@click.option("--allow-non-finite", is_flag=True,
+              help="Convert tensors holding NaN or Inf (refused by default: the model would compute NaN logits).")
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
               help="Print the graph after this pass.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(model: str, output: str, float_experts: str, expert_format: str, activations: str, imatrix: str | None,
-            force: bool, print_after: str | None, quiet: bool) -> None:
+            force: bool, allow_non_finite: bool, print_after: str | None, quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
@@ -91,7 +160,7 @@ def convert(model: str, output: str, float_experts: str, expert_format: str, act
         result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format,
                              activations=activations, imatrix=imatrix,
                              overwrite=force, progress=progress,
-                             print_after=print_after, echo=click.echo)
+                             print_after=print_after, echo=click.echo, allow_non_finite=allow_non_finite)
     finally:
         progress.close()
     for line in result.summary_lines():
@@ -136,10 +205,11 @@ def _runtime_options(f):
 @click.option("--chat", is_flag=True, help="Wrap --prompt as a user message with the model's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(0, None), default=16, show_default=True)
 @click.option("--temperature", type=click.FloatRange(0, None), default=0.0, show_default=True,
-              help="0 = greedy.")
+              callback=lambda ctx, param, value: _finite(param, value), help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(0, None), default=0, show_default=True, help="0 = no limit.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed for sampled decoding.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              callback=lambda ctx, param, value: _finite(param, value))
+@click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, help="Seed for sampled decoding.")
 @_runtime_options
 def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, device: str, cuda_plugin: str | None,
@@ -163,9 +233,11 @@ def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, 
             count += 1
         click.echo()
     else:
-        new = list(decoder.generate(_parse_ids(prompt_ids), max_new_tokens, sampling=sampling))
-        click.echo(",".join(str(t) for t in new))
-        count = len(new)
+        count = 0
+        for token in decoder.generate(_parse_ids(prompt_ids), max_new_tokens, sampling=sampling):
+            click.echo(f"{',' if count else ''}{token}", nl=False)  # as they come: an interrupt keeps them
+            count += 1
+        click.echo()
     click.echo(f"{count} {'pieces' if prompt is not None else 'tokens'} in {time.perf_counter() - start:.3f} s "
                f"on {decoder.plan.provider}", err=True)
 
@@ -283,9 +355,9 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 @click.option("--prefill-tokens", type=click.IntRange(1, None), default=512, show_default=True,
               help="Tokens per prefill step (sizes the working buffers).")
 @click.option("--reserve", default="512MiB", show_default=True, help="GPU memory kept for the runtime itself.")
-@click.option("--gpu-bandwidth", type=float, default=Bandwidths.gpu, show_default=True, help="GB/s, for the estimate.")
-@click.option("--host-bandwidth", type=float, default=Bandwidths.host, show_default=True, help="GB/s, for the estimate.")
-@click.option("--pcie-bandwidth", type=float, default=Bandwidths.pcie, show_default=True, help="GB/s, for the estimate.")
+@click.option("--gpu-bandwidth", type=float, callback=lambda ctx, param, value: _finite(param, value), default=Bandwidths.gpu, show_default=True, help="GB/s, for the estimate.")
+@click.option("--host-bandwidth", type=float, callback=lambda ctx, param, value: _finite(param, value), default=Bandwidths.host, show_default=True, help="GB/s, for the estimate.")
+@click.option("--pcie-bandwidth", type=float, callback=lambda ctx, param, value: _finite(param, value), default=Bandwidths.pcie, show_default=True, help="GB/s, for the estimate.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Also draw the plan (heatmap and memory bar) into this PNG file.")
 @click.option("--force", is_flag=True, help="Replace the output directory (and report) if they exist.")

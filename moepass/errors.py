@@ -1,9 +1,51 @@
-"""The one error type moepass raises for bad input.
+"""The one error type moepass raises for bad input, and the one place that words every expected failure.
 
-Its message is a single line that names the file, tensor or key at fault; the CLI prints it
-and exits with status 2.
+A `MoepassError` message is a single line that names the file, tensor or key at fault; the CLI
+prints it and exits with status 2. `expected_failure` turns the other failures that bad input or
+a hostile environment cause (files, JSON, protobuf, ONNX Runtime, tokenizers, Jinja) into such a
+line; anything it does not recognize is a bug in moepass and keeps its traceback.
 """
+
+from __future__ import annotations
+
+import errno
+import json
+
+# errnos that mean "the destination cannot take what is written", whoever the writer was
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
 class MoepassError(Exception):
     """Bad input or an impossible request, with a one-line message for the user."""
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _module_of(exc: BaseException) -> str:
+    return type(exc).__module__ or ""
+
+
+def expected_failure(exc: BaseException) -> str | None:
+    """The one-line message for a failure bad input or the environment can cause, or None for a bug."""
+    if isinstance(exc, MoepassError):
+        return first_line(exc)
+    if isinstance(exc, OSError):
+        where = exc.filename if exc.filename is not None else "a file"
+        return f"{where}: {exc.strerror or first_line(exc)}"
+    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+        return f"unreadable text or JSON ({first_line(exc)})"
+    if isinstance(exc, MemoryError):
+        return "out of memory (the model or a request is larger than this machine can hold)"
+    module = _module_of(exc)
+    if module.startswith("google.protobuf") or type(exc).__name__ == "DecodeError":
+        return f"not a readable ONNX model ({first_line(exc)})"
+    if module.startswith("onnxruntime"):
+        return f"ONNX Runtime: {first_line(exc)}"
+    if module.startswith("jinja2"):
+        return f"chat template: {type(exc).__name__}: {first_line(exc)}"
+    if module.startswith("onnx.") and type(exc).__name__ in ("ValidationError", "InferenceError"):
+        return f"invalid ONNX model ({first_line(exc)})"
+    return None
