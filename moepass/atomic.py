@@ -1,28 +1,90 @@
 """Outputs that appear whole or not at all, and never replace what a user had unless asked.
 
 Every command that writes (convert, partition, profile) builds its output under a temporary
-name beside the destination and renames it at the end; on any error the temporary is removed.
+name beside the destination (`.NAME.tmp-PID-*`) and renames it at the end. On any error or
+interrupt the temporary is removed; one left by a killed process is swept by the next run to
+the same destination. Without `overwrite` the final rename itself refuses to replace what
+appeared at the destination meanwhile (a concurrent run), so two runs never both "succeed".
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
-from moepass.errors import MoepassError
+from moepass.errors import WRITE_ERRNOS, MoepassError
 
 
-def _check_destination(path: Path, overwrite: bool, is_dir: bool) -> None:
-    if path.exists() and not overwrite:
-        empty_dir = is_dir and path.is_dir() and not any(path.iterdir())
-        if not empty_dir:
-            raise MoepassError(f"{path}: already exists; pass --force to replace it")
-    if not path.parent.is_dir():
+def _check_destination(path: Path, overwrite: bool, is_dir: bool, inputs: Iterable[str | os.PathLike]) -> None:
+    absolute = Path(os.path.abspath(path))
+    here = Path.cwd()
+    if absolute == Path(absolute.anchor):
+        raise MoepassError(f"'{absolute}': the file system root cannot be an output")
+    if absolute == here or absolute in here.parents:
+        raise MoepassError(f"{path}: is the current directory (or one above it); name a new folder for the output")
+    for source in inputs:
+        source = Path(os.path.realpath(source))
+        real = Path(os.path.realpath(absolute))
+        if source == real or real in source.parents:
+            raise MoepassError(f"{path}: writing there would replace the input {source}")
+    if not path.parent.exists():
         raise MoepassError(f"{path}: parent directory {path.parent} does not exist")
+    if not path.parent.is_dir():
+        raise MoepassError(f"{path}: parent {path.parent} is a file, not a directory")
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink():
+        if overwrite:
+            raise MoepassError(f"{path}: is a symbolic link; give the real path, or remove the link")
+        raise MoepassError(f"{path}: already exists (a symbolic link); pass --force to replace it")
+    if is_dir and not path.is_dir():
+        if overwrite:
+            raise MoepassError(f"{path}: exists and is not a directory; --force replaces only a directory")
+        raise MoepassError(f"{path}: already exists (a file); pass --force to replace it")
+    if not is_dir and path.is_dir():
+        raise MoepassError(f"{path}: is a directory")
+    if not overwrite and not (is_dir and not any(path.iterdir())):
+        raise MoepassError(f"{path}: already exists; pass --force to replace it")
+
+
+def _prefix(destination: Path, kind: str) -> str:
+    return f".{destination.name}.{kind}-{os.getpid()}-"
+
+
+def _sweep_stale(destination: Path) -> None:
+    """Remove temporaries of this destination whose process is gone (killed by SIGKILL or a crash)."""
+    pattern = re.compile(rf"^\.{re.escape(destination.name)}\.(?:tmp|old)-(\d+)-")
+    try:
+        entries = list(destination.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if not match or _alive(int(match[1])):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def _ordinary_permissions(path: Path, mode: int) -> None:
@@ -32,51 +94,81 @@ def _ordinary_permissions(path: Path, mode: int) -> None:
     path.chmod(mode & ~umask)
 
 
-def _replace(tmp: Path, destination: Path) -> None:
+def _appeared(destination: Path) -> MoepassError:
+    return MoepassError(f"{destination}: appeared while this run was writing (another run?); it was left as it is "
+                        "and nothing was written; pass --force to replace it")
+
+
+def _replace(tmp: Path, destination: Path, overwrite: bool) -> None:
+    if not overwrite:
+        try:
+            if tmp.is_dir():
+                if os.path.lexists(destination) and (destination.is_symlink() or not destination.is_dir()):
+                    raise _appeared(destination)
+                os.rename(tmp, destination)  # refused by the kernel when destination is a non-empty directory
+            else:
+                os.link(tmp, destination)  # refused when destination exists
+                tmp.unlink()
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise _appeared(destination) from None
+            raise
+        return
     old = None
-    if destination.exists() and destination.is_dir():
-        old = destination.with_name(f".{destination.name}.old-{os.getpid()}")
-        destination.rename(old)
+    if destination.is_dir() and not destination.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=_prefix(destination, "old"), dir=destination.parent))
+        destination.rename(old / destination.name)
     tmp.replace(destination)
     if old is not None:
         shutil.rmtree(old)
 
 
 @contextlib.contextmanager
-def atomic_directory(destination: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory beside `destination`; it becomes `destination` if the block succeeds."""
-    destination = Path(destination)
-    _check_destination(destination, overwrite, is_dir=True)
+def _writing(destination: Path, tmp: Path, overwrite: bool) -> Iterator[Path]:
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
-    except OSError as e:
-        raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
-    try:
-        _ordinary_permissions(tmp, 0o777)
         yield tmp
-        _replace(tmp, destination)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _replace(tmp, destination, overwrite)
+    except OSError as e:
+        if e.errno in WRITE_ERRNOS:
+            raise MoepassError(f"{destination}: {e.strerror}; nothing was written") from None
         raise
+    finally:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
+            tmp.unlink()
 
 
 @contextlib.contextmanager
-def atomic_file(destination: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(destination: str | os.PathLike, overwrite: bool = False,
+                     inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
+    """Yield a temporary directory beside `destination`; it becomes `destination` if the block succeeds.
+    `inputs`: files the block reads, which the output must never replace."""
+    destination = Path(destination)
+    _check_destination(destination, overwrite, is_dir=True, inputs=inputs)
+    _sweep_stale(destination)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=_prefix(destination, "tmp"), dir=destination.parent))
+    except OSError as e:
+        raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
+    _ordinary_permissions(tmp, 0o777)
+    with _writing(destination, tmp, overwrite) as path:
+        yield path
+
+
+@contextlib.contextmanager
+def atomic_file(destination: str | os.PathLike, overwrite: bool = False,
+                inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
     """Yield a temporary file path beside `destination`; it becomes `destination` if the block succeeds."""
     destination = Path(destination)
-    _check_destination(destination, overwrite, is_dir=False)
-    if destination.is_dir():
-        raise MoepassError(f"{destination}: is a directory")
+    _check_destination(destination, overwrite, is_dir=False, inputs=inputs)
+    _sweep_stale(destination)
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{destination.name}.tmp-", dir=destination.parent)
+        fd, name = tempfile.mkstemp(prefix=_prefix(destination, "tmp"), dir=destination.parent)
     except OSError as e:
         raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
     os.close(fd)
     tmp = Path(name)
-    try:
-        _ordinary_permissions(tmp, 0o666)
-        yield tmp
-        _replace(tmp, destination)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    _ordinary_permissions(tmp, 0o666)
+    with _writing(destination, tmp, overwrite) as path:
+        yield path
