@@ -13,7 +13,7 @@ use as the oracle.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,25 +30,40 @@ class HParam:
     key: str
     default: Any = _REQUIRED
     kind: type = int
+    # what a sane value is, in code and in words; integers default to [0, 2^24)
+    valid: tuple[Callable[[Any], bool], str] | None = None
+
+    def check(self, value: Any) -> str | None:
+        """None when `value` is sane, else what a sane value is."""
+        test, words = self.valid or ((lambda v: 0 <= v < _INT_LIMIT, f"between 0 and {_INT_LIMIT - 1}")
+                                     if self.kind is int else (lambda v: True, ""))
+        return None if test(value) else words
+
+
+_INT_LIMIT = 1 << 24
+_POSITIVE = (lambda v: v > 0, "positive")
 
 
 # Hyperparameters of decoder MoE models; an architecture lists the ones it reads.
 HPARAMS: dict[str, HParam] = {
     "n_layers": HParam("{arch}.block_count"),
     "hidden": HParam("{arch}.embedding_length"),
-    "context_length": HParam("{arch}.context_length"),
+    "context_length": HParam("{arch}.context_length", valid=(lambda v: 0 < v <= _INT_LIMIT,
+                                                             f"between 1 and {_INT_LIMIT}")),
     "n_heads": HParam("{arch}.attention.head_count"),
     "n_kv_heads": HParam("{arch}.attention.head_count_kv", None),
     "head_dim": HParam("{arch}.attention.key_length", None),
     "value_dim": HParam("{arch}.attention.value_length", None),
-    "rms_eps": HParam("{arch}.attention.layer_norm_rms_epsilon", kind=float),
-    "rope_base": HParam("{arch}.rope.freq_base", 10000.0, kind=float),
+    "rms_eps": HParam("{arch}.attention.layer_norm_rms_epsilon", kind=float,
+                      valid=(lambda v: 0 <= v < 1, "at least 0 and below 1")),
+    "rope_base": HParam("{arch}.rope.freq_base", 10000.0, kind=float, valid=_POSITIVE),
     "n_experts": HParam("{arch}.expert_count"),
     "n_experts_used": HParam("{arch}.expert_used_count"),
     "expert_ff": HParam("{arch}.expert_feed_forward_length"),
     "ffn": HParam("{arch}.feed_forward_length"),
     "shared_ff": HParam("{arch}.expert_shared_feed_forward_length", 0),
-    "expert_weights_scale": HParam("{arch}.expert_weights_scale", 0.0, kind=float),
+    "expert_weights_scale": HParam("{arch}.expert_weights_scale", 0.0, kind=float,
+                                   valid=(lambda v: v >= 0, "at least 0")),
     # granite multipliers (0 = not used, as llama.cpp treats them)
     "logit_scale": HParam("{arch}.logit_scale", kind=float),
     "residual_scale": HParam("{arch}.residual_scale", 0.0, kind=float),
@@ -237,12 +252,10 @@ class Architecture:
             spec = HPARAMS[name]
             key = spec.key.format(arch=self.gguf_arch)
             if key in gguf.metadata:
-                raw = gguf.metadata[key]
-                try:
-                    values[name] = spec.kind(raw)
-                except (TypeError, ValueError):
-                    raise MoepassError(f"{gguf.path}: metadata key '{key}' has value {raw!r}, "
-                                       f"expected {spec.kind.__name__}") from None
+                values[name] = gguf.typed(key, spec.kind)
+                sane = spec.check(values[name])
+                if sane is not None:
+                    raise MoepassError(f"{gguf.path}: metadata key '{key}' is {values[name]}; it must be {sane}")
             elif spec.default is _REQUIRED:
                 raise MoepassError(f"{gguf.path}: missing metadata key '{key}'")
             else:
@@ -397,17 +410,19 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> Rope:
         if gguf.has_tensor(name):
             raise MoepassError(f"{gguf.path}: tensor '{name}' holds RoPE frequency factors (LongRoPE / llama3 "
                                "scaling), which moepass does not convert yet")
-    scaling = str(gguf.get(f"{a}.rope.scaling.type", "linear"))  # llama.cpp's default when absent
+    scaling = gguf.typed(f"{a}.rope.scaling.type", str, "linear")  # llama.cpp's default when absent
     if scaling not in SUPPORTED_ROPE_SCALING:
         raise MoepassError(f"{gguf.path}: metadata key '{a}.rope.scaling.type' is {scaling!r}; moepass converts "
                            f"RoPE scaling {', '.join(SUPPORTED_ROPE_SCALING)}")
-    factor = float(gguf.get(f"{a}.rope.scaling.factor", gguf.get(f"{a}.rope.scale_linear", 0.0)))
+    factor = gguf.typed(f"{a}.rope.scaling.factor", float, gguf.typed(f"{a}.rope.scale_linear", float, 0.0))
+    if factor < 0:
+        raise MoepassError(f"{gguf.path}: metadata key '{a}.rope.scaling.factor' is {factor}; it must be at least 0")
     freq_scale = f32(1) if scaling == "none" or factor == 0 else f32(1) / f32(factor)
     attn_factor = f32(1)
     yarn = scaling == "yarn"
     log_mul = f32(0)
     if arch.features.get("yarn_log_multiplier"):  # the converter stores 0.1 * mscale_all_dim
-        log_mul = f32(gguf.get(f"{a}.rope.scaling.yarn_log_multiplier", 0.0)) / f32(0.1)
+        log_mul = f32(gguf.typed(f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0)) / f32(0.1)
     if yarn:
         def mscale(s: np.float32, m: float) -> np.float32:
             return f32(1) if s <= 1 else f32(0.1) * f32(m) * np.log(s) + f32(1)
@@ -418,8 +433,8 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> Rope:
         else:
             attn_factor = mscale(scale, 1.0)
         attn_factor = attn_factor * (f32(1) / (f32(1) + f32(0.1) * np.log(scale)))
-    attn_factor = attn_factor * f32(gguf.get(f"{a}.rope.scaling.attn_factor", 1.0))
-    n_ctx_orig = int(gguf.get(f"{a}.rope.scaling.original_context_length", hp["context_length"]))
+    attn_factor = attn_factor * f32(gguf.typed(f"{a}.rope.scaling.attn_factor", float, 1.0))
+    n_ctx_orig = gguf.typed(f"{a}.rope.scaling.original_context_length", int, hp["context_length"])
     return Rope(base=float(f32(hp["rope_base"])), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
                 attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul))
 
@@ -437,7 +452,7 @@ def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any
         if len(pattern) != n:
             raise MoepassError(f"{gguf.path}: metadata key '{key}' has {len(pattern)} entries for {n} layers")
         return tuple(bool(p) for p in pattern)
-    period = int(pattern)
+    period = gguf.typed(key, int, period)
     if hp["sliding_window"] <= 0:
         raise MoepassError(f"{gguf.path}: missing metadata key '{arch.gguf_arch}.attention.sliding_window'")
     return tuple(period == 0 or i % period < period - 1 for i in range(n))
@@ -476,8 +491,8 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
             raise bad(f"{hp['n_experts']} experts in {groups} groups, {hp['n_group_used']} used")
         if not 0 < hp["rope_dim"] < latent_dims(hp)[1] or hp["rope_dim"] % 2:
             raise bad(f"RoPE dimension {hp['rope_dim']} does not fit the key head {latent_dims(hp)[1]}")
-    rot = gguf.get(f"{arch.gguf_arch}.rope.dimension_count")
-    if rot is not None and int(rot) != hp["head_dim"] and not arch.features.get("mla"):
+    rot = gguf.typed(f"{arch.gguf_arch}.rope.dimension_count", int, None)
+    if rot is not None and rot != hp["head_dim"] and not arch.features.get("mla"):
         raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
                            f"size {hp['head_dim']}; partial rotary embedding is not converted yet")
 

@@ -35,7 +35,7 @@ from moepass.genai import genai_config
 from moepass.imatrix import load_imatrix
 from moepass.runtime.providers import offload_violations
 from moepass.tokenizer import tokenizer_from_gguf
-from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
+from moepass.gguf_reader import GGUFModel, is_gguf
 from moepass.passes import ACTIVATION_MODES, QuantizeActivationsPass, run_pipeline
 from moepass.passes.fuse_moe import FuseMoePass
 from moepass.passes.lower import FLOAT_EXPERT_CHOICES, META, LowerOptions, lower_gguf
@@ -139,7 +139,7 @@ class ConvertResult:
 def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
             expert_format: str = "auto", activations: str = "int8", imatrix: str | os.PathLike | None = None,
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
-            echo: Callable[[str], None] = print) -> ConvertResult:
+            echo: Callable[[str], None] = print, allow_non_finite: bool = False) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
     Args:
@@ -158,6 +158,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         overwrite: replace an existing output_dir.
         progress: called as progress(done, total) while weights are written.
         print_after: print the graph after this pass (see moepass.passes.PASS_NAMES).
+        allow_non_finite: convert tensors holding NaN or Inf (refused by default: the model would
+            compute NaN logits).
     """
     if activations not in ACTIVATION_MODES:
         raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")
@@ -166,7 +168,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
                             overwrite=overwrite, progress=progress)
     start = time.perf_counter()
     source, output_dir = Path(model), Path(output_dir)
-    gguf = GGUFModel(source)
+    gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
                                                        imatrix=load_imatrix(imatrix) if imatrix else None))
@@ -176,7 +178,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         f"not eligible: {violations[0][0]}: {violations[0][1]}" + (" (--expert-format offload makes it eligible)"
                                                                  if expert_format != "offload" else "")
 
-    with atomic_directory(output_dir, overwrite) as tmp:
+    with atomic_directory(output_dir, overwrite, inputs=gguf.parts) as tmp:
         _save(onnx_model, tmp, progress)
         weights = [r.as_dict() for r in lowered.report.records.values()]
         bytes_by_target: dict[str, int] = collections.Counter()
@@ -228,8 +230,7 @@ def _is_onnx(model: Any) -> bool:
     if path.is_dir():
         return True
     if path.is_file():
-        with open(path, "rb") as f:
-            return f.read(4) != GGUF_MAGIC and path.suffix == ".onnx"
+        return not is_gguf(path) and path.suffix == ".onnx"
     return path.suffix == ".onnx"
 
 
@@ -265,7 +266,8 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
         f"not eligible: {violations[0][0]}: {violations[0][1]}" if violations else "no MoE layer"
     moe_layers = [{"layer": i, "node": r.node, "experts": r.experts, "top_k": r.top_k, "form": r.form,
                    "fused_from": r.anchor} for i, r in enumerate(fused)]
-    with atomic_directory(Path(output_dir), overwrite) as tmp:
+    inputs = [source, *_data_files(source)] if source.is_file() else []
+    with atomic_directory(Path(output_dir), overwrite, inputs=inputs) as tmp:
         _save(onnx_model, tmp, progress)
         weights = [r.as_dict() for r in fuse.report.records.values()]
         report = {"moepass_version": __version__, "source": {"file": source.name, "bytes": source_bytes},
@@ -282,9 +284,13 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
                          offload=offload, fusion=[r.as_dict() for r in fuse.records], activations=activations)
 
 
+def _data_files(path: Path) -> list[Path]:
+    """The external data files beside an ONNX model file (named after it, as onnx writes them)."""
+    return [f for f in path.parent.iterdir() if f.is_file() and f.name.startswith(path.name) and f != path]
+
+
 def _model_bytes(path: Path) -> int:
     """Bytes of an ONNX model file and the external data files beside it (0 for in-memory models)."""
     if not path.is_file():
         return 0
-    return sum(f.stat().st_size for f in path.parent.iterdir()
-               if f == path or (f.is_file() and f.name.startswith(path.name) and f.name != path.name))
+    return sum(f.stat().st_size for f in [path, *_data_files(path)])

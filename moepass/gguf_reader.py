@@ -12,20 +12,31 @@ Every structural problem is reported as a `MoepassError` naming the file and the
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from moepass.errors import MoepassError
+from moepass.quants import has_non_finite
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4
 # No tensor of a real model comes near 2**40 elements (a 1 TiB F8 tensor); larger is corruption.
 MAX_ELEMENTS = 1 << 40
+# More tensors or keys than any model has (DeepSeek-V3: ~1,100 tensors; tokenizer arrays are one key each)
+MAX_TENSORS = 1 << 20
+MAX_KEYS = 1 << 16
+MAX_ALIGNMENT = 1 << 16
+_INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+             GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
+_FLOATS = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+_KIND_WORDS = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+_MISSING = object()
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -43,6 +54,8 @@ class GGUFTensor:
     path: Path
     offset: int
     nbytes: int
+    # refuse rows holding NaN or Inf (a float value or a block scale) as they are read
+    check_finite: bool = True
 
     @property
     def type_name(self) -> str:
@@ -68,6 +81,10 @@ class GGUFTensor:
                 if n <= 0:
                     raise MoepassError(f"{self.path}: tensor '{self.name}' ends past the end of the file")
                 done += n
+        if self.check_finite and has_non_finite(out, self.ggml_type):
+            raise MoepassError(f"{self.path}: tensor '{self.name}' holds non-finite values (NaN or Inf"
+                               f"{'' if self.ggml_type.name in ('F32', 'F16', 'BF16') else ' block scales'}); the "
+                               "model would compute NaN; --allow-non-finite converts it anyway")
         return out
 
     def read_raw(self) -> np.ndarray:
@@ -124,13 +141,37 @@ class StackedTensor:
 
 
 class _CheckedReader(GGUFReader):
-    """GGUFReader that validates each tensor's type, shape and extent before indexing it."""
+    """GGUFReader that validates the alignment and each tensor's name, type, shape, extent and
+    placement (aligned, inside the file, overlapping no other tensor) before indexing it."""
+
+    def _build_tensor_info(self, offs: int, count: int):
+        if count > MAX_TENSORS:
+            raise MoepassError(f"the header announces {count} tensors (corrupt tensor count)")
+        alignment = self.fields.get("general.alignment")
+        if alignment is not None:
+            value = alignment.contents()
+            if alignment.types != [GGUFValueType.UINT32] or not _power_of_two(value):
+                raise MoepassError(f"metadata key 'general.alignment' is {value!r}; it must be a uint32 power of two "
+                                   f"up to {MAX_ALIGNMENT}")
+        return super()._build_tensor_info(offs, count)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        if count > MAX_KEYS:
+            raise MoepassError(f"the header announces {count} metadata keys (corrupt key count)")
+        return super()._build_fields(offs, count)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size = len(self.data)
+        extents, names = [], set()
         for field in fields:
             _, name_data, _, dims, raw_type, rel_offset = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                name = bytes(name_data).decode("utf-8")
+            except UnicodeDecodeError:
+                raise MoepassError(f"a tensor name is not UTF-8 ({bytes(name_data)[:40]!r})") from None
+            if name in names:
+                raise MoepassError(f"tensor '{name}' appears twice")
+            names.add(name)
             try:
                 ggml_type = GGMLQuantizationType(int(raw_type[0]))
             except ValueError:
@@ -147,11 +188,24 @@ class _CheckedReader(GGUFReader):
             if shape[0] % block:
                 raise MoepassError(
                     f"tensor '{name}' ({ggml_type.name}) has row length {shape[0]}, not a multiple of its block {block}")
-            end = start_offs + int(rel_offset[0]) + n_elements // block * type_size
+            start = start_offs + int(rel_offset[0])
+            if int(rel_offset[0]) % self.alignment:
+                raise MoepassError(f"tensor '{name}' data offset {int(rel_offset[0])} is not a multiple of the "
+                                   f"file's alignment {self.alignment}")
+            end = start + n_elements // block * type_size
             if end > size:
                 raise MoepassError(
                     f"tensor '{name}' data ends at byte {end}, past the end of the file ({size} bytes)")
+            extents.append((start, end, name))
+        extents.sort()
+        for (_, end, name), (start, _, other) in zip(extents, extents[1:]):
+            if start < end:
+                raise MoepassError(f"tensors '{name}' and '{other}' overlap in the file (corrupt offset or type)")
         super()._build_tensors(start_offs, fields)
+
+
+def _power_of_two(value) -> bool:
+    return isinstance(value, int) and 0 < value <= MAX_ALIGNMENT and not value & (value - 1)
 
 
 def _open_part(path: Path) -> _CheckedReader:
@@ -165,8 +219,17 @@ def _open_part(path: Path) -> _CheckedReader:
         return _CheckedReader(path)
     except MoepassError as e:
         raise MoepassError(f"{path}: {e}") from None
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, MemoryError) as e:
         raise MoepassError(f"{path}: truncated or malformed GGUF ({type(e).__name__}: {e})") from None
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether `path` is a readable file that starts with the GGUF magic (the one sniffing rule)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def split_parts(path: Path) -> list[Path]:
@@ -184,10 +247,11 @@ class GGUFModel:
     `metadata` maps every key to its Python value; `tensors` maps names to `GGUFTensor`.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, allow_non_finite: bool = False):
         self.path = Path(path)
         self.parts = split_parts(self.path)
         self.metadata: dict[str, Any] = {}
+        self.value_types: dict[str, list[GGUFValueType]] = {}
         self.tensors: dict[str, GGUFTensor] = {}
         for part in self.parts:
             reader = _open_part(part)
@@ -196,6 +260,7 @@ class GGUFModel:
                     continue
                 try:
                     self.metadata[key] = field.contents()
+                    self.value_types[key] = list(field.types)
                 except (ValueError, IndexError, UnicodeDecodeError) as e:
                     raise MoepassError(f"{part}: metadata key '{key}' is unreadable ({e})") from None
             for t in reader.tensors:
@@ -208,17 +273,38 @@ class GGUFModel:
                     path=part,
                     offset=int(t.data_offset),
                     nbytes=int(t.n_bytes),
+                    check_finite=not allow_non_finite,
                 )
             # The reader's map is only needed for the index; payloads are read with preadv.
             del reader
-        declared = self.metadata.get("split.count")
-        if declared is not None and int(declared) != len(self.parts):
+        declared = self.typed("split.count", int, None)
+        if declared is not None and declared != len(self.parts):
             raise MoepassError(
                 f"{self.path}: metadata says split.count={declared} but the file name names {len(self.parts)} part(s)")
 
     @property
     def architecture(self) -> str:
-        return str(self.require("general.architecture"))
+        return self.typed("general.architecture", str)
+
+    def typed(self, key: str, kind: type, default: Any = _MISSING) -> Any:
+        """The value of a scalar key, which must be stored with a GGUF type of `kind` (int, float, bool
+        or str; a float key may hold an integer) and, for numbers, be finite. Absent: `default`, or
+        an error when none is given."""
+        if key not in self.metadata:
+            if default is _MISSING:
+                raise MoepassError(f"{self.path}: missing metadata key '{key}'")
+            return default
+        types = self.value_types.get(key, [])
+        allowed = {int: _INTEGERS, float: _INTEGERS | _FLOATS, bool: {GGUFValueType.BOOL},
+                   str: {GGUFValueType.STRING}}[kind]
+        if len(types) != 1 or types[0] not in allowed:
+            stored = "an array" if types and types[0] == GGUFValueType.ARRAY else \
+                (types[0].name if types else "unknown")
+            raise MoepassError(f"{self.path}: metadata key '{key}' is stored as {stored}, expected {_KIND_WORDS[kind]}")
+        value = kind(self.metadata[key])
+        if kind is float and not math.isfinite(value):
+            raise MoepassError(f"{self.path}: metadata key '{key}' is {value}, not a finite number")
+        return value
 
     @property
     def file_bytes(self) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from moepass.errors import MoepassError
-from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
+from moepass.gguf_reader import GGUFModel, is_gguf
 from moepass.quants import dequantize
 
 
@@ -26,9 +26,7 @@ def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise MoepassError(f"{path}: no such importance matrix file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    return _from_gguf(path) if magic == GGUF_MAGIC else _from_dat(path)
+    return _from_gguf(path) if is_gguf(path) else _from_dat(path)
 
 
 def _from_gguf(path: Path) -> dict[str, np.ndarray]:

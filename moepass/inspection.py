@@ -16,8 +16,8 @@ from typing import Any
 
 from moepass.architectures import ARCHITECTURES
 from moepass.errors import MoepassError
-from moepass.files import REPORT_FILE, as_ir_model
-from moepass.gguf_reader import GGUF_MAGIC, GGUFModel
+from moepass.files import REPORT_FILE, as_ir_model, read_json_object
+from moepass.gguf_reader import GGUFModel, is_gguf
 from moepass.passes.fuse_moe import FuseMoePass
 from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
 from moepass.quants import BlockForm
@@ -98,7 +98,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     dry_run = FuseMoePass(dry_run=True)
     dry_run(model)
     report = Path(label).parent / REPORT_FILE
-    fused = json.loads(report.read_text()).get("fusion") if report.is_file() else None
+    fused = read_json_object(report).get("fusion")
     return {
         "kind": "onnx",
         "file": label,
@@ -123,10 +123,8 @@ def inspect(source: Any) -> dict[str, Any]:
         path = Path(source)
         if not path.exists():
             raise MoepassError(f"{path}: no such file or directory")
-        if path.is_file():
-            with open(path, "rb") as f:
-                if f.read(4) == GGUF_MAGIC:
-                    return inspect_gguf(path)
+        if path.is_file() and (is_gguf(path) or path.suffix == ".gguf"):
+            return inspect_gguf(path)
     return inspect_onnx(source)
 
 

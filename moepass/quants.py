@@ -250,6 +250,10 @@ class QuantType:
     # rounds only offset / scale to the integer zero point (exact where it is one), instead of
     # requantizing from floats (see pack_own_codes).
     own_codes: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+    # Byte offsets of the fp16 scales (d, dmin) in each block, from ggml's block structs: where a
+    # NaN or Inf would make every value of the block non-finite. None: no fp16 scale to check
+    # (float types are checked whole; MXFP4's e8m0 scale and IQ1_M's split scale are special cases).
+    scales: tuple[int, ...] | None = (0,)
 
     @property
     def name(self) -> str:
@@ -266,24 +270,54 @@ class QuantType:
 
 
 QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
-    QuantType(GT.F32, "float"),
-    QuantType(GT.F16, "float"),
-    QuantType(GT.BF16, "float"),
+    QuantType(GT.F32, "float", scales=None),
+    QuantType(GT.F16, "float", scales=None),
+    QuantType(GT.BF16, "float", scales=None),
     QuantType(GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0, {8: direct_q8_0_int8}, int4_agrees=True),
     QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0, {4: direct_q4_0_int4}, int4_agrees=True),
-    QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, int4_agrees=True),
+    QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, int4_agrees=True, scales=(208,)),
     QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0),
     QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl, int4_agrees=True),
-    QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4),
+    QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4, scales=None),
     # Fractional minimums or non-integer codebooks: requantized from the gguf
     # package's dequantization, the added error measured and reported.
-    QuantType(GT.Q4_1, "dequantize", int4_agrees=True, own_codes=own_codes_q4_1),
-    QuantType(GT.Q4_K, "dequantize", int4_agrees=True, own_codes=own_codes_q4_k),
-    *(QuantType(t, "dequantize", int4_agrees=True) for t in (GT.Q5_1, GT.Q5_K, GT.IQ4_XS)),
+    QuantType(GT.Q4_1, "dequantize", int4_agrees=True, own_codes=own_codes_q4_1, scales=(0, 2)),
+    QuantType(GT.Q4_K, "dequantize", int4_agrees=True, own_codes=own_codes_q4_k, scales=(0, 2)),
+    QuantType(GT.Q5_1, "dequantize", int4_agrees=True, scales=(0, 2)),
+    QuantType(GT.Q5_K, "dequantize", int4_agrees=True, scales=(0, 2)),
+    QuantType(GT.IQ4_XS, "dequantize", int4_agrees=True),
+    QuantType(GT.Q2_K, "dequantize", scales=(80, 82)),
+    QuantType(GT.Q3_K, "dequantize", scales=(108,)),
+    QuantType(GT.IQ1_M, "dequantize", scales=None),
     # int4 measured beyond 2x llama.cpp's distance from exact (Q3_K at 2.1-2.2x), or not measured (IQ1_*)
     *(QuantType(t, "dequantize") for t in (
-        GT.Q2_K, GT.Q3_K, GT.IQ3_XXS, GT.IQ3_S, GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_S, GT.IQ1_M)),
+        GT.IQ3_XXS, GT.IQ3_S, GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_S)),
 ]}
+
+
+def has_non_finite(raw: np.ndarray, ggml_type: GT) -> bool:
+    """Whether raw GGUF rows (uint8) hold a NaN or Inf: a float value, or a block scale (which
+    makes its whole block non-finite). Reads only the scales of quantized blocks."""
+    flat = np.ascontiguousarray(raw).reshape(-1)
+    if ggml_type == GT.F32:
+        return not np.isfinite(flat.view(np.float32)).all()
+    if ggml_type in (GT.F16, GT.BF16):
+        bits = flat.view(np.uint16)
+        exponent = 0x7C00 if ggml_type == GT.F16 else 0x7F80
+        return bool(((bits & exponent) == exponent).any())
+    qt = QUANT_TYPES.get(ggml_type)
+    if qt is None:
+        return False  # not convertible: refused by name before its values matter
+    blocks = flat.reshape(-1, GGML_QUANT_SIZES[ggml_type][1])
+    if ggml_type == GT.MXFP4:
+        return bool((blocks[:, 0] == 0xFF).any())  # e8m0 0xFF is NaN
+    if qt.scales is None:  # IQ1_M: the fp16 scale is spread over the block's scale nibbles
+        return not np.isfinite(dequantize(blocks, ggml_type)).all()
+    for offset in qt.scales:
+        bits = np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.uint16)
+        if ((bits & 0x7C00) == 0x7C00).any():
+            return True
+    return False
 
 
 def quant_type(ggml_type: GT, tensor_name: str, file: object = None) -> QuantType:
