@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
+from moepass.errors import MoepassError, first_line
 from moepass.gguf_reader import GGUFModel
+
+log = logging.getLogger("moepass")
 
 # tokenizer.ggml.pre -> the pre-tokenizer regex (from the model's original tokenizer.json, as quoted in llama.cpp)
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -49,57 +54,125 @@ class TokenizerFiles:
         (folder / config_file).write_text(json.dumps(self.config, indent=1, sort_keys=True) + "\n")
 
 
-def _token(tokens: list[str], index: Any) -> str | None:
-    return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
+def _token(tokens: list[str], index: int | None) -> str | None:
+    return tokens[index] if index is not None else None
+
+
+class _Unusable(Exception):
+    """The tokenizer metadata cannot be rebuilt; the weights still convert."""
 
 
 def tokenizer_from_gguf(gguf: GGUFModel) -> TokenizerFiles:
-    kind = gguf.get("tokenizer.ggml.model")
-    tokens = gguf.get("tokenizer.ggml.tokens")
-    info: dict[str, Any] = {"model": kind, "pre": gguf.get("tokenizer.ggml.pre")}
+    """The tokenizer files for a GGUF, repairing what llama.cpp itself accepts (merges it can never
+    apply, stop ids outside the vocabulary, keys of the wrong type) and skipping the tokenizer,
+    with one warning, when it cannot be rebuilt: the weights are the product and always convert."""
+    repairs: list[str] = []
+    try:
+        files = _tokenizer_files(gguf, repairs)
+    except (_Unusable, MoepassError) as e:
+        files = _skipped(gguf, str(e))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception/TypeError for bad vocabularies
+        files = _skipped(gguf, f"tokenizers refused it ({first_line(e)})")
+    if repairs:
+        files.info["repairs"] = repairs
+        log.warning(f"{gguf.path}: tokenizer repaired as llama.cpp reads it: {'; '.join(repairs)}")
+    return files
+
+
+def _skipped(gguf: GGUFModel, reason: str) -> TokenizerFiles:
+    reason = reason.replace(f"{gguf.path}: ", "")
+    log.warning(f"{gguf.path}: tokenizer skipped ({reason}); the weights are converted, run the model with token ids")
+    return TokenizerFiles(None, {}, {"model": None, "reason": f"skipped: {reason}"})
+
+
+def _string_list(gguf: GGUFModel, key: str) -> list[str] | None:
+    values = gguf.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise _Unusable(f"metadata key '{key}' is not an array of strings")
+    return values
+
+
+def _optional(gguf: GGUFModel, key: str, kind: type, default: Any, repairs: list[str]) -> Any:
+    """A scalar tokenizer key; one of the wrong type is ignored (llama.cpp falls back to its default too)."""
+    try:
+        return gguf.typed(key, kind, default)
+    except MoepassError as e:
+        repairs.append(f"{str(e).replace(f'{gguf.path}: ', '')}, ignored")
+        return default
+
+
+def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
+    kind = gguf.typed("tokenizer.ggml.model", str, None)
+    tokens = _string_list(gguf, "tokenizer.ggml.tokens")
+    info: dict[str, Any] = {"model": kind, "pre": gguf.typed("tokenizer.ggml.pre", str, None)}
     if not kind or not tokens:
         info["reason"] = "the GGUF has no tokenizer metadata"
         return TokenizerFiles(None, {}, info)
-    types = list(gguf.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-    stop_ids = sorted({int(gguf.get(k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                                    "tokenizer.ggml.eom_token_id") if gguf.get(k) is not None})
-    bos = gguf.get("tokenizer.ggml.bos_token_id")
+    types = gguf.get("tokenizer.ggml.token_type")
+    if types is not None and (not isinstance(types, list) or len(types) != len(tokens)
+                              or not all(isinstance(t, int) for t in types)):
+        repairs.append(f"tokenizer.ggml.token_type does not give one integer per token ({len(tokens)}), ignored")
+        types = None
+    types = list(types or [NORMAL] * len(tokens))
+
+    def token_id(key: str) -> int | None:
+        value = _optional(gguf, key, int, None, repairs)
+        if value is not None and not 0 <= value < len(tokens):
+            repairs.append(f"{key} {value} is outside the vocabulary ({len(tokens)} tokens), ignored")
+            return None
+        return value
+
+    stop_ids = sorted({i for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                   "tokenizer.ggml.eom_token_id") if (i := token_id(k)) is not None})
+    bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
     info.update(bos_token_id=bos, stop_token_ids=stop_ids,
-                add_bos=bool(gguf.get("tokenizer.ggml.add_bos_token", kind == "llama")))
+                add_bos=_optional(gguf, "tokenizer.ggml.add_bos_token", bool, kind == "llama", repairs))
     if kind == "gpt2":
-        tokenizer = _byte_level_bpe(gguf, tokens, info)
+        tokenizer = _byte_level_bpe(gguf, tokens, info, repairs)
     elif kind == "llama":
-        tokenizer = _sentencepiece_bpe(gguf, tokens, types)
+        tokenizer = _sentencepiece_bpe(gguf, tokens, types, repairs)
     else:
         tokenizer = None
         info["reason"] = f"tokenizer model {kind!r} is not rebuilt yet (gpt2 and llama are)"
     if tokenizer is None:
+        log.warning(f"{gguf.path}: tokenizer not rebuilt ({info['reason']}); run the model with token ids")
         return TokenizerFiles(None, {}, info)
     _add_special_tokens(tokenizer, tokens, types)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": _token(tokens, bos),
-        "eos_token": _token(tokens, gguf.get("tokenizer.ggml.eos_token_id")),
+        "eos_token": _token(tokens, eos),
         "add_bos_token": info["add_bos"],
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(gguf.get(f"{gguf.architecture}.context_length", 0) or 0),
+        "model_max_length": gguf.typed(f"{gguf.architecture}.context_length", int, 0),
     }
-    template = gguf.get("tokenizer.chat_template")
+    template = _optional(gguf, "tokenizer.chat_template", str, None, repairs)
     if template:
-        config["chat_template"] = str(template)
+        config["chat_template"] = template
     info["reason"] = None
     return TokenizerFiles(tokenizer, config, info)
 
 
-def _byte_level_bpe(gguf: GGUFModel, tokens: list[str], info: dict[str, Any]):
+def _byte_level_bpe(gguf: GGUFModel, tokens: list[str], info: dict[str, Any], repairs: list[str]):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    pre = str(gguf.get("tokenizer.ggml.pre", "gpt2"))
+    pre = gguf.typed("tokenizer.ggml.pre", str, "gpt2")
     if pre not in PRE_TOKENIZERS:
         info["reason"] = f"pre-tokenizer {pre!r} is not known to moepass yet ({', '.join(sorted(PRE_TOKENIZERS))} are)"
         return None
-    merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges") or []]
     vocab = {t: i for i, t in enumerate(tokens)}
+    merges, unusable = [], 0
+    for merge in _string_list(gguf, "tokenizer.ggml.merges") or []:
+        left, space, right = merge.partition(" ")
+        if space and left in vocab and right in vocab and left + right in vocab:
+            merges.append((left, right))
+        else:  # llama.cpp loads these too; they can never produce a token of the vocabulary
+            unusable += 1
+    if unusable:
+        repairs.append(f"{unusable} merge(s) of tokenizer.ggml.merges without a space or outside the vocabulary "
+                       "dropped")
     model = models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES)
     tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
@@ -110,10 +183,15 @@ def _byte_level_bpe(gguf: GGUFModel, tokens: list[str], info: dict[str, Any]):
     return tokenizer
 
 
-def _sentencepiece_bpe(gguf: GGUFModel, tokens: list[str], types: list[int]):
+def _sentencepiece_bpe(gguf: GGUFModel, tokens: list[str], types: list[int], repairs: list[str]):
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    scores = list(gguf.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    scores = gguf.get("tokenizer.ggml.scores")
+    if scores is not None and (not isinstance(scores, list) or len(scores) != len(tokens)
+                               or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores)):
+        repairs.append(f"tokenizer.ggml.scores does not give one finite number per token ({len(tokens)}), ignored")
+        scores = None
+    scores = list(scores or [0.0] * len(tokens))
     vocab = {t: i for i, t in enumerate(tokens)}
     mergeable = [i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED) and len(t) > 1]
     # a pair (a, b) merges with the rank of the token a+b: higher score first, then lower id
