@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moepass.errors import MoepassError
+from moepass.errors import MoepassError, first_line
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -34,15 +34,65 @@ def model_file(model_dir: str | os.PathLike) -> Path:
 
 
 def load_model(model_dir: str | os.PathLike) -> "onnx_ir.Model":
-    """A model (directory or model.onnx) as onnx-ir, its weights left on disk (read lazily)."""
+    """A model (directory or model.onnx) as onnx-ir, its weights left on disk (read lazily).
+
+    The model file is untrusted: it must hold a graph, and every external data reference must name
+    a file inside the model's folder (no absolute path, no `..`, no symbolic link out of it) that is
+    long enough for the bytes it promises. Nothing is read before those checks pass."""
     import onnx_ir
 
     path = model_file(model_dir)
     try:
-        return onnx_ir.load(path)
-    except Exception as e:  # onnx raises many decode error types; report one line
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise MoepassError(f"{path}: not a readable ONNX model ({type(e).__name__}: {detail})") from None
+        model = onnx_ir.load(path)
+    except Exception as e:  # noqa: BLE001 - onnx raises many decode error types; report one line
+        raise MoepassError(f"{path}: not a readable ONNX model ({type(e).__name__}: {first_line(e)})") from None
+    if not model.graph.outputs or not len(model.graph):
+        raise MoepassError(f"{path}: not an ONNX model with a graph (empty or not ONNX)")
+    check_external_data(model, path)
+    return model
+
+
+def check_external_data(model: "onnx_ir.Model", path: Path) -> None:
+    """Every external tensor of `model` (loaded from `path`) lies inside the model's folder, whole."""
+    import onnx_ir
+
+    folder = Path(os.path.realpath(path.parent))
+    sizes: dict[str, int] = {}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if not isinstance(tensor, onnx_ir.ExternalTensor):
+            continue
+        location = tensor.location
+        where = f"{path}: initializer '{value.name}' keeps its data in '{location}'"
+        if not location or os.path.isabs(location) or ".." in Path(location).parts:
+            raise MoepassError(f"{where}, outside the model's folder; refused")
+        target = Path(os.path.realpath(folder / location))
+        if folder not in target.parents:
+            raise MoepassError(f"{where}, which leads outside the model's folder; refused")
+        if location not in sizes:
+            if not target.is_file():
+                raise MoepassError(f"{where}, which does not exist")
+            sizes[location] = target.stat().st_size
+        end = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
+        if end > sizes[location]:
+            raise MoepassError(f"{where} up to byte {end}, but the file has {sizes[location]} bytes (truncated?)")
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object file beside a model ({} when absent); anything else is a clear error naming it."""
+    import json
+
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoepassError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise MoepassError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
 
 
 def as_ir_model(source: Any) -> tuple["onnx_ir.Model", str]:

@@ -29,6 +29,16 @@ def _nibbles(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return u & np.uint8(0x0F), u >> np.uint8(4)
 
 
+def prepack_problem(n: int, k: int, bits: int) -> str | None:
+    """Why an [N, K] matrix of `bits`-bit codes cannot take the SM80 layout, or None when it can."""
+    rows_per_tile = 128 * 8 // _ACTIVATION_BITS
+    if k % rows_per_tile or k % (8 * 16 // bits):
+        return f"its input dimension {k} is not a multiple of {rows_per_tile}"
+    if n * bits // 8 % 8:
+        return f"its output dimension {n} is not a multiple of {64 // bits}"
+    return None
+
+
 def prepack_sm80(codes: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
     """ORT storage codes uint8 [N, K*bits/8] (unsigned) -> the SM80 layout, uint8 [K, N*bits/8]."""
     if bits == 4:

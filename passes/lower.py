@@ -30,6 +30,7 @@ from moepass.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT, Archite
 from moepass.errors import MoepassError
 from moepass.files import LOGITS_TO_KEEP
 from moepass.gguf_reader import GGUFModel, GGUFTensor
+from moepass.prepack import prepack_problem
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
 from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, quant_type
 
@@ -291,6 +292,13 @@ class GraphBuilder:
             else:
                 form = self.expert_form([(t, qt) for t, qt in zip((gate, up, down), types) if qt.storage != "float"])
             prepack = self.offload and form == OFFLOAD_FORM
+            if prepack:
+                for label, (n, k) in (("fc1 (gate and up)", (2 * gate.shape[-2], gate.shape[-1])),
+                                      ("fc2 (down)", (down.shape[-2], down.shape[-1]))):
+                    problem = prepack_problem(n, k, form.bits)
+                    if problem:
+                        raise MoepassError(f"{name}: {label} cannot take the prepacked layout expert offload needs: "
+                                           f"{problem}; convert without --expert-format offload")
             # 4-bit requantization takes zero points (not in the prepacked offload layout)
             zero_points = form.bits == 4 and not prepack and any(form not in qt.exact_forms() for qt in types)
             fc1_w, fc1_s, fc1_z = self.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack,

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from moepass.errors import MoepassError
+from moepass.errors import MoepassError, first_line
 from moepass.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
-                           model_file)
+                           load_model, model_file, read_json_object)
 from moepass.runtime.providers import SessionPlan, log, plan_session
 
 if TYPE_CHECKING:
@@ -81,13 +81,17 @@ class Decoder:
         self.model_dir = Path(model_dir)
         model_path = model_file(self.model_dir)
         folder = model_path.parent
-        self.info = _read_json(folder / REPORT_FILE)
-        option_entries = _read_json(folder / OPTIONS_FILE).get("session_config_entries", {})
-        structure = graph if graph is not None else onnx_ir.load(model_path)
+        self.info = read_json_object(folder / REPORT_FILE)
+        option_entries = _json_field(read_json_object(folder / OPTIONS_FILE), "session_config_entries", dict,
+                                     folder / OPTIONS_FILE)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in option_entries.items()):
+            raise MoepassError(f"{folder / OPTIONS_FILE}: session_config_entries must map strings to strings")
+        structure = graph if graph is not None else load_model(model_path)
         self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode)
         options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
+        self.threads = usable_threads(threads)
+        if self.threads:
+            options.intra_op_num_threads = self.threads
         options.log_severity_level = 3
         if profile_prefix:
             options.enable_profiling = True
@@ -115,9 +119,15 @@ class Decoder:
             else np.float32
         # models converted by moepass >= 0.1 compute the logits of the last N positions on request
         self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
-        self.stop_ids = tuple(self.info.get("tokenizer", {}).get("stop_token_ids", ()))
+        report = folder / REPORT_FILE
+        self.stop_ids = tuple(_json_field(_json_field(self.info, "tokenizer", dict, report), "stop_token_ids", list,
+                                          report))
+        if not all(isinstance(t, int) for t in self.stop_ids):
+            raise MoepassError(f"{report}: tokenizer.stop_token_ids must be integers")
         # positions the model has RoPE tables for (GGUF conversions; None where unknown)
-        self.context_length: int | None = self.info.get("hparams", {}).get("context_length")
+        self.context_length = _json_field(self.info, "hparams", dict, report).get("context_length")
+        if self.context_length is not None and (not isinstance(self.context_length, int) or self.context_length < 1):
+            raise MoepassError(f"{report}: hparams.context_length must be a positive integer")
         self._tokenizer = None
         self._tokenizer_path = folder / TOKENIZER_FILE
 
@@ -134,7 +144,10 @@ class Decoder:
                                    "(the GGUF had no tokenizer moepass can rebuild)")
             from tokenizers import Tokenizer
 
-            self._tokenizer = Tokenizer.from_file(str(self._tokenizer_path))
+            try:
+                self._tokenizer = Tokenizer.from_file(str(self._tokenizer_path))
+            except Exception as e:  # tokenizers raises plain Exception for every malformed file
+                raise MoepassError(f"{self._tokenizer_path}: not a readable tokenizer ({first_line(e)})") from None
         return self._tokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -198,7 +211,7 @@ class Decoder:
 
     def apply_chat_template(self, user_message: str) -> str:
         """The prompt for one user message, with the model's chat template (from the GGUF)."""
-        config = _read_json(self._tokenizer_path.with_name(TOKENIZER_CONFIG_FILE))
+        config = read_json_object(self._tokenizer_path.with_name(TOKENIZER_CONFIG_FILE))
         template = config.get("chat_template")
         if not template:
             raise MoepassError(f"{self._tokenizer_path.parent}: the model has no chat template (tokenizer.chat_template)")
@@ -216,7 +229,8 @@ class Decoder:
                                                     add_generation_prompt=True,
                                                     bos_token=config.get("bos_token") or "",
                                                     eos_token=config.get("eos_token") or "")
-        except jinja2.TemplateError as e:  # SecurityError included
+        except Exception as e:  # noqa: BLE001 - whatever the model file's template raises: SecurityError,
+            # TemplateError, or a Python error from its expressions (1/0, range limits)
             where = self._tokenizer_path.with_name(TOKENIZER_CONFIG_FILE)
             raise MoepassError(f"{where}: the chat template cannot be rendered ({type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else 'no message'})") from None
@@ -312,13 +326,25 @@ class _BoundDecoding:
         return outputs[0].numpy()[0, -1]
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise MoepassError(f"{path}: not valid JSON ({e})") from None
+def _json_field(data: dict, key: str, kind: type, path: Path):
+    """data[key] when it is a `kind` (an empty one when absent); another type is a clear error."""
+    value = data.get(key, kind())
+    if not isinstance(value, kind):
+        raise MoepassError(f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'array'}, "
+                           f"found {type(value).__name__}")
+    return value
+
+
+def usable_threads(requested: int | None) -> int | None:
+    """`requested` intra-op threads, at most the CPUs this process may run on (ONNX Runtime would
+    otherwise start one OS thread per request and can exhaust the process limit)."""
+    if not requested:
+        return requested
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if requested > available:
+        log.warning(f"--threads {requested} is more than the {available} CPUs available; using {available}")
+        return available
+    return requested
 
 
 def _layer_key(name: str) -> tuple[int, str]:
