@@ -136,6 +136,10 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         popularity.check_fits(identity, label)
         profile_info = {"file": Path(label).name, "tokens": popularity.tokens, "prompts": popularity.prompts}
     budget = Budget(parse_bytes(vram, "--vram"), context, batch, prefill_tokens, parse_bytes(reserve, "--reserve"))
+    if budget.vram_bytes <= 0:
+        raise MoepassError(f"--vram {vram!r}: the GPU budget must be more than 0")
+    if budget.reserve_bytes >= budget.vram_bytes:
+        raise MoepassError(f"--reserve {reserve!r} leaves nothing of --vram {vram!r} for the model")
     violations = offload_violations(model)
     inactive = None
     if violations:  # said before planning: the plan would not change what ONNX Runtime does

@@ -37,6 +37,7 @@ experts are either computed on the CPU from host memory or streamed over PCIe.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -52,7 +53,10 @@ MODES = ("auto", "required")
 _UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4,
           "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
           "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4, "b": 1}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,15})?)\s*([a-zA-Z]*)\s*$")
+# No GPU comes near 1 PiB; a plain number below 1 MiB is a forgotten unit ("--vram 8")
+_MAX_BYTES = 1 << 50
+_MIN_PLAIN = 1 << 20
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:
@@ -66,8 +70,12 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
         if not m or unit not in _UNITS:
             raise MoepassError(f"{what} {text!r} is not a size: use e.g. 8G, 8GiB, 7.5GB, 8000M or plain bytes")
         value = int(float(m.group(1)) * _UNITS[unit])
+        if not unit and 0 < value < _MIN_PLAIN:
+            raise MoepassError(f"{what} {text!r} means {value} bytes; give a unit: 8G, 8GiB, 7.5GB or 8000M")
     if value < 0:
         raise MoepassError(f"{what} {text!r} is negative")
+    if value > _MAX_BYTES:
+        raise MoepassError(f"{what} {text!r} is more than 1 PiB; use e.g. 8G, 8GiB, 7.5GB or 8000M")
     return value
 
 
@@ -153,6 +161,12 @@ class Bandwidths:
     gpu: float = 900.0
     host: float = 60.0
     pcie: float = 25.0
+
+    def __post_init__(self) -> None:
+        for name in ("gpu", "host", "pcie"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise MoepassError(f"--{name}-bandwidth {value} is not a positive number of GB/s")
 
 
 @dataclasses.dataclass

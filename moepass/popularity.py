@@ -142,12 +142,20 @@ class Popularity:
                     raise ValueError(f"node {node}: expected {spec['experts']} experts")
                 if (selected[node] < 0).any() or (weight[node] < 0).any() or not np.isfinite(weight[node]).all():
                     raise ValueError(f"node {node}: negative or non-finite entries")
-            return cls(model, int(data["tokens"]), int(data.get("prompts", 0)), selected, weight)
-        except (KeyError, TypeError, ValueError) as e:
+            tokens, prompts = data["tokens"], data.get("prompts", 0)
+            if not isinstance(tokens, int) or not isinstance(prompts, int) or tokens < 0 or prompts < 0:
+                raise ValueError("tokens and prompts must be non-negative integers")
+            for spec in model["moe_nodes"]:  # recomputed, not trusted: every token selects top_k experts
+                total = int(selected[spec["node"]].sum())
+                if total != tokens * spec["top_k"]:
+                    raise ValueError(f"node {spec['node']}: {total} expert selections for {tokens} tokens at "
+                                     f"top-{spec['top_k']} (expected {tokens * spec['top_k']}; edited counts?)")
+            return cls(model, tokens, prompts, selected, weight)
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
             raise MoepassError(f"{path}: malformed popularity file ({type(e).__name__}: {e})") from None
 
     def check_fits(self, model_identity_: dict[str, Any], label: str) -> None:
-        if model_identity_["fingerprint"] != self.fingerprint:
+        if model_identity_["fingerprint"] != self.fingerprint or model_identity_["moe_nodes"] != self.model["moe_nodes"]:
             mine = [n["node"] for n in self.model["moe_nodes"]]
             theirs = [n["node"] for n in model_identity_["moe_nodes"]]
             detail = "different MoE layers" if mine != theirs else "same layer names, different shapes"
