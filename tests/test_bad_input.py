@@ -136,8 +136,8 @@ def test_failure_while_writing_leaves_nothing(tmp_path, make_gguf):
     src = _copy(make_gguf("q4_0"), tmp_path / "shrinks.gguf")
     original_init = GGUFModel.__init__
 
-    def init_then_shrink(self, path):
-        original_init(self, path)
+    def init_then_shrink(self, path, **kwargs):
+        original_init(self, path, **kwargs)
         with open(path, "r+b") as f:
             f.truncate(Path(path).stat().st_size // 2)
 

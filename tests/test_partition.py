@@ -34,7 +34,7 @@ def _memory(converted, preset="q4_0"):
 
 
 @pytest.mark.parametrize("text,value", [("8G", 8 << 30), ("8GiB", 8 << 30), ("7.5GB", 7_500_000_000),
-                                        ("8000M", 8000 << 20), ("123456", 123456), ("512MiB", 512 << 20),
+                                        ("8000M", 8000 << 20), ("12345678", 12345678), ("512MiB", 512 << 20),
                                         (" 2 g ", 2 << 30), ("100KB", 100_000)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
@@ -43,6 +43,13 @@ def test_parse_bytes(text, value):
 @pytest.mark.parametrize("text", ["8 gigs", "G8", "-1G", "", "1e9", "8Q"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(moepass.MoepassError, match="is not a size"):
+        parse_bytes(text, "--vram")
+
+
+@pytest.mark.parametrize("text,says", [("8", "means 8 bytes; give a unit"), ("123456", "means 123456 bytes"),
+                                       ("2000T", "more than 1 PiB"), ("1" * 40, "is not a size")])
+def test_parse_bytes_refuses_forgotten_units_and_absurd_sizes(text, says):
+    with pytest.raises(moepass.MoepassError, match=says):
         parse_bytes(text, "--vram")
 
 
