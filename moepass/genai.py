@@ -13,6 +13,8 @@ from typing import Any
 
 import onnx_ir as ir
 
+from moepass.errors import MoepassError
+
 from moepass.files import MODEL_FILE
 
 # onnxruntime-genai's model type decides little for a plain decoder; these are the nearest it knows.
@@ -54,8 +56,12 @@ def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
     }, config_entries or {})
 
 
-def with_session_entries(config: dict[str, Any], entries: dict[str, str]) -> dict[str, Any]:
+def with_session_entries(config: dict[str, Any], entries: dict[str, str], label: Any = "genai_config.json",
+                         ) -> dict[str, Any]:
     """A genai config whose decoder session also gets these ONNX Runtime session config entries."""
-    session = config["model"]["decoder"]["session_options"]
+    session = config.get("model", {}).get("decoder", {}).get("session_options") \
+        if isinstance(config.get("model"), dict) and isinstance(config["model"].get("decoder"), dict) else None
+    if not isinstance(session, dict):
+        raise MoepassError(f"{label}: no model.decoder.session_options object (not a genai config moepass wrote)")
     session.update({k: str(v) for k, v in entries.items()})
     return config

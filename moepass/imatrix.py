@@ -31,7 +31,7 @@ def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
 
 def _from_gguf(path: Path) -> dict[str, np.ndarray]:
     gguf = GGUFModel(path)
-    if gguf.get("general.type") != "imatrix":
+    if gguf.typed("general.type", str, None) != "imatrix":
         raise MoepassError(f"{path}: a GGUF file but not an importance matrix (general.type is "
                            f"{gguf.get('general.type')!r})")
     result = {}
@@ -47,6 +47,8 @@ def _from_gguf(path: Path) -> dict[str, np.ndarray]:
         counts = dequantize(counts_t.read_raw(), counts_t.ggml_type).reshape(-1)
         if len(counts) != len(sums):
             raise MoepassError(f"{path}: '{counts_name}' has {len(counts)} entries for {len(sums)} matrices")
+        if (counts < 0).any() or (sums < 0).any():
+            raise MoepassError(f"{path}: tensor '{name}' or '{counts_name}' holds negative values")
         result[weight] = (sums / np.where(counts > 0, counts, 1)[:, None]).astype(np.float32)
     return result
 
@@ -75,7 +77,11 @@ def _from_dat(path: Path) -> dict[str, np.ndarray]:
             raise MoepassError(f"{path}: malformed entry name length {length} at byte {position - 4}")
         name = bytes(take(f"<{length}s")[0]).decode("utf-8", errors="replace")
         _ncall, nval = take("<ii")
+        if not 0 < nval <= (len(data) - position) // 4:
+            raise MoepassError(f"{path}: entry '{name}' announces {nval} values, more than the file holds")
         values = np.array(take(f"<{nval}f"), dtype=np.float32)
+        if not np.isfinite(values).all() or (values < 0).any():
+            raise MoepassError(f"{path}: entry '{name}' holds negative or non-finite importances")
         result[name] = values.reshape(1, -1)
     return result
 

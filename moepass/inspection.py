@@ -162,7 +162,10 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     lines.append(f"format        ONNX, architecture {info['architecture'] or 'unknown'}")
     features = info["metadata"].get("moepass.features")
     if features:
-        lines.extend(_feature_lines(json.loads(features)))
+        try:
+            lines.extend(_feature_lines(json.loads(features)))
+        except (ValueError, TypeError, AttributeError):
+            lines.append("features      (the model's moepass.features metadata is unreadable)")
     lines.append(f"MoE layers    {len(info['moe_nodes'])}")
     for m in info["moe_nodes"]:
         resident = "" if m["resident"] is None else f", {m['resident']} resident on the GPU (stored first)"

@@ -110,6 +110,10 @@ def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
     if not kind or not tokens:
         info["reason"] = "the GGUF has no tokenizer metadata"
         return TokenizerFiles(None, {}, info)
+    if len(set(tokens)) != len(tokens):
+        seen: dict[str, int] = {}
+        twice = next((seen[t], i) for i, t in enumerate(tokens) if seen.setdefault(t, i) != i)
+        raise _Unusable(f"tokenizer.ggml.tokens repeats token {tokens[twice[1]]!r} (ids {twice[0]} and {twice[1]})")
     types = gguf.get("tokenizer.ggml.token_type")
     if types is not None and (not isinstance(types, list) or len(types) != len(tokens)
                               or not all(isinstance(t, int) for t in types)):

@@ -397,6 +397,10 @@ case("partition-profile-array", _partition("--vram", "1G", profile=lambda env: s
      "p.json", out="out")
 case("partition-data-truncated", lambda env: ["partition", str(_with_model(_shorten_data)(env)), "--vram", "1G", "-o",
                                               str(env.tmp / "out")], "model.onnx.data", out="out")
+for _content in ("{", "[]", '{"model": 1}'):
+    case(f"partition-genai-config-{_content}", lambda env, c=_content: [
+        "partition", str(_with_model(lambda e, m: (m / "genai_config.json").write_text(c))(env)), "--vram", "1G",
+        "-o", str(env.tmp / "out")], "genai_config.json", out="out")
 case("partition-valid", _partition("--vram", "1G"), exit=0, out=None)
 
 
@@ -449,6 +453,20 @@ case("inspect-missing", lambda env: ["inspect", str(env.tmp / "missing.gguf")], 
 case("inspect-directory-without-model", lambda env: ["inspect", str(env.tmp)], str("model.onnx"))
 case("offload-hidden-96", lambda env: ["convert", str(env.tiny96), "-o", str(env.tmp / "out"), "-q",
                                        "--expert-format", "offload"], "96", out="out")
+
+
+def _dat(nval: int, values: list[float], name: str = "blk.0.ffn_up_exps.weight") -> bytes:
+    import struct
+    return (struct.pack("<i", 1) + struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", 10, nval)
+            + np.asarray(values, "<f4").tobytes())
+
+
+for _what, _data in [("empty", b""), ("negative-count", _dat(-5, [1.0])), ("huge-count", _dat(1 << 30, [1.0])),
+                     ("nan", _dat(2, [1.0, math.nan])), ("negative", _dat(2, [1.0, -1.0])),
+                     ("name-length-huge", b"\x01\x00\x00\x00\xff\xff\xff\x7f"), ("wrong-size", _dat(3, [1.0] * 3))]:
+    case(f"imatrix-{_what}", lambda env, d=_data: ["convert", str(env.gguf), "-o", str(env.tmp / "out"), "-q",
+                                                   "--imatrix", str(env.write("m.dat", d))],
+         "m.dat" if _what != "wrong-size" else "importance matrix", out="out")
 case("profile-prompts-missing", lambda env: ["profile", str(env.model), "--prompts", str(env.tmp / "none.txt"),
                                              "-o", str(env.tmp / "out")], "none.txt", out="out")
 case("profile-prompts-binary", lambda env: ["profile", str(env.model), "--prompts", str(env.write("p.txt", b"\xff\xfe")),
