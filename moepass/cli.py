@@ -19,7 +19,7 @@ from moepass.errors import MoepassError, expected_failure
 from moepass.passes import ACTIVATION_MODES, PASS_NAMES
 from moepass.passes.lower import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES
 from moepass.profile import PROMPT_FORMATS
-from moepass.placement import MODES, POLICIES, Bandwidths
+from moepass.placement import MODES, POLICIES, TARGETS, Bandwidths
 from moepass.runtime.providers import DEVICES, MODES as OFFLOAD_MODES, PLUGIN_ENV
 
 
@@ -198,6 +198,15 @@ def _runtime_options(f):
     return f
 
 
+def _echo_placement(decoder) -> None:
+    """Where ONNX Runtime put the MoE layers of a per-layer plan (its graph assignment record)."""
+    if decoder.moe_placement:
+        counts: dict[str, int] = {}
+        for ep in decoder.moe_placement.values():
+            counts[ep] = counts.get(ep, 0) + 1
+        click.echo("MoE layers: " + ", ".join(f"{n} on {ep}" for ep, n in sorted(counts.items())), err=True)
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path())
 @click.option("--prompt", default=None, help="Prompt text (needs the tokenizer.json convert writes).")
@@ -223,6 +232,7 @@ def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, 
     click.echo(f"loading {model_dir} ...", err=True)
     decoder = load(model_dir, device=device, cuda_plugin=cuda_plugin, mode=mode, threads=threads)
     click.echo(f"loaded in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
+    _echo_placement(decoder)
     sampling = Sampling(temperature, top_k, top_p, seed)
     start = time.perf_counter()
     if prompt is not None:
@@ -261,6 +271,7 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
     start = time.perf_counter()
     decoder = load(model_dir, device=device, cuda_plugin=cuda_plugin, mode=mode, threads=threads)
     click.echo(f"loaded {model_dir} in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
+    _echo_placement(decoder)
     result = measure(decoder, prompt_tokens, new_tokens, repeats, depth,
                      progress=None if as_json else lambda text: click.echo(text, err=True))
     result.update(model=str(model_dir), backend=decoder.plan.provider, threads=threads or 0,
@@ -344,6 +355,13 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 @click.argument("model_dir", type=click.Path())
 @click.option("--vram", required=True, help="GPU memory to use: 8G, 8GiB, 7.5GB, 8000M or plain bytes.")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Directory for the annotated model and plan.")
+@click.option("--target", type=click.Choice(TARGETS), default="auto", show_default=True,
+              help="offload: per expert, for the ONNX Runtime CUDA plugin EP's expert offload; layers: whole MoE "
+                   "layers on the GPU or the CPU, through layer annotations the CUDA EP of a pip-installed "
+                   "onnxruntime-gpu follows (like llama.cpp's --n-cpu-moe); auto: offload when the model is "
+                   "eligible and a CUDA plugin EP is named, else layers.")
+@click.option("--cuda-plugin", type=click.Path(dir_okay=False), default=None,
+              help=f"The CUDA plugin EP library the model will run with (default: ${PLUGIN_ENV}); for --target auto.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
               help="Popularity file from `moepass profile` (without one, placement is uniform).")
 @click.option("--policy", type=click.Choice(POLICIES), default=None,
@@ -361,16 +379,19 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Also draw the plan (heatmap and memory bar) into this PNG file.")
 @click.option("--force", is_flag=True, help="Replace the output directory (and report) if they exist.")
-def partition(model_dir: str, vram: str, output: str, profile_path: str | None, policy: str | None, mode: str,
+def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: str | None, profile_path: str | None,
+              policy: str | None, mode: str,
               context: int, batch: int, prefill_tokens: int, reserve: str, gpu_bandwidth: float,
               host_bandwidth: float, pcie_bandwidth: float, report: str | None, force: bool) -> None:
-    """Choose which experts live on the GPU for a VRAM budget; write the plan and an annotated model."""
+    """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the plan and an
+    annotated model."""
     from moepass.partition import partition as run_partition
 
     result = run_partition(model_dir, output, vram, profile=profile_path, context=context, batch=batch,
                            prefill_tokens=prefill_tokens, reserve=reserve, policy=policy, mode=mode,
                            bandwidths=Bandwidths(gpu_bandwidth, host_bandwidth, pcie_bandwidth), report=report,
-                           overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True))
+                           overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
+                           target=target, cuda_plugin=cuda_plugin)
     for line in result.summary_lines():
         click.echo(line)
 

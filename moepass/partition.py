@@ -2,8 +2,10 @@
 model and the ONNX Runtime offload options that match.
 
 Output directory (written atomically):
-  model.onnx, model.onnx.data   the model with each MoE node's experts reordered, GPU-resident
-                                first (router permuted to match: same outputs); see below
+  model.onnx, model.onnx.data   target offload: the model with each MoE node's experts reordered,
+                                GPU-resident first (router permuted to match: same outputs), see
+                                below; target layers: the model with every node annotated
+                                (layer_ann: "gpu", or "gpu/NODE" / "cpu/NODE" for MoE nodes)
   plan.json                     memory breakdown, resident experts per node, predictions, inputs
   onnxruntime_options.json      {"session_config_entries": {...}}: what moepass.runtime sets
   genai_config.json             the source's, with the same entries in the decoder's session options
@@ -33,14 +35,16 @@ from moepass import __version__
 from moepass.atomic import atomic_directory, atomic_file
 from moepass.errors import MoepassError
 from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
-                           TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file)
+                           TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
+                           read_json_object)
 from moepass.genai import with_session_entries
 from moepass.passes.moe_nodes import moe_nodes
+from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.reorder_experts import ReorderExpertsPass
-from moepass.placement import (Bandwidths, Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
+from moepass.placement import (TARGETS, Bandwidths, Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
                                parse_bytes, plan_placement)
 from moepass.popularity import Popularity, model_identity
-from moepass.runtime.providers import offload_violations
+from moepass.runtime.providers import PLUGIN_ENV, offload_violations
 
 PLAN_FORMAT = "moepass-plan"
 PLAN_VERSION = 1
@@ -59,9 +63,16 @@ class PartitionResult:
         resident = sum(n["resident_count"] for n in nodes)
         total = sum(n["experts"] for n in nodes)
         offload = self.plan.get("offload", {"active": True})
+        if self.plan["target"] == "layers":
+            on_gpu = [n["node"] for n in nodes if n["device"] == "gpu"]
+            head = (f"placed {len(on_gpu)} of {len(nodes)} MoE layers on the GPU whole (per-layer placement: the "
+                    f"experts of the other {len(nodes) - len(on_gpu)} run on the CPU) -> {self.output_dir}")
+        else:
+            head = (f"placed {resident} of {total} experts on the GPU ({self.plan['inputs']['policy']} policy) -> "
+                    f"{self.output_dir}" + ("" if offload["active"] else
+                                            " (inactive: ONNX Runtime will not offload this model)"))
         lines = [
-            f"placed {resident} of {total} experts on the GPU ({self.plan['inputs']['policy']} policy) -> {self.output_dir}"
-            + ("" if offload["active"] else " (inactive: ONNX Runtime will not offload this model)"),
+            head,
             f"  VRAM budget      {format_bytes(mem['vram_bytes']):>12}",
             f"  non-expert       {format_bytes(mem['non_expert_bytes']):>12}",
             f"  KV cache         {format_bytes(mem['kv_cache_bytes']):>12}  "
@@ -77,6 +88,11 @@ class PartitionResult:
             f"experts on the CPU, {pred['decode_ms_per_token']['cold_experts_over_pcie']:.3g} ms/token over PCIe "
             "(bandwidth model, not a measurement)",
         ]
+        other = pred.get("per_expert_alternative")
+        if other:
+            lines.append(f"  per expert       {other['gpu_hit_rate_by_mass']:.1%} of routing mass, "
+                         f"{other['decode_ms_per_token']['cold_experts_on_cpu']:.3g} ms/token at the same budget "
+                         "(what the CUDA plugin EP's expert offload would add: --target offload)")
         return lines
 
 
@@ -86,11 +102,12 @@ def _plan_document(plan: Plan, memory: MemoryModel, inputs: dict[str, Any], iden
     for g in memory.groups:
         resident = plan.resident[g.node]
         nodes.append({"node": g.node, "experts": g.experts, "top_k": g.top_k, "bytes_per_expert": g.bytes_per_expert,
+                      "device": "gpu" if len(resident) == g.experts else "cpu" if not resident else "split",
                       "resident_count": len(resident), "resident": resident, "order": plan.order[g.node],
                       "mass_hit_rate": plan.mass_hit_rate[g.node],
                       "selection_hit_rate": plan.selection_hit_rate[g.node]})
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "moepass_version": __version__,
-            "model": identity, "inputs": inputs, "fits": plan.fits, "memory": plan.memory, "nodes": nodes,
+            "target": inputs["target"], "model": identity, "inputs": inputs, "fits": plan.fits, "memory": plan.memory, "nodes": nodes,
             "prediction": plan.prediction, "warnings": plan.warnings, "onnxruntime_options": options}
 
 
@@ -118,8 +135,16 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               profile: str | os.PathLike | Popularity | None = None, context: int = 4096, batch: int = 1,
               prefill_tokens: int = 512, reserve: str | int = "512MiB", policy: str | None = None,
               mode: str = "auto", bandwidths: Bandwidths = Bandwidths(), report: str | os.PathLike | None = None,
-              overwrite: bool = False, warn: Callable[[str], None] | None = None) -> PartitionResult:
-    """Plan expert placement for a GPU budget and write the annotated model, plan and options."""
+              overwrite: bool = False, warn: Callable[[str], None] | None = None, target: str = "auto",
+              cuda_plugin: str | os.PathLike | None = None) -> PartitionResult:
+    """Plan expert placement for a GPU budget and write the annotated model, plan and options.
+
+    target: "offload" (per expert, for the CUDA plugin EP's expert offload), "layers" (whole MoE
+    nodes on the GPU or the CPU, through layer annotations the in-tree CUDA EP follows) or "auto":
+    offload when the model is eligible and a CUDA plugin EP is named (`cuda_plugin` or
+    $MOEPASS_CUDA_PLUGIN), layers otherwise."""
+    if target not in TARGETS:
+        raise MoepassError(f"target must be one of {', '.join(TARGETS)}, not {target!r}")
     for name, value in (("context", context), ("batch", batch), ("prefill_tokens", prefill_tokens)):
         if not isinstance(value, int) or value < 1:
             raise MoepassError(f"{name} must be a positive integer, not {value!r}")
@@ -141,41 +166,53 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     if budget.reserve_bytes >= budget.vram_bytes:
         raise MoepassError(f"--reserve {reserve!r} leaves nothing of --vram {vram!r} for the model")
     violations = offload_violations(model)
+    if target == "auto":
+        target = "offload" if not violations and (cuda_plugin or os.environ.get(PLUGIN_ENV)) else "layers"
     inactive = None
-    if violations:  # said before planning: the plan would not change what ONNX Runtime does
+    if violations and target == "offload":  # said before planning: the plan would not change what ONNX Runtime does
         node, rule = violations[0]
         inactive = (f"{source.parent}: ONNX Runtime will not offload this model's experts ({node}: {rule}); "
                     "convert the GGUF with --expert-format offload for a model it will")
         if mode == "required":
             raise MoepassError(inactive)
-    plan = plan_placement(memory, budget, popularity, policy, mode, bandwidths)
+    plan = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target=target)
     if inactive and warn is not None:  # first, once the inputs are known to be good
         warn(inactive + "; the plan is written but inactive")
     for message in plan.warnings:
         if warn is not None:
             warn(message)
-    options = onnxruntime_options(plan, memory.groups, mode)
-    inputs = {"model": str(source), "vram": str(vram), "context": context, "batch": batch,
+    options = onnxruntime_options(plan, memory.groups, mode, target)
+    inputs = {"model": str(source), "target": target, "vram": str(vram), "context": context, "batch": batch,
               "prefill_tokens": prefill_tokens, "policy": plan.policy, "mode": mode, "profile": profile_info,
               "bandwidths_gbps": dataclasses.asdict(bandwidths)}
     document = _plan_document(plan, memory, inputs, identity, options)
-    document["offload"] = {"active": inactive is None, "reason": inactive}
-
-    ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
+    if target == "layers":
+        if popularity is not None:  # what per-expert placement would serve at the same budget
+            per_expert = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target="offload")
+            document["prediction"]["per_expert_alternative"] = {
+                k: per_expert.prediction[k] for k in ("gpu_hit_rate_by_mass", "gpu_hit_rate_by_selection",
+                                                      "decode_ms_per_token")}
+        AnnotateLayersPass({g.node: bool(plan.resident[g.node]) for g in memory.groups})(model)
+    else:
+        document["offload"] = {"active": inactive is None, "reason": inactive}
+        ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
     model.metadata_props["moepass.placement"] = json.dumps(
-        {"plan": PLAN_FILE, "options": OPTIONS_FILE, "vram_bytes": budget.vram_bytes, "policy": plan.policy,
-         "resident_expert_bytes": plan.resident_bytes, "fingerprint": identity["fingerprint"]}, sort_keys=True)
+        {"plan": PLAN_FILE, "options": OPTIONS_FILE, "target": target, "vram_bytes": budget.vram_bytes,
+         "policy": plan.policy, "resident_expert_bytes": plan.resident_bytes, "fingerprint": identity["fingerprint"]},
+        sort_keys=True)
     output_dir = Path(output_dir)
     with atomic_directory(output_dir, overwrite) as tmp:
         ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE, max_workers=1)
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
-        (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options}, indent=1) + "\n")
+        (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
+                                                    "placement": {"target": target, "mode": mode}}, indent=1) + "\n")
         for name in (REPORT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
             if (source.parent / name).is_file():
                 shutil.copyfile(source.parent / name, tmp / name)
         if (source.parent / GENAI_CONFIG_FILE).is_file():
-            genai = with_session_entries(json.loads((source.parent / GENAI_CONFIG_FILE).read_text()), options)
+            genai = with_session_entries(read_json_object(source.parent / GENAI_CONFIG_FILE), options,
+                                         source.parent / GENAI_CONFIG_FILE)
             (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
         if report is not None:
             from moepass.plan_report import draw_plan

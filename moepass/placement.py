@@ -45,11 +45,17 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.errors import MoepassError
+from moepass.passes.annotate_layers import LAYER_SETTINGS, LAYER_SETTINGS_KEY
 from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
 from moepass.popularity import Popularity
 
 POLICIES = ("global", "balanced", "uniform")
 MODES = ("auto", "required")
+# offload: per expert, through the ONNX Runtime CUDA plugin EP's expert offload (session.moe.offload.*);
+# layers: per MoE node, through node annotations (layer_ann) and session.layer_assignment_settings, which
+# the in-tree CUDA EP of a pip-installed onnxruntime-gpu follows; auto: offload when the model is
+# eligible and a CUDA plugin EP is named, else layers
+TARGETS = ("auto", "offload", "layers")
 _UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4,
           "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
           "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4, "b": 1}
@@ -215,14 +221,36 @@ def choose_resident(groups: list[ExpertGroup], mass: list[np.ndarray], budget: i
     return [sorted(c, key=lambda e, m=m: (-m[e], e)) for c, m in zip(chosen, mass)]
 
 
+def choose_layers(groups: list[ExpertGroup], budget: int) -> list[bool]:
+    """Which MoE nodes run whole on the GPU within `budget` bytes: the last ones, as many as fit
+    (as llama.cpp's --n-cpu-moe N keeps the experts of the first N layers on the CPU). A prefix
+    from the end, so a larger budget never places fewer nodes."""
+    on_gpu = [False] * len(groups)
+    left = budget
+    for index in reversed(range(len(groups))):
+        size = groups[index].experts * groups[index].bytes_per_expert
+        if size > left:
+            break
+        on_gpu[index] = True
+        left -= size
+    return on_gpu
+
+
 def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity | None = None,
-                   policy: str | None = None, mode: str = "auto", bandwidths: Bandwidths = Bandwidths()) -> Plan:
+                   policy: str | None = None, mode: str = "auto", bandwidths: Bandwidths = Bandwidths(),
+                   target: str = "offload") -> Plan:
+    """The placement for `target` "offload" (experts chosen one by one, by `policy`) or "layers"
+    (whole MoE nodes, see choose_layers)."""
     if mode not in MODES:
         raise MoepassError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if target not in ("offload", "layers"):
+        raise MoepassError(f"target must be offload or layers here, not {target!r}")
     policy = policy or ("global" if popularity is not None else "uniform")
     if policy not in POLICIES:
         raise MoepassError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-    if popularity is None and policy != "uniform":
+    if target == "layers":
+        policy = "layers"  # whole nodes: the policy has nothing to choose
+    elif popularity is None and policy != "uniform":
         raise MoepassError(f"policy {policy!r} needs a popularity profile (moepass profile); "
                            "without one, placement is uniform")
     groups = memory.groups
@@ -247,14 +275,25 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
             raise MoepassError(message)
         warnings.append(message + "; no expert is placed on the GPU")
     expert_budget = max(0, budget.vram_bytes - fixed)
-    resident = choose_resident(groups, mass, expert_budget, policy)
+    if target == "layers":
+        on_gpu = choose_layers(groups, expert_budget)
+        resident = [sorted(range(g.experts), key=lambda e, m=m: (-m[e], e)) if gpu else []
+                    for g, m, gpu in zip(groups, mass, on_gpu)]
+    else:
+        resident = choose_resident(groups, mass, expert_budget, policy)
     resident_bytes = sum(len(r) * g.bytes_per_expert for r, g in zip(resident, groups))
     all_fit = resident_bytes == memory.expert_bytes
     if fits and not all_fit and mode == "auto":
-        served = sum(len(r) for r in resident)
-        total = sum(g.experts for g in groups)
-        warnings.append(f"{served} of {total} experts fit on the GPU; the other "
-                        f"{format_bytes(memory.expert_bytes - resident_bytes)} of experts stay in host memory")
+        if target == "layers":
+            placed = sum(1 for r in resident if r)
+            warnings.append(f"{placed} of {len(groups)} MoE layers fit on the GPU whole; the experts of the other "
+                            f"{len(groups) - placed} ({format_bytes(memory.expert_bytes - resident_bytes)}) stay in "
+                            "host memory and run on the CPU")
+        else:
+            served = sum(len(r) for r in resident)
+            total = sum(g.experts for g in groups)
+            warnings.append(f"{served} of {total} experts fit on the GPU; the other "
+                            f"{format_bytes(memory.expert_bytes - resident_bytes)} of experts stay in host memory")
     order, mass_hit, sel_hit = {}, {}, {}
     for g, r, m, s in zip(groups, resident, mass, selection):
         rest = sorted(set(range(g.experts)) - set(r), key=lambda e, m=m: (-m[e], e))
@@ -296,8 +335,11 @@ def _predict(memory: MemoryModel, groups: list[ExpertGroup], resident: list[list
     }
 
 
-def onnxruntime_options(plan: Plan, groups: list[ExpertGroup], mode: str) -> dict[str, str]:
-    """The session config entries ONNX Runtime 1.32 reads for expert offload, for this plan."""
+def onnxruntime_options(plan: Plan, groups: list[ExpertGroup], mode: str, target: str = "offload") -> dict[str, str]:
+    """The session config entries ONNX Runtime reads for this plan: expert offload (1.32, CUDA
+    plugin EP) or the layer assignment that follows the model's layer_ann annotations."""
+    if target == "layers":
+        return {LAYER_SETTINGS_KEY: LAYER_SETTINGS}
     overrides = ";".join(f"{g.node}:max_resident_slots={len(plan.resident[g.node])},"
                          f"device_expert_bytes={len(plan.resident[g.node]) * g.bytes_per_expert}" for g in groups)
     return {

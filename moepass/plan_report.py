@@ -51,9 +51,11 @@ def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -
     ax.set_xlabel("expert id")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(len(nodes)))
-    ax.set_yticklabels([n["node"] for n in nodes], fontsize=7 if len(nodes) > 24 else 9)
+    layers = plan.get("target") == "layers"  # whole MoE layers run on the GPU or the CPU: say which, per row
+    ax.set_yticklabels([f"{n['node']} ({n['device'].upper()})" if layers else n["node"] for n in nodes],
+                       fontsize=7 if len(nodes) > 24 else 9)
     based = plan["prediction"]["based_on"]
-    ax.set_title(f"Expert popularity ({based}; 1.0 = average) and GPU residency: "
+    ax.set_title(f"{'Per-layer placement. ' if layers else ''}Expert popularity ({based}; 1.0 = average) and GPU residency: "
                  f"{plan['prediction']['gpu_hit_rate_by_mass']:.1%} of routing mass on the GPU")
     ax.legend(loc="upper right", fontsize=8, framealpha=0.6)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="routing mass x experts (log)")

@@ -2,8 +2,9 @@
 
 `lower` builds the graph from a GGUF model (`passes/lower.py`); the passes in `PIPELINE` then
 rewrite it in place. Each has a name for `--print-after NAME` and is usable alone from Python.
-`ExposeRouterLogitsPass` (profiling copies) and `ReorderExpertsPass` (placement) are run by
-`moepass profile` and `moepass partition` on converted models.
+`ExposeRouterLogitsPass` (profiling copies), `ReorderExpertsPass` (per-expert placement) and
+`AnnotateLayersPass` (per-layer placement) are run by `moepass profile` and `moepass partition` on
+converted models.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from onnx_ir.passes import PassBase
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from moepass.passes.activations import ACTIVATION_MODES, QuantizeActivationsPass
+from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.fuse_skip_norm import FuseSkipNormPass
 from moepass.passes.lower import LowerOptions, lower_gguf
@@ -45,5 +47,5 @@ def run_pipeline(model: ir.Model, print_after: str | None = None,
     return model
 
 
-__all__ = ["ACTIVATION_MODES", "ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE",
+__all__ = ["ACTIVATION_MODES", "AnnotateLayersPass", "ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE",
            "QuantizeActivationsPass", "ReorderExpertsPass", "lower_gguf", "run_pipeline"]

@@ -22,7 +22,7 @@ import numpy as np
 from moepass.errors import MoepassError, first_line
 from moepass.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
                            load_model, model_file, read_json_object)
-from moepass.runtime.providers import SessionPlan, log, plan_session
+from moepass.runtime.providers import MODES as PLACEMENT_MODES, SessionPlan, check_layer_placement, log, plan_session
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -82,12 +82,16 @@ class Decoder:
         model_path = model_file(self.model_dir)
         folder = model_path.parent
         self.info = read_json_object(folder / REPORT_FILE)
-        option_entries = _json_field(read_json_object(folder / OPTIONS_FILE), "session_config_entries", dict,
-                                     folder / OPTIONS_FILE)
+        options_file = read_json_object(folder / OPTIONS_FILE)
+        option_entries = _json_field(options_file, "session_config_entries", dict, folder / OPTIONS_FILE)
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in option_entries.items()):
             raise MoepassError(f"{folder / OPTIONS_FILE}: session_config_entries must map strings to strings")
+        placement_mode = _json_field(options_file, "placement", dict, folder / OPTIONS_FILE).get("mode")
+        if placement_mode not in (None, *PLACEMENT_MODES):
+            raise MoepassError(f"{folder / OPTIONS_FILE}: placement.mode must be one of {', '.join(PLACEMENT_MODES)}")
         structure = graph if graph is not None else load_model(model_path)
-        self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode)
+        self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode,
+                                              placement_mode)
         options = ort.SessionOptions()
         self.threads = usable_threads(threads)
         if self.threads:
@@ -111,6 +115,8 @@ class Decoder:
         except Exception as e:  # ORT raises its own exception types; keep its message, one line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise MoepassError(f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: {first}") from None
+        # MoE node -> EP, where a per-layer plan is in force (checked against the plan)
+        self.moe_placement = check_layer_placement(self.session, structure, self.plan)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_layer_key)
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]

@@ -25,6 +25,7 @@ from typing import Any
 import onnx_ir as ir
 
 from moepass.errors import MoepassError
+from moepass.passes.annotate_layers import LAYER_ANNOTATION, LAYER_SETTINGS_KEY
 from moepass.passes.moe_nodes import moe_nodes
 
 log = logging.getLogger("moepass")
@@ -35,6 +36,9 @@ CPU_EP = "CPUExecutionProvider"
 PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"
 OFFLOAD_PREFIX = "session.moe.offload."
 OFFLOAD_MIN_ORT = (1, 32)
+# the first release that parses session.layer_assignment_settings (docs/gpu.md: probed per release)
+LAYERING_MIN_ORT = (1, 25)
+RECORD_ASSIGNMENT_KEY = "session.record_ep_graph_assignment_info"
 DEVICES = ("auto", "cpu", "cuda")
 MODES = ("disabled", "auto", "required")
 
@@ -82,6 +86,7 @@ class SessionPlan:
     config_entries: dict[str, str]
     offload_mode: str
     warnings: list[str]
+    layer_mode: str = "disabled"   # per-layer placement (layer_ann annotations) applied: auto or required
 
 
 def _ort_version(ort) -> tuple[int, int]:
@@ -106,13 +111,18 @@ def _register_plugin(ort, library: str) -> list[Any]:
 
 
 def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], device: str = "auto",
-                 cuda_plugin: str | None = None, mode: str | None = None) -> SessionPlan:
+                 cuda_plugin: str | None = None, mode: str | None = None,
+                 placement_mode: str | None = None) -> SessionPlan:
+    """`mode`: what the user asked for (--offload), applied to the placement the model carries;
+    `placement_mode`: what partition wrote for a per-layer plan."""
     if device not in DEVICES:
         raise MoepassError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
     if mode is not None and mode not in MODES:
         raise MoepassError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     entries = dict(options_file_entries)
-    offload_mode = mode or entries.get(OFFLOAD_PREFIX + "mode", "disabled")
+    layered = LAYER_SETTINGS_KEY in entries
+    layer_mode = (mode or placement_mode or "auto") if layered else "disabled"
+    offload_mode = "disabled" if layered else mode or entries.get(OFFLOAD_PREFIX + "mode", "disabled")
     warnings: list[str] = []
     n_moe = len(moe_nodes(model.graph))
 
@@ -160,7 +170,57 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
             entries[OFFLOAD_PREFIX + "mode"] = offload_mode
     else:
         entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
+    if layered:
+        layer_mode = _plan_layers(ort, model, provider, layer_mode, entries, warnings)
     providers = [provider, CPU_EP] if provider not in (CPU_EP, PLUGIN_EP) else [CPU_EP]
     for message in warnings:
         log.warning(message)
-    return SessionPlan(device, provider, providers, plugin_devices, entries, offload_mode, warnings)
+    return SessionPlan(device, provider, providers, plugin_devices, entries, offload_mode, warnings, layer_mode)
+
+
+def _layer_devices(model: ir.Model) -> dict[str, str]:
+    """MoE node -> the device its layer_ann annotation asks for ("gpu" or "cpu")."""
+    return {m.name: m.node.metadata_props.get(LAYER_ANNOTATION, "gpu").split("/", 1)[0] for m in moe_nodes(model.graph)}
+
+
+def _plan_layers(ort, model: ir.Model, provider: str, layer_mode: str, entries: dict[str, str],
+                 warnings: list[str]) -> str:
+    """Keep the layer assignment where ONNX Runtime and the EP can follow it; else refuse (required)
+    or drop it with one warning (auto). Returns the layer mode in force."""
+    on_cpu = sum(1 for d in _layer_devices(model).values() if d == "cpu")
+    n_moe = len(moe_nodes(model.graph))
+    reason = None
+    if _ort_version(ort) < LAYERING_MIN_ORT:
+        reason = (f"ONNX Runtime {ort.__version__} predates layer assignment ({LAYER_SETTINGS_KEY}, needs "
+                  f"{'.'.join(map(str, LAYERING_MIN_ORT))})")
+    elif provider == CPU_EP:
+        reason = "no CUDA EP"
+    if layer_mode == "disabled" or reason:
+        del entries[LAYER_SETTINGS_KEY]
+        if reason and layer_mode == "required":
+            raise MoepassError(f"per-layer placement required, but {reason}")
+        if reason:
+            where = "the CPU" if provider == CPU_EP else provider
+            warnings.append(f"{reason}: all {n_moe} MoE layers run on {where} (the plan puts {n_moe - on_cpu} on "
+                            "the GPU)")
+        return "disabled"
+    entries[RECORD_ASSIGNMENT_KEY] = "1"
+    return layer_mode
+
+
+def check_layer_placement(session, model: ir.Model, plan: SessionPlan) -> dict[str, str]:
+    """MoE node -> the EP ONNX Runtime assigned it (its graph assignment record), checked against
+    the annotations: a GPU layer that ended on the CPU is an error (required) or one warning (auto)."""
+    if plan.layer_mode == "disabled" or not hasattr(session, "get_provider_graph_assignment_info"):
+        return {}
+    wanted = _layer_devices(model)
+    placed = {node.name: subgraph.ep_name for subgraph in session.get_provider_graph_assignment_info()
+              for node in subgraph.get_nodes() if node.name in wanted}
+    moved = [n for n, d in wanted.items() if d == "gpu" and placed.get(n, CPU_EP) == CPU_EP]
+    if moved:
+        message = (f"{len(moved)} MoE layer(s) planned for the GPU run on the CPU ({moved[0]}: {plan.provider} "
+                   "has no kernel for it in this form)")
+        if plan.layer_mode == "required":
+            raise MoepassError(f"per-layer placement required, but {message}")
+        log.warning(message)
+    return placed

@@ -78,7 +78,7 @@ def test_annotated_model_is_exact(tmp_path, converted, popularity):
         vram = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16) + \
             5 * memory.groups[0].bytes_per_expert
         result = partition(converted(preset), tmp_path / preset, vram, profile=pop, context=64, prefill_tokens=16,
-                           reserve=0)
+                           reserve=0, target="offload")
         assert sum(n["resident_count"] for n in result.plan["nodes"]) == 5
         src, placed = load(converted(preset)), load(tmp_path / preset)
         a, cache_a = src.forward(IDS, src.empty_cache())
@@ -96,7 +96,7 @@ def test_annotated_model_is_exact(tmp_path, converted, popularity):
 def test_outputs_plan_and_options_accepted_by_onnxruntime(tmp_path, converted, popularity):
     out = tmp_path / "placed"
     result = partition(converted("q4_0"), out, "2MiB", profile=popularity, context=64, prefill_tokens=16,
-                       reserve="64K", report=tmp_path / "plan.png")
+                       reserve="64K", report=tmp_path / "plan.png", target="offload")
     assert sorted(p.name for p in out.iterdir()) == ["genai_config.json", "model.onnx", "model.onnx.data",
                                                       "moepass.json", "onnxruntime_options.json", "plan.json",
                                                       "tokenizer.json", "tokenizer_config.json"]
@@ -147,11 +147,11 @@ def test_required_mode_fails_with_missing_bytes(tmp_path, converted):
     need_offload = (need_offload.non_expert_bytes + need_offload.kv_bytes(64, 1)
                     + need_offload.work_bytes(64, 1, 16))
     with pytest.raises(moepass.MoepassError, match=f"{need_offload - 1000:,} bytes .* missing"):
-        partition(offloadable, out, 1000, mode="required", context=64, prefill_tokens=16, reserve=0)
+        partition(offloadable, out, 1000, mode="required", context=64, prefill_tokens=16, reserve=0, target="offload")
     assert not out.exists() and not list(tmp_path.glob(".placed.*"))
     warnings = []
     result = partition(converted("q4_0"), out, 1000, mode="auto", context=64, prefill_tokens=16, reserve=0,
-                       warn=warnings.append)
+                       warn=warnings.append, target="offload")
     assert f"{need - 1000:,} bytes" in warnings[1] and "missing; no expert is placed on the GPU" in warnings[1]
     assert result.plan["fits"] is False
     assert all(n["resident_count"] == 0 for n in result.plan["nodes"])
@@ -159,7 +159,7 @@ def test_required_mode_fails_with_missing_bytes(tmp_path, converted):
 
 def test_everything_fits(tmp_path, converted):
     offloadable = converted("q4_0", expert_format="offload")
-    result = partition(offloadable, tmp_path / "all", "1G", profile=profile(offloadable, PROMPTS))
+    result = partition(offloadable, tmp_path / "all", "1G", profile=profile(offloadable, PROMPTS), target="offload")
     assert all(n["resident_count"] == 8 for n in result.plan["nodes"]) and not result.warnings
     assert result.plan["offload"] == {"active": True, "reason": None}
 
@@ -168,7 +168,7 @@ def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, c
     """A default conversion (int4 experts in the raw layout) is not offload-eligible: partition says so
     before planning, names the node and rule and the way out; required mode refuses it."""
     warnings = []
-    result = partition(converted("q4_0"), tmp_path / "placed", "1G", profile=popularity, warn=warnings.append)
+    result = partition(converted("q4_0"), tmp_path / "placed", "1G", profile=popularity, warn=warnings.append, target="offload")
     assert "ONNX Runtime will not offload this model's experts (blk.0.moe: int4 experts need weights_prepacked=1" \
         in warnings[0] and "--expert-format offload" in warnings[0] and warnings[0].endswith("inactive")
     assert result.plan["offload"]["active"] is False and "blk.0.moe" in result.plan["offload"]["reason"]
@@ -176,7 +176,7 @@ def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, c
     assert plan["offload"]["active"] is False
     assert "(inactive: ONNX Runtime will not offload this model)" in result.summary_lines()[0]
     with pytest.raises(moepass.MoepassError, match="will not offload this model's experts"):
-        partition(converted("q4_0"), tmp_path / "required", "1G", profile=popularity, mode="required")
+        partition(converted("q4_0"), tmp_path / "required", "1G", profile=popularity, mode="required", target="offload")
     assert not (tmp_path / "required").exists()
     assert result.plan["prediction"]["gpu_hit_rate_by_mass"] == pytest.approx(1.0)
 
@@ -214,7 +214,7 @@ def test_bad_input(tmp_path, converted, popularity):
         (["--vram", "8G", "--report", str(tmp_path / "plan.svg")], "name it *.png"),
     ]
     for args, message in cases:
-        result = runner.invoke(main, ["partition", str(converted("q4_0")), "-o", str(out), *args])
+        result = runner.invoke(main, ["partition", str(converted("q4_0")), "-o", str(out), "--target", "offload", *args])
         assert result.exit_code == 2, (args, result.output)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert not out.exists() and not list(tmp_path.glob(".out.*"))
@@ -225,14 +225,14 @@ def test_bad_input(tmp_path, converted, popularity):
 def test_same_input_same_files(tmp_path, converted, popularity):
     for name in ("a", "b"):
         partition(converted("q4_0"), tmp_path / name, "1500K", profile=popularity, reserve=0, context=64,
-                  prefill_tokens=16)
+                  prefill_tokens=16, target="offload")
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", names, shallow=False)
     assert mismatch == [] and errors == []
 
 
 def test_cli_partition(tmp_path, converted):
-    result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--vram", "1500K", "--reserve", "0",
+    result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--target", "offload", "--vram", "1500K", "--reserve", "0",
                                        "--context", "64", "--prefill-tokens", "16", "-o", str(tmp_path / "p")])
     assert result.exit_code == 0, result.output
     assert "experts on the GPU (uniform policy)" in result.stdout and "estimate" in result.stdout
@@ -289,7 +289,7 @@ def test_other_architectures_profile_and_partition_exactly(arch, tmp_path, conve
     memory = _memory(lambda *a, **k: source)
     vram = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16) + \
         5 * memory.groups[0].bytes_per_expert
-    result = partition(source, tmp_path / arch, vram, profile=pop, reserve=0, context=64, prefill_tokens=16)
+    result = partition(source, tmp_path / arch, vram, profile=pop, reserve=0, context=64, prefill_tokens=16, target="offload")
     assert sum(n["resident_count"] for n in result.plan["nodes"]) == 5
     a = load(source).forward(IDS, load(source).empty_cache())[0]
     b = load(tmp_path / arch).forward(IDS, load(tmp_path / arch).empty_cache())[0]

@@ -125,7 +125,7 @@ def test_bench_cli(converted):
 @pytest.fixture(scope="module")
 def partitioned(converted, tmp_path_factory):
     out = tmp_path_factory.mktemp("placed") / "model"
-    moepass.partition(converted("q4_0"), out, "1G")
+    moepass.partition(converted("q4_0"), out, "1G", target="offload")
     return out
 
 

@@ -1,0 +1,45 @@
+"""annotate-layers: mark every node with the device its layer runs on, for ONNX Runtime's layer assignment.
+
+Sets node `metadata_props["layer_ann"]`: each MoE node `gpu/<node>` or `cpu/<node>` by the plan,
+every other node `gpu`. With the session entry `session.layer_assignment_settings` =
+"gpu(gpu); cpu(cpu)" (prefix rules), ONNX Runtime assigns the MoE nodes of CPU layers, and so their
+expert weights, to the CPU EP and everything else to the GPU EP. Only metadata changes: the
+model computes exactly what it did.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from moepass.errors import MoepassError
+from moepass.passes.moe_nodes import moe_nodes
+
+LAYER_ANNOTATION = "layer_ann"
+LAYER_SETTINGS_KEY = "session.layer_assignment_settings"
+# prefix rules: "gpu" and "gpu/blk.N.moe" go to the GPU EP, "cpu/blk.N.moe" to the CPU EP
+LAYER_SETTINGS = "gpu(gpu); cpu(cpu)"
+
+
+def layer_annotation(node: str, on_gpu: bool) -> str:
+    """The layer_ann value of a MoE node (every other node is annotated "gpu")."""
+    return f"{'gpu' if on_gpu else 'cpu'}/{node}"
+
+
+class AnnotateLayersPass(InPlacePass):
+    """Annotate nodes for `on_gpu` ({MoE node name: runs on the GPU})."""
+
+    def __init__(self, on_gpu: dict[str, bool]):
+        super().__init__()
+        self.on_gpu = on_gpu
+
+    def call(self, model: ir.Model) -> PassResult:
+        found = {m.name: m.node for m in moe_nodes(model.graph)}
+        unknown = sorted(set(self.on_gpu) - set(found))
+        if unknown:
+            raise MoepassError(f"the plan names MoE node(s) the model does not have: {', '.join(unknown)}")
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            node.metadata_props[LAYER_ANNOTATION] = "gpu"
+        for name, node in found.items():
+            node.metadata_props[LAYER_ANNOTATION] = layer_annotation(name, self.on_gpu.get(name, True))
+        return PassResult(model, modified=True)
