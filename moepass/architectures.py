@@ -13,6 +13,7 @@ use as the oracle.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -21,6 +22,7 @@ from moepass.errors import MoepassError
 from moepass.gguf_reader import GGUFModel, GGUFTensor, StackedTensor
 
 _REQUIRED = object()
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,6 +476,11 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
             source = arch.expert_ff_from if name == "expert_ff" else name
             key = HPARAMS[source].key.format(arch=arch.gguf_arch)
             raise MoepassError(f"{gguf.path}: metadata key '{key}' has absurd value {hp[name]}")
+    blocks = [int(m[1]) for name in gguf.tensors if (m := _BLOCK.match(name))]
+    if max(blocks, default=-1) + 1 < hp["n_layers"]:  # before anything is built per layer
+        key = HPARAMS["n_layers"].key.format(arch=arch.gguf_arch)
+        raise MoepassError(f"{gguf.path}: metadata key '{key}' is {hp['n_layers']:,}, but the file has tensors for "
+                           f"{max(blocks, default=-1) + 1} blocks")
     if hp["n_heads"] % hp["n_kv_heads"]:
         raise bad(f"{hp['n_heads']} query heads are not a multiple of {hp['n_kv_heads']} kv heads")
     if hp["n_experts_used"] > hp["n_experts"]:

@@ -121,7 +121,8 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _finite(param: click.Parameter, value: float | None) -> float | None:
+def _finite_option(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A float option that must be a finite number (click's FloatRange lets nan and inf through)."""
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a finite number", param=param)
     return value
@@ -144,13 +145,15 @@ def _finite(param: click.Parameter, value: float | None) -> float | None:
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
+@click.option("--context", type=click.IntRange(1, 1 << 24), default=None,
+              help="Positions the model is built for (its RoPE tables); default: the GGUF's context_length.")
 @click.option("--allow-non-finite", is_flag=True,
               help="Convert tensors holding NaN or Inf (refused by default: the model would compute NaN logits).")
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
               help="Print the graph after this pass.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(model: str, output: str, float_experts: str, expert_format: str, activations: str, imatrix: str | None,
-            force: bool, allow_non_finite: bool, print_after: str | None, quiet: bool) -> None:
+            force: bool, context: int | None, allow_non_finite: bool, print_after: str | None, quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
@@ -160,7 +163,8 @@ def convert(model: str, output: str, float_experts: str, expert_format: str, act
         result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format,
                              activations=activations, imatrix=imatrix,
                              overwrite=force, progress=progress,
-                             print_after=print_after, echo=click.echo, allow_non_finite=allow_non_finite)
+                             print_after=print_after, echo=click.echo, allow_non_finite=allow_non_finite,
+                             context=context)
     finally:
         progress.close()
     for line in result.summary_lines():
@@ -214,10 +218,10 @@ def _echo_placement(decoder) -> None:
 @click.option("--chat", is_flag=True, help="Wrap --prompt as a user message with the model's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(0, None), default=16, show_default=True)
 @click.option("--temperature", type=click.FloatRange(0, None), default=0.0, show_default=True,
-              callback=lambda ctx, param, value: _finite(param, value), help="0 = greedy.")
+              callback=_finite_option, help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(0, None), default=0, show_default=True, help="0 = no limit.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              callback=lambda ctx, param, value: _finite(param, value))
+              callback=_finite_option)
 @click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, help="Seed for sampled decoding.")
 @_runtime_options
 def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, max_new_tokens: int,
@@ -373,9 +377,12 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 @click.option("--prefill-tokens", type=click.IntRange(1, None), default=512, show_default=True,
               help="Tokens per prefill step (sizes the working buffers).")
 @click.option("--reserve", default="512MiB", show_default=True, help="GPU memory kept for the runtime itself.")
-@click.option("--gpu-bandwidth", type=float, callback=lambda ctx, param, value: _finite(param, value), default=Bandwidths.gpu, show_default=True, help="GB/s, for the estimate.")
-@click.option("--host-bandwidth", type=float, callback=lambda ctx, param, value: _finite(param, value), default=Bandwidths.host, show_default=True, help="GB/s, for the estimate.")
-@click.option("--pcie-bandwidth", type=float, callback=lambda ctx, param, value: _finite(param, value), default=Bandwidths.pcie, show_default=True, help="GB/s, for the estimate.")
+@click.option("--gpu-bandwidth", type=float, callback=_finite_option, default=Bandwidths.gpu, show_default=True,
+              help="GB/s, for the estimate.")
+@click.option("--host-bandwidth", type=float, callback=_finite_option, default=Bandwidths.host, show_default=True,
+              help="GB/s, for the estimate.")
+@click.option("--pcie-bandwidth", type=float, callback=_finite_option, default=Bandwidths.pcie, show_default=True,
+              help="GB/s, for the estimate.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Also draw the plan (heatmap and memory bar) into this PNG file.")
 @click.option("--force", is_flag=True, help="Replace the output directory (and report) if they exist.")

@@ -139,7 +139,8 @@ class ConvertResult:
 def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
             expert_format: str = "auto", activations: str = "int8", imatrix: str | os.PathLike | None = None,
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
-            echo: Callable[[str], None] = print, allow_non_finite: bool = False) -> ConvertResult:
+            echo: Callable[[str], None] = print, allow_non_finite: bool = False,
+            context: int | None = None) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
     Args:
@@ -160,6 +161,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         print_after: print the graph after this pass (see moepass.passes.PASS_NAMES).
         allow_non_finite: convert tensors holding NaN or Inf (refused by default: the model would
             compute NaN logits).
+        context: the positions the model is built for (its RoPE tables; default: the GGUF's
+            context_length, refused when its tables would outweigh the whole model).
     """
     if activations not in ACTIVATION_MODES:
         raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")
@@ -171,7 +174,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
-                                                       imatrix=load_imatrix(imatrix) if imatrix else None))
+                                                       imatrix=load_imatrix(imatrix) if imatrix else None,
+                                                       context=context))
     onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo, activations=activations)
     violations = offload_violations(onnx_model)
     offload = "eligible (int4 block 32 prepacked, float16)" if not violations else \

@@ -248,11 +248,11 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
     policy = policy or ("global" if popularity is not None else "uniform")
     if policy not in POLICIES:
         raise MoepassError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-    if target == "layers":
-        policy = "layers"  # whole nodes: the policy has nothing to choose
-    elif popularity is None and policy != "uniform":
+    if popularity is None and policy != "uniform":
         raise MoepassError(f"policy {policy!r} needs a popularity profile (moepass profile); "
                            "without one, placement is uniform")
+    if target == "layers":
+        policy = "layers"  # whole nodes: the policy has nothing to choose
     groups = memory.groups
     if popularity is not None:
         mass = [popularity.mass(g.node) for g in groups]

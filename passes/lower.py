@@ -55,6 +55,7 @@ class LowerOptions:
     float_experts: str = "keep"
     expert_format: str = "auto"
     imatrix: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False)  # name -> [n_mat, K]
+    context: int | None = None  # positions the model is built for (RoPE tables); None: the GGUF's context_length
 
 
 def rope_cache(n_positions: int, head_dim: int, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
@@ -642,6 +643,21 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
 RECIPES: dict[str, Callable[[GraphBuilder], ir.Graph]] = {"moe_decoder": moe_decoder}
 
 
+# The RoPE tables hold context x rotary dims floats. Larger than the whole file and than this, the
+# context length is more likely corrupt than meant; --context then sets the positions wanted.
+ROPE_TABLES_PLAUSIBLE = 64 << 20
+MAX_CONTEXT = 1 << 24
+
+
+def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
+    rotary = hp["rope_dim"] if arch.features.get("mla") else hp["head_dim"]
+    table_bytes = hp["context_length"] * rotary * 4  # cos and sin, rotary/2 float32 each
+    if table_bytes > ROPE_TABLES_PLAUSIBLE and table_bytes > gguf.file_bytes:
+        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.context_length' is {hp['context_length']:,}: "
+                           f"its RoPE tables would take {table_bytes / 2**30:.1f} GiB, more than the whole model "
+                           f"({gguf.file_bytes / 2**30:.2f} GiB); convert with --context N for the positions you need")
+
+
 @dataclasses.dataclass
 class Lowered:
     model: ir.Model
@@ -659,6 +675,12 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
         raise MoepassError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, not {options.expert_format!r}")
     b = GraphBuilder(gguf, arch, options)
     arch.check_tensors(gguf, b.hp)  # every tensor present and of the right shape, before any work is done
+    if options.context is not None:  # the RoPE tables' length; RoPE itself keeps the GGUF's parameters
+        if not 0 < options.context <= MAX_CONTEXT:
+            raise MoepassError(f"--context {options.context} must be between 1 and {MAX_CONTEXT}")
+        b.hp["context_length"] = options.context
+    else:
+        _check_rope_tables(gguf, arch, b.hp)
     graph = RECIPES[arch.recipe](b)
     model = ir.Model(graph, ir_version=IR_VERSION, producer_name="moepass", producer_version=__version__,
                      metadata_props={

@@ -180,7 +180,8 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
 
 def _layer_devices(model: ir.Model) -> dict[str, str]:
     """MoE node -> the device its layer_ann annotation asks for ("gpu" or "cpu")."""
-    return {m.name: m.node.metadata_props.get(LAYER_ANNOTATION, "gpu").split("/", 1)[0] for m in moe_nodes(model.graph)}
+    return {m.name: m.node.metadata_props.get(LAYER_ANNOTATION, "gpu").split("/", 1)[0]
+            for m in moe_nodes(model.graph)}
 
 
 def _plan_layers(ort, model: ir.Model, provider: str, layer_mode: str, entries: dict[str, str],

@@ -95,6 +95,13 @@ for _key, _values in FLOAT_KEYS.items():
     convert_case(f"meta-{_key}-string", lambda env, k=_full: env.bad_gguf(set_kv={k: ("1e-6", V.STRING)}), f"'{_full}'")
 convert_case("meta-context-2^30", lambda env: env.bad_gguf(set_kv={f"{ARCH}.context_length": (1 << 30, V.UINT32)}),
              f"'{ARCH}.context_length'")
+convert_case("meta-context-tables-outweigh-the-model",
+             lambda env: env.bad_gguf(set_kv={f"{ARCH}.context_length": (16_000_000, V.UINT32)}), "--context N")
+convert_case("meta-context-chosen-by-the-user",
+             lambda env: env.bad_gguf(set_kv={f"{ARCH}.context_length": (16_000_000, V.UINT32)}), exit=0,
+             extra=("--context", "1024"))
+convert_case("meta-more-blocks-than-tensors",
+             lambda env: env.bad_gguf(set_kv={f"{ARCH}.block_count": (458_754, V.UINT32)}), "tensors for 2 blocks")
 convert_case("meta-used-more-than-experts",
              lambda env: env.bad_gguf(set_kv={f"{ARCH}.expert_used_count": (9, V.UINT32)}), "expert_used_count 9")
 convert_case("meta-kv-heads-not-divisor",

@@ -69,7 +69,8 @@ def test_layers_at_several_budgets(arch, tmp_path, converted):
         assert result.options == {LAYER_SETTINGS_KEY: LAYER_SETTINGS}
 
         proto = onnx.load(out / "model.onnx", load_external_data=False)
-        annotation = {n.name: {p.key: p.value for p in n.metadata_props}.get(LAYER_ANNOTATION) for n in proto.graph.node}
+        annotation = {n.name: {p.key: p.value for p in n.metadata_props}.get(LAYER_ANNOTATION)
+                      for n in proto.graph.node}
         assert None not in annotation.values(), "a node without layer_ann"
         for n in nodes:
             assert annotation[n["node"]] == f"{n['device']}/{n['node']}"
@@ -79,6 +80,34 @@ def test_layers_at_several_budgets(arch, tmp_path, converted):
 
         logits = load(out).forward(IDS, load(out).empty_cache())[0]
         np.testing.assert_array_equal(logits, reference)   # annotations only: the same computation
+        if 0 < n_gpu < len(sizes):
+            assert "Layering Rule 1 (cpu -> cpu) mapped to EP: CPUExecutionProvider" in _session_log(out)
+
+
+def _session_log(model_dir, settings: str = LAYER_SETTINGS) -> str:
+    log = subprocess.run([sys.executable, "-c", _SESSION_LOG, str(model_dir / "model.onnx"), LAYER_SETTINGS_KEY,
+                          settings], capture_output=True, text=True, timeout=120)
+    assert log.returncode == 0, log.stderr
+    return log.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_fused_onnx_models_partition_by_layer(family, exported, tmp_path):
+    import onnxruntime as ort
+
+    from moepass.convert import convert
+
+    fused = convert(exported(family, bits=4), tmp_path / "fused").output_dir
+    memory = MemoryModel.of(load_model(fused))
+    vram = _fixed_bytes(memory) + _layer_bytes(memory)[-1] + 100
+    result = partition(fused, tmp_path / "placed", vram, reserve=0, context=64, prefill_tokens=16, target="layers")
+    assert [n["device"] for n in result.plan["nodes"]] == ["cpu", "gpu"]
+    ids = {"input_ids": (np.arange(64, dtype=np.int64)[None] * 7) % 50}
+    before = ort.InferenceSession(str(fused / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, ids)
+    placed = ort.InferenceSession(str(tmp_path / "placed" / "model.onnx"), providers=["CPUExecutionProvider"])
+    after = placed.run(None, ids)
+    np.testing.assert_array_equal(after[0], before[0])
+    assert "Layering Rule 1 (cpu -> cpu) mapped to EP: CPUExecutionProvider" in _session_log(tmp_path / "placed")
 
 
 def test_onnx_runtime_parses_the_rules(tmp_path, converted):
@@ -86,10 +115,8 @@ def test_onnx_runtime_parses_the_rules(tmp_path, converted):
     memory = MemoryModel.of(load_model(source))
     vram = _fixed_bytes(memory) + _layer_bytes(memory)[-1] + 100  # the last layer on the GPU, the first on the CPU
     partition(source, tmp_path / "out", vram, reserve=0, context=64, prefill_tokens=16, target="layers")
-    log = subprocess.run([sys.executable, "-c", _SESSION_LOG, str(tmp_path / "out" / "model.onnx"),
-                          LAYER_SETTINGS_KEY, LAYER_SETTINGS], capture_output=True, text=True, timeout=120)
-    assert log.returncode == 0, log.stderr
-    assert "Layering Rule 1 (cpu -> cpu) mapped to EP: CPUExecutionProvider" in log.stderr, log.stderr
+    log = _session_log(tmp_path / "out")
+    assert "Layering Rule 1 (cpu -> cpu) mapped to EP: CPUExecutionProvider" in log, log
     # a value ONNX Runtime cannot parse is refused: the check above is not vacuous
     bad = subprocess.run([sys.executable, "-c", _SESSION_LOG, str(tmp_path / "out" / "model.onnx"),
                           LAYER_SETTINGS_KEY, "gpu(gpu"], capture_output=True, text=True, timeout=120)

@@ -168,7 +168,8 @@ def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, c
     """A default conversion (int4 experts in the raw layout) is not offload-eligible: partition says so
     before planning, names the node and rule and the way out; required mode refuses it."""
     warnings = []
-    result = partition(converted("q4_0"), tmp_path / "placed", "1G", profile=popularity, warn=warnings.append, target="offload")
+    result = partition(converted("q4_0"), tmp_path / "placed", "1G", profile=popularity, warn=warnings.append,
+                       target="offload")
     assert "ONNX Runtime will not offload this model's experts (blk.0.moe: int4 experts need weights_prepacked=1" \
         in warnings[0] and "--expert-format offload" in warnings[0] and warnings[0].endswith("inactive")
     assert result.plan["offload"]["active"] is False and "blk.0.moe" in result.plan["offload"]["reason"]
@@ -214,7 +215,8 @@ def test_bad_input(tmp_path, converted, popularity):
         (["--vram", "8G", "--report", str(tmp_path / "plan.svg")], "name it *.png"),
     ]
     for args, message in cases:
-        result = runner.invoke(main, ["partition", str(converted("q4_0")), "-o", str(out), "--target", "offload", *args])
+        result = runner.invoke(main, ["partition", str(converted("q4_0")), "-o", str(out), "--target", "offload",
+                                      *args])
         assert result.exit_code == 2, (args, result.output)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert not out.exists() and not list(tmp_path.glob(".out.*"))
@@ -232,8 +234,9 @@ def test_same_input_same_files(tmp_path, converted, popularity):
 
 
 def test_cli_partition(tmp_path, converted):
-    result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--target", "offload", "--vram", "1500K", "--reserve", "0",
-                                       "--context", "64", "--prefill-tokens", "16", "-o", str(tmp_path / "p")])
+    result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--vram", "1500K", "--reserve", "0",
+                                       "--context", "64", "--prefill-tokens", "16", "-o", str(tmp_path / "p"),
+                                       "--target", "offload"])
     assert result.exit_code == 0, result.output
     assert "experts on the GPU (uniform policy)" in result.stdout and "estimate" in result.stdout
     assert "moepass: warning:" in result.stderr
@@ -289,7 +292,8 @@ def test_other_architectures_profile_and_partition_exactly(arch, tmp_path, conve
     memory = _memory(lambda *a, **k: source)
     vram = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16) + \
         5 * memory.groups[0].bytes_per_expert
-    result = partition(source, tmp_path / arch, vram, profile=pop, reserve=0, context=64, prefill_tokens=16, target="offload")
+    result = partition(source, tmp_path / arch, vram, profile=pop, reserve=0, context=64, prefill_tokens=16,
+                       target="offload")
     assert sum(n["resident_count"] for n in result.plan["nodes"]) == 5
     a = load(source).forward(IDS, load(source).empty_cache())[0]
     b = load(tmp_path / arch).forward(IDS, load(tmp_path / arch).empty_cache())[0]
