@@ -32,9 +32,11 @@ MAX_ELEMENTS = 1 << 40
 MAX_TENSORS = 1 << 20
 MAX_KEYS = 1 << 16
 MAX_ALIGNMENT = 1 << 16
+MAX_ARRAY = 1 << 23  # metadata array items (the largest vocabularies and merge lists are well under a million)
 _INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 _FLOATS = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+_VALUE_TYPES = {int(t) for t in GGUFValueType}
 _KIND_WORDS = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 _MISSING = object()
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -154,6 +156,22 @@ class _CheckedReader(GGUFReader):
                 raise MoepassError(f"metadata key 'general.alignment' is {value!r}; it must be a uint32 power of two "
                                    f"up to {MAX_ALIGNMENT}")
         return super()._build_tensor_info(offs, count)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type == GGUFValueType.ARRAY and orig_offs + 12 <= len(self.data):
+            item_type = int(self._get(orig_offs, np.uint32)[0])
+            count = int(self._get(orig_offs + 4, np.uint64)[0])
+            # the smallest an item can be: a string is at least its 8-byte length, an array 12 bytes
+            smallest = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}.get(item_type, 1)
+            if count > MAX_ARRAY or count * smallest > len(self.data) - orig_offs - 12:
+                raise MoepassError(f"a metadata array at byte {orig_offs} announces {count:,} items, more than the "
+                                   "file holds (corrupt array length)")
+            scalar = self.gguf_scalar_to_np.get(GGUFValueType(item_type)) if item_type in _VALUE_TYPES else None
+            if scalar is not None:  # numbers in one read, not one array object per item (the gguf reader's way)
+                values = self._get(orig_offs + 12, scalar, count)
+                parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64), values]
+                return 12 + int(values.nbytes), parts, [2], [GGUFValueType.ARRAY, GGUFValueType(item_type)]
+        return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_fields(self, offs: int, count: int) -> int:
         if count > MAX_KEYS:

@@ -159,6 +159,26 @@ convert_case("struct-kv-count-huge", lambda env: patch(env.copy_gguf(), 16, u64(
 convert_case("struct-key-length-huge", lambda env: patch(env.copy_gguf(), 24, u64(1 << 50)), "bad.gguf")
 convert_case("struct-value-type-unknown",
              lambda env: patch(env.copy_gguf(), value_offset(env.gguf, "general.name")[0] - 12, u32(99)), "bad.gguf")
+def _merges_array(item_type: int, count):
+    def make(env: Env) -> Path:
+        import struct
+        bad = env.copy_gguf()
+        at = _array_header(env.gguf, "tokenizer.ggml.merges")
+        data = bad.read_bytes()
+        return patch(bad, at, struct.pack("<IQ", item_type, count(len(data) - at)))
+    return make
+
+
+def _array_header(path: Path, key: str) -> int:
+    from gguf import GGUFReader
+    reader = GGUFReader(str(path))
+    part = reader.fields[key].parts[2]  # key length, key, value type, then item type and count
+    return int(part.__array_interface__["data"][0] - reader.data.__array_interface__["data"][0]) + 4
+
+
+convert_case("struct-array-count-huge", _merges_array(0, lambda left: 1 << 31), "corrupt array length")
+convert_case("struct-array-count-beyond-file", _merges_array(8, lambda left: left // 8 + 1), "corrupt array length")
+convert_case("struct-array-uint8-to-the-end", _merges_array(0, lambda left: left - 200), "bad.gguf")
 for _n in (0, 3, 8, 20, 100, 1000):
     convert_case(f"struct-truncated-{_n}-bytes", _truncated(size=_n), "cut.gguf")
 for _f in (0.1, 0.5, 0.9, 0.999):
