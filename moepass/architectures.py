@@ -43,7 +43,6 @@ class HParam:
 
 
 _INT_LIMIT = 1 << 24
-_POSITIVE = (lambda v: v > 0, "positive")
 
 
 # Hyperparameters of decoder MoE models; an architecture lists the ones it reads.
@@ -58,7 +57,7 @@ HPARAMS: dict[str, HParam] = {
     "value_dim": HParam("{arch}.attention.value_length", None),
     "rms_eps": HParam("{arch}.attention.layer_norm_rms_epsilon", kind=float,
                       valid=(lambda v: 0 <= v < 1, "at least 0 and below 1")),
-    "rope_base": HParam("{arch}.rope.freq_base", 10000.0, kind=float, valid=_POSITIVE),
+    "rope_base": HParam("{arch}.rope.freq_base", 10000.0, kind=float, valid=(lambda v: v >= 1, "at least 1")),
     "n_experts": HParam("{arch}.expert_count"),
     "n_experts_used": HParam("{arch}.expert_used_count"),
     "expert_ff": HParam("{arch}.expert_feed_forward_length"),

@@ -84,8 +84,11 @@ def rope_cache(n_positions: int, head_dim: int, rope: Rope) -> tuple[np.ndarray,
         angles = angles * (f32(1) - ramp) + theta * ramp
         mscale = mscale * (f32(1) + f32(0.1) * np.log(f32(1) / freq_scale))
     angles = angles.astype(np.float64)
-    return ((np.cos(angles).astype(np.float32) * mscale).astype(np.float32),
-            (np.sin(angles).astype(np.float32) * mscale).astype(np.float32))
+    cos = (np.cos(angles).astype(np.float32) * mscale).astype(np.float32)
+    sin = (np.sin(angles).astype(np.float32) * mscale).astype(np.float32)
+    if not (np.isfinite(cos).all() and np.isfinite(sin).all()):  # metadata in range can still overflow float32
+        raise MoepassError(f"the RoPE parameters ({rope}) give non-finite cos/sin tables")
+    return cos, sin
 
 
 def yarn_correction_dims(n_dims: int, rope: Rope) -> tuple[np.float32, np.float32]:

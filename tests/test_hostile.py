@@ -86,7 +86,7 @@ for _key in INT_KEYS:
         convert_case(f"meta-{_key}-{_what}", lambda env, k=_full, v=_value: env.bad_gguf(set_kv={k: v}), f"'{_full}'")
 
 FLOAT_KEYS = {"attention.layer_norm_rms_epsilon": [math.nan, math.inf, -1e-6, 2.0],
-              "rope.freq_base": [math.nan, math.inf, 0.0, -1e4]}
+              "rope.freq_base": [math.nan, math.inf, 0.0, -1e4, 1.4e-45, 0.5]}
 for _key, _values in FLOAT_KEYS.items():
     _full = f"{ARCH}.{_key}"
     for _value in _values:
