@@ -107,7 +107,8 @@ def _plan_document(plan: Plan, memory: MemoryModel, inputs: dict[str, Any], iden
                       "mass_hit_rate": plan.mass_hit_rate[g.node],
                       "selection_hit_rate": plan.selection_hit_rate[g.node]})
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "moepass_version": __version__,
-            "target": inputs["target"], "model": identity, "inputs": inputs, "fits": plan.fits, "memory": plan.memory, "nodes": nodes,
+            "target": inputs["target"], "model": identity, "inputs": inputs, "fits": plan.fits, "memory": plan.memory,
+            "nodes": nodes,
             "prediction": plan.prediction, "warnings": plan.warnings, "onnxruntime_options": options}
 
 
