@@ -78,7 +78,8 @@ def _from_dat(path: Path) -> dict[str, np.ndarray]:
         name = bytes(take(f"<{length}s")[0]).decode("utf-8", errors="replace")
         _ncall, nval = take("<ii")
         if not 0 < nval <= (len(data) - position) // 4:
-            raise MoepassError(f"{path}: entry '{name}' announces {nval} values, more than the file holds")
+            raise MoepassError(f"{path}: truncated importance matrix: entry '{name}' announces {nval} values, more "
+                               "than the file holds")
         values = np.array(take(f"<{nval}f"), dtype=np.float32)
         if not np.isfinite(values).all() or (values < 0).any():
             raise MoepassError(f"{path}: entry '{name}' holds negative or non-finite importances")
