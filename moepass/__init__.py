@@ -11,15 +11,14 @@ Python API (the same capabilities as the CLI):
     placed = moepass.partition("out/", "placed/", "8G", profile=popularity)
 """
 
-__version__ = "0.1.0"
-
-from moepass.errors import MoepassError  # noqa: E402
-from moepass.convert import ConvertResult, convert  # noqa: E402
-from moepass.inspection import inspect  # noqa: E402
-from moepass.runtime import Sampling, load  # noqa: E402
-from moepass.profile import profile  # noqa: E402
-from moepass.partition import PartitionResult, partition  # noqa: E402
-from moepass.popularity import Popularity  # noqa: E402
+from moepass.convert import ConvertResult, convert
+from moepass.errors import MoepassError
+from moepass.inspection import inspect
+from moepass.partition import PartitionResult, partition
+from moepass.popularity import Popularity
+from moepass.profile import profile
+from moepass.runtime import Sampling, load
+from moepass.version import __version__
 
 __all__ = ["ConvertResult", "MoepassError", "PartitionResult", "Popularity", "Sampling", "__version__", "convert",
            "inspect", "load", "partition", "profile"]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import onnx_ir as ir
 
-from moepass import __version__
+from moepass.version import __version__
 from moepass.architectures import architecture_of
 from moepass.atomic import atomic_directory
 from moepass.errors import MoepassError

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import onnx
 import onnx_ir as ir
 
-from moepass import __version__
+from moepass.version import __version__
 from moepass.atomic import atomic_directory, atomic_file
 from moepass.errors import MoepassError
 from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,

@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir import tape as ir_tape
 
-from moepass import __version__
+from moepass.version import __version__
 from moepass.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT, Architecture, Rope, latent_dims
 from moepass.errors import MoepassError
 from moepass.files import LOGITS_TO_KEEP
