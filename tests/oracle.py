@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
+import pytest
 
 PROMPT = [5, 77, 200, 13, 99, 150, 7, 260, 31, 42, 318, 1, 64, 128]
 NEAR_TIE = 0.1     # of the position's logit std
@@ -24,8 +24,15 @@ ROUTER_TIE = 0.05  # of the position's router logit std
 DISTANCE_FACTOR, SPREAD_FLOOR = 2.0, 0.01  # ours from exact <= 2x llama.cpp's + 1 % of the logit spread
 
 
+def llama_cpp_module():
+    """llama-cpp-python, or a skip saying how to get it (the suite runs without the oracle)."""
+    return pytest.importorskip("llama_cpp", reason="the llama.cpp oracle (llama-cpp-python) is not installed; "
+                                                    "the README's test command builds it")
+
+
 def llama_logits(gguf_path, ids=PROMPT):
     """llama.cpp's logits [len(ids), vocab] for one prefill, F32 KV cache."""
+    llama_cpp = llama_cpp_module()
     n_ctx = max(64, len(ids))
     llm = llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, type_k=0, type_v=0,
                           n_threads=2, verbose=False)
@@ -89,8 +96,7 @@ def llama_quantize(source: Path, destination: Path, file_type: str, imatrix: dic
     it refuses."""
     import ctypes
 
-    import llama_cpp
-
+    llama_cpp = llama_cpp_module()
     entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
     keep = []
     for entry, (name, values) in zip(entries, imatrix.items()):

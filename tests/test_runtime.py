@@ -8,7 +8,6 @@ import json
 import logging
 import types
 
-import llama_cpp
 import numpy as np
 import onnx_ir as ir
 import pytest
@@ -20,13 +19,14 @@ from moepass.gguf_reader import GGUFModel
 from moepass.runtime import Sampling, choose_token, load
 from moepass.runtime.providers import PLUGIN_EP, offload_violations, plan_session
 from moepass.tokenizer import tokenizer_from_gguf
+from oracle import llama_cpp_module
 
 TEXTS = ["Hello world, this is the test 123!\n  spaces", "then the other one's there", "éü 你好 🙂",
          " leading space", "<|im_start|>user\nhi<|im_end|>"]
 
 
 def _llama(path, **kw):
-    return llama_cpp.Llama(str(path), n_ctx=128, type_k=0, type_v=0, n_threads=2, verbose=False, **kw)
+    return llama_cpp_module().Llama(str(path), n_ctx=128, type_k=0, type_v=0, n_threads=2, verbose=False, **kw)
 
 
 def test_greedy_generation_and_text_match_llama_cpp(make_gguf, converted):
@@ -53,7 +53,7 @@ def test_greedy_generation_and_text_match_llama_cpp(make_gguf, converted):
 def test_tokenizer_matches_llama_cpp(kind, make_gguf):
     path = make_gguf("q4_0", tokenizer=kind)
     tokenizer = tokenizer_from_gguf(GGUFModel(path)).tokenizer
-    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    llm = llama_cpp_module().Llama(str(path), vocab_only=True, verbose=False)
     try:
         for text in TEXTS:
             ours = tokenizer.encode(text, add_special_tokens=False).ids
