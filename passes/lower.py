@@ -30,7 +30,7 @@ from moepass.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT, Archite
 from moepass.errors import MoepassError
 from moepass.files import LOGITS_TO_KEEP
 from moepass.gguf_reader import GGUFModel, GGUFTensor
-from moepass.prepack import prepack_problem
+from moepass.cuda_ops.prepack import prepack_problem
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
 from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, quant_type
 

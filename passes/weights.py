@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 
 from moepass.gguf_reader import GGUFTensor
 from moepass.imatrix import importance_rows
-from moepass.prepack import prepack_sm80
+from moepass.cuda_ops.prepack import prepack_sm80
 from moepass.quants import (BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points, rel_rms,
                             unpack_values)
 
@@ -231,7 +231,7 @@ class PackedGroup:
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
         rows = (*lead[:-1], lead[-1] * len(sources))
         k_blocks = k // form.block_size
-        # prepack: per expert the SM80 mixed-GEMM layout [K, N*bits/8] (moepass.prepack)
+        # prepack: per expert the SM80 mixed-GEMM layout [K, N*bits/8] (moepass.cuda_ops.prepack)
         self.prepack_rows = lead[-1] if prepack else 0
         if prepack:
             self.codes_shape = (*rows[:-1], k, form.packed_bytes(rows[-1]))

@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 
 import moepass
-from moepass.prepack import prepack_sm80
+from moepass.cuda_ops.prepack import prepack_sm80
 from moepass.runtime.providers import PLUGIN_EP, offload_violations, plan_session
 
 
