@@ -30,7 +30,10 @@ class _Group(click.Group):
 
     def main(self, args=None, prog_name=None, **extra):
         extra.pop("standalone_mode", None)
-        previous = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            previous = signal.signal(signal.SIGTERM, _terminated)
+        except ValueError:  # not the main thread (an embedding application): its own signal handling stays
+            previous = None
         handler = _WarningLine()
         logging.getLogger("moepass").addHandler(handler)
         try:
@@ -59,7 +62,8 @@ class _Group(click.Group):
             click.echo(f"moepass: error: {message}", err=True)
             sys.exit(2)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             logging.getLogger("moepass").removeHandler(handler)
 
 
