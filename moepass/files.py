@@ -78,18 +78,25 @@ def check_external_data(model: "onnx_ir.Model", path: Path) -> None:
             raise MoepassError(f"{where} up to byte {end}, but the file has {sizes[location]} bytes (truncated?)")
 
 
-def read_json_object(path: Path) -> dict:
-    """A JSON object file beside a model ({} when absent); anything else is a clear error naming it."""
+def read_json(path: Path, what: str | None = None) -> Any:
+    """The JSON value of a file; an unreadable file or invalid JSON is a clear error naming it (and,
+    when given, `what` the file should have been)."""
     import json
 
-    if not path.is_file():
-        return {}
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except OSError as e:
         raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MoepassError(f"{path}: not valid JSON ({e})") from None
+        raise MoepassError(f"{path}: not {what} (invalid JSON: {e})" if what else
+                           f"{path}: not valid JSON ({e})") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object file beside a model ({} when absent); anything else is a clear error naming it."""
+    if not path.is_file():
+        return {}
+    data = read_json(path)
     if not isinstance(data, dict):
         raise MoepassError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data

@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from moepass.atomic import atomic_file
 from moepass.errors import MoepassError
+from moepass.files import read_json
 from moepass.passes.moe_nodes import moe_nodes
 
 FORMAT = "moepass-popularity"
@@ -119,12 +120,7 @@ class Popularity:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Popularity":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except OSError as e:
-            raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MoepassError(f"{path}: not a popularity file (invalid JSON: {e})") from None
+        data = read_json(path, "a popularity file")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise MoepassError(f"{path}: not a popularity file (no \"format\": \"{FORMAT}\")")
         if data.get("version") != VERSION:
