@@ -30,7 +30,9 @@ def _nibbles(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def prepack_problem(n: int, k: int, bits: int) -> str | None:
-    """Why an [N, K] matrix of `bits`-bit codes cannot take the SM80 layout, or None when it can."""
+    """Why an [N, K] matrix of `bits`-bit codes cannot take the SM80 layout, or None when it can:
+    K must fill whole MMA tiles (128/bits rows) and column-interleave tiles (64 rows, which also
+    holds whole 32-bit registers of codes), N*bits/8 whole 8-byte columns."""
     rows_per_tile = 128 * 8 // _ACTIVATION_BITS
     if k % rows_per_tile or k % (8 * 16 // bits):
         return f"its input dimension {k} is not a multiple of {rows_per_tile}"
@@ -41,6 +43,9 @@ def prepack_problem(n: int, k: int, bits: int) -> str | None:
 
 def prepack_sm80(codes: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
     """ORT storage codes uint8 [N, K*bits/8] (unsigned) -> the SM80 layout, uint8 [K, N*bits/8]."""
+    problem = prepack_problem(n, k, bits)
+    if problem:
+        raise ValueError(f"[{k}, {n}] cannot take the SM80 mixed-GEMM layout: {problem}")
     if bits == 4:
         low, high = _nibbles(codes.reshape(n, k // 2))
         unsigned = np.empty((n, k), dtype=np.uint8)
@@ -53,8 +58,6 @@ def prepack_sm80(codes: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
 
     # 1. permute rows within each MMA tile
     tile = 8 * 16 // bits
-    if rows % tile or cols % 8:
-        raise ValueError(f"[{k}, {n}] does not tile for the mixed-GEMM layout (K % {tile}, N*bits/8 % 8)")
     permutation = _ROW_PERMUTATION[bits]
     tensor = tensor[(np.arange(rows) // tile) * tile + permutation[np.arange(rows) % tile]]
 
@@ -70,8 +73,6 @@ def prepack_sm80(codes: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
     interleave = _ACTIVATION_BITS // bits
     rows_per_tile = 128 * 8 // _ACTIVATION_BITS
     per_int32 = 32 // bits
-    if rows % rows_per_tile or rows % per_int32:
-        raise ValueError(f"K={k} is not a multiple of {rows_per_tile} for the column interleave")
     tensor = tensor.reshape(-1, interleave, rows // rows_per_tile, rows_per_tile * 4 // per_int32)
     tensor = tensor.transpose(0, 2, 1, 3).reshape(rows, cols)
 
