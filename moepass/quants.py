@@ -313,11 +313,7 @@ def has_non_finite(raw: np.ndarray, ggml_type: GT) -> bool:
         return bool((blocks[:, 0] == 0xFF).any())  # e8m0 0xFF is NaN
     if qt.scales is None:  # IQ1_M: the fp16 scale is spread over the block's scale nibbles
         return not np.isfinite(dequantize(blocks, ggml_type)).all()
-    for offset in qt.scales:
-        bits = np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.uint16)
-        if ((bits & 0x7C00) == 0x7C00).any():
-            return True
-    return False
+    return any(not np.isfinite(_fp16_field(blocks, offset)).all() for offset in qt.scales)
 
 
 def quant_type(ggml_type: GT, tensor_name: str, file: object = None) -> QuantType:
