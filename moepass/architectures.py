@@ -43,14 +43,15 @@ class HParam:
 
 
 _INT_LIMIT = 1 << 24
+MAX_CONTEXT = _INT_LIMIT  # positions: 16M, above every released model's context
 
 
 # Hyperparameters of decoder MoE models; an architecture lists the ones it reads.
 HPARAMS: dict[str, HParam] = {
     "n_layers": HParam("{arch}.block_count"),
     "hidden": HParam("{arch}.embedding_length"),
-    "context_length": HParam("{arch}.context_length", valid=(lambda v: 0 < v <= _INT_LIMIT,
-                                                             f"between 1 and {_INT_LIMIT}")),
+    "context_length": HParam("{arch}.context_length", valid=(lambda v: 0 < v <= MAX_CONTEXT,
+                                                             f"between 1 and {MAX_CONTEXT}")),
     "n_heads": HParam("{arch}.attention.head_count"),
     "n_kv_heads": HParam("{arch}.attention.head_count_kv", None),
     "head_dim": HParam("{arch}.attention.key_length", None),
@@ -471,7 +472,7 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
         return MoepassError(f"{gguf.path}: {arch.gguf_arch} hyperparameters are inconsistent: {what}")
 
     for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_used", "expert_ff"):
-        if not 0 < hp[name] < (1 << 24):
+        if not 0 < hp[name] < _INT_LIMIT:
             source = arch.expert_ff_from if name == "expert_ff" else name
             key = HPARAMS[source].key.format(arch=arch.gguf_arch)
             raise MoepassError(f"{gguf.path}: metadata key '{key}' has absurd value {hp[name]}")

@@ -28,9 +28,9 @@ def _check_destination(path: Path, overwrite: bool, is_dir: bool, inputs: Iterab
         raise MoepassError(f"'{absolute}': the file system root cannot be an output")
     if absolute == here or absolute in here.parents:
         raise MoepassError(f"{path}: is the current directory (or one above it); name a new folder for the output")
+    real = Path(os.path.realpath(absolute))
     for source in inputs:
         source = Path(os.path.realpath(source))
-        real = Path(os.path.realpath(absolute))
         if source == real or real in source.parents:
             raise MoepassError(f"{path}: writing there would replace the input {source}")
     if not path.parent.exists():

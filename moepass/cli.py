@@ -5,6 +5,7 @@ Bad input ends with one line `moepass: error: ...` on stderr and exit status 2.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import traceback
 
 import click
 
+from moepass.architectures import MAX_CONTEXT
 from moepass.errors import MoepassError, expected_failure
 from moepass.passes import ACTIVATION_MODES, PASS_NAMES
 from moepass.passes.lower import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES
@@ -149,7 +151,7 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
-@click.option("--context", type=click.IntRange(1, 1 << 24), default=None,
+@click.option("--context", type=click.IntRange(1, MAX_CONTEXT), default=None,
               help="Positions the model is built for (its RoPE tables); default: the GGUF's context_length.")
 @click.option("--allow-non-finite", is_flag=True,
               help="Convert tensors holding NaN or Inf (refused by default: the model would compute NaN logits).")
@@ -209,9 +211,7 @@ def _runtime_options(f):
 def _echo_placement(decoder) -> None:
     """Where ONNX Runtime put the MoE layers of a per-layer plan (its graph assignment record)."""
     if decoder.moe_placement:
-        counts: dict[str, int] = {}
-        for ep in decoder.moe_placement.values():
-            counts[ep] = counts.get(ep, 0) + 1
+        counts = collections.Counter(decoder.moe_placement.values())
         click.echo("MoE layers: " + ", ".join(f"{n} on {ep}" for ep, n in sorted(counts.items())), err=True)
 
 

@@ -26,7 +26,8 @@ import onnx_ir as ir
 from onnx_ir import tape as ir_tape
 
 from moepass.version import __version__
-from moepass.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT, Architecture, Rope, latent_dims
+from moepass.architectures import (ACTIVATIONS, DENSE_FFN, MAX_CONTEXT, SHARED_EXPERT, Architecture, Rope,
+                                   latent_dims)
 from moepass.errors import MoepassError
 from moepass.files import LOGITS_TO_KEEP
 from moepass.gguf_reader import GGUFModel, GGUFTensor
@@ -649,7 +650,6 @@ RECIPES: dict[str, Callable[[GraphBuilder], ir.Graph]] = {"moe_decoder": moe_dec
 # The RoPE tables hold context x rotary dims floats. Larger than the whole file and than this, the
 # context length is more likely corrupt than meant; --context then sets the positions wanted.
 ROPE_TABLES_PLAUSIBLE = 64 << 20
-MAX_CONTEXT = 1 << 24
 
 
 def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:

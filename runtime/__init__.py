@@ -113,8 +113,8 @@ class Decoder:
             else:
                 self.session = ort.InferenceSession(source, options, providers=self.plan.providers)
         except Exception as e:  # ORT raises its own exception types; keep its message, one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise MoepassError(f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: {first}") from None
+            raise MoepassError(f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: "
+                               f"{first_line(e)}") from None
         # MoE node -> EP, where a per-layer plan is in force (checked against the plan)
         self.moe_placement = check_layer_placement(self.session, structure, self.plan)
         inputs = {i.name: i for i in self.session.get_inputs()}

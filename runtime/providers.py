@@ -24,7 +24,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from moepass.errors import MoepassError
+from moepass.errors import MoepassError, first_line
 from moepass.passes.annotate_layers import LAYER_ANNOTATION, LAYER_SETTINGS_KEY
 from moepass.passes.moe_nodes import moe_nodes
 
@@ -103,7 +103,7 @@ def _register_plugin(ort, library: str) -> list[Any]:
     except Exception as e:  # noqa: BLE001 - ORT raises its own types; keep its words
         if "already registered" not in str(e).lower():
             raise MoepassError(f"{path}: ONNX Runtime cannot register it as {PLUGIN_EP}: "
-                               f"{str(e).strip().splitlines()[0]}") from None
+                               f"{first_line(e)}") from None
     devices = [d for d in ort.get_ep_devices() if d.ep_name == PLUGIN_EP]
     if not devices:
         raise MoepassError(f"{path}: registered as {PLUGIN_EP}, but it reports no device")
@@ -188,8 +188,8 @@ def _plan_layers(ort, model: ir.Model, provider: str, layer_mode: str, entries: 
                  warnings: list[str]) -> str:
     """Keep the layer assignment where ONNX Runtime and the EP can follow it; else refuse (required)
     or drop it with one warning (auto). Returns the layer mode in force."""
-    on_cpu = sum(1 for d in _layer_devices(model).values() if d == "cpu")
-    n_moe = len(moe_nodes(model.graph))
+    devices = _layer_devices(model)
+    n_moe, on_cpu = len(devices), sum(1 for d in devices.values() if d == "cpu")
     reason = None
     if _ort_version(ort) < LAYERING_MIN_ORT:
         reason = (f"ONNX Runtime {ort.__version__} predates layer assignment ({LAYER_SETTINGS_KEY}, needs "
