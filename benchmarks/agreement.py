@@ -41,7 +41,7 @@ from oracle import llama_logits  # noqa: E402
 from reference_forward import Qwen3MoeReference  # noqa: E402
 
 from moepass.convert import convert  # noqa: E402
-from moepass.quants import QUANT_TYPES  # noqa: E402
+from moepass.core.quants import QUANT_TYPES  # noqa: E402
 from moepass.runtime import load  # noqa: E402
 
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fixtures"))
 
 import make_fixtures  # noqa: E402
-from moepass.quants import QUANT_TYPES, BlockForm, pack  # noqa: E402
+from moepass.core.quants import QUANT_TYPES, BlockForm, pack  # noqa: E402
 
 CHUNK = 8 << 20
 

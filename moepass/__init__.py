@@ -9,16 +9,60 @@ Python API (the same capabilities as the CLI):
     new_ids = list(decoder.generate([1, 2, 3], max_new_tokens=8))
     popularity = moepass.profile("out/", [[1, 2, 3]])  # Popularity
     placed = moepass.partition("out/", "placed/", "8G", profile=popularity)
+
+Each name is imported when first used: `import moepass` (and `moepass --help`) loads none of the
+compiler or ONNX Runtime.
 """
 
-from moepass.convert import ConvertResult, convert
-from moepass.errors import MoepassError
-from moepass.inspection import inspect
-from moepass.partition import PartitionResult, partition
-from moepass.popularity import Popularity
-from moepass.profile import profile
-from moepass.runtime import Sampling, load
-from moepass.version import __version__
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+from moepass.core.errors import MoepassError
+from moepass.core.version import __version__
+
+# name -> the module that defines it
+_API = {"ConvertResult": "moepass.convert", "convert": "moepass.convert", "inspect": "moepass.inspection",
+        "PartitionResult": "moepass.partition", "partition": "moepass.partition",
+        "Popularity": "moepass.popularity", "profile": "moepass.profile",
+        "Sampling": "moepass.runtime", "load": "moepass.runtime"}
+
+if TYPE_CHECKING:
+    from moepass.convert import ConvertResult, convert
+    from moepass.inspection import inspect
+    from moepass.partition import PartitionResult, partition
+    from moepass.popularity import Popularity
+    from moepass.profile import profile
+    from moepass.runtime import Sampling, load
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'moepass' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets it as an attribute of its package: moepass.convert, .partition and
+    .profile would then name modules instead of the API functions of the same names."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _API and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = ["ConvertResult", "MoepassError", "PartitionResult", "Popularity", "Sampling", "__version__", "convert",
            "inspect", "load", "partition", "profile"]

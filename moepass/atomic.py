@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from moepass.errors import WRITE_ERRNOS, MoepassError
+from moepass.core.errors import WRITE_ERRNOS, MoepassError
 
 
 def _check_destination(path: Path, overwrite: bool, is_dir: bool, inputs: Iterable[str | os.PathLike]) -> None:

@@ -16,13 +16,10 @@ import traceback
 
 import click
 
-from moepass.architectures import MAX_CONTEXT
-from moepass.errors import MoepassError, expected_failure
-from moepass.passes import ACTIVATION_MODES, PASS_NAMES
-from moepass.passes.lower import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES
-from moepass.profile import PROMPT_FORMATS
-from moepass.placement import MODES, POLICIES, TARGETS, Bandwidths
-from moepass.runtime.providers import DEVICES, MODES as OFFLOAD_MODES, PLUGIN_ENV
+from moepass.core import keys
+from moepass.core.choices import (ACTIVATION_MODES, DEVICES, EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT,
+                                  PASS_NAMES, PLAN_MODES, PLUGIN_ENV, POLICIES, PROMPT_FORMATS, TARGETS, Bandwidths)
+from moepass.core.errors import MoepassError, expected_failure
 
 
 class _Group(click.Group):
@@ -199,7 +196,7 @@ def _runtime_options(f):
                      help="auto: the best EP available; cuda: fail unless a CUDA EP is there."),
         click.option("--cuda-plugin", type=click.Path(dir_okay=False), default=None,
                      help=f"ONNX Runtime CUDA plugin EP library (default: ${PLUGIN_ENV})."),
-        click.option("--offload", "mode", type=click.Choice(OFFLOAD_MODES), default=None,
+        click.option("--offload", "mode", type=click.Choice(keys.OFFLOAD_MODES), default=None,
                      help="Expert offload: disabled, auto (fall back with a warning) or required "
                           "(default: what partition wrote)."),
         click.option("--threads", type=click.IntRange(1, None), default=None, help="ONNX Runtime intra-op threads."),
@@ -374,7 +371,7 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
               help="Popularity file from `moepass profile` (without one, placement is uniform).")
 @click.option("--policy", type=click.Choice(POLICIES), default=None,
               help="global (default with a profile), balanced, or uniform (default without).")
-@click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
+@click.option("--mode", type=click.Choice(PLAN_MODES), default="auto", show_default=True,
               help="required: fail when the non-expert weights, KV cache and buffers do not fit.")
 @click.option("--context", type=click.IntRange(1, None), default=4096, show_default=True, help="KV cache tokens.")
 @click.option("--batch", type=click.IntRange(1, None), default=1, show_default=True, help="Sequences at once.")

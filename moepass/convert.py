@@ -1,7 +1,7 @@
 """`moepass convert`: GGUF -> ONNX decoder with QMoE experts, or an ONNX model's MoE subgraphs
 fused into QMoE; written atomically.
 
-GGUF: read (moepass.gguf_reader) -> lower (moepass.passes.lower) -> passes (moepass.passes.PIPELINE)
+GGUF: read (moepass.core.gguf_reader) -> lower (moepass.passes.lower) -> passes (moepass.passes.PIPELINE)
 -> write: model.onnx + model.onnx.data (weights streamed tensor by tensor) + moepass.json
 (hyperparameters, MoE layers and the per-tensor conversion report), tokenizer and genai config.
 ONNX: load (weights stay on disk until written) -> fuse-moe (moepass.passes.fuse_moe) ->
@@ -25,22 +25,24 @@ from typing import Any, Callable
 
 import onnx_ir as ir
 
-from moepass.version import __version__
-from moepass.architectures import architecture_of
+from moepass.core.version import __version__
+from moepass.core.architectures import architecture_of
 from moepass.atomic import atomic_directory
-from moepass.errors import MoepassError
-from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
+from moepass.core.errors import MoepassError
+from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
                            TOKENIZER_FILE, as_ir_model)
 from moepass.genai import genai_config
-from moepass.imatrix import load_imatrix
+from moepass.core.imatrix import load_imatrix
 from moepass.runtime.providers import offload_violations
 from moepass.tokenizer import tokenizer_from_gguf
-from moepass.gguf_reader import GGUFModel, is_gguf
-from moepass.passes import ACTIVATION_MODES, QuantizeActivationsPass, run_pipeline
+from moepass.core.gguf_reader import GGUFModel, is_gguf
+from moepass.passes import QuantizeActivationsPass, run_pipeline
 from moepass.passes.fuse_moe import FuseMoePass
-from moepass.passes.lower import FLOAT_EXPERT_CHOICES, META, LowerOptions, lower_gguf
-from moepass.quants import parse_form, speed_class
+from moepass.passes.lower import LowerOptions, lower_gguf
+from moepass.core.quants import parse_form, speed_class
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+from moepass.core import keys
+from moepass.core.choices import ACTIVATION_MODES, FLOAT_EXPERT_CHOICES
 
 
 ProgressFn = Callable[[int, int], None]  # (tensors written, total tensors)
@@ -262,9 +264,9 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
         for cleanup in (RemoveUnusedNodesPass(), TopologicalSortPass()):
             cleanup(onnx_model)
     QuantizeActivationsPass(activations)(onnx_model)
-    onnx_model.metadata_props[META + "version"] = __version__
-    onnx_model.metadata_props[META + "source"] = source.name
-    onnx_model.metadata_props[META + "moe_layers"] = str(len(fused))
+    onnx_model.metadata_props[keys.VERSION] = __version__
+    onnx_model.metadata_props[keys.SOURCE] = source.name
+    onnx_model.metadata_props[keys.MOE_LAYERS] = str(len(fused))
     violations = offload_violations(onnx_model)
     offload = "eligible" if fused and not violations else \
         f"not eligible: {violations[0][0]}: {violations[0][1]}" if violations else "no MoE layer"

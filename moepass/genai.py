@@ -13,9 +13,10 @@ from typing import Any
 
 import onnx_ir as ir
 
-from moepass.errors import MoepassError
+from moepass.core.errors import MoepassError
 
-from moepass.files import MODEL_FILE
+from moepass.core.files import MODEL_FILE
+from moepass.core import keys
 
 # onnxruntime-genai's model type decides little for a plain decoder; these are the nearest it knows.
 GENAI_TYPES = {"qwen3moe": "qwen3", "qwen2moe": "qwen2", "llama": "llama", "olmoe": "olmo", "granitemoe": "granite",
@@ -24,7 +25,7 @@ GENAI_TYPES = {"qwen3moe": "qwen3", "qwen2moe": "qwen2", "llama": "llama", "olmo
 
 def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
                  config_entries: dict[str, str] | None = None) -> dict[str, Any]:
-    arch = model.metadata_props.get("moepass.architecture", "")
+    arch = model.metadata_props.get(keys.ARCHITECTURE, "")
     stop = list(tokenizer.get("stop_token_ids") or [])
     # the KV cache as the graph holds it (deepseek2: one head of the compressed latent per token)
     cache = next(v for v in model.graph.inputs if v.name == "past_key_values.0.key").shape

@@ -14,13 +14,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moepass.architectures import ARCHITECTURES
-from moepass.errors import MoepassError
-from moepass.files import REPORT_FILE, as_ir_model, read_json_object
-from moepass.gguf_reader import GGUFModel, is_gguf
+from moepass.core.architectures import ARCHITECTURES
+from moepass.core.errors import MoepassError
+from moepass.core.files import REPORT_FILE, as_ir_model, read_json_object
+from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.passes.fuse_moe import FuseMoePass
-from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
-from moepass.quants import BlockForm
+from moepass.core.moe_nodes import moe_nodes, tensor_bytes
+from moepass.core.quants import BlockForm
+from moepass.core import keys
 
 
 def _gguf_group(name: str) -> str:
@@ -81,8 +82,8 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
             form = str(BlockForm(bits, attrs["block_size"])) if "block_size" in attrs else f"int{bits}/row"
         else:
             form = "float32"
-        placement = {k.removeprefix("moepass.placement."): v for k, v in m.node.metadata_props.items()
-                     if k.startswith("moepass.placement.")}
+        placement = {k.removeprefix(keys.PLACEMENT_PREFIX): v for k, v in m.node.metadata_props.items()
+                     if k.startswith(keys.PLACEMENT_PREFIX)}
         nodes.append({"node": m.name, "op": m.node.op_type, "form": form, "experts": m.experts, "top_k": m.top_k,
                       "hidden": m.hidden, "ffn": m.ffn, "activation": attrs.get("activation_type"),
                       "bytes": m.bytes_per_expert * m.experts,
@@ -102,7 +103,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     return {
         "kind": "onnx",
         "file": label,
-        "architecture": model.metadata_props.get("moepass.architecture"),
+        "architecture": model.metadata_props.get(keys.ARCHITECTURE),
         "metadata": dict(model.metadata_props),
         "moe_nodes": nodes,
         "bytes_by_group": dict(groups),
@@ -160,7 +161,7 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
             lines.append(f"  {group:<18}{sum(by_type.values()):>16,}  ({detail})")
         return lines
     lines.append(f"format        ONNX, architecture {info['architecture'] or 'unknown'}")
-    features = info["metadata"].get("moepass.features")
+    features = info["metadata"].get(keys.FEATURES)
     if features:
         try:
             lines.extend(_feature_lines(json.loads(features)))

@@ -31,20 +31,22 @@ from typing import Any, Callable
 import onnx
 import onnx_ir as ir
 
-from moepass.version import __version__
+from moepass.core.version import __version__
 from moepass.atomic import atomic_directory, atomic_file
-from moepass.errors import MoepassError
-from moepass.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
+from moepass.core.errors import MoepassError
+from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
                            TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
                            read_json_object)
 from moepass.genai import with_session_entries
-from moepass.passes.moe_nodes import moe_nodes
+from moepass.core.moe_nodes import moe_nodes
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.reorder_experts import ReorderExpertsPass
-from moepass.placement import (TARGETS, Bandwidths, Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
+from moepass.core.choices import PLUGIN_ENV, TARGETS, Bandwidths
+from moepass.placement import (Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
                                parse_bytes, plan_placement)
 from moepass.popularity import Popularity, model_identity
-from moepass.runtime.providers import PLUGIN_ENV, offload_violations
+from moepass.runtime.providers import offload_violations
+from moepass.core import keys
 
 PLAN_FORMAT = "moepass-plan"
 PLAN_VERSION = 1
@@ -197,7 +199,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     else:
         document["offload"] = {"active": inactive is None, "reason": inactive}
         ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
-    model.metadata_props["moepass.placement"] = json.dumps(
+    model.metadata_props[keys.PLACEMENT] = json.dumps(
         {"plan": PLAN_FILE, "options": OPTIONS_FILE, "target": target, "vram_bytes": budget.vram_bytes,
          "policy": plan.policy, "resident_expert_bytes": plan.resident_bytes, "fingerprint": identity["fingerprint"]},
         sort_keys=True)

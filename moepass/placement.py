@@ -37,25 +37,18 @@ experts are either computed on the CPU from host memory or streamed over PCIe.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from moepass.errors import MoepassError
-from moepass.passes.annotate_layers import LAYER_SETTINGS, LAYER_SETTINGS_KEY
-from moepass.passes.moe_nodes import moe_nodes, tensor_bytes
+from moepass.core.errors import MoepassError
+from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.popularity import Popularity
+from moepass.core import keys
+from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths
 
-POLICIES = ("global", "balanced", "uniform")
-MODES = ("auto", "required")
-# offload: per expert, through the ONNX Runtime CUDA plugin EP's expert offload (session.moe.offload.*);
-# layers: per MoE node, through node annotations (layer_ann) and session.layer_assignment_settings, which
-# the in-tree CUDA EP of a pip-installed onnxruntime-gpu follows; auto: offload when the model is
-# eligible and a CUDA plugin EP is named, else layers
-TARGETS = ("auto", "offload", "layers")
 _UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4,
           "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
           "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4, "b": 1}
@@ -159,22 +152,6 @@ class Budget:
     reserve_bytes: int = 512 * 1024 ** 2
 
 
-@dataclasses.dataclass(frozen=True)
-class Bandwidths:
-    """GB/s used by the decode-time estimate (defaults: a desktop GPU with GDDR6X, dual-channel
-    DDR5 host memory, PCIe 4.0 x16)."""
-
-    gpu: float = 900.0
-    host: float = 60.0
-    pcie: float = 25.0
-
-    def __post_init__(self) -> None:
-        for name in ("gpu", "host", "pcie"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise MoepassError(f"--{name}-bandwidth {value} is not a positive number of GB/s")
-
-
 @dataclasses.dataclass
 class Plan:
     """Where every expert lives, the memory breakdown, and the predictions."""
@@ -241,8 +218,8 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
                    target: str = "offload") -> Plan:
     """The placement for `target` "offload" (experts chosen one by one, by `policy`) or "layers"
     (whole MoE nodes, see choose_layers)."""
-    if mode not in MODES:
-        raise MoepassError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode not in PLAN_MODES:
+        raise MoepassError(f"mode must be one of {', '.join(PLAN_MODES)}, not {mode!r}")
     if target not in ("offload", "layers"):
         raise MoepassError(f"target must be offload or layers here, not {target!r}")
     policy = policy or ("global" if popularity is not None else "uniform")
@@ -339,12 +316,12 @@ def onnxruntime_options(plan: Plan, groups: list[ExpertGroup], mode: str, target
     """The session config entries ONNX Runtime reads for this plan: expert offload (1.32, CUDA
     plugin EP) or the layer assignment that follows the model's layer_ann annotations."""
     if target == "layers":
-        return {LAYER_SETTINGS_KEY: LAYER_SETTINGS}
+        return {keys.LAYER_SETTINGS_KEY: keys.LAYER_SETTINGS}
     overrides = ";".join(f"{g.node}:max_resident_slots={len(plan.resident[g.node])},"
                          f"device_expert_bytes={len(plan.resident[g.node]) * g.bytes_per_expert}" for g in groups)
     return {
-        "session.moe.offload.mode": mode,
-        "session.moe.offload.placement": "static",
-        "session.moe.offload.gpu_budget_bytes": str(plan.resident_bytes),
-        "session.moe.offload.node_overrides": overrides,
+        keys.OFFLOAD_MODE: mode,
+        keys.OFFLOAD_PLACEMENT: "static",
+        keys.OFFLOAD_GPU_BUDGET: str(plan.resident_bytes),
+        keys.OFFLOAD_NODE_OVERRIDES: overrides,
     }

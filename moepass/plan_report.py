@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from moepass.errors import MoepassError
+from moepass.core.errors import MoepassError
 from moepass.popularity import Popularity
 
 

@@ -29,9 +29,10 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.atomic import atomic_file
-from moepass.errors import MoepassError
-from moepass.files import read_json
-from moepass.passes.moe_nodes import moe_nodes
+from moepass.core.errors import MoepassError
+from moepass.core.files import read_json
+from moepass.core.moe_nodes import moe_nodes
+from moepass.core import keys
 
 FORMAT = "moepass-popularity"
 VERSION = 1
@@ -44,7 +45,7 @@ def model_identity(model: ir.Model) -> dict[str, Any]:
     vocab = logits.shape[-1] if logits is not None and logits.shape is not None else None
     nodes = [{"node": m.name, "experts": m.experts, "top_k": m.top_k, "hidden": m.hidden, "ffn": m.ffn}
              for m in moe_nodes(graph)]
-    identity = {"architecture": model.metadata_props.get("moepass.architecture"), "moe_nodes": nodes,
+    identity = {"architecture": model.metadata_props.get(keys.ARCHITECTURE), "moe_nodes": nodes,
                 "vocab": vocab if isinstance(vocab, int) else None}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return {"architecture": identity["architecture"], "fingerprint": digest, "moe_nodes": nodes}

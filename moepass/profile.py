@@ -15,13 +15,13 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from moepass.errors import MoepassError
-from moepass.files import load_model, model_file
+from moepass.core.choices import PROMPT_FORMATS
+from moepass.core.errors import MoepassError
+from moepass.core.files import load_model, model_file
 from moepass.passes.expose_router import ExposeRouterLogitsPass
-from moepass.passes.moe_nodes import moe_nodes
+from moepass.core.moe_nodes import moe_nodes
 from moepass.popularity import Popularity, model_identity
 
-PROMPT_FORMATS = ("text", "ids", "jsonl")
 
 Prompt = Union[str, Sequence[int]]  # text (tokenized with the model's tokenizer) or token ids
 

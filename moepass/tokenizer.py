@@ -21,8 +21,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moepass.errors import MoepassError, first_line
-from moepass.gguf_reader import GGUFModel
+from moepass.core.errors import MoepassError, first_line
+from moepass.core.gguf_reader import GGUFModel
 
 log = logging.getLogger("moepass")
 

@@ -15,7 +15,8 @@ import onnx_ir as ir
 from onnx_ir.passes import PassBase
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from moepass.passes.activations import ACTIVATION_MODES, QuantizeActivationsPass
+from moepass.core.choices import PASS_NAMES
+from moepass.passes.activations import QuantizeActivationsPass
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.fuse_skip_norm import FuseSkipNormPass
@@ -29,7 +30,8 @@ PIPELINE: dict[str, Callable[[str], PassBase]] = {
     "remove-unused": lambda activations: RemoveUnusedNodesPass(),
     "topological-sort": lambda activations: TopologicalSortPass(),
 }
-PASS_NAMES = ("lower", *PIPELINE)
+if PASS_NAMES != ("lower", *PIPELINE):  # --print-after offers these names without importing the passes
+    raise ImportError("moepass.core.choices.PASS_NAMES differs from moepass.passes.PIPELINE")
 
 
 def run_pipeline(model: ir.Model, print_after: str | None = None,
@@ -47,5 +49,5 @@ def run_pipeline(model: ir.Model, print_after: str | None = None,
     return model
 
 
-__all__ = ["ACTIVATION_MODES", "AnnotateLayersPass", "ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE",
+__all__ = ["AnnotateLayersPass", "ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE",
            "QuantizeActivationsPass", "ReorderExpertsPass", "lower_gguf", "run_pipeline"]

@@ -19,10 +19,10 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-# mode -> accuracy_level (None: the attribute is absent, ONNX Runtime's float default)
-ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}
+from moepass.core import keys
+from moepass.core.choices import ACTIVATION_MODES
+
 QUANTIZED_MATMULS = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "QMoE"))
-METADATA_KEY = "moepass.activations"
 
 
 class QuantizeActivationsPass(InPlacePass):
@@ -48,8 +48,8 @@ class QuantizeActivationsPass(InPlacePass):
             else:
                 node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
             modified = True
-        if model.metadata_props.get(METADATA_KEY) != self.mode:
-            model.metadata_props[METADATA_KEY] = self.mode
+        if model.metadata_props.get(keys.ACTIVATIONS) != self.mode:
+            model.metadata_props[keys.ACTIVATIONS] = self.mode
             modified = True
         return PassResult(model, modified)
 

@@ -12,19 +12,9 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from moepass.errors import MoepassError
-from moepass.passes.moe_nodes import moe_nodes
-
-LAYER_ANNOTATION = "layer_ann"
-LAYER_SETTINGS_KEY = "session.layer_assignment_settings"
-# prefix rules: "gpu" and "gpu/blk.N.moe" go to the GPU EP, "cpu/blk.N.moe" to the CPU EP
-LAYER_SETTINGS = "gpu(gpu); cpu(cpu)"
-
-
-def layer_annotation(node: str, on_gpu: bool) -> str:
-    """The layer_ann value of a MoE node (every other node is annotated "gpu")."""
-    return f"{'gpu' if on_gpu else 'cpu'}/{node}"
-
+from moepass.core.errors import MoepassError
+from moepass.core.moe_nodes import moe_nodes
+from moepass.core import keys
 
 class AnnotateLayersPass(InPlacePass):
     """Annotate nodes for `on_gpu` ({MoE node name: runs on the GPU})."""
@@ -39,7 +29,7 @@ class AnnotateLayersPass(InPlacePass):
         if unknown:
             raise MoepassError(f"the plan names MoE node(s) the model does not have: {', '.join(unknown)}")
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            node.metadata_props[LAYER_ANNOTATION] = "gpu"
+            node.metadata_props[keys.LAYER_ANNOTATION] = "gpu"
         for name, node in found.items():
-            node.metadata_props[LAYER_ANNOTATION] = layer_annotation(name, self.on_gpu.get(name, True))
+            node.metadata_props[keys.LAYER_ANNOTATION] = keys.layer_annotation(name, self.on_gpu.get(name, True))
         return PassResult(model, modified=True)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from moepass.passes.moe_nodes import is_moe
-
-ROUTER_OUTPUT_PREFIX = "moepass.router_logits."
+from moepass.core.moe_nodes import is_moe
+from moepass.core import keys
 
 
 class ExposeRouterLogitsPass(InPlacePass):
@@ -27,7 +26,7 @@ class ExposeRouterLogitsPass(InPlacePass):
             if not is_moe(node):
                 continue
             logits = node.inputs[1]
-            name = ROUTER_OUTPUT_PREFIX + node.name
+            name = keys.ROUTER_LOGITS_PREFIX + node.name
             # An Identity keeps the original value's name and users untouched.
             exposed = ir.node("Identity", [logits], name=f"{node.name}.expose_router")
             exposed.outputs[0].name = name

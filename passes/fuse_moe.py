@@ -33,11 +33,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from moepass.errors import MoepassError
+from moepass.core import keys
+from moepass.core.errors import MoepassError
 from moepass.passes.weights import StreamedTensor, WeightRecord, WeightReport
-from moepass.quants import BlockForm, quantize_values, rel_rms, requantize_form, unpack_values
+from moepass.core.quants import BlockForm, quantize_values, rel_rms, requantize_form, unpack_values
 
-META = "moepass."
 # Forms QMoE's CPU kernel runs that MatMulNBits blobs can move into unchanged.
 QMOE_BITS = (4, 8)
 QMOE_BLOCKS = (16, 32, 64, 128)
@@ -567,7 +567,7 @@ class FuseMoePass(InPlacePass):
         out = node.outputs[0]
         out.name = f"{node.name}.output"
         out.type, out.shape = old.type, old.shape
-        node.metadata_props.update({META + "fused_from": _node_name(anchor), META + "expert_form": form})
+        node.metadata_props.update({keys.FUSED_FROM: _node_name(anchor), keys.EXPERT_FORM: form})
         graph.insert_after(old.producer(), node)
         old.replace_all_uses_with(out)
         if old.is_graph_output():

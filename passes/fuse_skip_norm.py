@@ -10,6 +10,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from moepass.core import keys
+
 
 def _why_not(add: ir.Node | None, norm: ir.Node) -> str | None:
     """None when the pair fuses, else the reason it does not."""
@@ -48,7 +50,7 @@ class FuseSkipNormPass(InPlacePass):
                 "SkipSimplifiedLayerNormalization", [add.inputs[0], add.inputs[1], norm.inputs[1]],
                 attributes={"epsilon": norm.attributes.get_float("epsilon", 1e-5)},
                 domain="com.microsoft", num_outputs=4, name=norm.name,
-                metadata_props={"moepass.fused_from": f"{add.name},{norm.name}"},
+                metadata_props={keys.FUSED_FROM: f"{add.name},{norm.name}"},
             )
             graph.insert_before(add, fused)
             normed, _, _, residual = fused.outputs

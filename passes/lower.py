@@ -25,23 +25,22 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir import tape as ir_tape
 
-from moepass.version import __version__
-from moepass.architectures import (ACTIVATIONS, DENSE_FFN, MAX_CONTEXT, SHARED_EXPERT, Architecture, Rope,
+from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT
+from moepass.core.architectures import (ACTIVATIONS, DENSE_FFN, SHARED_EXPERT, Architecture, Rope,
                                    latent_dims)
-from moepass.errors import MoepassError
-from moepass.files import LOGITS_TO_KEEP
-from moepass.gguf_reader import GGUFModel, GGUFTensor
+from moepass.core import keys
+from moepass.core.errors import MoepassError
+from moepass.core.files import LOGITS_TO_KEEP
+from moepass.core.gguf_reader import GGUFModel, GGUFTensor
 from moepass.cuda_ops.prepack import prepack_problem
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
-from moepass.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, quant_type
+from moepass.core.version import __version__
+from moepass.core.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, quant_type
 
 OPSETS = {"": 21, "com.microsoft": 1}
 IR_VERSION = 10
-FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")
-EXPERT_FORMATS = ("auto", "int4", "int8", "offload")
 # What ONNX Runtime 1.32's expert offload backend requires (see runtime.providers.offload_violations).
 OFFLOAD_FORM = BlockForm(4, 32)
-META = "moepass."  # namespace of moepass's metadata_props
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,9 +323,9 @@ class GraphBuilder:
         out.dtype = self.act
         out.shape = ir.Shape(["tokens", hidden_out])
         out.producer().metadata_props.update({
-            META + "layer": str(layer),
-            META + "expert_form": form_name,
-            META + "source_types": ",".join(qt.name for qt in types),
+            keys.LAYER: str(layer),
+            keys.EXPERT_FORM: form_name,
+            keys.SOURCE_TYPES: ",".join(qt.name for qt in types),
         })
         self.moe_layers.append({"layer": layer, "node": name, "experts": hp["n_experts"], "top_k": hp["n_experts_used"],
                                 "form": form_name, "source_types": [qt.name for qt in types]})
@@ -533,7 +532,7 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     """Pre-norm decoder: RMSNorm -> GQA (q/k norm, RoPE) -> residual -> RMSNorm -> MoE (+ shared
     expert) -> residual; final RMSNorm and LM head (tied to the embedding when output.weight is absent).
 
-    What differs between architectures comes from `b.arch.features` (see moepass.architectures).
+    What differs between architectures comes from `b.arch.features` (see moepass.core.architectures).
     """
     hp, t, feats = b.hp, b.tape, b.arch.features
     nh, nkv, d = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
@@ -687,10 +686,10 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
     graph = RECIPES[arch.recipe](b)
     model = ir.Model(graph, ir_version=IR_VERSION, producer_name="moepass", producer_version=__version__,
                      metadata_props={
-                         META + "version": __version__,
-                         META + "architecture": arch.gguf_arch,
-                         META + "source": gguf.path.name,
-                         META + "moe_layers": str(len(b.moe_layers)),
-                         META + "features": json.dumps(arch.describe(gguf, b.hp), sort_keys=True),
+                         keys.VERSION: __version__,
+                         keys.ARCHITECTURE: arch.gguf_arch,
+                         keys.SOURCE: gguf.path.name,
+                         keys.MOE_LAYERS: str(len(b.moe_layers)),
+                         keys.FEATURES: json.dumps(arch.describe(gguf, b.hp), sort_keys=True),
                      })
     return Lowered(model, b.report, b.hp, b.moe_layers)

@@ -19,11 +19,10 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from moepass.errors import MoepassError
-from moepass.passes.moe_nodes import moe_nodes
+from moepass.core.errors import MoepassError
+from moepass.core.moe_nodes import moe_nodes
 from moepass.passes.weights import StreamedTensor
-
-META = "moepass.placement."
+from moepass.core import keys
 
 
 def _permuted(value: ir.Value, order: list[int], axis: int, name: str) -> ir.Value:
@@ -75,8 +74,8 @@ class ReorderExpertsPass(InPlacePass):
                 if value is not None and value in moe.expert_values:
                     self._replace(graph, node, index, order, 0)
             self._reorder_router(graph, node, order)
-            node.metadata_props[META + "expert_ids"] = ",".join(str(e) for e in order)
-            node.metadata_props[META + "resident"] = str(self.resident.get(name, 0))
+            node.metadata_props[keys.EXPERT_IDS] = ",".join(str(e) for e in order)
+            node.metadata_props[keys.RESIDENT] = str(self.resident.get(name, 0))
         return PassResult(model, bool(self.orders))
 
     def _reorder_router(self, graph: ir.Graph, moe: ir.Node, order: list[int]) -> None:

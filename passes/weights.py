@@ -23,10 +23,10 @@ import numpy as np
 import onnx_ir as ir
 from gguf import GGMLQuantizationType
 
-from moepass.gguf_reader import GGUFTensor
-from moepass.imatrix import importance_rows
+from moepass.core.gguf_reader import GGUFTensor
+from moepass.core.imatrix import importance_rows
 from moepass.cuda_ops.prepack import prepack_sm80
-from moepass.quants import (BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points, rel_rms,
+from moepass.core.quants import (BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points, rel_rms,
                             unpack_values)
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the

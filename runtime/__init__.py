@@ -12,17 +12,17 @@ tokenizer.json that convert writes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from moepass.errors import MoepassError, first_line
-from moepass.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+from moepass.core.errors import MoepassError, first_line
+from moepass.core.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
                            load_model, model_file, read_json_object)
-from moepass.runtime.providers import MODES as PLACEMENT_MODES, SessionPlan, check_layer_placement, log, plan_session
+from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session
+from moepass.core import keys
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -87,8 +87,8 @@ class Decoder:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in option_entries.items()):
             raise MoepassError(f"{folder / OPTIONS_FILE}: session_config_entries must map strings to strings")
         placement_mode = _json_field(options_file, "placement", dict, folder / OPTIONS_FILE).get("mode")
-        if placement_mode not in (None, *PLACEMENT_MODES):
-            raise MoepassError(f"{folder / OPTIONS_FILE}: placement.mode must be one of {', '.join(PLACEMENT_MODES)}")
+        if placement_mode not in (None, *keys.OFFLOAD_MODES):
+            raise MoepassError(f"{folder / OPTIONS_FILE}: placement.mode must be one of {', '.join(keys.OFFLOAD_MODES)}")
         structure = graph if graph is not None else load_model(model_path)
         self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode,
                                               placement_mode)
@@ -105,7 +105,7 @@ class Decoder:
         source: str | bytes = str(model_path)
         if graph is not None:
             source = onnx_ir.to_proto(graph).SerializeToString()
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+            options.add_session_config_entry(keys.EXTERNAL_DATA_FOLDER_KEY, str(folder))
         try:
             if self.plan.plugin_devices:
                 options.add_provider_for_devices(self.plan.plugin_devices, {})

@@ -24,23 +24,20 @@ from typing import Any
 
 import onnx_ir as ir
 
-from moepass.errors import MoepassError, first_line
-from moepass.passes.annotate_layers import LAYER_ANNOTATION, LAYER_SETTINGS_KEY
-from moepass.passes.moe_nodes import moe_nodes
+from moepass.core.errors import MoepassError, first_line
+from moepass.core import keys
+from moepass.core.choices import DEVICES, PLUGIN_ENV
+from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
+from moepass.core.moe_nodes import moe_nodes
 
 log = logging.getLogger("moepass")
 
 PLUGIN_EP = "CudaPluginExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
 CPU_EP = "CPUExecutionProvider"
-PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"
-OFFLOAD_PREFIX = "session.moe.offload."
 OFFLOAD_MIN_ORT = (1, 32)
 # the first release that parses session.layer_assignment_settings (docs/gpu.md: probed per release)
 LAYERING_MIN_ORT = (1, 25)
-RECORD_ASSIGNMENT_KEY = "session.record_ep_graph_assignment_info"
-DEVICES = ("auto", "cpu", "cuda")
-MODES = ("disabled", "auto", "required")
 
 
 def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
@@ -117,12 +114,12 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
     `placement_mode`: what partition wrote for a per-layer plan."""
     if device not in DEVICES:
         raise MoepassError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
-    if mode is not None and mode not in MODES:
-        raise MoepassError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode is not None and mode not in keys.OFFLOAD_MODES:
+        raise MoepassError(f"mode must be one of {', '.join(keys.OFFLOAD_MODES)}, not {mode!r}")
     entries = dict(options_file_entries)
     layered = LAYER_SETTINGS_KEY in entries
     layer_mode = (mode or placement_mode or "auto") if layered else "disabled"
-    offload_mode = "disabled" if layered else mode or entries.get(OFFLOAD_PREFIX + "mode", "disabled")
+    offload_mode = "disabled" if layered else mode or entries.get(keys.OFFLOAD_MODE, "disabled")
     warnings: list[str] = []
     n_moe = len(moe_nodes(model.graph))
 
@@ -167,7 +164,7 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
         if _ort_version(ort) < OFFLOAD_MIN_ORT:
             entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
         else:
-            entries[OFFLOAD_PREFIX + "mode"] = offload_mode
+            entries[keys.OFFLOAD_MODE] = offload_mode
     else:
         entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
     if layered:

@@ -46,8 +46,8 @@ def llama_logits(gguf_path, ids=PROMPT):
 def routing_near_ties(model_dir, ids=PROMPT):
     """Positions where some MoE layer's k-th and (k+1)-th router logits are nearly tied."""
     from moepass.passes.expose_router import ExposeRouterLogitsPass
-    from moepass.passes.moe_nodes import moe_nodes
-    from moepass.files import load_model
+    from moepass.core.moe_nodes import moe_nodes
+    from moepass.core.files import load_model
     from moepass.runtime import Decoder
 
     model = load_model(model_dir)

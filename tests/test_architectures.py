@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import moepass
-from moepass.architectures import ARCHITECTURES
+from moepass.core.architectures import ARCHITECTURES
 
 
 def test_legacy_per_expert_mixtral_converts_like_stacked(make_gguf, converted, tmp_path):
@@ -136,7 +136,7 @@ def test_gpt_oss_sliding_window_pattern_key_is_followed_like_llama_cpp(make_gguf
 def test_yarn_tables_match_the_yarn_formula():
     """cos/sin tables (ggml's angle mixing in float32) against YaRN as published (mixed inverse
     frequencies, float64): gpt-oss-20b's parameters, every position up to 2048."""
-    from moepass.architectures import Rope
+    from moepass.core.architectures import Rope
     from moepass.passes.lower import rope_cache
 
     d, base, factor, orig = 64, 150000.0, 32.0, 4096

@@ -130,8 +130,8 @@ def test_existing_output_is_not_overwritten(tmp_path, make_gguf):
 def test_failure_while_writing_leaves_nothing(tmp_path, make_gguf):
     """A tensor that turns out unreadable only when its bytes are read (file shrunk after indexing)."""
     from moepass import convert
-    from moepass.errors import MoepassError
-    from moepass.gguf_reader import GGUFModel
+    from moepass.core.errors import MoepassError
+    from moepass.core.gguf_reader import GGUFModel
 
     src = _copy(make_gguf("q4_0"), tmp_path / "shrinks.gguf")
     original_init = GGUFModel.__init__

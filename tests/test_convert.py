@@ -17,7 +17,7 @@ from moepass.cli import main
 
 OUTPUT_FILES = ["genai_config.json", "model.onnx", "model.onnx.data", "moepass.json", "tokenizer.json",
                 "tokenizer_config.json"]
-from moepass.quants import BlockForm, unpack_values
+from moepass.core.quants import BlockForm, unpack_values
 
 
 def test_convert_twice_gives_identical_files(tmp_path, make_gguf):

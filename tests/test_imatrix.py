@@ -11,8 +11,8 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
-from moepass.imatrix import load_imatrix
-from moepass.quants import BlockForm, unpack_values
+from moepass.core.imatrix import load_imatrix
+from moepass.core.quants import BlockForm, unpack_values
 
 EXPERT_TENSORS = [f"blk.{i}.ffn_{k}_exps.weight" for i in range(2) for k in ("gate", "up", "down")]
 

@@ -9,13 +9,17 @@ import subprocess
 import sys
 
 import moepass
+import moepass.core
+import moepass.cuda_ops
 import moepass.passes
 import moepass.runtime
+
+PACKAGES = (moepass, moepass.core, moepass.cuda_ops, moepass.passes, moepass.runtime)
 
 
 def _modules() -> list[str]:
     names = ["moepass"]
-    for package in (moepass, moepass.passes, moepass.runtime):
+    for package in PACKAGES:
         names += [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
     return sorted(set(names))
 
@@ -42,9 +46,91 @@ def test_no_module_imports_through_the_package_root():
     from pathlib import Path
 
     offenders = []
-    for package in (moepass, moepass.passes, moepass.runtime):
+    for package in PACKAGES:
         for path in Path(package.__path__[0]).glob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.module == "moepass" and node.level == 0:
                     offenders.append(f"{path.name}: from moepass import {', '.join(a.name for a in node.names)}")
     assert not offenders, offenders
+
+
+# ---- the house: which folder may import which ------------------------------------------------------
+# core: the facts (GGUF reading, quant and architecture tables, MoE node layout, names, errors);
+# cuda_ops: kernel layouts; passes: graph rewrites; runtime: ONNX Runtime sessions; drivers: the rest of
+# moepass/ (convert, partition, profile, inspect, the CLI and the API), which may use everything.
+ALLOWED = {
+    "core": {"core"},
+    "cuda_ops": {"cuda_ops", "core"},
+    "passes": {"passes", "core", "cuda_ops"},
+    "runtime": {"runtime", "core"},
+    "drivers": {"drivers", "core", "cuda_ops", "passes", "runtime"},
+}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else "drivers"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the moepass modules it imports (anywhere in the file, lazy imports included)."""
+    import ast
+    from pathlib import Path
+
+    modules = {}
+    for package in PACKAGES:
+        for path in Path(package.__path__[0]).glob("*.py"):
+            name = package.__name__ if path.stem == "__init__" else f"{package.__name__}.{path.stem}"
+            modules[name] = path
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{name}: relative import")
+            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names] \
+                if isinstance(node, ast.ImportFrom) else []
+            targets |= {t for t in found if t in modules and t != name}
+        graph[name] = targets
+    return graph
+
+
+def test_imports_run_down_the_house():
+    """No folder imports one above it: runtime never imports passes, passes never the drivers, and the
+    core nothing but itself."""
+    graph = _import_graph()
+    assert {"moepass.core.keys", "moepass.passes.lower", "moepass.runtime.providers", "moepass.cli"} <= set(graph)
+    wrong = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                   if _folder(b) not in ALLOWED[_folder(a)])
+    assert not wrong, wrong
+
+
+def test_no_module_cycle():
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                raise AssertionError(" -> ".join(path[path.index(target):] + [target]))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_help_imports_only_the_cli():
+    """`moepass --help` loads click, the CLI and the option tables: none of the compiler, numpy or ONNX."""
+    script = ("import sys; from moepass.cli import main\n"
+              "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+              "print(' '.join(sorted(m for m in sys.modules if m.startswith(('moepass', 'numpy', 'onnx')))))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "Usage: " in out
+    modules = set(out.splitlines()[-1].split())
+    assert modules == {"moepass", "moepass.cli", "moepass.core", "moepass.core.choices",
+                                  "moepass.core.errors", "moepass.core.keys", "moepass.core.version"}, modules

@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from moepass.cli import main
-from moepass.errors import MoepassError
-from moepass.files import load_model
+from moepass.core.errors import MoepassError
+from moepass.core.files import load_model
 from moepass.partition import partition
-from moepass.passes.annotate_layers import LAYER_ANNOTATION, LAYER_SETTINGS, LAYER_SETTINGS_KEY
+from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS, LAYER_SETTINGS_KEY
 from moepass.placement import ExpertGroup, MemoryModel, choose_layers
 from moepass.profile import profile
 from moepass.runtime import load

@@ -16,7 +16,7 @@ import moepass
 from moepass.cli import main
 from moepass.partition import partition
 from moepass.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, parse_bytes, plan_placement)
-from moepass.files import load_model
+from moepass.core.files import load_model
 from moepass.profile import profile
 from moepass.runtime import load
 

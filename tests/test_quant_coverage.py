@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
 
-from moepass.quants import QUANT_TYPES
+from moepass.core.quants import QUANT_TYPES
 from moepass.runtime import load
 from oracle import PROMPT, check_against_exact, dequantized_copy, llama_logits, routing_near_ties
 

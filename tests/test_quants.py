@@ -8,8 +8,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT
 from gguf.quants import dequantize as gguf_dequantize
 
 import make_fixtures
-from moepass.errors import MoepassError
-from moepass.quants import (QUANT_TYPES, _block_absmax, _block_min_max, REQUANTIZE_FORM, BlockForm, choose_expert_form, pack, pack_codes,
+from moepass.core.errors import MoepassError
+from moepass.core.quants import (QUANT_TYPES, _block_absmax, _block_min_max, REQUANTIZE_FORM, BlockForm, choose_expert_form, pack, pack_codes,
                             pack_zero_points, quant_type, unpack_codes, unpack_values)
 
 BLOCK_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage == "blocks"]

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import moepass
 from moepass.cli import main
-from moepass.gguf_reader import GGUFModel
+from moepass.core.gguf_reader import GGUFModel
 from moepass.runtime import Sampling, choose_token, load
 from moepass.runtime.providers import PLUGIN_EP, offload_violations, plan_session
 from moepass.tokenizer import tokenizer_from_gguf

@@ -25,7 +25,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT
 from gguf import quants as gguf_quants
 
-from moepass.errors import MoepassError
+from moepass.core.errors import MoepassError
 
 
 @dataclasses.dataclass(frozen=True, order=True)

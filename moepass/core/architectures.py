@@ -18,8 +18,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moepass.errors import MoepassError
-from moepass.gguf_reader import GGUFModel, GGUFTensor, StackedTensor
+from moepass.core.errors import MoepassError
+from moepass.core.gguf_reader import GGUFModel, GGUFTensor, StackedTensor
+from moepass.core.choices import MAX_CONTEXT
 
 _REQUIRED = object()
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -42,8 +43,7 @@ class HParam:
         return None if test(value) else words
 
 
-_INT_LIMIT = 1 << 24
-MAX_CONTEXT = _INT_LIMIT  # positions: 16M, above every released model's context
+_INT_LIMIT = 1 << 24  # integer hyperparameters (counts, sizes) stay below this
 
 
 # Hyperparameters of decoder MoE models; an architecture lists the ones it reads.

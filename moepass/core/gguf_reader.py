@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from moepass.errors import MoepassError
-from moepass.quants import has_non_finite
+from moepass.core.errors import MoepassError
+from moepass.core.quants import has_non_finite
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moepass.errors import MoepassError, first_line
+from moepass.core.errors import MoepassError, first_line
 
 if TYPE_CHECKING:
     import onnx_ir

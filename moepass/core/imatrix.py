@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moepass.errors import MoepassError
-from moepass.gguf_reader import GGUFModel, is_gguf
-from moepass.quants import dequantize
+from moepass.core.errors import MoepassError
+from moepass.core.gguf_reader import GGUFModel, is_gguf
+from moepass.core.quants import dequantize
 
 
 def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:

@@ -1,0 +1,55 @@
+"""The values each user-facing option takes: the CLI offers them and the API checks against them.
+
+Kept free of heavy imports, so that `moepass --help` needs nothing but click and this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moepass.core import keys
+from moepass.core.errors import MoepassError
+
+# convert
+FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")   # F32/F16/BF16 experts: kept float (MoE) or quantized (QMoE)
+EXPERT_FORMATS = ("auto", "int4", "int8", "offload")  # quantized experts (passes.lower.GraphBuilder.expert_form)
+# activations mode -> accuracy_level of every quantized matrix product (None: the attribute is absent,
+# ONNX Runtime's float default; 4: int8 activations inside the product, as llama.cpp)
+ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}
+# --print-after: "lower", then the passes of moepass.passes.PIPELINE in order (a test keeps them equal)
+PASS_NAMES = ("lower", "fuse-skip-norm", "quantize-activations", "remove-unused", "topological-sort")
+MAX_CONTEXT = 1 << 24  # positions: 16M, above every released model's context
+
+# profile
+PROMPT_FORMATS = ("text", "ids", "jsonl")
+
+# partition
+POLICIES = ("global", "balanced", "uniform")
+PLAN_MODES = keys.OFFLOAD_MODES[1:]  # what a plan asks of ONNX Runtime: auto or required
+# offload: per expert, through the ONNX Runtime CUDA plugin EP's expert offload (session.moe.offload.*);
+# layers: per MoE node, through node annotations (layer_ann) and session.layer_assignment_settings, which
+# the in-tree CUDA EP of a pip-installed onnxruntime-gpu follows; auto: offload when the model is
+# eligible and a CUDA plugin EP is named, else layers
+TARGETS = ("auto", "offload", "layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bandwidths:
+    """GB/s used by partition's decode-time estimate (defaults: a desktop GPU with GDDR6X,
+    dual-channel DDR5 host memory, PCIe 4.0 x16)."""
+
+    gpu: float = 900.0
+    host: float = 60.0
+    pcie: float = 25.0
+
+    def __post_init__(self) -> None:
+        for name in ("gpu", "host", "pcie"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise MoepassError(f"--{name}-bandwidth {value} is not a positive number of GB/s")
+
+
+# run / bench
+DEVICES = ("auto", "cpu", "cuda")
+PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"  # path of the CUDA plugin EP library, when not given as an option
