@@ -152,7 +152,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         output_dir: the directory to create (must not exist, or be empty, unless `overwrite`).
         float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
             (quantized into QMoE).
-        expert_format: "auto", "int4" or "int8" for quantized experts (see passes.lower.GraphBuilder.expert_form),
+        expert_format: "auto", "int4" or "int8" for quantized experts (see moepass.core.quants.expert_form),
             or "offload": what ONNX Runtime's expert offload requires (int4 block 32 prepacked, float16).
         activations: "int8" (default): activations quantized to 8 bits inside every quantized matrix
             product, as llama.cpp does (ONNX Runtime's accuracy_level 4, several times faster on the

@@ -25,9 +25,10 @@ moepass.json and `moepass inspect` shows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -35,12 +36,10 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
-from moepass.passes.weights import StreamedTensor, WeightRecord, WeightReport
-from moepass.core.quants import BlockForm, quantize_values, rel_rms, requantize_form, unpack_values
+from moepass.core.moe_nodes import Activation, Experts, NodeList, moe_node
+from moepass.core.quants import BlockForm, qmoe_takes, quantize_values, rel_rms, requantize_form, unpack_values
+from moepass.passes.weights import PackOnce, StreamedTensor, WeightRecord, WeightReport
 
-# Forms QMoE's CPU kernel runs that MatMulNBits blobs can move into unchanged.
-QMOE_BITS = (4, 8)
-QMOE_BLOCKS = (16, 32, 64, 128)
 
 
 @dataclasses.dataclass
@@ -69,16 +68,8 @@ class Mismatch(Exception):
 
 def constant(value: ir.Value | None) -> np.ndarray | None:
     """The value of an initializer or a Constant node's output, else None."""
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
-        attr = producer.attributes.get("value")
-        if attr is not None:
-            return attr.as_tensor().numpy()
-    return None
+    tensor = None if value is None else ir.convenience.get_const_tensor(value)
+    return None if tensor is None else tensor.numpy()
 
 
 def consumers(value: ir.Value) -> list[ir.Node]:
@@ -203,6 +194,116 @@ def as_linear(node: ir.Node | None) -> Linear | None:
     return None
 
 
+# ---- writing the fused experts -----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Target:
+    """What a match becomes: the form's name, the QMoE form (None: a float MoE node), whether the
+    blobs move byte for byte, and the geometry found with its fate (for records and dry runs)."""
+
+    name: str
+    form: BlockForm | None
+    exact: bool
+    geometry: str
+
+
+class ExpertWriter:
+    """Makes the [E, ...] initializers of fused experts, streamed when the model is written and
+    recorded in `report`, and puts the new nodes in place of a layer."""
+
+    def __init__(self, graph: ir.Graph, report: WeightReport):
+        self.graph, self.report = graph, report
+
+    def replace(self, nodes: list[ir.Node], old: ir.Value, anchor: ir.Node, form: str) -> ir.Node:
+        """Put `nodes` (the MoE node last) after the layer's last node and make the MoE node's
+        output take the place of `old`; returns the MoE node."""
+        node = nodes[-1]
+        out = node.outputs[0]
+        out.name = f"{node.name}.output"
+        out.type, out.shape = old.type, old.shape
+        node.metadata_props.update({keys.FUSED_FROM: _node_name(anchor), keys.EXPERT_FORM: form})
+        self.graph.insert_after(old.producer(), nodes)
+        old.replace_all_uses_with(out)
+        if old.is_graph_output():
+            self.graph.outputs[self.graph.outputs.index(old)] = out
+        return node
+
+    def _initializer(self, tensor: ir.TensorProtocol) -> ir.Value:
+        value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
+        self.graph.register_initializer(value)
+        return value
+
+    def float_stack(self, name: str, groups: list[tuple[Linear, ...]]) -> ir.Value:
+        """[E, N * len(group), K] float32, the group's rows interleaved (gate/up)."""
+        n, k = groups[0][0].shape
+        shape = (len(groups), n * len(groups[0]), k)
+        sources = [lin.name for group in groups for lin in group]
+        self.report.add(WeightRecord(name, sources, ["float32"] * len(sources), "float32",
+                                     int(np.prod(shape)) * 4, 32.0, [True] * len(sources), [0.0] * len(sources)))
+
+        def chunks() -> Iterator[np.ndarray]:
+            for group in groups:
+                yield np.stack([lin.float_weight() for lin in group], axis=1).reshape(shape[1:])
+
+        return self._initializer(StreamedTensor(chunks, ir.DataType.FLOAT, shape, name))
+
+    def packed_stack(self, name: str, groups: list[tuple[Linear, ...]], form: BlockForm, exact: bool) -> Experts:
+        """QMoE codes, scales (and zero points) of the groups' matrices, rows interleaved: the blobs
+        moved unchanged when `exact`, else requantized from their values (error measured)."""
+        e, per = len(groups), len(groups[0])
+        n, k = groups[0][0].shape
+        rows = n * per
+        per_row = form.block_size == 0  # one scale per output row: [E, rows] scales
+        k_blocks = 1 if per_row else k // form.block_size
+        blocks = BlockForm(form.bits, k) if per_row else form
+        zero_cols = -(-k_blocks * form.bits // 8)
+        with_zeros = exact and any(lin.tensors[2] is not None for g in groups for lin in g)
+        sources = [lin.name for group in groups for lin in group]
+        types = [f"MatMulNBits{lin.form.bits}/b{lin.form.block_size}" if lin.quantized else "float32"
+                 for group in groups for lin in group]
+        record = self.report.add(WeightRecord(name, sources, types, str(form), 0, float(form.bits)))
+        default_zeros = 0x88 if form.bits == 4 else form.zero_point
+
+        def packed(group: tuple[Linear, ...]) -> tuple[list[np.ndarray], ...]:
+            """Codes, scales and zero points of one group's matrices, and (error, reference) sums."""
+            parts: tuple[list, ...] = ([], [], [], [])
+            for lin in group:
+                if exact:
+                    codes, scales, zeros = lin.blobs()
+                    zeros = np.full((n, zero_cols), default_zeros, np.uint8) if zeros is None else zeros[:, :zero_cols]
+                    sums = (0.0, 0.0)
+                else:
+                    result = quantize_values(lin.float_weight(), blocks)
+                    codes, scales, zeros, sums = result.weights, result.scales, None, (result.error_sq,
+                                                                                        result.reference_sq)
+                for part, value in zip(parts, (codes, scales, zeros, sums)):
+                    part.append(value)
+            return parts
+
+        def pack_all() -> Iterator[tuple[np.ndarray, tuple[np.ndarray, ...]]]:
+            errors = []
+            for group in groups:
+                codes, scales, zeros, sums = packed(group)
+                errors += sums
+                extras = (np.stack(scales, axis=1).reshape(rows, k_blocks).astype(np.float32, copy=False),)
+                if with_zeros:
+                    extras += (np.stack(zeros, axis=1).reshape(rows, zero_cols).astype(np.uint8, copy=False),)
+                yield np.stack(codes, axis=1).reshape(rows, form.packed_bytes(k)), extras
+            record.exact = [exact] * len(sources)
+            record.rel_rms_error = [0.0 if exact else rel_rms(*sums) for sums in errors]
+
+        once = PackOnce(pack_all, 2 if with_zeros else 1)
+        codes = self._initializer(StreamedTensor(once.codes, ir.DataType.UINT8, (e, rows, form.packed_bytes(k)),
+                                                 f"{name}.weight"))
+        scales = self._initializer(StreamedTensor(lambda: once.extra(0), ir.DataType.FLOAT,
+                                                  (e, rows) if per_row else (e, rows, k_blocks), f"{name}.scales"))
+        zeros = self._initializer(StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, (e, rows, zero_cols),
+                                                 f"{name}.zero_points")) if with_zeros else None
+        record.bytes = sum(int(np.prod(v.const_value.shape.numpy())) * int(v.const_value.dtype.itemsize)
+                           for v in (codes, scales, zeros) if v is not None)
+        return Experts(codes, scales, zeros)
+
+
 # ---- the per-expert branches rule ---------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -233,7 +334,13 @@ _GATHER_OPS = ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Gather", "
 
 
 class ExpertBranchesRule:
+    """The per-expert branches of an exported Hugging Face sparse MoE block -> one QMoE node (or a
+    float MoE node for float experts kept as float)."""
+
     name = "expert-branches"
+
+    def __init__(self, float_experts: str = "keep"):
+        self.float_experts = float_experts
 
     def anchors(self, graph: ir.Graph) -> Iterator[ir.Node]:
         return (n for n in graph if n.op_type == "TopK" and n.domain == "")
@@ -277,6 +384,42 @@ class ExpertBranchesRule:
         output = self._output(experts, weights, where)
         return BranchesMatch(topk, hidden, softmax.inputs[0], softmax.outputs[0], int(np.asarray(k).reshape(-1)[0]),
                              normalize, experts, output)
+
+    def target(self, match: BranchesMatch) -> Target:
+        linears = [lin for ex in match.experts for lin in (ex.gate, ex.up, ex.down)]
+        ks = "/".join(str(k) for k in sorted({lin.shape[1] for lin in linears}, reverse=True))
+        if self.float_experts == "keep" and not any(lin.quantized for lin in linears):
+            return Target("float32", None, True, f"float MatMul experts, K {ks} -> com.microsoft::MoE float32, exact")
+        forms = {lin.form for lin in linears}
+        found = ", ".join(sorted(f"{f.bits}-bit blocks of {f.block_size}" for f in forms if f is not None))
+        if None in forms:
+            found = ", ".join(filter(None, [found, "float"]))
+        zeros = " with zero points" if any(lin.quantized and lin.tensors[2] is not None for lin in linears) else ""
+        form = next(iter(forms)) if len(forms) == 1 else None
+        exact = qmoe_takes(form, [lin.shape[1] for lin in linears])
+        if not exact:
+            form = requantize_form(8 if self.float_experts in ("keep", "int8") else 4,
+                                   [lin.shape[1] for lin in linears])
+        fate = "moved byte for byte" if exact else "requantized, the error reported"
+        return Target(str(form), form, exact, f"MatMulNBits {found}{zeros}, K {ks} -> {form}, {fate}")
+
+    def rewrite(self, match: BranchesMatch, index: int, writer: ExpertWriter) -> FusionRecord:
+        name = f"moe.{index}"
+        target = self.target(match)
+        gates_ups = [(ex.gate, ex.up) for ex in match.experts]
+        downs = [(ex.down,) for ex in match.experts]
+        nodes = NodeList()
+        layer = functools.partial(moe_node, nodes.op, name, match.hidden, match.router, top_k=match.top_k,
+                                  normalize=match.normalize)
+        if target.form is None:
+            layer(Experts(writer.float_stack(f"{name}.fc1", gates_ups)), Experts(writer.float_stack(f"{name}.fc2", downs)))
+        else:
+            fc1 = writer.packed_stack(f"{name}.fc1", gates_ups, target.form, target.exact)
+            fc2 = writer.packed_stack(f"{name}.fc2", downs, target.form, target.exact)
+            layer(fc1, fc2, bits=target.form.bits, block_size=target.form.block_size, router_weights=match.softmax)
+        writer.replace(nodes.nodes, match.output, match.anchor, target.name)
+        return FusionRecord(self.name, _node_name(match.anchor), True, node=name, experts=len(match.experts),
+                            top_k=match.top_k, form=target.name, geometry=target.geometry)
 
     def _experts(self, topk: ir.Node, hidden: ir.Value, router: Linear, where: str) -> dict[int, Expert]:
         """Expert slot -> its SwiGLU: projections that read tokens gathered from `hidden`."""
@@ -415,12 +558,20 @@ def _is_scatter(node: ir.Node | None) -> bool:
 @dataclasses.dataclass
 class MoeNodeMatch:
     anchor: ir.Node
+    activation: Activation
+
+
+# what a float MoE node's attributes may say: each is carried into the QMoE node by moe_node
+_MOE_ATTRIBUTES = {"k", "activation_type", "swiglu_fusion", "activation_alpha", "activation_beta", "swiglu_limit",
+                   "normalize_routing_weights", "use_sparse_mixer"}
 
 
 class MoeNodeRule:
+    """com.microsoft::MoE nodes (float experts) -> QMoE in int8 / int4, when `float_experts` asks for it."""
+
     name = "moe-node"
 
-    def __init__(self, float_experts: str):
+    def __init__(self, float_experts: str = "keep"):
         self.float_experts = float_experts
 
     def anchors(self, graph: ir.Graph) -> Iterator[ir.Node]:
@@ -436,23 +587,79 @@ class MoeNodeRule:
         for index in (2, 4):
             if inputs[index] is None or inputs[index].const_value is None:
                 raise Mismatch(f"{where}: input {index} is not a constant initializer")
-        if node.attributes.get_int("use_sparse_mixer", 0):
+        attributes = node.attributes
+        if attributes.get_int("use_sparse_mixer", 0):
             raise Mismatch(f"{where}: uses the sparse mixer")
-        return MoeNodeMatch(node)
+        unknown = sorted(set(attributes) - _MOE_ATTRIBUTES)
+        if unknown:
+            raise Mismatch(f"{where}: attribute {unknown[0]} has no QMoE counterpart here")
+        kind, fusion = attributes.get_string("activation_type", "relu"), attributes.get_int("swiglu_fusion", 0)
+        if (kind, fusion) != ("swiglu", 1):
+            raise Mismatch(f"{where}: activation {kind} with swiglu_fusion {fusion}; the rule fuses SwiGLU experts "
+                           "with gate and up rows interleaved (swiglu_fusion 1), the layout QMoE's CPU kernel takes")
+        limit = attributes.get("swiglu_limit")
+        return MoeNodeMatch(node, Activation(attributes.get_float("activation_alpha", 1.0),
+                                             attributes.get_float("activation_beta", 0.0),
+                                             None if limit is None else limit.as_float()))
+
+    def target(self, match: MoeNodeMatch) -> Target:
+        ks = [int(match.anchor.inputs[p].const_value.shape[2]) for p in (2, 4)]
+        form = requantize_form(8 if self.float_experts == "int8" else 4, ks)
+        return Target(str(form), form, False, f"float com.microsoft::MoE, K {ks[0]}/{ks[1]} -> {form}, quantized")
+
+    def rewrite(self, match: MoeNodeMatch, index: int, writer: ExpertWriter) -> FusionRecord:
+        """The float MoE node -> QMoE, quantized expert by expert as the model is written."""
+        moe = match.anchor
+        target = self.target(match)
+        name = moe.name or f"moe.{index}"
+        stacks = []
+        for position in (2, 4):
+            tensor = moe.inputs[position].const_value
+            groups = [(ExpertMatrix(tensor, e),) for e in range(int(tensor.shape[0]))]
+            stacks.append(writer.packed_stack(f"{name}.fc{1 if position == 2 else 2}", groups, target.form, False))
+        inputs = list(moe.inputs) + [None] * (8 - len(moe.inputs))
+        stacks[0].bias, stacks[1].bias = inputs[3], inputs[5]
+        nodes = NodeList()
+        moe_node(nodes.op, f"{name}.quantized", inputs[0], inputs[1], stacks[0], stacks[1],
+                 top_k=moe.attributes.get_int("k", 1), normalize=bool(moe.attributes.get_int("normalize_routing_weights", 0)),
+                 activation=match.activation, bits=target.form.bits, block_size=target.form.block_size)
+        node = writer.replace(nodes.nodes, moe.outputs[0], moe, target.name)
+        return FusionRecord(self.name, _node_name(moe), True, node=node.name,
+                            experts=int(moe.inputs[2].const_value.shape[0]), top_k=moe.attributes.get_int("k", 1),
+                            form=target.name, geometry=target.geometry)
 
 
 # ---- the pass ----------------------------------------------------------------------------------------
 
+class Rule(Protocol):
+    """A fusion rule owns its pattern: where to look, whether a candidate matches (else Mismatch,
+    naming the node at fault), what it would become, and the rewrite. FuseMoePass runs every check
+    before the first rewrite."""
+
+    name: str
+
+    def anchors(self, graph: ir.Graph) -> Iterator[ir.Node]: ...
+
+    def check(self, anchor: ir.Node) -> Any: ...
+
+    def target(self, match: Any) -> Target: ...
+
+    def rewrite(self, match: Any, index: int, writer: ExpertWriter) -> FusionRecord: ...
+
+
+def default_rules(float_experts: str = "keep") -> list[Rule]:
+    return [ExpertBranchesRule(float_experts), MoeNodeRule(float_experts)]
+
+
 class FuseMoePass(InPlacePass):
     """Apply the rules; `records` says what happened to every candidate, `report` the weights."""
 
-    def __init__(self, float_experts: str = "keep", dry_run: bool = False):
+    def __init__(self, float_experts: str = "keep", dry_run: bool = False, rules: list[Rule] | None = None):
         super().__init__()
-        self.float_experts = float_experts
         self.dry_run = dry_run
         self.records: list[FusionRecord] = []
         self.report = WeightReport()
-        self.rules = [ExpertBranchesRule(), MoeNodeRule(float_experts)]
+        self.rules = default_rules(float_experts) if rules is None else rules
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
@@ -463,199 +670,16 @@ class FuseMoePass(InPlacePass):
                     checked.append((rule, anchor, rule.check(anchor)))
                 except Mismatch as why:
                     checked.append((rule, anchor, str(why)))
+        writer = ExpertWriter(graph, self.report)
         fused = 0
         for rule, anchor, result in checked:  # every check is done before the first rewrite
             if isinstance(result, str):
                 self.records.append(FusionRecord(rule.name, _node_name(anchor), False, result))
             elif self.dry_run:
-                form, _, _, geometry = self._target(result)
-                self.records.append(FusionRecord(rule.name, _node_name(anchor), True, form=form, geometry=geometry))
+                target = rule.target(result)
+                self.records.append(FusionRecord(rule.name, _node_name(anchor), True, form=target.name,
+                                                 geometry=target.geometry))
             else:
-                rewrite = self._fuse_branches if isinstance(result, BranchesMatch) else self._quantize_moe_node
-                self.records.append(rewrite(graph, result, fused))
+                self.records.append(rule.rewrite(result, fused, writer))
                 fused += 1
         return PassResult(model, fused > 0)
-
-    def _target(self, match: "BranchesMatch | MoeNodeMatch") -> tuple[str, BlockForm | None, bool, str]:
-        """(form name, QMoE form or None for a float MoE node, whether the blobs move byte for byte,
-        the geometry found and its fate)."""
-        if isinstance(match, MoeNodeMatch):
-            ks = [int(match.anchor.inputs[p].const_value.shape[2]) for p in (2, 4)]
-            form = requantize_form(8 if self.float_experts == "int8" else 4, ks)
-            return str(form), form, False, f"float com.microsoft::MoE, K {ks[0]}/{ks[1]} -> {form}, quantized"
-        linears = [lin for ex in match.experts for lin in (ex.gate, ex.up, ex.down)]
-        ks = "/".join(str(k) for k in sorted({lin.shape[1] for lin in linears}, reverse=True))
-        if self.float_experts == "keep" and not any(lin.quantized for lin in linears):
-            return "float32", None, True, f"float MatMul experts, K {ks} -> com.microsoft::MoE float32, exact"
-        forms = {lin.form for lin in linears}
-        found = ", ".join(sorted(f"{f.bits}-bit blocks of {f.block_size}" for f in forms if f is not None))
-        if None in forms:
-            found = ", ".join(filter(None, [found, "float"]))
-        zeros = " with zero points" if any(lin.quantized and lin.tensors[2] is not None for lin in linears) else ""
-        form = next(iter(forms)) if len(forms) == 1 else None
-        exact = form is not None and form.bits in QMOE_BITS and form.block_size in QMOE_BLOCKS and \
-            all(lin.shape[1] % form.block_size == 0 for lin in linears)
-        if not exact:
-            form = requantize_form(8 if self.float_experts in ("keep", "int8") else 4,
-                                   [lin.shape[1] for lin in linears])
-        fate = "moved byte for byte" if exact else "requantized, the error reported"
-        return str(form), form, exact, f"MatMulNBits {found}{zeros}, K {ks} -> {form}, {fate}"
-
-    # -- rewrites ------------------------------------------------------------------------------
-    def _fuse_branches(self, graph: ir.Graph, m: BranchesMatch, index: int) -> FusionRecord:
-        name = f"moe.{index}"
-        attrs = {"k": m.top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": 1.0,
-                 "activation_beta": 0.0, "normalize_routing_weights": int(m.normalize)}
-        form_name, form, exact, geometry = self._target(m)
-        gates_ups = [(ex.gate, ex.up) for ex in m.experts]
-        downs = [(ex.down,) for ex in m.experts]
-        if form is None:
-            fc1 = self._float_stack(graph, f"{name}.fc1", gates_ups)
-            fc2 = self._float_stack(graph, f"{name}.fc2", downs)
-            node = ir.node("MoE", [m.hidden, m.router, fc1, None, fc2, None], attributes=attrs,
-                           domain="com.microsoft", name=name)
-        else:
-            fc1 = self._packed_stack(graph, f"{name}.fc1", gates_ups, form, exact)
-            fc2 = self._packed_stack(graph, f"{name}.fc2", downs, form, exact)
-            attrs.update(expert_weight_bits=form.bits)
-            if form.block_size:  # absent: one scale per row
-                attrs.update(block_size=form.block_size)
-            inputs = [m.hidden, m.router, fc1[0], fc1[1], None, fc2[0], fc2[1], None, None, None, None, fc1[2], fc2[2]]
-            if not m.normalize:  # ORT's CPU QMoE renormalizes unless given the weights
-                inputs.append(m.softmax)
-            while inputs[-1] is None:
-                inputs.pop()
-            node = ir.node("QMoE", inputs, attributes=attrs, domain="com.microsoft", name=name)
-        self._replace(graph, node, m.output, m.anchor, form_name)
-        return FusionRecord(ExpertBranchesRule.name, _node_name(m.anchor), True, node=name, experts=len(m.experts),
-                            top_k=m.top_k, form=form_name, geometry=geometry)
-
-    def _quantize_moe_node(self, graph: ir.Graph, match: MoeNodeMatch, index: int) -> FusionRecord:
-        """A float MoE node -> QMoE in int8 / int4 block 32, expert by expert as the model is written."""
-        moe = match.anchor
-        _, form, _, geometry = self._target(match)
-        name = moe.name or f"moe.{index}"
-        stacks = []
-        for position in (2, 4):
-            tensor = moe.inputs[position].const_value
-            groups = [(ExpertMatrix(tensor, e),) for e in range(int(tensor.shape[0]))]
-            stacks.append(self._packed_stack(graph, f"{name}.fc{1 if position == 2 else 2}", groups, form, False))
-        attrs = {a.name: a for a in moe.attributes.values()}
-        attrs["expert_weight_bits"] = ir.AttrInt64("expert_weight_bits", form.bits)
-        if form.block_size:
-            attrs["block_size"] = ir.AttrInt64("block_size", form.block_size)
-        else:  # one scale per row
-            attrs.pop("block_size", None)
-        inputs = list(moe.inputs) + [None] * (8 - len(moe.inputs))
-        qmoe_inputs = [inputs[0], inputs[1], stacks[0][0], stacks[0][1], inputs[3], stacks[1][0], stacks[1][1], inputs[5]]
-        if not moe.attributes.get_int("normalize_routing_weights", 0):
-            # ORT's CPU QMoE renormalizes unless given the weights; the float MoE node did not
-            weights = ir.node("Softmax", [inputs[1]], attributes={"axis": -1}, name=f"{name}.router_weights")
-            graph.insert_before(moe, weights)
-            qmoe_inputs += [None] * 6 + [weights.outputs[0]]
-        while qmoe_inputs[-1] is None:
-            qmoe_inputs.pop()
-        node = ir.Node("com.microsoft", "QMoE", qmoe_inputs, attributes=list(attrs.values()), name=f"{name}.quantized")
-        self._replace(graph, node, moe.outputs[0], moe, str(form))
-        return FusionRecord(MoeNodeRule.name, _node_name(moe), True, node=node.name,
-                            experts=int(moe.inputs[2].const_value.shape[0]), top_k=moe.attributes.get_int("k", 1),
-                            form=str(form), geometry=geometry)
-
-    @staticmethod
-    def _replace(graph: ir.Graph, node: ir.Node, old: ir.Value, anchor: ir.Node, form: str) -> None:
-        """Put `node` after the layer's last node and make its output take the place of `old`."""
-        out = node.outputs[0]
-        out.name = f"{node.name}.output"
-        out.type, out.shape = old.type, old.shape
-        node.metadata_props.update({keys.FUSED_FROM: _node_name(anchor), keys.EXPERT_FORM: form})
-        graph.insert_after(old.producer(), node)
-        old.replace_all_uses_with(out)
-        if old.is_graph_output():
-            graph.outputs[graph.outputs.index(old)] = out
-
-    def _float_stack(self, graph: ir.Graph, name: str, groups: list[tuple[Linear, ...]]) -> ir.Value:
-        """[E, N * len(group), K] float32, the group's rows interleaved (gate/up)."""
-        n, k = groups[0][0].shape
-        shape = (len(groups), n * len(groups[0]), k)
-        sources = [lin.name for group in groups for lin in group]
-        self.report.add(WeightRecord(name, sources, ["float32"] * len(sources), "float32",
-                                     int(np.prod(shape)) * 4, 32.0, [True] * len(sources), [0.0] * len(sources)))
-
-        def chunks() -> Iterator[np.ndarray]:
-            for group in groups:
-                yield np.stack([lin.float_weight() for lin in group], axis=1).reshape(shape[1:])
-
-        return _value(graph, StreamedTensor(chunks, ir.DataType.FLOAT, shape, name))
-
-    def _packed_stack(self, graph: ir.Graph, name: str, groups: list[tuple[Linear, ...]], form: BlockForm,
-                      exact: bool) -> tuple[ir.Value, ir.Value, ir.Value | None]:
-        """QMoE codes, scales (and zero points) of the groups' matrices, rows interleaved: the blobs
-        moved unchanged when `exact`, else requantized from their values (error measured)."""
-        e, per = len(groups), len(groups[0])
-        n, k = groups[0][0].shape
-        rows = n * per
-        per_row = form.block_size == 0  # one scale per output row: [E, rows] scales
-        k_blocks = 1 if per_row else k // form.block_size
-        blocks = BlockForm(form.bits, k) if per_row else form
-        zero_cols = -(-k_blocks * form.bits // 8)
-        with_zeros = exact and any(lin.tensors[2] is not None for g in groups for lin in g)
-        sources = [lin.name for group in groups for lin in group]
-        types = [f"MatMulNBits{lin.form.bits}/b{lin.form.block_size}" if lin.quantized else "float32"
-                 for group in groups for lin in group]
-        record = self.report.add(WeightRecord(name, sources, types, str(form), 0, float(form.bits)))
-        default_zeros = 0x88 if form.bits == 4 else form.zero_point
-
-        def packed(group: tuple[Linear, ...]) -> tuple[list[np.ndarray], ...]:
-            """Codes, scales and zero points of one group's matrices, and (error, reference) sums."""
-            parts: tuple[list, ...] = ([], [], [], [])
-            for lin in group:
-                if exact:
-                    codes, scales, zeros = lin.blobs()
-                    zeros = np.full((n, zero_cols), default_zeros, np.uint8) if zeros is None else zeros[:, :zero_cols]
-                    sums = (0.0, 0.0)
-                else:
-                    result = quantize_values(lin.float_weight(), blocks)
-                    codes, scales, zeros, sums = result.weights, result.scales, None, (result.error_sq,
-                                                                                        result.reference_sq)
-                for part, value in zip(parts, (codes, scales, zeros, sums)):
-                    part.append(value)
-            return parts
-
-        kept: list[tuple[list[np.ndarray], list[np.ndarray]]] | None = None  # scales, zero points per group
-
-        def stack(which: int, last: int, dtype: Any) -> StreamedTensor:
-            def chunks() -> Iterator[np.ndarray]:
-                nonlocal kept
-                if which == 0:  # the codes pass packs each group once and keeps its scales and zero points
-                    extras, errors = [], []
-                    for group in groups:
-                        codes, scales, zeros, sums = packed(group)
-                        extras.append((scales, zeros))
-                        errors += sums
-                        yield np.stack(codes, axis=1).reshape(rows, last)
-                    kept = extras
-                    record.exact = [exact] * len(sources)
-                    record.rel_rms_error = [0.0 if exact else rel_rms(*sums) for sums in errors]
-                    return
-                parts = kept if kept is not None else [packed(group)[1:3] for group in groups]
-                if which == 2 or not with_zeros:  # the last stream that needs them
-                    kept = None
-                for part in parts:
-                    yield np.stack(part[which - 1], axis=1).reshape(rows, last).astype(dtype, copy=False)
-
-            shape = (e, rows) if per_row and which == 1 else (e, rows, last)
-            onnx_type = ir.DataType.UINT8 if dtype == np.uint8 else ir.DataType.FLOAT
-            return StreamedTensor(chunks, onnx_type, shape, f"{name}.{('weight', 'scales', 'zero_points')[which]}")
-
-        codes = _value(graph, stack(0, form.packed_bytes(k), np.uint8))
-        scales = _value(graph, stack(1, k_blocks, np.float32))
-        zeros = _value(graph, stack(2, zero_cols, np.uint8)) if with_zeros else None
-        record.bytes = sum(int(np.prod(v.const_value.shape.numpy())) * int(v.const_value.dtype.itemsize)
-                           for v in (codes, scales, zeros) if v is not None)
-        return codes, scales, zeros
-
-
-def _value(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:
-    value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
-    graph.register_initializer(value)
-    return value

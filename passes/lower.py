@@ -35,19 +35,19 @@ from moepass.core.gguf_reader import GGUFModel, GGUFTensor
 from moepass.cuda_ops.prepack import prepack_problem
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
 from moepass.core.version import __version__
-from moepass.core.quants import BlockForm, QuantType, best_exact_form, choose_expert_form, dequantize, quant_type
+from moepass.core.moe_nodes import Experts, moe_node
+from moepass.core.quants import (OFFLOAD_FORM, BlockForm, dequantize, expert_form, matrix_form, quant_type,
+                                 takes_zero_points)
 
 OPSETS = {"": 21, "com.microsoft": 1}
 IR_VERSION = 10
-# What ONNX Runtime 1.32's expert offload backend requires (see runtime.providers.offload_violations).
-OFFLOAD_FORM = BlockForm(4, 32)
 
 
 @dataclasses.dataclass(frozen=True)
 class LowerOptions:
     """What the user chose. `float_experts`: keep F32/F16/BF16 experts as float (com.microsoft::MoE)
     or quantize them into QMoE int8 / int4 (block 32). `expert_format`: "auto" (see
-    GraphBuilder.expert_form), or force "int4" / "int8" for quantized experts; requantizable non-expert
+    moepass.core.quants.expert_form), or force "int4" / "int8" for quantized experts; requantizable non-expert
     matrices follow it too (int4 for "int4", else int8 block 32). "offload": what ONNX Runtime's
     expert offload requires: int4 block 32 experts prepacked in the SM80 layout
     (weights_prepacked=1) and a float16 graph."""
@@ -202,19 +202,10 @@ class GraphBuilder:
                             domain="com.microsoft", name=name)
 
     def matrix_form(self, src: GGUFTensor, requantize_bits: int | None = None) -> tuple[BlockForm | None, bool]:
-        """(block form, zero points) of a non-expert matrix: its exact form when its blocks move
-        exactly; else requantized into `requantize_bits` (default: 8, or 4 for --expert-format
-        int4/offload, with a zero point per block, the better of it and none) block 32, the error
-        reported; None for float."""
+        """(block form, zero points) of a non-expert matrix (quants.matrix_form); None for float."""
         qt = quant_type(src.ggml_type, src.name, src.path)
-        if qt.storage == "blocks":
-            form = best_exact_form(qt)
-        elif qt.storage == "dequantize":
-            bits = requantize_bits or (4 if self.options.expert_format in ("int4", "offload") else 8)
-            form = BlockForm(bits, 32)
-        else:
-            return None, False
-        return form, form is not None and form.bits == 4 and form not in qt.exact_forms()
+        form = matrix_form(qt, self.options.expert_format, requantize_bits)
+        return form, takes_zero_points(form, [qt])
 
     def rms_norm(self, x: ir.Value, src: GGUFTensor, name: str, bias: GGUFTensor | None = None) -> ir.Value:
         """RMSNorm(x) * gamma (+ beta: phimoe's norms add a bias after normalizing, as llama.cpp does)."""
@@ -268,12 +259,8 @@ class GraphBuilder:
         gate, up, down = (self.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
         types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
         renormalize = feats["routing"] in ("softmax_topk_renorm", "topk_softmax", "deepseek")
-        activation = ACTIVATIONS[feats.get("activation", "swiglu")]
-        attrs: dict[str, Any] = {"k": hp["n_experts_used"], "activation_type": "swiglu", "swiglu_fusion": 1,
-                                 "activation_alpha": activation.alpha, "activation_beta": activation.beta,
-                                 "normalize_routing_weights": int(renormalize)}
-        if activation.limit is not None:
-            attrs["swiglu_limit"] = activation.limit
+        node = functools.partial(moe_node, self.tape.op, f"blk.{layer}.moe", x2d, router, top_k=hp["n_experts_used"],
+                                 normalize=renormalize, activation=ACTIVATIONS[feats.get("activation", "swiglu")])
         name = f"blk.{layer}.moe"
         floats = [qt.storage == "float" for qt in types]
         prefix = f"blk.{layer}.ffn_experts"
@@ -284,7 +271,7 @@ class GraphBuilder:
         if all(floats) and self.options.float_experts == "keep":
             fc1 = self.float_experts(f"{prefix}.fc1", [gate, up])
             fc2 = self.float_experts(f"{prefix}.fc2", [down])
-            out = self.tape.op("MoE", [x2d, router, fc1, fc1_b, fc2, fc2_b], attrs, domain="com.microsoft", name=name)
+            out = node(Experts(fc1, bias=fc1_b), Experts(fc2, bias=fc2_b))
             form_name = "float32"
         else:
             if any(floats) and self.options.float_experts == "keep":
@@ -294,7 +281,7 @@ class GraphBuilder:
             if all(floats):
                 form = BlockForm(8 if self.options.float_experts == "int8" else 4, 32)
             else:
-                form = self.expert_form([(t, qt) for t, qt in zip((gate, up, down), types) if qt.storage != "float"])
+                form = expert_form([qt for qt in types if qt.storage != "float"], self.options.expert_format)
             prepack = self.offload and form == OFFLOAD_FORM
             if prepack:
                 for label, (n, k) in (("fc1 (gate and up)", (2 * gate.shape[-2], gate.shape[-1])),
@@ -304,20 +291,13 @@ class GraphBuilder:
                         raise MoepassError(f"{name}: {label} cannot take the prepacked layout expert offload needs: "
                                            f"{problem}; convert without --expert-format offload")
             # 4-bit requantization takes zero points (not in the prepacked offload layout)
-            zero_points = form.bits == 4 and not prepack and any(form not in qt.exact_forms() for qt in types)
+            zero_points = not prepack and takes_zero_points(form, types)
             fc1_w, fc1_s, fc1_z = self.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack,
                                                       zero_points=zero_points)
             fc2_w, fc2_s, fc2_z = self.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack,
                                                       zero_points=zero_points)
-            attrs.update(expert_weight_bits=form.bits, block_size=form.block_size)
-            if prepack:
-                attrs["weights_prepacked"] = 1
-            inputs = [x2d, router, fc1_w, fc1_s, fc1_b, fc2_w, fc2_s, fc2_b, None, None, None, fc1_z, fc2_z, None]
-            if not renormalize:  # router_weights (14)
-                inputs.append(self.tape.op("Softmax", [router], {"axis": -1}, name=f"{name}.router_weights"))
-            while inputs[-1] is None:
-                inputs.pop()
-            out = self.tape.op("QMoE", inputs, attrs, domain="com.microsoft", name=name)
+            out = node(Experts(fc1_w, fc1_s, fc1_z, fc1_b), Experts(fc2_w, fc2_s, fc2_z, fc2_b), bits=form.bits,
+                       block_size=form.block_size, prepacked=prepack)
             form_name = str(form)
         out.name = f"{name}.output"
         out.dtype = self.act
@@ -399,26 +379,6 @@ class GraphBuilder:
                                 self.const(f"const.{self.act.name.lower()}.-inf", np.array(-np.inf, self.np_act))],
                       name=f"{name}.group_limited")
         return t.op("Reshape", [masked, self.ints(-1, self.hp["n_experts"])], name=f"{name}.ungroup")
-
-    def expert_form(self, tensors: list[tuple[GGUFTensor, QuantType]]) -> BlockForm:
-        """The QMoE form of one layer's experts, by --expert-format. auto: the exact form when every
-        expert matrix moves bit-exactly (Q8_0, Q4_0, Q6_K, ...); else, since the layer is requantized
-        anyway, int4 block 32 when every type's int4 requantization was measured to keep llama.cpp's
-        fidelity (QuantType.int4_agrees: a Q4_K_M layer, Q4_K gate/up and Q6_K down), else the form
-        holding the most matrices exactly (int8 block 32 when none does)."""
-        types = [qt for _, qt in tensors]
-        choice = self.options.expert_format
-        if choice == "offload":
-            return OFFLOAD_FORM
-        if choice in ("int4", "int8"):
-            return choose_expert_form(types, bits=int(choice[3]))
-        exact = choose_expert_form(types)
-        if all(exact in qt.exact_forms() for qt in types):  # everything moves bit-exactly: keep it so
-            return exact
-        # requantized anyway: the fast form, where it was measured to keep llama.cpp's fidelity
-        if all(qt.int4_agrees for qt in types):
-            return choose_expert_form(types, bits=4)
-        return exact
 
     def gated_mlp(self, x2d: ir.Value, roles: tuple[str, str, str], layer: int, prefix: str) -> ir.Value:
         """down(silu(gate(x)) * up(x)) of the (gate, up, down) tensor roles of one block."""

@@ -209,6 +209,38 @@ def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightRepor
     return StreamedTensor(chunks, dtype, shape, name)
 
 
+class PackOnce:
+    """Several initializers from one packing pass, streamed without packing twice.
+
+    `pack()` yields per chunk of rows (codes, (extra_0, extra_1, ...)): the codes are streamed as
+    they come, and the extras (scales, zero points: 4-8x smaller) are kept for their own
+    initializers, which the writer saves next (the model is saved in initializer order). An extra
+    asked for before the codes, or again, is packed anew. Safe from several writer threads."""
+
+    def __init__(self, pack: Callable[[], Iterator[tuple[np.ndarray, tuple[Any, ...]]]], extras: int):
+        self._pack, self._extras = pack, extras
+        self._lock = threading.Lock()
+        self._kept: list[tuple[Any, ...]] | None = None
+        self._waiting: set[int] = set()  # extras still to be streamed from what is kept
+
+    def codes(self) -> Iterator[np.ndarray]:
+        kept = []
+        for codes, extras in self._pack():
+            kept.append(extras)
+            yield codes
+        with self._lock:
+            self._kept, self._waiting = kept, set(range(self._extras))
+
+    def extra(self, which: int) -> Iterator[np.ndarray]:
+        with self._lock:
+            kept = self._kept if which in self._waiting else None
+            self._waiting.discard(which)
+            if not self._waiting:
+                self._kept = None
+        for extras in kept if kept is not None else (extras for _, extras in self._pack()):
+            yield extras[which]
+
+
 class PackedGroup:
     """Codes, scales (and zero points) initializers of GGUF matrices [.., N, K] in one BlockForm.
 
@@ -217,9 +249,7 @@ class PackedGroup:
     with `prepack` each expert's codes are in ONNX Runtime's SM80 layout [K, N*bits/8]. Scales are
     float32, or float16 (`scale_dtype`) for float16 graphs, the rounding added to the reported error.
 
-    Writing the codes packs the sources once and keeps the (4-8x smaller) scales and zero points for
-    their initializers, which the writer saves next (the model is saved in initializer order); if
-    they are asked for first, they are computed on their own.
+    The sources are packed once for all three initializers (PackOnce).
     """
 
     def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
@@ -241,16 +271,15 @@ class PackedGroup:
             self.codes_shape = (*rows, form.packed_bytes(k))
         self.scales_shape = (*rows, k_blocks)
         self.zero_points_shape = (*rows, (k_blocks * form.bits + 7) // 8) if zero_points else None
-        self._lock = threading.Lock()
-        self._kept: list | None = None
         nbytes = int(np.prod(self.codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(self.scales_shape)) \
             + (int(np.prod(self.zero_points_shape)) if zero_points else 0)
         elements = sum(int(np.prod(s.shape)) for s in sources)
         report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes,
                                 round(nbytes * 8 / elements, 4)))
-        self.codes = StreamedTensor(self._codes_chunks, ir.DataType.UINT8, self.codes_shape, f"{name}.q")
-        self.scales = StreamedTensor(lambda: self._kept_chunks(0), scale_dtype, self.scales_shape, f"{name}.scales")
-        self.zero_points = StreamedTensor(lambda: self._kept_chunks(1), ir.DataType.UINT8, self.zero_points_shape,
+        once = PackOnce(self._packed_chunks, 2 if zero_points else 1)
+        self.codes = StreamedTensor(once.codes, ir.DataType.UINT8, self.codes_shape, f"{name}.q")
+        self.scales = StreamedTensor(lambda: once.extra(0), scale_dtype, self.scales_shape, f"{name}.scales")
+        self.zero_points = StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, self.zero_points_shape,
                                           f"{name}.zero_points") if zero_points else None
 
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None]]]:
@@ -304,21 +333,3 @@ class PackedGroup:
             yield codes, (scales, zeros)
         self.report.measured(self.name, [exact for exact, _, _ in stats],
                              [rel_rms(e, r) for _, e, r in stats])
-
-    def _codes_chunks(self) -> Iterator[np.ndarray]:
-        kept = []
-        for codes, extras in self._packed_chunks():
-            kept.append(extras)
-            yield codes
-        with self._lock:
-            self._kept = [kept, self.zero_points is not None]  # scales, then zero points, are still to come
-
-    def _kept_chunks(self, which: int) -> Iterator[np.ndarray]:
-        """Scales (0) or zero points (1), as kept by the codes pass, else packed anew."""
-        with self._lock:
-            kept = self._kept[0] if self._kept else None
-            if self._kept and (which == 1 or not self._kept[1]):
-                self._kept = None
-        chunks = kept if kept is not None else [extras for _, extras in self._packed_chunks()]
-        for extras in chunks:
-            yield extras[which]

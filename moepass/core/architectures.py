@@ -21,6 +21,7 @@ import numpy as np
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, GGUFTensor, StackedTensor
 from moepass.core.choices import MAX_CONTEXT
+from moepass.core.moe_nodes import SWIGLU, Activation
 
 _REQUIRED = object()
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -151,19 +152,8 @@ DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
 MOE_ROLES = (*ROUTED_EXPERTS[1:], "ffn_gate_inp_shexp", *SHARED_EXPERT, "exp_probs_b", *EXPERT_BIASES)
 
 
-@dataclasses.dataclass(frozen=True)
-class Activation:
-    """An expert activation as QMoE computes it: gate' * sigmoid(alpha * gate') * (up' + beta), with
-    gate' = min(gate, limit) and up' = clamp(up, -limit, limit) when `limit` is set."""
-
-    alpha: float
-    beta: float
-    limit: float | None = None
-    text: str = ""
-
-
 ACTIVATIONS = {
-    "swiglu": Activation(1.0, 0.0, None, "SwiGLU"),
+    "swiglu": SWIGLU,
     # gpt-oss (llama.cpp's ggml_swiglu_oai, constants from its build_moe_ffn)
     "swiglu_oai": Activation(1.702, 1.0, 7.0, "clamped SwiGLU: alpha 1.702, limit 7, (up + 1)"),
 }

@@ -13,7 +13,7 @@ from moepass.core.errors import MoepassError
 
 # convert
 FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")   # F32/F16/BF16 experts: kept float (MoE) or quantized (QMoE)
-EXPERT_FORMATS = ("auto", "int4", "int8", "offload")  # quantized experts (passes.lower.GraphBuilder.expert_form)
+EXPERT_FORMATS = ("auto", "int4", "int8", "offload")  # quantized experts (moepass.core.quants.expert_form)
 # activations mode -> accuracy_level of every quantized matrix product (None: the attribute is absent,
 # ONNX Runtime's float default; 4: int8 activations inside the product, as llama.cpp)
 ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}

@@ -1,13 +1,17 @@
-"""Finding the MoE layers of a graph: com.microsoft QMoE / MoE nodes and what feeds them.
+"""ONNX Runtime's MoE operators: how a com.microsoft::QMoE / MoE node is laid out, made and found.
 
-Input layout shared by both ops: 0 activations, 1 router logits, 2.. expert weights (QMoE: fc1
-weights/scales/bias 2-4, fc2 5-7, fc3 8-10, zero points 11-13; MoE: fc1 weights/bias 2-3, fc2 4-5,
-fc3 6-7). Every initializer among the expert inputs has the experts on its first axis.
+Input slots (ONNX Runtime's contrib op schema): 0 activations [T, H], 1 router logits [T, E]
+(the kernel does softmax, top-k and renormalization over the k), then the experts. QMoE: fc1
+weights/scales/bias 2-4, fc2 5-7, fc3 8-10, zero points 11-13, router_weights 14 (the mixing
+weights; the selection still follows input 1), FP4/FP8 global scales 15 and up. MoE: fc1
+weights/bias 2-3, fc2 4-5, fc3 6-7. Every initializer among the expert inputs has the experts on
+its first axis. `moe_node` is the one place that writes this layout; `moe_nodes` reads it back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -16,6 +20,93 @@ MOE_OPS = ("QMoE", "MoE")
 # Inputs that carry per-expert tensors (first axis = experts); router_weights (14) and the
 # global FP4/FP8 scales (15..) are per token or per tensor.
 EXPERT_INPUTS = {"QMoE": range(2, 14), "MoE": range(2, 8)}
+QMOE_SLOTS = {"fc1": (2, 3, 4, 11), "fc2": (5, 6, 7, 12)}  # weights, scales, bias, zero points
+MOE_SLOTS = {"fc1": (2, 3), "fc2": (4, 5)}                  # weights, bias
+ROUTER_WEIGHTS = 14
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """An expert activation as QMoE computes it: gate' * sigmoid(alpha * gate') * (up' + beta), with
+    gate' = min(gate, limit) and up' = clamp(up, -limit, limit) when `limit` is set. fc1 holds gate
+    and up rows interleaved (row 2i gate_i, row 2i+1 up_i: swiglu_fusion=1, the only layout ONNX
+    Runtime's CPU kernel takes)."""
+
+    alpha: float
+    beta: float
+    limit: float | None = None
+    text: str = ""
+
+
+SWIGLU = Activation(1.0, 0.0, None, "SwiGLU")
+
+
+@dataclasses.dataclass
+class Experts:
+    """One projection (fc1: gate and up interleaved; fc2: down) of every expert: [E, N, ...]
+    initializers. `scales` is None for float experts (com.microsoft::MoE)."""
+
+    weights: ir.Value
+    scales: ir.Value | None = None
+    zero_points: ir.Value | None = None
+    bias: ir.Value | None = None
+
+
+# tape.op's signature: (op_type, inputs, attributes, *, domain, name) -> the node's output
+MakeOp = Callable[..., ir.Value]
+
+
+def moe_node(op: MakeOp, name: str, hidden: ir.Value, router_logits: ir.Value, fc1: Experts, fc2: Experts, *,
+             top_k: int, normalize: bool, activation: Activation = SWIGLU, bits: int = 0, block_size: int = 0,
+             prepacked: bool = False, router_weights: ir.Value | None = None) -> ir.Value:
+    """One MoE layer as a com.microsoft::QMoE node (`bits` 4 or 8: quantized experts, `block_size`
+    0 for one scale per row) or a float com.microsoft::MoE node (bits 0); returns its output.
+
+    `op` makes each node (an onnx-ir Tape's `op`, or `NodeList.op` for a rewrite). Without
+    `normalize`, ONNX Runtime's CPU QMoE still renormalizes the top-k weights unless it is given
+    them: softmax(logits) goes to router_weights (made here unless the graph has it already). The
+    float MoE kernel honours normalize_routing_weights=0 by itself."""
+    attributes = {"k": top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": activation.alpha,
+                  "activation_beta": activation.beta, "normalize_routing_weights": int(normalize)}
+    if activation.limit is not None:
+        attributes["swiglu_limit"] = activation.limit
+    if not bits:
+        inputs = [hidden, router_logits, fc1.weights, fc1.bias, fc2.weights, fc2.bias]
+        return op("MoE", inputs, attributes, domain="com.microsoft", name=name)
+    attributes["expert_weight_bits"] = bits
+    if block_size:
+        attributes["block_size"] = block_size
+    if prepacked:
+        attributes["weights_prepacked"] = 1
+    inputs: list[ir.Value | None] = [None] * (ROUTER_WEIGHTS + 1)
+    inputs[:2] = hidden, router_logits
+    for experts, slots in ((fc1, QMOE_SLOTS["fc1"]), (fc2, QMOE_SLOTS["fc2"])):
+        for slot, value in zip(slots, (experts.weights, experts.scales, experts.bias, experts.zero_points)):
+            inputs[slot] = value
+    if not normalize:
+        inputs[ROUTER_WEIGHTS] = router_weights or op("Softmax", [router_logits], {"axis": -1},
+                                                      name=f"{name}.router_weights")
+    return op("QMoE", _trimmed(inputs), attributes, domain="com.microsoft", name=name)
+
+
+def _trimmed(inputs: list[ir.Value | None]) -> list[ir.Value | None]:
+    """Trailing absent inputs dropped (ONNX Runtime counts the inputs a node has)."""
+    while inputs and inputs[-1] is None:
+        inputs = inputs[:-1]
+    return inputs
+
+
+class NodeList:
+    """A MakeOp for rewrites: the nodes made, in order, to insert into a graph."""
+
+    def __init__(self) -> None:
+        self.nodes: list[ir.Node] = []
+
+    def op(self, op_type: str, inputs: list[ir.Value | None], attributes: dict | None = None, *, domain: str = "",
+           name: str | None = None) -> ir.Value:
+        node = ir.node(op_type, inputs, attributes=attributes, domain=domain, name=name)
+        self.nodes.append(node)
+        return node.outputs[0]
 
 
 def is_moe(node: ir.Node) -> bool:

@@ -684,3 +684,51 @@ def choose_expert_form(types: list[QuantType], bits: int | None = None) -> Block
     if not candidates:
         return BlockForm(bits, 32) if bits else REQUANTIZE_FORM
     return min(candidates, key=lambda f: (-sum(f in qt.exact_forms() for qt in types), f.bits, -f.block_size))
+
+
+# ---- form policy: which ONNX Runtime block form each weight takes ---------------------------------
+# What ONNX Runtime 1.32's expert offload backend requires (see runtime.providers.offload_violations).
+OFFLOAD_FORM = BlockForm(4, 32)
+
+
+def qmoe_takes(form: BlockForm | None, ks: list[int]) -> bool:
+    """Whether QMoE's CPU kernel runs `form` for matrices of these K (the bit widths and block sizes
+    of CANDIDATE_FORMS, the block dividing every K), so that blocks already in it move unchanged."""
+    return form in CANDIDATE_FORMS and all(k % form.block_size == 0 for k in ks)
+
+
+def expert_form(types: list[QuantType], choice: str = "auto") -> BlockForm:
+    """The QMoE form of one layer's experts, by --expert-format `choice`. auto: the exact form when
+    every expert matrix moves bit-exactly (Q8_0, Q4_0, Q6_K, ...); else, since the layer is
+    requantized anyway, int4 block 32 when every type's int4 requantization was measured to keep
+    llama.cpp's fidelity (QuantType.int4_agrees: a Q4_K_M layer, Q4_K gate/up and Q6_K down), else
+    the form holding the most matrices exactly (int8 block 32 when none does). "int4" / "int8": that
+    width; "offload": OFFLOAD_FORM."""
+    if choice == "offload":
+        return OFFLOAD_FORM
+    if choice in ("int4", "int8"):
+        return choose_expert_form(types, bits=int(choice[3]))
+    exact = choose_expert_form(types)
+    if all(exact in qt.exact_forms() for qt in types):  # everything moves bit-exactly: keep it so
+        return exact
+    # requantized anyway: the fast form, where it was measured to keep llama.cpp's fidelity
+    if all(qt.int4_agrees for qt in types):
+        return choose_expert_form(types, bits=4)
+    return exact
+
+
+def matrix_form(qt: QuantType, choice: str = "auto", requantize_bits: int | None = None) -> BlockForm | None:
+    """The form of a non-expert matrix: its exact form when its blocks move exactly; else
+    requantized into `requantize_bits` (default: 8, or 4 for --expert-format int4/offload) block 32;
+    None: it stays float."""
+    if qt.storage == "blocks":
+        return best_exact_form(qt)
+    if qt.storage == "dequantize":
+        return BlockForm(requantize_bits or (4 if choice in ("int4", "offload") else 8), 32)
+    return None
+
+
+def takes_zero_points(form: BlockForm | None, types: list[QuantType]) -> bool:
+    """Whether 4-bit requantization into `form` gets a zero point per block (the better of it and
+    none, block by block); exact forms and 8 bits keep the symmetric codes."""
+    return form is not None and form.bits == 4 and any(form not in qt.exact_forms() for qt in types)
