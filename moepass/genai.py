@@ -13,14 +13,11 @@ from typing import Any
 
 import onnx_ir as ir
 
-from moepass.core.errors import MoepassError
-
-from moepass.core.files import MODEL_FILE
 from moepass.core import keys
+from moepass.core.architectures import ARCHITECTURES
+from moepass.core.errors import MoepassError
+from moepass.core.files import MODEL_FILE
 
-# onnxruntime-genai's model type decides little for a plain decoder; these are the nearest it knows.
-GENAI_TYPES = {"qwen3moe": "qwen3", "qwen2moe": "qwen2", "llama": "llama", "olmoe": "olmo", "granitemoe": "granite",
-               "phimoe": "phi3"}
 
 
 def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
@@ -48,7 +45,7 @@ def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
             },
             "eos_token_id": stop if len(stop) != 1 else stop[0],
             "pad_token_id": stop[0] if stop else 0,
-            "type": GENAI_TYPES.get(arch, "llama"),
+            "type": ARCHITECTURES[arch].genai_type if arch in ARCHITECTURES else "llama",
             "vocab_size": hp["vocab"],
         },
         "search": {"do_sample": False, "max_length": hp["context_length"], "min_length": 0, "num_beams": 1,

@@ -254,18 +254,18 @@ class GraphBuilder:
         router = self.linear(x2d, self.tensor("ffn_gate_inp", layer), f"blk.{layer}.router",
                              bias=self.optional("ffn_gate_inp_bias", layer))
         weight_sum = None
-        if feats["routing"] == "deepseek":
+        if feats.routing == "deepseek":
             router, weight_sum = self.deepseek_routing(router, layer)
         gate, up, down = (self.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
         types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
-        renormalize = feats["routing"] in ("softmax_topk_renorm", "topk_softmax", "deepseek")
+        renormalize = feats.routing in ("softmax_topk_renorm", "topk_softmax", "deepseek")
         node = functools.partial(moe_node, self.tape.op, f"blk.{layer}.moe", x2d, router, top_k=hp["n_experts_used"],
-                                 normalize=renormalize, activation=ACTIVATIONS[feats.get("activation", "swiglu")])
+                                 normalize=renormalize, activation=ACTIVATIONS[feats.activation])
         name = f"blk.{layer}.moe"
         floats = [qt.storage == "float" for qt in types]
         prefix = f"blk.{layer}.ffn_experts"
         fc1_b = fc2_b = None
-        if feats.get("expert_biases"):
+        if feats.expert_biases:
             fc1_b = self.expert_bias(f"{prefix}.fc1_bias", [self.tensor(f"ffn_{p}_exps_bias", layer) for p in ("gate", "up")])
             fc2_b = self.expert_bias(f"{prefix}.fc2_bias", [self.tensor("ffn_down_exps_bias", layer)])
         if all(floats) and self.options.float_experts == "keep":
@@ -393,7 +393,7 @@ class GraphBuilder:
         """The dense shared expert, times sigmoid(x . g) when gated (qwen2moe)."""
         t, p = self.tape, f"blk.{layer}.shared_expert"
         out = self.gated_mlp(x2d, SHARED_EXPERT, layer, p)
-        if self.arch.features.get("shared_expert") != "sigmoid_gated":
+        if self.arch.features.shared_expert != "sigmoid_gated":
             return out
         g = self.tensor("ffn_gate_inp_shexp", layer)
         weight = self.float_weight(g.name, g)
@@ -496,11 +496,11 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
     """
     hp, t, feats = b.hp, b.tape, b.arch.features
     nh, nkv, d = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
-    latent = feats.get("mla", False)
+    latent = feats.mla
     rot = d  # rotary dimensions at the start of each GQA head
     if latent:  # GQA over the compressed cache: one KV head of [k_pe | c] (see latent_attention)
         nkv, d, rot = 1, hp["kv_lora_rank"] + hp["rope_dim"], hp["rope_dim"]
-    multipliers = feats.get("multipliers", False)
+    multipliers = feats.multipliers
     act_type = ir.TensorType(b.act)  # float32, or float16 for the offload format
     input_ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64),
                          shape=ir.Shape(["batch_size", "sequence_length"]))
@@ -540,10 +540,10 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
         else:
             q, k, v = (b.linear(h, b.tensor(f"attn_{p}", i), f"blk.{i}.attn_{p}", bias=b.optional(f"attn_{p}_bias", i))
                        for p in "qkv")
-        if feats.get("qk_norm") == "head":
+        if feats.qk_norm == "head":
             q = b.per_head_rms_norm(q, b.tensor("attn_q_norm", i), nh, f"blk.{i}.attn_q_norm")
             k = b.per_head_rms_norm(k, b.tensor("attn_k_norm", i), nkv, f"blk.{i}.attn_k_norm")
-        elif feats.get("qk_norm") == "full":
+        elif feats.qk_norm == "full":
             q = b.rms_norm(q, b.tensor("attn_q_norm", i), f"blk.{i}.attn_q_norm")
             k = b.rms_norm(k, b.tensor("attn_k_norm", i), f"blk.{i}.attn_k_norm")
         past = []
@@ -553,8 +553,8 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
         inputs += past
         attn_inputs = [q, k, v, past[0], past[1], seqlens_k, total_len, cos, sin]
         attn_attrs = {"num_heads": nh, "kv_num_heads": nkv, "do_rotary": 1,
-                      "rotary_interleaved": int(feats["rope"] == "norm"), "scale": float(attention_scale)}
-        if feats.get("attention_sinks"):  # head_sink (input 11): one logit per head in every softmax
+                      "rotary_interleaved": int(feats.rope == "norm"), "scale": float(attention_scale)}
+        if feats.attention_sinks:  # head_sink (input 11): one logit per head in every softmax
             attn_inputs += [None, None, b.float_weight(b.arch.tensor_name("attn_sinks", i), b.tensor("attn_sinks", i))]
         if i in hp["sliding_window_layers"]:
             # ORT attends to the last local_window_size keys (the query's own included), as llama.cpp's
@@ -571,14 +571,14 @@ def moe_decoder(b: GraphBuilder) -> ir.Graph:
             attn = b.latent_values(attn, i)
         attn = b.linear(attn, b.tensor("attn_output", i), f"blk.{i}.attn_output", bias=b.optional("attn_output_bias", i))
         x = t.op("Add", [x, residual_branch(attn, f"blk.{i}.attn")], name=f"blk.{i}.attn_residual")
-        h = b.rms_norm(x, b.tensor(feats.get("ffn_norm", "ffn_norm"), i), f"blk.{i}.ffn_norm",
+        h = b.rms_norm(x, b.tensor(feats.ffn_norm, i), f"blk.{i}.ffn_norm",
                        b.optional("ffn_norm_bias", i))
         h2d = t.op("Reshape", [h, b.ints(-1, hp["hidden"])], name=f"blk.{i}.moe.flatten")
         if b.arch.is_dense(i, hp):
             ffn = b.gated_mlp(h2d, DENSE_FFN, i, f"blk.{i}.ffn")
         else:
             ffn = b.moe(h2d, i, hp["hidden"])
-            if feats.get("shared_expert") and hp["shared_ff"]:
+            if feats.shared_expert and hp["shared_ff"]:
                 ffn = t.op("Add", [ffn, b.shared_expert(h2d, i)], name=f"blk.{i}.shared_expert.add")
         ffn = t.op("Reshape", [ffn, t.op("Shape", [x], name=f"blk.{i}.moe.shape")], name=f"blk.{i}.moe.unflatten")
         x = t.op("Add", [x, residual_branch(ffn, f"blk.{i}.moe")], name=f"blk.{i}.moe_residual")
@@ -612,7 +612,7 @@ ROPE_TABLES_PLAUSIBLE = 64 << 20
 
 
 def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
-    rotary = hp["rope_dim"] if arch.features.get("mla") else hp["head_dim"]
+    rotary = hp["rope_dim"] if arch.features.mla else hp["head_dim"]
     table_bytes = hp["context_length"] * rotary * 4  # cos and sin, rotary/2 float32 each
     if table_bytes > ROPE_TABLES_PLAUSIBLE and table_bytes > gguf.file_bytes:
         raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.context_length' is {hp['context_length']:,}: "

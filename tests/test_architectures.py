@@ -218,3 +218,33 @@ def test_deepseek2_bad_input_is_named(kwargs, message, make_gguf, tmp_path):
     with pytest.raises(moepass.MoepassError, match=message):
         moepass.convert(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_every_feature_switch_is_read():
+    """A Features field that no code reads is a dead switch (as phimoe's norm_bias was): each one is
+    read as an attribute somewhere in the package."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import moepass.core
+    import moepass.passes
+    from moepass.core.architectures import Features
+
+    sources = "\n".join(path.read_text() for package in (moepass.core, moepass.passes)
+                        for path in Path(package.__path__[0]).glob("*.py"))
+    unread = [field.name for field in dataclasses.fields(Features)
+              if not re.search(rf"\b(?:features|feats|f)\.{field.name}\b", sources)]
+    assert not unread, unread
+    used = {name: {getattr(a.features, name) for a in ARCHITECTURES.values()} for name in
+            (f.name for f in dataclasses.fields(Features))}
+    assert all(len(values) > 1 for values in used.values()), used  # every switch is set by some architecture
+
+
+def test_features_refuse_unknown_values():
+    from moepass.core.architectures import Features
+
+    with pytest.raises(ValueError, match="routing='softmax_top2'"):
+        Features(rope="neox", routing="softmax_top2")
+    with pytest.raises(TypeError):
+        Features(rope="neox", routing="softmax_topk", norm_bias=True)  # a typo or a dead switch fails loudly

@@ -159,11 +159,11 @@ ACTIVATIONS = {
 }
 
 
-def expected_shapes(hp: dict[str, Any], features: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def expected_shapes(hp: dict[str, Any], features: Features) -> dict[str, tuple[int, ...]]:
     """Tensor role -> shape (numpy order) implied by the hyperparameters."""
     h, v, e, ff, sff = hp["hidden"], hp["vocab"], hp["n_experts"], hp["expert_ff"], hp.get("shared_ff", 0)
     q, kv, vd = hp["n_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["value_dim"]
-    full = features.get("qk_norm") == "full"
+    full = features.qk_norm == "full"
     return {
         "token_embd": (v, h), "output_norm": (h,), "output_norm_bias": (h,), "output": (v, h), "output_bias": (v,),
         "attn_norm": (h,), "attn_norm_bias": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (vd, h),
@@ -177,7 +177,7 @@ def expected_shapes(hp: dict[str, Any], features: dict[str, Any]) -> dict[str, t
         "ffn_gate_exps_bias": (e, ff), "ffn_up_exps_bias": (e, ff), "ffn_down_exps_bias": (e, h),
         "ffn_gate": (hp.get("ffn", 0), h), "ffn_up": (hp.get("ffn", 0), h), "ffn_down": (h, hp.get("ffn", 0)),
         "exp_probs_b": (e,),
-        **(latent_attention_shapes(hp) if features.get("mla") else {}),
+        **(latent_attention_shapes(hp) if features.mla else {}),
     }
 
 
@@ -200,39 +200,64 @@ def latent_attention_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     }
 
 
+ROPE_STYLES = {"neox": "NeoX (rotate halves)", "norm": "interleaved pairs"}
+ROUTINGS = ("softmax_topk_renorm", "softmax_topk", "topk_softmax", "deepseek")
+QK_NORMS = {None: "", "head": "RMSNorm per head", "full": "RMSNorm over the full projection"}
+SHARED_EXPERTS = (None, "sigmoid_gated", "plain")
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What differs between architectures, as the recipe's switches (tests/test_architectures.py
+    checks that every one is read)."""
+
+    rope: str                           # "neox" (rotate halves) or "norm" (rotate consecutive pairs)
+    # "softmax_topk_renorm"; "softmax_topk" (weights not renormalized over the k); "topk_softmax"
+    # (softmax over the selected logits); "deepseek": softmax or sigmoid gating (expert_gating_func),
+    # selection bias exp_probs_b, group-limited top-k, optional renormalization
+    routing: str
+    qk_norm: str | None = None          # None, "head" (RMSNorm per head) or "full" (over the whole projection)
+    shared_expert: str | None = None    # None, "sigmoid_gated" (qwen2moe) or "plain" (granite, when shared_ff > 0)
+    shared_ff_fallback: str | None = None  # the hyperparameter sizing the shared expert when its own key is absent
+    multipliers: bool = False           # granite's embedding / residual / attention / logit multipliers
+    legacy_experts: bool = False        # per-expert tensors accepted in place of stacked ones
+    ffn_norm: str = "ffn_norm"          # the role of the norm before the MoE (gpt-oss: "attn_post_norm")
+    attention_sinks: bool = False       # a learned per-head logit joins each softmax's denominator (gpt-oss)
+    # period of sliding-window layers when the file has no pattern key (gpt-oss: 2, every even layer
+    # slides over `sliding_window` tokens); 0: none
+    sliding_window: int = 0
+    activation: str = "swiglu"          # a key of ACTIVATIONS
+    expert_biases: bool = False         # biases on the router and on every expert's gate/up/down (gpt-oss)
+    # multi-head latent attention (deepseek2): compressed KV, decoupled RoPE; the first
+    # `leading_dense` blocks have a dense FFN instead of experts
+    mla: bool = False
+    yarn_log_multiplier: bool = False   # read rope.scaling.yarn_log_multiplier as llama.cpp does for deepseek2
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("rope", ROPE_STYLES), ("routing", ROUTINGS), ("qk_norm", QK_NORMS),
+                              ("shared_expert", SHARED_EXPERTS), ("activation", ACTIVATIONS),
+                              ("ffn_norm", TENSORS), ("shared_ff_fallback", (None, *HPARAMS))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"feature {name}={getattr(self, name)!r} is not one of {', '.join(map(str, allowed))}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
     """Facts about one GGUF architecture.
 
     `hparams`: what to read; `expert_ff_from`: the hyperparameter that sizes the routed experts
     ("expert_ff" or "ffn"); `block_tensors`: required per block; `optional_tensors`: used when the
-    file has them; `features`: the recipe's switches:
-      rope          "neox" (rotate halves) or "norm" (rotate consecutive pairs)
-      qk_norm       None, "head" (RMSNorm per head) or "full" (over the whole projection)
-      routing       "softmax_topk_renorm" or "softmax_topk" (weights not renormalized over the k)
-      shared_expert None, "sigmoid_gated" (qwen2moe) or "plain" (granite, when shared_ff > 0)
-      shared_ff_fallback  the hyperparameter sizing the shared expert when its own key is absent
-      norm_bias     norms carry a bias added after the RMSNorm (phimoe)
-      multipliers   granite's embedding / residual / attention / logit multipliers
-      legacy_experts per-expert tensors accepted in place of stacked ones
-      ffn_norm      the role of the norm before the MoE (default "ffn_norm"; gpt-oss: "attn_post_norm")
-      attention_sinks  a learned per-head logit joins each softmax's denominator (gpt-oss)
-      sliding_window   period of sliding-window layers when the file has no pattern key (gpt-oss: 2,
-                    every even layer slides over `sliding_window` tokens)
-      activation    a key of ACTIVATIONS (default "swiglu")
-      expert_biases biases on the router and on every expert's gate/up/down (gpt-oss)
-      mla           multi-head latent attention (deepseek2): compressed KV, decoupled RoPE; the
-                    first `leading_dense` blocks have a dense FFN instead of experts
-      yarn_log_multiplier  read rope.scaling.yarn_log_multiplier as llama.cpp does for deepseek2
-      routing "deepseek"  softmax or sigmoid gating (expert_gating_func), selection bias
-                    exp_probs_b, group-limited top-k, optional renormalization
+    file has them (norm biases, phimoe's, are found this way); `features`: the recipe's switches;
+    `genai_type`: the onnxruntime-genai model type written to genai_config.json (it decides little
+    for a plain decoder: the nearest type the installed onnxruntime-genai knows).
     """
 
     gguf_arch: str
     description: str
     hparams: tuple[str, ...]
     block_tensors: tuple[str, ...]
-    features: dict[str, Any]
+    features: Features
+    genai_type: str
     optional_tensors: tuple[str, ...] = ()
     expert_ff_from: str = "expert_ff"
     recipe: str = "moe_decoder"
@@ -253,8 +278,8 @@ class Architecture:
             else:
                 values[name] = spec.default
         values["expert_ff"] = values[self.expert_ff_from]
-        if "shared_ff" in values and not values["shared_ff"] and self.features.get("shared_ff_fallback"):
-            values["shared_ff"] = values[self.features["shared_ff_fallback"]]
+        if "shared_ff" in values and not values["shared_ff"] and self.features.shared_ff_fallback:
+            values["shared_ff"] = values[self.features.shared_ff_fallback]
         if "n_shared_experts" in values:  # deepseek2: shared experts of the routed experts' width
             values["shared_ff"] = values["n_shared_experts"] * values["expert_ff"]
         if values.get("n_kv_heads") is None:
@@ -276,7 +301,7 @@ class Architecture:
     def tensor(self, gguf: GGUFModel, role: str, layer: int | None, hp: dict[str, Any]) -> GGUFTensor | StackedTensor:
         """The tensor of `role`; for legacy files, per-expert tensors stacked into the expert role."""
         name = self.tensor_name(role, layer)
-        if gguf.has_tensor(name) or not (self.features.get("legacy_experts") and role in LEGACY_EXPERT_TENSORS):
+        if gguf.has_tensor(name) or not (self.features.legacy_experts and role in LEGACY_EXPERT_TENSORS):
             return gguf.tensor(name)
         legacy = LEGACY_EXPERT_TENSORS[role]
         if not gguf.has_tensor(legacy.format(i=layer, e=0)):
@@ -287,13 +312,13 @@ class Architecture:
         """The architecture-specific parts of a model, in words and numbers (for inspect and metadata)."""
         f = self.features
         parts: dict[str, Any] = {
-            "rope": {"neox": "NeoX (rotate halves)", "norm": "interleaved pairs"}[f["rope"]],
+            "rope": ROPE_STYLES[f.rope],
             "routing": {"softmax_topk_renorm": f"softmax, top-{hp['n_experts_used']}, renormalized",
                         "softmax_topk": f"softmax, top-{hp['n_experts_used']}, not renormalized",
                         "topk_softmax": f"top-{hp['n_experts_used']}, softmax over the selected",
-                        "deepseek": None}[f["routing"]] or _deepseek_routing_text(hp),
+                        "deepseek": None}[f.routing] or _deepseek_routing_text(hp),
         }
-        if f.get("mla"):
+        if f.mla:
             n, k_head, v_head, rope, nope = latent_dims(hp)
             parts["attention"] = (f"multi-head latent attention: {n} heads, KV rank {hp['kv_lora_rank']}, "
                                   f"q rank {hp['q_lora_rank'] or 'full'}, key {nope}+{rope} (RoPE), value {v_head}")
@@ -305,16 +330,16 @@ class Architecture:
         if hp["sliding_window_layers"]:
             parts["sliding_window"] = f"{hp['sliding_window']} tokens on layers " + \
                 ",".join(str(i) for i in hp["sliding_window_layers"])
-        if f.get("attention_sinks"):
+        if f.attention_sinks:
             parts["attention_sinks"] = "one learned logit per head"
-        if f.get("activation", "swiglu") != "swiglu":
-            parts["activation"] = ACTIVATIONS[f["activation"]].text
-        if f.get("qk_norm"):
-            parts["qk_norm"] = {"head": "RMSNorm per head", "full": "RMSNorm over the full projection"}[f["qk_norm"]]
-        if f.get("shared_expert") and hp.get("shared_ff"):
-            gate = " with a sigmoid gate" if f["shared_expert"] == "sigmoid_gated" else ""
+        if f.activation != "swiglu":
+            parts["activation"] = ACTIVATIONS[f.activation].text
+        if f.qk_norm:
+            parts["qk_norm"] = QK_NORMS[f.qk_norm]
+        if f.shared_expert and hp.get("shared_ff"):
+            gate = " with a sigmoid gate" if f.shared_expert == "sigmoid_gated" else ""
             parts["shared_expert"] = f"ffn {hp['shared_ff']}{gate}"
-        if f.get("multipliers"):
+        if f.multipliers:
             parts["multipliers"] = {k: hp[f"{k}_scale"] for k in ("embedding", "residual", "attention", "logit")}
         if hp.get("expert_weights_scale") not in (None, 0.0, 1.0):
             parts["expert_weights_scale"] = hp["expert_weights_scale"]
@@ -322,7 +347,7 @@ class Architecture:
                   if self.has_tensor(gguf, role, 0 if role.startswith(("attn", "ffn")) else None)]
         if biases:
             parts["biases"] = biases
-        if f.get("legacy_experts") and not self.has_tensor(gguf, "ffn_gate_exps", 0):
+        if f.legacy_experts and not self.has_tensor(gguf, "ffn_gate_exps", 0):
             parts["experts"] = "legacy per-expert tensors (stacked on reading)"
         return parts
 
@@ -336,7 +361,7 @@ class Architecture:
     def block_roles(self, layer: int, hp: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(required, optional) tensor roles of one block."""
         required, optional = list(self.block_tensors), list(self.optional_tensors)
-        if self.features.get("mla"):
+        if self.features.mla:
             required += ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if hp["q_lora_rank"] else ["attn_q"]
             required += ["attn_k_b", "attn_v_b"] if hp["k_head_mla"] else ["attn_kv_b"]
         if self.is_dense(layer, hp):
@@ -413,7 +438,7 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> Rope:
     attn_factor = f32(1)
     yarn = scaling == "yarn"
     log_mul = f32(0)
-    if arch.features.get("yarn_log_multiplier"):  # the converter stores 0.1 * mscale_all_dim
+    if arch.features.yarn_log_multiplier:  # the converter stores 0.1 * mscale_all_dim
         log_mul = f32(gguf.typed(f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0)) / f32(0.1)
     if yarn:
         def mscale(s: np.float32, m: float) -> np.float32:
@@ -434,7 +459,7 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> Rope:
 def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> tuple[bool, ...]:
     """Which layers attend through a sliding window: the `sliding_window_pattern` key (a bool per
     layer, or a period n: layer i slides unless i % n == n - 1), else the architecture's period."""
-    period = arch.features.get("sliding_window")
+    period = arch.features.sliding_window
     n = hp["n_layers"]
     if not period:
         return (False,) * n
@@ -477,9 +502,9 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
         raise bad(f"expert_used_count {hp['n_experts_used']} > expert_count {hp['n_experts']}")
     if hp["head_dim"] % 2:
         raise bad(f"head dimension {hp['head_dim']} is odd; rotary embedding needs it even")
-    if arch.features.get("multipliers") and hp["logit_scale"] == 0:
+    if arch.features.multipliers and hp["logit_scale"] == 0:
         raise bad("logit_scale is 0")
-    if arch.features.get("mla"):
+    if arch.features.mla:
         if hp["gating_func"] not in (0, 1, 2):
             raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.expert_gating_func' is "
                                f"{hp['gating_func']}; moepass converts 1 (softmax) and 2 (sigmoid)")
@@ -489,7 +514,7 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> N
         if not 0 < hp["rope_dim"] < latent_dims(hp)[1] or hp["rope_dim"] % 2:
             raise bad(f"RoPE dimension {hp['rope_dim']} does not fit the key head {latent_dims(hp)[1]}")
     rot = gguf.typed(f"{arch.gguf_arch}.rope.dimension_count", int, None)
-    if rot is not None and rot != hp["head_dim"] and not arch.features.get("mla"):
+    if rot is not None and rot != hp["head_dim"] and not arch.features.mla:
         raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
                            f"size {hp['head_dim']}; partial rotary embedding is not converted yet")
 
@@ -503,29 +528,29 @@ ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
         hparams=(*_COMMON, "expert_ff"),
         block_tensors=(*ATTENTION, "attn_q_norm", "attn_k_norm", *ROUTED_EXPERTS),
         optional_tensors=ATTENTION_BIASES,
-        features={"rope": "neox", "qk_norm": "head", "routing": "softmax_topk_renorm"},
+        features=Features(rope="neox", qk_norm="head", routing="softmax_topk_renorm"), genai_type="qwen3",
     ),
     Architecture(
         gguf_arch="llama", description="Mixtral (llama with experts: Mixtral-8x7B, 8x22B)",
         hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
         block_tensors=(*ATTENTION, *ROUTED_EXPERTS),
         optional_tensors=ATTENTION_BIASES,
-        features={"rope": "norm", "routing": "softmax_topk_renorm", "legacy_experts": True},
+        features=Features(rope="norm", routing="softmax_topk_renorm", legacy_experts=True), genai_type="llama",
     ),
     Architecture(
         gguf_arch="qwen2moe", description="Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)",
         hparams=(*_COMMON, "expert_ff", "ffn", "shared_ff"),
         block_tensors=(*ATTENTION, *ROUTED_EXPERTS, "ffn_gate_inp_shexp", *SHARED_EXPERT),
         optional_tensors=ATTENTION_BIASES,
-        features={"rope": "neox", "routing": "softmax_topk", "shared_expert": "sigmoid_gated",
-                  "shared_ff_fallback": "ffn"},
+        features=Features(rope="neox", routing="softmax_topk", shared_expert="sigmoid_gated",
+                          shared_ff_fallback="ffn"), genai_type="qwen2",
     ),
     Architecture(
         gguf_arch="olmoe", description="OLMoE (OLMoE-1B-7B)",
         hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
         block_tensors=(*ATTENTION, "attn_q_norm", "attn_k_norm", *ROUTED_EXPERTS),
         optional_tensors=ATTENTION_BIASES,
-        features={"rope": "neox", "qk_norm": "full", "routing": "softmax_topk"},
+        features=Features(rope="neox", qk_norm="full", routing="softmax_topk"), genai_type="olmo",
     ),
     Architecture(
         gguf_arch="granitemoe", description="Granite MoE (granite-3.x-1b/3b-a400m/a800m, granite MoE shared)",
@@ -533,14 +558,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
                  "attention_scale"), expert_ff_from="ffn",
         block_tensors=(*ATTENTION, *ROUTED_EXPERTS),
         optional_tensors=(*ATTENTION_BIASES, *SHARED_EXPERT),
-        features={"rope": "norm", "routing": "softmax_topk_renorm", "shared_expert": "plain", "multipliers": True},
+        features=Features(rope="norm", routing="softmax_topk_renorm", shared_expert="plain", multipliers=True),
+        genai_type="granite",
     ),
     Architecture(
         gguf_arch="phimoe", description="Phi-3.5-MoE",
         hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
         block_tensors=(*ATTENTION, "attn_norm_bias", "attn_output_bias", *ROUTED_EXPERTS, "ffn_norm_bias"),
         optional_tensors=ATTENTION_BIASES[:3],
-        features={"rope": "neox", "routing": "softmax_topk_renorm", "norm_bias": True},
+        features=Features(rope="neox", routing="softmax_topk_renorm"), genai_type="phi3",
     ),
     Architecture(
         gguf_arch="gpt-oss", description="gpt-oss (gpt-oss-20b, gpt-oss-120b)",
@@ -548,8 +574,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
         block_tensors=(*ATTENTION, "attn_output_bias", "attn_sinks", "attn_post_norm", *ROUTED_EXPERTS[1:],
                        *EXPERT_BIASES),
         optional_tensors=ATTENTION_BIASES[:3],
-        features={"rope": "neox", "routing": "topk_softmax", "ffn_norm": "attn_post_norm", "attention_sinks": True,
-                  "sliding_window": 2, "activation": "swiglu_oai", "expert_biases": True},
+        features=Features(rope="neox", routing="topk_softmax", ffn_norm="attn_post_norm", attention_sinks=True,
+                          sliding_window=2, activation="swiglu_oai", expert_biases=True), genai_type="gptoss",
     ),
     Architecture(
         gguf_arch="deepseek2", description="DeepSeek-V2/V2.5/V3/R1 and other MLA models (Kimi K2)",
@@ -558,8 +584,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
                  "n_group_used"),
         block_tensors=("attn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output", *ROUTED_EXPERTS),
         optional_tensors=("exp_probs_b", *SHARED_EXPERT),
-        features={"rope": "norm", "routing": "deepseek", "mla": True, "shared_expert": "plain",
-                  "yarn_log_multiplier": True},
+        features=Features(rope="norm", routing="deepseek", mla=True, shared_expert="plain", yarn_log_multiplier=True),
+        genai_type="llama",
     ),
 ]}
 
