@@ -1,0 +1,123 @@
+"""Feed-forward blocks: a MoE layer as one QMoE / MoE node, the shared expert, the dense FFN."""
+
+from __future__ import annotations
+
+import functools
+
+import onnx_ir as ir
+
+from moepass.core import keys
+from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
+from moepass.core.errors import MoepassError
+from moepass.core.moe_nodes import Experts, moe_node
+from moepass.core.quants import OFFLOAD_FORM, BlockForm, expert_form, quant_type, takes_zero_points
+from moepass.cuda_ops.prepack import prepack_problem
+from moepass.passes.graph_builder import GraphBuilder
+from moepass.passes.routing import renormalizes, route
+
+
+def feed_forward(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:
+    """The block's FFN on tokens [T, hidden]: the dense FFN of a leading dense block (deepseek2),
+    else the MoE layer plus the shared expert when the architecture has one."""
+    if builder.arch.is_dense(layer, builder.hp):
+        return gated_mlp(builder, x2d, DENSE_FFN, layer, f"blk.{layer}.ffn")
+    out = moe(builder, x2d, layer, builder.hp["hidden"])
+    if builder.arch.features.shared_expert and builder.hp["shared_ff"]:
+        out = builder.tape.op("Add", [out, shared_expert(builder, x2d, layer)], name=f"blk.{layer}.shared_expert.add")
+    return out
+
+
+def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir.Value:
+    """One MoE layer as a single QMoE node (or MoE, for float experts kept as float).
+
+    Routing: the node gets the router logits (with the router's bias, if any) and does softmax,
+    top-k and renormalization over the k itself: for "softmax_topk_renorm", and for
+    "topk_softmax" (softmax over the k selected logits, the same weights). For "softmax_topk"
+    (weights not renormalized) a QMoE node also gets softmax(logits) as router_weights with
+    normalize_routing_weights=0, because ORT's CPU QMoE renormalizes unless given the weights
+    (the selection still follows the logits: the same order); the float MoE kernel honours
+    normalize_routing_weights=0 by itself. Expert biases go to fc1_bias (gate and up
+    interleaved like the weights) and fc2_bias."""
+    hp, feats = builder.hp, builder.arch.features
+    router, weight_sum = route(builder, x2d, layer)
+    gate, up, down = (builder.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
+    node = functools.partial(moe_node, builder.tape.op, f"blk.{layer}.moe", x2d, router, top_k=hp["n_experts_used"],
+                             normalize=renormalizes(feats), activation=ACTIVATIONS[feats.activation])
+    name = f"blk.{layer}.moe"
+    floats = [qt.storage == "float" for qt in types]
+    prefix = f"blk.{layer}.ffn_experts"
+    fc1_b = fc2_b = None
+    if feats.expert_biases:
+        fc1_b = builder.expert_bias(f"{prefix}.fc1_bias", [builder.tensor(f"ffn_{p}_exps_bias", layer)
+                                                            for p in ("gate", "up")])
+        fc2_b = builder.expert_bias(f"{prefix}.fc2_bias", [builder.tensor("ffn_down_exps_bias", layer)])
+    if all(floats) and builder.options.float_experts == "keep":
+        fc1 = builder.float_experts(f"{prefix}.fc1", [gate, up])
+        fc2 = builder.float_experts(f"{prefix}.fc2", [down])
+        out = node(Experts(fc1, bias=fc1_b), Experts(fc2, bias=fc2_b))
+        form_name = "float32"
+    else:
+        if any(floats) and builder.options.float_experts == "keep":
+            t = (gate, up, down)[floats.index(True)]
+            raise MoepassError(f"{t.path}: expert tensor '{t.name}' is {t.type_name} while the other experts of layer "
+                               f"{layer} are quantized; pass --float-experts int8 (or int4) to quantize it")
+        if all(floats):
+            form = BlockForm(8 if builder.options.float_experts == "int8" else 4, 32)
+        else:
+            form = expert_form([qt for qt in types if qt.storage != "float"], builder.options.expert_format)
+        prepack = builder.offload and form == OFFLOAD_FORM
+        if prepack:
+            for label, (n, k) in (("fc1 (gate and up)", (2 * gate.shape[-2], gate.shape[-1])),
+                                  ("fc2 (down)", (down.shape[-2], down.shape[-1]))):
+                problem = prepack_problem(n, k, form.bits)
+                if problem:
+                    raise MoepassError(f"{name}: {label} cannot take the prepacked layout expert offload needs: "
+                                       f"{problem}; convert without --expert-format offload")
+        # 4-bit requantization takes zero points (not in the prepacked offload layout)
+        zero_points = not prepack and takes_zero_points(form, types)
+        fc1_w, fc1_s, fc1_z = builder.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack,
+                                                     zero_points=zero_points)
+        fc2_w, fc2_s, fc2_z = builder.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack,
+                                                     zero_points=zero_points)
+        out = node(Experts(fc1_w, fc1_s, fc1_z, fc1_b), Experts(fc2_w, fc2_s, fc2_z, fc2_b), bits=form.bits,
+                   block_size=form.block_size, prepacked=prepack)
+        form_name = str(form)
+    out.name = f"{name}.output"
+    out.dtype = builder.act
+    out.shape = ir.Shape(["tokens", hidden_out])
+    out.producer().metadata_props.update({
+        keys.LAYER: str(layer),
+        keys.EXPERT_FORM: form_name,
+        keys.SOURCE_TYPES: ",".join(qt.name for qt in types),
+    })
+    builder.moe_layers.append({"layer": layer, "node": name, "experts": hp["n_experts"], "top_k": hp["n_experts_used"],
+                               "form": form_name, "source_types": [qt.name for qt in types]})
+    if weight_sum is not None:  # the node renormalized weights that the model leaves as they are
+        out = builder.tape.op("Mul", [out, weight_sum], name=f"{name}.weights_unnormalize")
+    if hp["expert_weights_scale"] not in (0.0, 1.0):   # llama.cpp scales the routing weights
+        out = builder.scale(out, hp["expert_weights_scale"], f"{name}.weights_scale")
+    return out
+
+
+def gated_mlp(builder: GraphBuilder, x2d: ir.Value, roles: tuple[str, str, str], layer: int, prefix: str) -> ir.Value:
+    """down(silu(gate(x)) * up(x)) of the (gate, up, down) tensor roles of one block."""
+    t = builder.tape
+    gate = builder.linear(x2d, builder.tensor(roles[0], layer), f"{prefix}.gate")
+    up = builder.linear(x2d, builder.tensor(roles[1], layer), f"{prefix}.up")
+    act = t.op("Mul", [t.op("Mul", [gate, t.op("Sigmoid", [gate], name=f"{prefix}.sigmoid")], name=f"{prefix}.silu"),
+                       up], name=f"{prefix}.swiglu")
+    return builder.linear(act, builder.tensor(roles[2], layer), f"{prefix}.down")
+
+
+def shared_expert(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:
+    """The dense shared expert, times sigmoid(x . g) when gated (qwen2moe)."""
+    t, p = builder.tape, f"blk.{layer}.shared_expert"
+    out = gated_mlp(builder, x2d, SHARED_EXPERT, layer, p)
+    if builder.arch.features.shared_expert != "sigmoid_gated":
+        return out
+    g = builder.tensor("ffn_gate_inp_shexp", layer)
+    weight = builder.float_weight(g.name, g)
+    logit = t.op("MatMul", [x2d, t.op("Unsqueeze", [weight, builder.ints(-1)], name=f"{p}.gate_inp.column")],
+                 name=f"{p}.gate_inp")
+    return t.op("Mul", [out, t.op("Sigmoid", [logit], name=f"{p}.gate_sigmoid")], name=f"{p}.gated")

@@ -1,0 +1,189 @@
+"""GraphBuilder: the onnx-ir tape a recipe writes the decoder on, with the GGUF model's weights as
+lazy initializers and the building blocks every layer uses (linear, RMSNorm, embedding).
+
+Weights are lazy (`passes/weights.py`): nothing is read from the GGUF file until the model is
+saved, and then chunk by chunk, so memory does not grow with the size of the model. Each weight's
+conversion (source type, target form, measured error) is recorded in a `WeightReport`. The layer
+modules (attention, routing, ffn) are functions of a GraphBuilder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir import tape as ir_tape
+
+from moepass.core.architectures import Architecture
+from moepass.core.errors import MoepassError
+from moepass.core.gguf_reader import GGUFModel, GGUFTensor
+from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type, takes_zero_points
+from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class LowerOptions:
+    """What the user chose. `float_experts`: keep F32/F16/BF16 experts as float (com.microsoft::MoE)
+    or quantize them into QMoE int8 / int4 (block 32). `expert_format`: "auto" (see
+    moepass.core.quants.expert_form), or force "int4" / "int8" for quantized experts; requantizable non-expert
+    matrices follow it too (int4 for "int4", else int8 block 32). "offload": what ONNX Runtime's
+    expert offload requires: int4 block 32 experts prepacked in the SM80 layout
+    (weights_prepacked=1) and a float16 graph."""
+
+    float_experts: str = "keep"
+    expert_format: str = "auto"
+    imatrix: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False)  # name -> [n_mat, K]
+    context: int | None = None  # positions the model is built for (RoPE tables); None: the GGUF's context_length
+
+
+class GraphBuilder:
+    """Emits nodes and lazy initializers on an onnx-ir tape; recipes call its domain-level methods."""
+
+    def __init__(self, gguf: GGUFModel, arch: Architecture, options: LowerOptions):
+        self.gguf = gguf
+        self.arch = arch
+        self.options = options
+        self.hp = arch.read_hparams(gguf)
+        self.tape = ir_tape.Tape()
+        self.report = WeightReport()
+        self._consts: dict[tuple, ir.Value] = {}
+        self.moe_layers: list[dict[str, Any]] = []
+        self.offload = options.expert_format == "offload"
+        # activations, float weights and scales: float16 for the offload format, else float32
+        self.act = ir.DataType.FLOAT16 if self.offload else ir.DataType.FLOAT
+        self.np_act = np.float16 if self.offload else np.float32
+
+    # ---- initializers -------------------------------------------------------------------------
+    def lazy_initializer(self, name: str, dtype: ir.DataType, shape: tuple[int, ...],
+                         make: Callable[[], np.ndarray]) -> ir.Value:
+        def materialize() -> ir.TensorProtocol:
+            array = make()
+            if dtype == ir.DataType.FLOAT16:
+                array = array.astype(np.float16)
+            if tuple(array.shape) != tuple(shape):
+                raise AssertionError(f"{name}: built shape {array.shape}, declared {shape}")
+            return ir.Tensor(np.ascontiguousarray(array), name=name)
+
+        tensor = ir.LazyTensor(materialize, dtype=dtype, shape=ir.Shape(shape), name=name)
+        return self.tape.initializer(tensor, name=name)
+
+    def const(self, key: str, array: np.ndarray) -> ir.Value:
+        """A small constant initializer, shared by every node that needs the same value."""
+        cache_key = (key, array.dtype.str, array.shape, array.tobytes())
+        if cache_key not in self._consts:
+            self._consts[cache_key] = self.tape.initializer(ir.Tensor(array, name=key), name=key)
+        return self._consts[cache_key]
+
+    def ints(self, *values: int) -> ir.Value:
+        name = "const.i64." + "_".join(str(v).replace("-", "m") for v in values)
+        return self.const(name, np.array(values, dtype=np.int64))
+
+    def tensor(self, role: str, layer: int | None = None) -> GGUFTensor:
+        return self.arch.tensor(self.gguf, role, layer, self.hp)
+
+    def optional(self, role: str, layer: int | None = None) -> GGUFTensor | None:
+        """The tensor of `role` if the file has it (biases, shared experts, an untied LM head)."""
+        return self.tensor(role, layer) if self.arch.has_tensor(self.gguf, role, layer) else None
+
+    def scale(self, x: ir.Value, factor: float, name: str) -> ir.Value:
+        """x * factor (a float32 constant), for architecture multipliers."""
+        value = self.const(f"const.{self.act.name.lower()}.{factor!r}", np.array(factor, dtype=self.np_act))
+        return self.tape.op("Mul", [x, value], name=name)
+
+    def float_weight(self, name: str, src: GGUFTensor, transpose: bool = False) -> ir.Value:
+        """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them)."""
+        qt = quant_type(src.ggml_type, src.name, src.path)
+        return self.tape.initializer(float_tensor(src, qt, name, self.report, transpose, self.act), name=name)
+
+    def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm, blob_layout: bool = False,
+                       prepack: bool = False, zero_points: bool = False) -> tuple[ir.Value, ir.Value, ir.Value | None]:
+        """Codes and scales initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
+        types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
+        if self.options.imatrix is not None:
+            for s in sources:
+                imp = self.options.imatrix.get(s.name)
+                k, n_mat = s.shape[-1], (s.shape[0] if len(s.shape) == 3 else 1)
+                if imp is not None and imp.size not in (k, n_mat * k):
+                    per = f"one matrix or {n_mat} (one per expert)" if n_mat > 1 else "one matrix"
+                    raise MoepassError(f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns "
+                                       f"for {per}")
+        group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix,
+                            scale_dtype=self.act, prepack=prepack, zero_points=zero_points)
+        zeros = self.tape.initializer(group.zero_points, name=group.zero_points.name) if zero_points else None
+        return (self.tape.initializer(group.codes, name=group.codes.name),
+                self.tape.initializer(group.scales, name=group.scales.name), zeros)
+
+    # ---- layers ---------------------------------------------------------------------------------
+    def linear(self, x: ir.Value, src: GGUFTensor, name: str, weight_name: str | None = None,
+               bias: GGUFTensor | None = None) -> ir.Value:
+        """y = x @ W^T (+ b) for a GGUF matrix W [N, K]: MatMulNBits when W's blocks move exactly,
+        else float32 MatMul (+ Add).
+
+        The weight initializers are named after the GGUF tensor unless `weight_name` says otherwise
+        (a tied LM head shares its GGUF tensor with the embedding table)."""
+        n, k = src.shape
+        weight_name = weight_name or src.name
+        b = self.float_weight(bias.name, bias) if bias is not None else None
+        form, zero_points = self.matrix_form(src)
+        if form is None:
+            w = self.float_weight(f"{weight_name}.T", src, transpose=True)
+            y = self.tape.op("MatMul", [x, w], name=name)
+            return y if b is None else self.tape.op("Add", [y, b], name=f"{name}.bias")
+        codes, scales, zeros = self.packed_weights(weight_name, [src], form, blob_layout=True, zero_points=zero_points)
+        inputs = [x, codes, scales, zeros] + ([None, b] if b is not None else [])
+        return self.tape.op("MatMulNBits", inputs, {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
+                            domain="com.microsoft", name=name)
+
+    def matrix_form(self, src: GGUFTensor, requantize_bits: int | None = None) -> tuple[BlockForm | None, bool]:
+        """(block form, zero points) of a non-expert matrix (quants.matrix_form); None for float."""
+        qt = quant_type(src.ggml_type, src.name, src.path)
+        form = matrix_form(qt, self.options.expert_format, requantize_bits)
+        return form, takes_zero_points(form, [qt])
+
+    def rms_norm(self, x: ir.Value, src: GGUFTensor, name: str, bias: GGUFTensor | None = None) -> ir.Value:
+        """RMSNorm(x) * gamma (+ beta: phimoe's norms add a bias after normalizing, as llama.cpp does)."""
+        gamma = self.float_weight(src.name, src)
+        y = self.tape.op("SimplifiedLayerNormalization", [x, gamma],
+                         {"axis": -1, "epsilon": self.hp["rms_eps"], "stash_type": 1}, name=name)
+        if bias is None:
+            return y
+        return self.tape.op("Add", [y, self.float_weight(bias.name, bias)], name=f"{name}.bias")
+
+    def per_head_rms_norm(self, x: ir.Value, src: GGUFTensor, n_heads: int, name: str) -> ir.Value:
+        d = self.hp["head_dim"]
+        heads = self.tape.op("Reshape", [x, self.ints(0, 0, n_heads, d)], name=f"{name}.split_heads")
+        normed = self.rms_norm(heads, src, name)
+        return self.tape.op("Reshape", [normed, self.ints(0, 0, n_heads * d)], name=f"{name}.merge_heads")
+
+    def embedding(self, input_ids: ir.Value) -> ir.Value:
+        """Rows of the token embedding table. A quantized table stays quantized: exact where its
+        blocks move exactly, else requantized to 8 bits (com.microsoft::GatherBlockQuantized
+        dequantizes only the rows it gathers, codes laid out as QMoE's rows): a float32 copy of a
+        151,936-token table would take 1.2 GB where llama.cpp keeps its blocks."""
+        src = self.tensor("token_embd")
+        # never requantized to 4 bits: an embedding's error enters the residual stream before every
+        # layer (a Q4_K table at int4: 5x the logit error of every other matrix at int4 together)
+        form, zero_points = self.matrix_form(src, requantize_bits=8)
+        if form is None:
+            table = self.float_weight(self.arch.tensor_name("token_embd"), src)
+            return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
+        codes, scales, zeros = self.packed_weights(src.name, [src], form, zero_points=zero_points)
+        return self.tape.op("GatherBlockQuantized", [codes, input_ids, scales, zeros],
+                            {"gather_axis": 0, "quantize_axis": 1, "block_size": form.block_size, "bits": form.bits},
+                            domain="com.microsoft", name="embed_tokens")
+
+    def expert_bias(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
+        """Per-expert biases [E, N] of one or two sources as [E, N * len(sources)] (gate and up
+        interleaved, as the fc1 rows are), in the activation type."""
+        e, n = sources[0].shape
+
+        def make() -> np.ndarray:
+            values = [dequantize(s.read_rows(), s.ggml_type).reshape(e, n) for s in sources]
+            return np.stack(values, axis=-1).reshape(e, n * len(sources))
+
+        return self.lazy_initializer(name, self.act, (e, n * len(sources)), make)
+
+    def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
+        return self.tape.initializer(float_expert_stack(sources, name, self.report, self.act), name=name)
