@@ -224,7 +224,7 @@ class Decoder:
         try:
             import jinja2
         except ImportError:
-            raise MoepassError("--chat needs jinja2: pip install jinja2") from None
+            raise MoepassError("--chat needs jinja2: pip install 'moepass[chat]'") from None
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         # the template comes from the model file: rendered in jinja2's sandbox (no attribute of

@@ -8,6 +8,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Test the moepass that is installed, editable or not: `python -m pytest` puts the working directory
+# (the repository root) first on sys.path, where the source folder moepass/ lacks passes/, runtime/ and
+# cuda_ops/ (setuptools maps them in as subpackages only when installing) and would shadow an installed
+# copy. An editable install finds the source tree through its own meta-path finder, not through sys.path.
+# Subprocesses started by the tests run with another working directory (cwd=) for the same reason.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 sys.path.insert(0, str(ROOT / "fixtures"))
 sys.path.insert(0, str(ROOT / "tests"))
 

@@ -584,8 +584,9 @@ def _convert_process(gguf: Path, out: Path):
     import subprocess
     import sys
 
+    # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository)
     return subprocess.Popen([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=gguf.parent)
 
 
 def _wait_for_temporary(folder: Path, process, name: str = "out") -> None:

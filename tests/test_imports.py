@@ -24,14 +24,16 @@ def _modules() -> list[str]:
     return sorted(set(names))
 
 
-def test_every_module_imports_alone_in_any_order():
+def test_every_module_imports_alone_in_any_order(tmp_path):
     names = _modules()
     assert {"moepass.cli", "moepass.passes.lower", "moepass.runtime.providers"} <= set(names)
     random.Random(0).shuffle(names)
     failed = {}
     for start in range(0, len(names), 4):  # four interpreters at a time
+        # cwd: `-c` puts the working directory first on sys.path; the repository root's moepass/ would
+        # shadow a non-editable install (tests/conftest.py)
         running = [(name, subprocess.Popen([sys.executable, "-c", f"import {name}"], stderr=subprocess.PIPE,
-                                           text=True)) for name in names[start:start + 4]]
+                                           text=True, cwd=tmp_path)) for name in names[start:start + 4]]
         for name, process in running:
             _, stderr = process.communicate(timeout=300)
             if process.returncode:
@@ -124,12 +126,13 @@ def test_no_module_cycle():
             visit(module, [module])
 
 
-def test_help_imports_only_the_cli():
+def test_help_imports_only_the_cli(tmp_path):
     """`moepass --help` loads click, the CLI and the option tables: none of the compiler, numpy or ONNX."""
     script = ("import sys; from moepass.cli import main\n"
               "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
               "print(' '.join(sorted(m for m in sys.modules if m.startswith(('moepass', 'numpy', 'onnx')))))")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout
     assert "Usage: " in out
     modules = set(out.splitlines()[-1].split())
     assert modules == {"moepass", "moepass.cli", "moepass.core", "moepass.core.choices",
