@@ -195,7 +195,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             "source": {"file": source.name, "parts": [p.name for p in gguf.parts], "bytes": gguf.file_bytes},
             "architecture": arch.gguf_arch,
             "activations": activations,
-            "hparams": lowered.hparams,
+            "hparams": lowered.hparams.as_dict(),
             "moe_layers": lowered.moe_layers,
             "weights": weights,
         }
@@ -207,7 +207,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
     return ConvertResult(output_dir=output_dir, source=source, architecture=arch.gguf_arch,
-                         n_layers=lowered.hparams["n_layers"], moe_layers=lowered.moe_layers,
+                         n_layers=lowered.hparams.n_layers, moe_layers=lowered.moe_layers,
                          bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
                          output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info,
                          offload=offload, activations=activations)

@@ -14,13 +14,13 @@ from typing import Any
 import onnx_ir as ir
 
 from moepass.core import keys
-from moepass.core.architectures import ARCHITECTURES
+from moepass.core.architectures import ARCHITECTURES, HParams
 from moepass.core.errors import MoepassError
 from moepass.core.files import MODEL_FILE
 
 
 
-def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
+def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
                  config_entries: dict[str, str] | None = None) -> dict[str, Any]:
     arch = model.metadata_props.get(keys.ARCHITECTURE, "")
     stop = list(tokenizer.get("stop_token_ids") or [])
@@ -29,26 +29,26 @@ def genai_config(hp: dict[str, Any], model: ir.Model, tokenizer: dict[str, Any],
     return with_session_entries({
         "model": {
             "bos_token_id": tokenizer.get("bos_token_id") if tokenizer.get("bos_token_id") is not None else 0,
-            "context_length": hp["context_length"],
+            "context_length": hp.context_length,
             "decoder": {
                 "session_options": {"log_id": "moepass", "provider_options": []},
                 "filename": MODEL_FILE,
                 "head_size": int(cache[3]),
-                "hidden_size": hp["hidden"],
+                "hidden_size": hp.hidden,
                 "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
                            "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
                 "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
                             "present_value_names": "present.%d.value"},
-                "num_attention_heads": hp["n_heads"],
-                "num_hidden_layers": hp["n_layers"],
+                "num_attention_heads": hp.n_heads,
+                "num_hidden_layers": hp.n_layers,
                 "num_key_value_heads": int(cache[1]),
             },
             "eos_token_id": stop if len(stop) != 1 else stop[0],
             "pad_token_id": stop[0] if stop else 0,
             "type": ARCHITECTURES[arch].genai_type if arch in ARCHITECTURES else "llama",
-            "vocab_size": hp["vocab"],
+            "vocab_size": hp.vocab,
         },
-        "search": {"do_sample": False, "max_length": hp["context_length"], "min_length": 0, "num_beams": 1,
+        "search": {"do_sample": False, "max_length": hp.context_length, "min_length": 0, "num_beams": 1,
                    "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
                    "temperature": 1.0, "top_k": 1, "top_p": 1.0},
     }, config_entries or {})

@@ -63,8 +63,8 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
     }
     if arch is not None:
         hp = arch.read_hparams(gguf)
-        info["hparams"] = hp
-        info["moe_layers"] = sum(not arch.is_dense(i, hp) for i in range(hp["n_layers"]))
+        info["hparams"] = hp.as_dict()
+        info["moe_layers"] = sum(not arch.is_dense(i, hp) for i in range(hp.n_layers))
         info["features"] = arch.describe(gguf, hp)
     return info
 

@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from moepass.core.architectures import Rope, latent_dims
+from moepass.core.architectures import latent_dims
 from moepass.core.errors import MoepassError
 from moepass.core.quants import dequantize
 from moepass.passes.graph_builder import GraphBuilder
@@ -35,25 +35,25 @@ def attention_inputs(builder: GraphBuilder, mask: ir.Value) -> AttentionInputs:
     """GroupQueryAttention takes the cache length per sequence (seqlens_k = tokens - 1) and the
     total length, as onnxruntime-genai's builder derives them from the attention mask."""
     hparams, tape, latent = builder.hp, builder.tape, builder.arch.features.mla
-    kv_heads, head_size = hparams["n_kv_heads"], hparams["head_dim"]
+    kv_heads, head_size = hparams.n_kv_heads, hparams.head_dim
     rotary = head_size  # rotary dimensions at the start of each GQA head
     if latent:  # GQA over the compressed cache: one KV head of [k_pe | c] (see latent_qkv)
-        kv_heads, head_size, rotary = 1, hparams["kv_lora_rank"] + hparams["rope_dim"], hparams["rope_dim"]
+        kv_heads, head_size, rotary = 1, hparams.kv_lora_rank + hparams.rope_dim, hparams.rope_dim
     one = builder.const("const.i64.one", np.array(1, np.int64))
     tokens = tape.op("ReduceSum", [mask, builder.ints(1)], {"keepdims": 0}, name="attn_mask.reduce_sum")
     seqlens_k = tape.op("Cast", [tape.op("Sub", [tokens, one])], {"to": ir.DataType.INT32}, name="attn_mask.seqlens_k")
     total_length = tape.op("Cast", [tape.op("Gather", [tape.op("Shape", [mask]), one], {"axis": 0})],
                            {"to": ir.DataType.INT32}, name="attn_mask.total_seq_len")
-    positions = hparams["context_length"]
-    if hparams["value_dim"] != hparams["head_dim"] and not latent:
-        raise MoepassError(f"{builder.gguf.path}: value head size {hparams['value_dim']} differs from key head size "
+    positions = hparams.context_length
+    if hparams.value_dim != hparams.head_dim and not latent:
+        raise MoepassError(f"{builder.gguf.path}: value head size {hparams.value_dim} differs from key head size "
                            f"{head_size}; GroupQueryAttention needs them equal")
-    rope = Rope(**hparams["rope"])
+    rope = hparams.rope
     tables = functools.cache(lambda: rope_cache(positions, rotary, rope))  # cos and sin from one pass
     cos = builder.lazy_initializer("rope.cos_cache", builder.act, (positions, rotary // 2), lambda: tables()[0])
     sin = builder.lazy_initializer("rope.sin_cache", builder.act, (positions, rotary // 2), lambda: tables()[1])
-    multiplied = builder.arch.features.multipliers and hparams["attention_scale"]
-    scale = hparams["attention_scale"] if multiplied else 1.0 / np.sqrt(head_size)
+    multiplied = builder.arch.features.multipliers and hparams.attention_scale
+    scale = hparams.attention_scale if multiplied else 1.0 / np.sqrt(head_size)
     if latent:  # llama.cpp's deepseek2: mscale^2 / sqrt(key head), mscale from YaRN's log multiplier
         scale = rope.latent_attention_mscale() ** 2 / np.sqrt(latent_dims(hparams)[1])
     return AttentionInputs(seqlens_k, total_length, cos, sin, kv_heads, head_size, float(scale))
@@ -71,7 +71,7 @@ def attention(builder: GraphBuilder, normed: ir.Value, layer: int, shared: Atten
         query, key, value = (builder.linear(normed, builder.tensor(f"attn_{p}", layer), f"{prefix}.attn_{p}",
                                             bias=builder.optional(f"attn_{p}_bias", layer)) for p in "qkv")
     if features.qk_norm == "head":
-        query = builder.per_head_rms_norm(query, builder.tensor("attn_q_norm", layer), hparams["n_heads"],
+        query = builder.per_head_rms_norm(query, builder.tensor("attn_q_norm", layer), hparams.n_heads,
                                           f"{prefix}.attn_q_norm")
         key = builder.per_head_rms_norm(key, builder.tensor("attn_k_norm", layer), shared.kv_heads,
                                         f"{prefix}.attn_k_norm")
@@ -82,15 +82,15 @@ def attention(builder: GraphBuilder, normed: ir.Value, layer: int, shared: Atten
                           shape=ir.Shape(["batch_size", shared.kv_heads, "past_sequence_length", shared.head_size]))
                  for kind in ("key", "value"))
     inputs = [query, key, value, past[0], past[1], shared.seqlens_k, shared.total_length, shared.cos, shared.sin]
-    attributes = {"num_heads": hparams["n_heads"], "kv_num_heads": shared.kv_heads, "do_rotary": 1,
+    attributes = {"num_heads": hparams.n_heads, "kv_num_heads": shared.kv_heads, "do_rotary": 1,
                   "rotary_interleaved": int(features.rope == "norm"), "scale": shared.scale}
     if features.attention_sinks:  # head_sink (input 11): one logit per head in every softmax
         inputs += [None, None, builder.float_weight(builder.arch.tensor_name("attn_sinks", layer),
                                                     builder.tensor("attn_sinks", layer))]
-    if layer in hparams["sliding_window_layers"]:
+    if layer in hparams.sliding_window_layers:
         # ORT attends to the last local_window_size keys (the query's own included), as llama.cpp's
         # n_swa (a key p0 is masked for query p1 when p1 - p0 >= n_swa): measured equal.
-        attributes["local_window_size"] = hparams["sliding_window"]
+        attributes["local_window_size"] = hparams.sliding_window
     out, present_key, present_value = tape.op_multi_out("GroupQueryAttention", inputs, attributes, num_outputs=3,
                                                         domain="com.microsoft", name=f"{prefix}.attn")
     for present, kind in ((present_key, "key"), (present_value, "value")):
@@ -118,8 +118,8 @@ def latent_qkv(builder: GraphBuilder, h: ir.Value, layer: int) -> tuple[ir.Value
     per head is then mapped by Wv_h (latent_values)."""
     t, hp, p = builder.tape, builder.hp, f"blk.{layer}"
     n, k_head, _, rope, nope = latent_dims(hp)
-    rank = hp["kv_lora_rank"]
-    if hp["q_lora_rank"]:
+    rank = hp.kv_lora_rank
+    if hp.q_lora_rank:
         q = builder.linear(h, builder.tensor("attn_q_a", layer), f"{p}.attn_q_a")
         q = builder.rms_norm(q, builder.tensor("attn_q_a_norm", layer), f"{p}.attn_q_a_norm")
         q = builder.linear(q, builder.tensor("attn_q_b", layer), f"{p}.attn_q_b")
@@ -146,7 +146,7 @@ def latent_values(builder: GraphBuilder, attn: ir.Value, layer: int) -> ir.Value
     """GQA's output per head ([weighted c | 0]) -> the heads' values: c' @ Wv_h, [B, S, n * v_head]."""
     t, hp, p = builder.tape, builder.hp, f"blk.{layer}"
     n, _, v_head, rope, _ = latent_dims(hp)
-    rank = hp["kv_lora_rank"]
+    rank = hp.kv_lora_rank
     heads = t.op("Reshape", [attn, builder.ints(0, 0, n, rope + rank)], name=f"{p}.attn_out.split_heads")
     latent = t.op("Slice", [heads, builder.ints(0), builder.ints(rank), builder.ints(3)], name=f"{p}.attn_out.latent")
     latent = t.op("Transpose", [latent], {"perm": [0, 2, 1, 3]}, name=f"{p}.attn_out.heads_first")
@@ -161,8 +161,8 @@ def latent_matrix(builder: GraphBuilder, layer: int, which: str) -> ir.Value:
     attn_kv_b ([n * (nope + v_head), rank])."""
     hp = builder.hp
     n, _, v_head, _, nope = latent_dims(hp)
-    rank = hp["kv_lora_rank"]
-    absorbed = bool(hp["k_head_mla"])
+    rank = hp.kv_lora_rank
+    absorbed = bool(hp.k_head_mla)
     src = builder.tensor(f"attn_{which}_b" if absorbed else "attn_kv_b", layer)
     shape = (n, nope, rank) if which == "k" else (n, rank, v_head)
 

@@ -21,8 +21,8 @@ def feed_forward(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:
     else the MoE layer plus the shared expert when the architecture has one."""
     if builder.arch.is_dense(layer, builder.hp):
         return gated_mlp(builder, x2d, DENSE_FFN, layer, f"blk.{layer}.ffn")
-    out = moe(builder, x2d, layer, builder.hp["hidden"])
-    if builder.arch.features.shared_expert and builder.hp["shared_ff"]:
+    out = moe(builder, x2d, layer, builder.hp.hidden)
+    if builder.arch.features.shared_expert and builder.hp.shared_ff:
         out = builder.tape.op("Add", [out, shared_expert(builder, x2d, layer)], name=f"blk.{layer}.shared_expert.add")
     return out
 
@@ -42,7 +42,7 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     router, weight_sum = route(builder, x2d, layer)
     gate, up, down = (builder.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
-    node = functools.partial(moe_node, builder.tape.op, f"blk.{layer}.moe", x2d, router, top_k=hp["n_experts_used"],
+    node = functools.partial(moe_node, builder.tape.op, f"blk.{layer}.moe", x2d, router, top_k=hp.n_experts_used,
                              normalize=renormalizes(feats), activation=ACTIVATIONS[feats.activation])
     name = f"blk.{layer}.moe"
     floats = [qt.storage == "float" for qt in types]
@@ -91,12 +91,12 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
         keys.EXPERT_FORM: form_name,
         keys.SOURCE_TYPES: ",".join(qt.name for qt in types),
     })
-    builder.moe_layers.append({"layer": layer, "node": name, "experts": hp["n_experts"], "top_k": hp["n_experts_used"],
+    builder.moe_layers.append({"layer": layer, "node": name, "experts": hp.n_experts, "top_k": hp.n_experts_used,
                                "form": form_name, "source_types": [qt.name for qt in types]})
     if weight_sum is not None:  # the node renormalized weights that the model leaves as they are
         out = builder.tape.op("Mul", [out, weight_sum], name=f"{name}.weights_unnormalize")
-    if hp["expert_weights_scale"] not in (0.0, 1.0):   # llama.cpp scales the routing weights
-        out = builder.scale(out, hp["expert_weights_scale"], f"{name}.weights_scale")
+    if hp.expert_weights_scale not in (0.0, 1.0):   # llama.cpp scales the routing weights
+        out = builder.scale(out, hp.expert_weights_scale, f"{name}.weights_scale")
     return out
 
 

@@ -146,13 +146,13 @@ class GraphBuilder:
         """RMSNorm(x) * gamma (+ beta: phimoe's norms add a bias after normalizing, as llama.cpp does)."""
         gamma = self.float_weight(src.name, src)
         y = self.tape.op("SimplifiedLayerNormalization", [x, gamma],
-                         {"axis": -1, "epsilon": self.hp["rms_eps"], "stash_type": 1}, name=name)
+                         {"axis": -1, "epsilon": self.hp.rms_eps, "stash_type": 1}, name=name)
         if bias is None:
             return y
         return self.tape.op("Add", [y, self.float_weight(bias.name, bias)], name=f"{name}.bias")
 
     def per_head_rms_norm(self, x: ir.Value, src: GGUFTensor, n_heads: int, name: str) -> ir.Value:
-        d = self.hp["head_dim"]
+        d = self.hp.head_dim
         heads = self.tape.op("Reshape", [x, self.ints(0, 0, n_heads, d)], name=f"{name}.split_heads")
         normed = self.rms_norm(heads, src, name)
         return self.tape.op("Reshape", [normed, self.ints(0, 0, n_heads * d)], name=f"{name}.merge_heads")

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.core import keys
-from moepass.core.architectures import Architecture
+from moepass.core.architectures import Architecture, HParams
 from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT
 from moepass.core.errors import MoepassError
 from moepass.core.files import LOGITS_TO_KEEP
@@ -53,15 +53,15 @@ def moe_decoder(builder: GraphBuilder) -> ir.Graph:
                     shape=ir.Shape(["batch_size", "total_sequence_length"]))
     inputs, outputs = [input_ids, mask], []
     shared = attention_inputs(builder, mask)
-    residual_scale = hparams["residual_scale"] if features.multipliers else 0.0
+    residual_scale = hparams.residual_scale if features.multipliers else 0.0
 
     def residual_branch(value: ir.Value, name: str) -> ir.Value:
         return builder.scale(value, residual_scale, f"{name}.residual_scale") if residual_scale else value
 
     residual = builder.embedding(input_ids)
-    if features.multipliers and hparams["embedding_scale"]:
-        residual = builder.scale(residual, hparams["embedding_scale"], "embed_tokens.scale")
-    for layer in range(hparams["n_layers"]):
+    if features.multipliers and hparams.embedding_scale:
+        residual = builder.scale(residual, hparams.embedding_scale, "embed_tokens.scale")
+    for layer in range(hparams.n_layers):
         block = f"blk.{layer}"
         normed = builder.rms_norm(residual, builder.tensor("attn_norm", layer), f"{block}.attn_norm",
                                   builder.optional("attn_norm_bias", layer))
@@ -71,7 +71,7 @@ def moe_decoder(builder: GraphBuilder) -> ir.Graph:
         residual = tape.op("Add", [residual, residual_branch(attended, f"{block}.attn")], name=f"{block}.attn_residual")
         normed = builder.rms_norm(residual, builder.tensor(features.ffn_norm, layer), f"{block}.ffn_norm",
                                   builder.optional("ffn_norm_bias", layer))
-        tokens = tape.op("Reshape", [normed, builder.ints(-1, hparams["hidden"])], name=f"{block}.moe.flatten")
+        tokens = tape.op("Reshape", [normed, builder.ints(-1, hparams.hidden)], name=f"{block}.moe.flatten")
         ffn = feed_forward(builder, tokens, layer)
         ffn = tape.op("Reshape", [ffn, tape.op("Shape", [residual], name=f"{block}.moe.shape")],
                       name=f"{block}.moe.unflatten")
@@ -91,10 +91,10 @@ def moe_decoder(builder: GraphBuilder) -> ir.Graph:
     logits = builder.linear(normed, head, "lm_head", weight_name="lm_head.weight" if tied else None,
                             bias=builder.optional("output_bias"))
     if features.multipliers:
-        logits = builder.scale(logits, 1.0 / hparams["logit_scale"], "lm_head.logit_scale")
+        logits = builder.scale(logits, 1.0 / hparams.logit_scale, "lm_head.logit_scale")
     logits.name = "logits"
     logits.type = ir.TensorType(builder.act)
-    logits.shape = ir.Shape(["batch_size", "logits_sequence_length", hparams["vocab"]])
+    logits.shape = ir.Shape(["batch_size", "logits_sequence_length", hparams.vocab])
     return ir.Graph(inputs, [logits] + outputs, nodes=tape.nodes, initializers=tape.initializers,
                     opset_imports=dict(OPSETS), name=f"moepass_{builder.arch.gguf_arch}")
 
@@ -107,11 +107,11 @@ RECIPES: dict[str, Callable[[GraphBuilder], ir.Graph]] = {"moe_decoder": moe_dec
 ROPE_TABLES_PLAUSIBLE = 64 << 20
 
 
-def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
-    rotary = hp["rope_dim"] if arch.features.mla else hp["head_dim"]
-    table_bytes = hp["context_length"] * rotary * 4  # cos and sin, rotary/2 float32 each
+def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None:
+    rotary = hp.rope_dim if arch.features.mla else hp.head_dim
+    table_bytes = hp.context_length * rotary * 4  # cos and sin, rotary/2 float32 each
     if table_bytes > ROPE_TABLES_PLAUSIBLE and table_bytes > gguf.file_bytes:
-        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.context_length' is {hp['context_length']:,}: "
+        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.context_length' is {hp.context_length:,}: "
                            f"its RoPE tables would take {table_bytes / 2**30:.1f} GiB, more than the whole model "
                            f"({gguf.file_bytes / 2**30:.2f} GiB); convert with --context N for the positions you need")
 
@@ -120,7 +120,7 @@ def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) 
 class Lowered:
     model: ir.Model
     report: WeightReport
-    hparams: dict[str, Any]
+    hparams: HParams
     moe_layers: list[dict[str, Any]]
 
 
@@ -136,7 +136,7 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
     if options.context is not None:  # the RoPE tables' length; RoPE itself keeps the GGUF's parameters
         if not 0 < options.context <= MAX_CONTEXT:
             raise MoepassError(f"--context {options.context} must be between 1 and {MAX_CONTEXT}")
-        b.hp["context_length"] = options.context
+        b.hp = dataclasses.replace(b.hp, context_length=options.context)
     else:
         _check_rope_tables(gguf, arch, b.hp)
     graph = RECIPES[arch.recipe](b)

@@ -46,11 +46,11 @@ def deepseek_routing(builder: GraphBuilder, logits: ir.Value, layer: int) -> tup
     these scores (measured equal to llama.cpp's selection); softmax gating is built from ONNX ops.
     """
     hp, t, name = builder.hp, builder.tape, f"blk.{layer}.router"
-    k, groups = hp["n_experts_used"], max(hp["n_expert_groups"], 1)
-    groups_used = hp["n_group_used"] if groups > 1 else 1
+    k, groups = hp.n_experts_used, max(hp.n_expert_groups, 1)
+    groups_used = hp.n_group_used if groups > 1 else 1
     bias = builder.optional("exp_probs_b", layer)
-    if hp["gating_func"] == 2:
-        n = hp["n_experts"]
+    if hp.gating_func == 2:
+        n = hp.n_experts
         bias_value = builder.lazy_initializer(
             bias.name if bias is not None else f"{name}.no_selection_bias", ir.DataType.FLOAT, (n,),
             (lambda: dequantize(bias.read_rows(), bias.ggml_type).reshape(n)) if bias is not None
@@ -58,7 +58,7 @@ def deepseek_routing(builder: GraphBuilder, logits: ir.Value, layer: int) -> tup
         scores = t.op("MoEGroupRouter", [logits, bias_value],
                       {"n_group": groups, "topk_group": groups_used, "group_topk": 2, "top_k": k,
                        "router_sentinel": float("-inf")}, domain="com.microsoft", name=f"{name}.group_topk")
-        if hp["expert_weights_norm"]:
+        if hp.expert_weights_norm:
             return scores, None
         weights = t.op("Exp", [scores], name=f"{name}.selected_weights")
         return scores, t.op("ReduceSum", [weights, builder.ints(-1)], {"keepdims": 1}, name=f"{name}.weight_sum")
@@ -73,7 +73,7 @@ def deepseek_routing(builder: GraphBuilder, logits: ir.Value, layer: int) -> tup
                            t.op("Shape", [logits], name=f"{name}.shape")], name=f"{name}.fill")
     scores = t.op("ScatterElements", [fill, chosen, t.op("Log", [weights], name=f"{name}.log_weights")],
                   {"axis": -1}, name=f"{name}.scores")
-    if hp["expert_weights_norm"]:
+    if hp.expert_weights_norm:
         return scores, None
     return scores, t.op("ReduceSum", [weights, builder.ints(-1)], {"keepdims": 1}, name=f"{name}.weight_sum")
 
@@ -81,7 +81,7 @@ def deepseek_routing(builder: GraphBuilder, logits: ir.Value, layer: int) -> tup
 def group_limit(builder: GraphBuilder, selection: ir.Value, groups: int, used: int, name: str) -> ir.Value:
     """Selection scores [T, E] with every expert outside the `used` best groups set to -inf;
     a group's score is the sum of its two best experts (llama.cpp, DeepSeek-V3)."""
-    t, per_group = builder.tape, builder.hp["n_experts"] // groups
+    t, per_group = builder.tape, builder.hp.n_experts // groups
     grouped = t.op("Reshape", [selection, builder.ints(-1, groups, per_group)], name=f"{name}.groups")
     best = grouped if per_group < 2 else \
         t.op_multi_out("TopK", [grouped, builder.ints(2)], {"axis": -1}, num_outputs=2, name=f"{name}.group_best")[0]
@@ -97,4 +97,4 @@ def group_limit(builder: GraphBuilder, selection: ir.Value, groups: int, used: i
     masked = t.op("Where", [t.op("Unsqueeze", [keep, builder.ints(-1)], name=f"{name}.group_mask_column"), grouped,
                             builder.const(f"const.{builder.act.name.lower()}.-inf", np.array(-np.inf, builder.np_act))],
                   name=f"{name}.group_limited")
-    return t.op("Reshape", [masked, builder.ints(-1, builder.hp["n_experts"])], name=f"{name}.ungroup")
+    return t.op("Reshape", [masked, builder.ints(-1, builder.hp.n_experts)], name=f"{name}.ungroup")

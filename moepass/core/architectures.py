@@ -88,6 +88,58 @@ HPARAMS: dict[str, HParam] = {
     "n_group_used": HParam("{arch}.expert_group_used_count", 0),
 }
 
+@dataclasses.dataclass(frozen=True)
+class HParams:
+    """A model's hyperparameters: those its architecture reads (HPARAMS; the others keep their
+    defaults) and what moepass derives from them."""
+
+    n_layers: int
+    hidden: int
+    context_length: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    value_dim: int
+    rms_eps: float
+    rope_base: float
+    n_experts: int
+    n_experts_used: int
+    expert_ff: int              # the routed experts' width (from expert_ff or ffn: Architecture.expert_ff_from)
+    vocab: int                  # rows of token_embd
+    expert_weights_scale: float = 0.0
+    ffn: int = 0
+    shared_ff: int = 0
+    logit_scale: float = 0.0
+    residual_scale: float = 0.0
+    embedding_scale: float = 0.0
+    attention_scale: float = 0.0
+    sliding_window: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    k_head_mla: int = 0
+    v_head_mla: int = 0
+    rope_dim: int = 0
+    leading_dense: int = 0
+    n_shared_experts: int = 0
+    gating_func: int = 0
+    expert_weights_norm: bool = False
+    n_expert_groups: int = 0
+    n_group_used: int = 0
+    rope: Rope | None = None    # as llama.cpp derives it (read_rope)
+    sliding_window_layers: tuple[int, ...] = ()
+    read: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)  # the names set from the file
+
+    def as_dict(self) -> dict[str, Any]:
+        """What was read and derived, JSON-friendly (moepass.json, inspect --json)."""
+        values = {name: getattr(self, name) for name in self.read}
+        values.update(vocab=self.vocab, rope=dataclasses.asdict(self.rope) if self.rope else None,
+                      sliding_window_layers=list(self.sliding_window_layers))
+        return values
+
+
+assert set(HPARAMS) <= {f.name for f in dataclasses.fields(HParams)}, "every HPARAMS entry is an HParams field"
+
+
 # Tensor roles -> GGUF names; `{i}` is the block index, `{e}` an expert index.
 TENSORS: dict[str, str] = {
     "token_embd": "token_embd.weight",
@@ -159,39 +211,39 @@ ACTIVATIONS = {
 }
 
 
-def expected_shapes(hp: dict[str, Any], features: Features) -> dict[str, tuple[int, ...]]:
+def expected_shapes(hp: HParams, features: Features) -> dict[str, tuple[int, ...]]:
     """Tensor role -> shape (numpy order) implied by the hyperparameters."""
-    h, v, e, ff, sff = hp["hidden"], hp["vocab"], hp["n_experts"], hp["expert_ff"], hp.get("shared_ff", 0)
-    q, kv, vd = hp["n_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["value_dim"]
+    h, v, e, ff, sff = hp.hidden, hp.vocab, hp.n_experts, hp.expert_ff, hp.shared_ff
+    q, kv, vd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim, hp.n_kv_heads * hp.value_dim
     full = features.qk_norm == "full"
     return {
         "token_embd": (v, h), "output_norm": (h,), "output_norm_bias": (h,), "output": (v, h), "output_bias": (v,),
         "attn_norm": (h,), "attn_norm_bias": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (vd, h),
         "attn_q_bias": (q,), "attn_k_bias": (kv,), "attn_v_bias": (vd,),
-        "attn_output": (h, hp["n_heads"] * hp["value_dim"]), "attn_output_bias": (h,),
-        "attn_q_norm": (q,) if full else (hp["head_dim"],), "attn_k_norm": (kv,) if full else (hp["head_dim"],),
+        "attn_output": (h, hp.n_heads * hp.value_dim), "attn_output_bias": (h,),
+        "attn_q_norm": (q,) if full else (hp.head_dim,), "attn_k_norm": (kv,) if full else (hp.head_dim,),
         "ffn_norm": (h,), "ffn_norm_bias": (h,), "ffn_gate_inp": (e, h),
         "ffn_gate_exps": (e, ff, h), "ffn_up_exps": (e, ff, h), "ffn_down_exps": (e, h, ff),
         "ffn_gate_inp_shexp": (h,), "ffn_gate_shexp": (sff, h), "ffn_up_shexp": (sff, h), "ffn_down_shexp": (h, sff),
-        "attn_post_norm": (h,), "attn_sinks": (hp["n_heads"],), "ffn_gate_inp_bias": (e,),
+        "attn_post_norm": (h,), "attn_sinks": (hp.n_heads,), "ffn_gate_inp_bias": (e,),
         "ffn_gate_exps_bias": (e, ff), "ffn_up_exps_bias": (e, ff), "ffn_down_exps_bias": (e, h),
-        "ffn_gate": (hp.get("ffn", 0), h), "ffn_up": (hp.get("ffn", 0), h), "ffn_down": (h, hp.get("ffn", 0)),
+        "ffn_gate": (hp.ffn, h), "ffn_up": (hp.ffn, h), "ffn_down": (h, hp.ffn),
         "exp_probs_b": (e,),
         **(latent_attention_shapes(hp) if features.mla else {}),
     }
 
 
-def latent_dims(hp: dict[str, Any]) -> tuple[int, int, int, int, int]:
+def latent_dims(hp: HParams) -> tuple[int, int, int, int, int]:
     """(heads, key head size, value head size, RoPE part, no-RoPE part) of multi-head latent
     attention as llama.cpp derives them (key/value_length when the _mla keys are absent)."""
-    k_head = hp["k_head_mla"] or hp["head_dim"]
-    v_head = hp["v_head_mla"] or hp["value_dim"]
-    return hp["n_heads"], k_head, v_head, hp["rope_dim"], k_head - hp["rope_dim"]
+    k_head = hp.k_head_mla or hp.head_dim
+    v_head = hp.v_head_mla or hp.value_dim
+    return hp.n_heads, k_head, v_head, hp.rope_dim, k_head - hp.rope_dim
 
 
-def latent_attention_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def latent_attention_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     n, k_head, v_head, rope, nope = latent_dims(hp)
-    h, q_lora, kv_lora = hp["hidden"], hp["q_lora_rank"], hp["kv_lora_rank"]
+    h, q_lora, kv_lora = hp.hidden, hp.q_lora_rank, hp.kv_lora_rank
     return {
         "attn_q": (n * k_head, h), "attn_q_a": (q_lora, h), "attn_q_a_norm": (q_lora,), "attn_q_b": (n * k_head, q_lora),
         "attn_kv_a_mqa": (kv_lora + rope, h), "attn_kv_a_norm": (kv_lora,),
@@ -262,7 +314,7 @@ class Architecture:
     expert_ff_from: str = "expert_ff"
     recipe: str = "moe_decoder"
 
-    def read_hparams(self, gguf: GGUFModel) -> dict[str, Any]:
+    def read_hparams(self, gguf: GGUFModel) -> HParams:
         """Every hyperparameter from the GGUF metadata; a missing required key is a clear error."""
         values: dict[str, Any] = {}
         for name in self.hparams:
@@ -289,16 +341,15 @@ class Architecture:
         if values.get("value_dim") is None:
             values["value_dim"] = values["head_dim"]
         values["vocab"] = gguf.tensor(TENSORS["token_embd"]).shape[0]
-        _check_hparams(gguf, self, values)
-        values["rope"] = dataclasses.asdict(read_rope(gguf, self, values))  # JSON-friendly, as all of hp
-        values["sliding_window_layers"] = [i for i, slides in enumerate(sliding_window_layers(gguf, self, values))
-                                           if slides]
-        return values
+        hp = HParams(**values, read=tuple(name for name in values if name != "vocab"))
+        _check_hparams(gguf, self, hp)
+        windowed = tuple(i for i, slides in enumerate(sliding_window_layers(gguf, self, hp)) if slides)
+        return dataclasses.replace(hp, rope=read_rope(gguf, self, hp), sliding_window_layers=windowed)
 
     def tensor_name(self, role: str, layer: int | None = None) -> str:
         return TENSORS[role].format(i=layer)
 
-    def tensor(self, gguf: GGUFModel, role: str, layer: int | None, hp: dict[str, Any]) -> GGUFTensor | StackedTensor:
+    def tensor(self, gguf: GGUFModel, role: str, layer: int | None, hp: HParams) -> GGUFTensor | StackedTensor:
         """The tensor of `role`; for legacy files, per-expert tensors stacked into the expert role."""
         name = self.tensor_name(role, layer)
         if gguf.has_tensor(name) or not (self.features.legacy_experts and role in LEGACY_EXPERT_TENSORS):
@@ -306,43 +357,43 @@ class Architecture:
         legacy = LEGACY_EXPERT_TENSORS[role]
         if not gguf.has_tensor(legacy.format(i=layer, e=0)):
             return gguf.tensor(name)  # neither form: the error names the stacked tensor
-        return gguf.stacked(name, [legacy.format(i=layer, e=e) for e in range(hp["n_experts"])])
+        return gguf.stacked(name, [legacy.format(i=layer, e=e) for e in range(hp.n_experts)])
 
-    def describe(self, gguf: GGUFModel, hp: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, gguf: GGUFModel, hp: HParams) -> dict[str, Any]:
         """The architecture-specific parts of a model, in words and numbers (for inspect and metadata)."""
         f = self.features
         parts: dict[str, Any] = {
             "rope": ROPE_STYLES[f.rope],
-            "routing": {"softmax_topk_renorm": f"softmax, top-{hp['n_experts_used']}, renormalized",
-                        "softmax_topk": f"softmax, top-{hp['n_experts_used']}, not renormalized",
-                        "topk_softmax": f"top-{hp['n_experts_used']}, softmax over the selected",
+            "routing": {"softmax_topk_renorm": f"softmax, top-{hp.n_experts_used}, renormalized",
+                        "softmax_topk": f"softmax, top-{hp.n_experts_used}, not renormalized",
+                        "topk_softmax": f"top-{hp.n_experts_used}, softmax over the selected",
                         "deepseek": None}[f.routing] or _deepseek_routing_text(hp),
         }
         if f.mla:
             n, k_head, v_head, rope, nope = latent_dims(hp)
-            parts["attention"] = (f"multi-head latent attention: {n} heads, KV rank {hp['kv_lora_rank']}, "
-                                  f"q rank {hp['q_lora_rank'] or 'full'}, key {nope}+{rope} (RoPE), value {v_head}")
-            if hp["leading_dense"]:
-                parts["dense_blocks"] = f"the first {hp['leading_dense']} (ffn {hp['ffn']})"
-        scaling = Rope(**hp["rope"]).describe()
+            parts["attention"] = (f"multi-head latent attention: {n} heads, KV rank {hp.kv_lora_rank}, "
+                                  f"q rank {hp.q_lora_rank or 'full'}, key {nope}+{rope} (RoPE), value {v_head}")
+            if hp.leading_dense:
+                parts["dense_blocks"] = f"the first {hp.leading_dense} (ffn {hp.ffn})"
+        scaling = hp.rope.describe()
         if scaling:
             parts["rope_scaling"] = scaling
-        if hp["sliding_window_layers"]:
-            parts["sliding_window"] = f"{hp['sliding_window']} tokens on layers " + \
-                ",".join(str(i) for i in hp["sliding_window_layers"])
+        if hp.sliding_window_layers:
+            parts["sliding_window"] = f"{hp.sliding_window} tokens on layers " + \
+                ",".join(str(i) for i in hp.sliding_window_layers)
         if f.attention_sinks:
             parts["attention_sinks"] = "one learned logit per head"
         if f.activation != "swiglu":
             parts["activation"] = ACTIVATIONS[f.activation].text
         if f.qk_norm:
             parts["qk_norm"] = QK_NORMS[f.qk_norm]
-        if f.shared_expert and hp.get("shared_ff"):
+        if f.shared_expert and hp.shared_ff:
             gate = " with a sigmoid gate" if f.shared_expert == "sigmoid_gated" else ""
-            parts["shared_expert"] = f"ffn {hp['shared_ff']}{gate}"
+            parts["shared_expert"] = f"ffn {hp.shared_ff}{gate}"
         if f.multipliers:
-            parts["multipliers"] = {k: hp[f"{k}_scale"] for k in ("embedding", "residual", "attention", "logit")}
-        if hp.get("expert_weights_scale") not in (None, 0.0, 1.0):
-            parts["expert_weights_scale"] = hp["expert_weights_scale"]
+            parts["multipliers"] = {k: getattr(hp, f"{k}_scale") for k in ("embedding", "residual", "attention", "logit")}
+        if hp.expert_weights_scale not in (None, 0.0, 1.0):
+            parts["expert_weights_scale"] = hp.expert_weights_scale
         biases = [role for role in (*ATTENTION_BIASES, "attn_norm_bias", "ffn_norm_bias", "output_bias", *EXPERT_BIASES)
                   if self.has_tensor(gguf, role, 0 if role.startswith(("attn", "ffn")) else None)]
         if biases:
@@ -354,29 +405,29 @@ class Architecture:
     def has_tensor(self, gguf: GGUFModel, role: str, layer: int | None = None) -> bool:
         return gguf.has_tensor(self.tensor_name(role, layer))
 
-    def is_dense(self, layer: int, hp: dict[str, Any]) -> bool:
+    def is_dense(self, layer: int, hp: HParams) -> bool:
         """A leading block with a dense FFN in place of experts (deepseek2's first_k_dense_replace)."""
-        return layer < hp.get("leading_dense", 0)
+        return layer < hp.leading_dense
 
-    def block_roles(self, layer: int, hp: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def block_roles(self, layer: int, hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(required, optional) tensor roles of one block."""
         required, optional = list(self.block_tensors), list(self.optional_tensors)
         if self.features.mla:
-            required += ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if hp["q_lora_rank"] else ["attn_q"]
-            required += ["attn_k_b", "attn_v_b"] if hp["k_head_mla"] else ["attn_kv_b"]
+            required += ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if hp.q_lora_rank else ["attn_q"]
+            required += ["attn_k_b", "attn_v_b"] if hp.k_head_mla else ["attn_kv_b"]
         if self.is_dense(layer, hp):
             required = [r for r in required if r not in MOE_ROLES] + list(DENSE_FFN)
             optional = [r for r in optional if r not in MOE_ROLES]
         return tuple(required), tuple(optional)
 
-    def check_tensors(self, gguf: GGUFModel, hp: dict[str, Any]) -> None:
+    def check_tensors(self, gguf: GGUFModel, hp: HParams) -> None:
         """Every tensor the recipe reads is present with the shape the metadata implies."""
         shapes = expected_shapes(hp, self.features)
-        roles = [self.block_roles(i, hp) for i in range(hp["n_layers"])]
+        roles = [self.block_roles(i, hp) for i in range(hp.n_layers)]
         wanted = [(role, None, True) for role in GLOBAL_TENSORS] + \
             [(role, None, False) for role in GLOBAL_OPTIONAL] + \
-            [(role, i, True) for i in range(hp["n_layers"]) for role in roles[i][0]] + \
-            [(role, i, False) for i in range(hp["n_layers"]) for role in roles[i][1]]
+            [(role, i, True) for i in range(hp.n_layers) for role in roles[i][0]] + \
+            [(role, i, False) for i in range(hp.n_layers) for role in roles[i][1]]
         for role, layer, required in wanted:
             if not required and not self.has_tensor(gguf, role, layer):
                 continue
@@ -419,7 +470,7 @@ UNSUPPORTED_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "ro
 SUPPORTED_ROPE_SCALING = ("none", "linear", "yarn")
 
 
-def read_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> Rope:
+def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     """The RoPE parameters llama.cpp derives from the metadata (llama_model::load_hparams and
     llama_context's constructor), with their float32 arithmetic."""
     a, f32 = arch.gguf_arch, np.float32
@@ -451,16 +502,16 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> Rope:
             attn_factor = mscale(scale, 1.0)
         attn_factor = attn_factor * (f32(1) / (f32(1) + f32(0.1) * np.log(scale)))
     attn_factor = attn_factor * f32(gguf.typed(f"{a}.rope.scaling.attn_factor", float, 1.0))
-    n_ctx_orig = gguf.typed(f"{a}.rope.scaling.original_context_length", int, hp["context_length"])
-    return Rope(base=float(f32(hp["rope_base"])), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
+    n_ctx_orig = gguf.typed(f"{a}.rope.scaling.original_context_length", int, hp.context_length)
+    return Rope(base=float(f32(hp.rope_base)), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
                 attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul))
 
 
-def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> tuple[bool, ...]:
+def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: HParams) -> tuple[bool, ...]:
     """Which layers attend through a sliding window: the `sliding_window_pattern` key (a bool per
     layer, or a period n: layer i slides unless i % n == n - 1), else the architecture's period."""
     period = arch.features.sliding_window
-    n = hp["n_layers"]
+    n = hp.n_layers
     if not period:
         return (False,) * n
     key = f"{arch.gguf_arch}.attention.sliding_window_pattern"
@@ -470,53 +521,53 @@ def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any
             raise MoepassError(f"{gguf.path}: metadata key '{key}' has {len(pattern)} entries for {n} layers")
         return tuple(bool(p) for p in pattern)
     period = gguf.typed(key, int, period)
-    if hp["sliding_window"] <= 0:
+    if hp.sliding_window <= 0:
         raise MoepassError(f"{gguf.path}: missing metadata key '{arch.gguf_arch}.attention.sliding_window'")
     return tuple(period == 0 or i % period < period - 1 for i in range(n))
 
 
-def _deepseek_routing_text(hp: dict[str, Any]) -> str:
-    gating = "sigmoid" if hp["gating_func"] == 2 else "softmax"
-    groups = f", best {hp['n_group_used']} of {hp['n_expert_groups']} groups" if hp["n_expert_groups"] > 1 else ""
-    norm = "renormalized" if hp["expert_weights_norm"] else "not renormalized"
-    return f"{gating}, selection bias when present{groups}, top-{hp['n_experts_used']}, {norm}"
+def _deepseek_routing_text(hp: HParams) -> str:
+    gating = "sigmoid" if hp.gating_func == 2 else "softmax"
+    groups = f", best {hp.n_group_used} of {hp.n_expert_groups} groups" if hp.n_expert_groups > 1 else ""
+    norm = "renormalized" if hp.expert_weights_norm else "not renormalized"
+    return f"{gating}, selection bias when present{groups}, top-{hp.n_experts_used}, {norm}"
 
 
-def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: dict[str, Any]) -> None:
+def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None:
     def bad(what: str) -> MoepassError:
         return MoepassError(f"{gguf.path}: {arch.gguf_arch} hyperparameters are inconsistent: {what}")
 
     for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_used", "expert_ff"):
-        if not 0 < hp[name] < _INT_LIMIT:
+        if not 0 < getattr(hp, name) < _INT_LIMIT:
             source = arch.expert_ff_from if name == "expert_ff" else name
             key = HPARAMS[source].key.format(arch=arch.gguf_arch)
-            raise MoepassError(f"{gguf.path}: metadata key '{key}' has absurd value {hp[name]}")
+            raise MoepassError(f"{gguf.path}: metadata key '{key}' has absurd value {getattr(hp, name)}")
     blocks = [int(m[1]) for name in gguf.tensors if (m := _BLOCK.match(name))]
-    if max(blocks, default=-1) + 1 < hp["n_layers"]:  # before anything is built per layer
+    if max(blocks, default=-1) + 1 < hp.n_layers:  # before anything is built per layer
         key = HPARAMS["n_layers"].key.format(arch=arch.gguf_arch)
-        raise MoepassError(f"{gguf.path}: metadata key '{key}' is {hp['n_layers']:,}, but the file has tensors for "
+        raise MoepassError(f"{gguf.path}: metadata key '{key}' is {hp.n_layers:,}, but the file has tensors for "
                            f"{max(blocks, default=-1) + 1} blocks")
-    if hp["n_heads"] % hp["n_kv_heads"]:
-        raise bad(f"{hp['n_heads']} query heads are not a multiple of {hp['n_kv_heads']} kv heads")
-    if hp["n_experts_used"] > hp["n_experts"]:
-        raise bad(f"expert_used_count {hp['n_experts_used']} > expert_count {hp['n_experts']}")
-    if hp["head_dim"] % 2:
-        raise bad(f"head dimension {hp['head_dim']} is odd; rotary embedding needs it even")
-    if arch.features.multipliers and hp["logit_scale"] == 0:
+    if hp.n_heads % hp.n_kv_heads:
+        raise bad(f"{hp.n_heads} query heads are not a multiple of {hp.n_kv_heads} kv heads")
+    if hp.n_experts_used > hp.n_experts:
+        raise bad(f"expert_used_count {hp.n_experts_used} > expert_count {hp.n_experts}")
+    if hp.head_dim % 2:
+        raise bad(f"head dimension {hp.head_dim} is odd; rotary embedding needs it even")
+    if arch.features.multipliers and hp.logit_scale == 0:
         raise bad("logit_scale is 0")
     if arch.features.mla:
-        if hp["gating_func"] not in (0, 1, 2):
+        if hp.gating_func not in (0, 1, 2):
             raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.expert_gating_func' is "
-                               f"{hp['gating_func']}; moepass converts 1 (softmax) and 2 (sigmoid)")
-        groups = hp["n_expert_groups"]
-        if groups > 1 and (hp["n_experts"] % groups or not 0 < hp["n_group_used"] <= groups):
-            raise bad(f"{hp['n_experts']} experts in {groups} groups, {hp['n_group_used']} used")
-        if not 0 < hp["rope_dim"] < latent_dims(hp)[1] or hp["rope_dim"] % 2:
-            raise bad(f"RoPE dimension {hp['rope_dim']} does not fit the key head {latent_dims(hp)[1]}")
+                               f"{hp.gating_func}; moepass converts 1 (softmax) and 2 (sigmoid)")
+        groups = hp.n_expert_groups
+        if groups > 1 and (hp.n_experts % groups or not 0 < hp.n_group_used <= groups):
+            raise bad(f"{hp.n_experts} experts in {groups} groups, {hp.n_group_used} used")
+        if not 0 < hp.rope_dim < latent_dims(hp)[1] or hp.rope_dim % 2:
+            raise bad(f"RoPE dimension {hp.rope_dim} does not fit the key head {latent_dims(hp)[1]}")
     rot = gguf.typed(f"{arch.gguf_arch}.rope.dimension_count", int, None)
-    if rot is not None and rot != hp["head_dim"] and not arch.features.mla:
+    if rot is not None and rot != hp.head_dim and not arch.features.mla:
         raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
-                           f"size {hp['head_dim']}; partial rotary embedding is not converted yet")
+                           f"size {hp.head_dim}; partial rotary embedding is not converted yet")
 
 
 _COMMON = ("n_layers", "hidden", "context_length", "n_heads", "n_kv_heads", "head_dim", "value_dim", "rms_eps",
