@@ -219,13 +219,14 @@ class ExpertWriter:
         output take the place of `old`; returns the MoE node."""
         node = nodes[-1]
         out = node.outputs[0]
-        out.name = f"{node.name}.output"
+        if old.is_graph_output():  # the model's interface keeps its names
+            out.name, old.name = old.name, f"{old.name}.unfused"
+        else:
+            out.name = f"{node.name}.output"
         out.type, out.shape = old.type, old.shape
         node.metadata_props.update({keys.FUSED_FROM: _node_name(anchor), keys.EXPERT_FORM: form})
         self.graph.insert_after(old.producer(), nodes)
-        old.replace_all_uses_with(out)
-        if old.is_graph_output():
-            self.graph.outputs[self.graph.outputs.index(old)] = out
+        old.replace_all_uses_with(out, replace_graph_outputs=True)
         return node
 
     def _initializer(self, tensor: ir.TensorProtocol) -> ir.Value:

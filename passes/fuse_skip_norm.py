@@ -17,7 +17,7 @@ def _why_not(add: ir.Node | None, norm: ir.Node) -> str | None:
     """None when the pair fuses, else the reason it does not."""
     if add is None or add.op_type != "Add" or add.domain != "":
         return "the normalized value is not produced by an Add"
-    if any(v is None or v.const_value is not None or v.is_initializer() for v in add.inputs):
+    if any(v is None or v.is_initializer() or ir.convenience.get_const_tensor(v) is not None for v in add.inputs):
         return "an Add operand is a constant (a bias, not a residual)"
     axis = norm.attributes.get_int("axis", -1)
     if axis != -1:
@@ -56,9 +56,9 @@ class FuseSkipNormPass(InPlacePass):
             normed, _, _, residual = fused.outputs
             normed.name, normed.shape, normed.type = norm.outputs[0].name, norm.outputs[0].shape, norm.outputs[0].type
             users_of_sum = [u for u in summed.uses() if u.node is not norm]
-            ir.convenience.replace_all_uses_with(norm.outputs[0], normed)
+            ir.convenience.replace_all_uses_with(norm.outputs[0], normed, replace_graph_outputs=True)
             if users_of_sum or summed.is_graph_output():
-                ir.convenience.replace_all_uses_with(summed, residual)
+                ir.convenience.replace_all_uses_with(summed, residual, replace_graph_outputs=True)
                 residual.name = summed.name
             else:
                 residual.name = f"{norm.name}.unused_sum"

@@ -20,7 +20,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core.errors import MoepassError
-from moepass.core.moe_nodes import moe_nodes
+from moepass.core.moe_nodes import EXPERT_INPUTS, moe_nodes
 from moepass.passes.weights import StreamedTensor
 from moepass.core import keys
 
@@ -70,6 +70,11 @@ class ReorderExpertsPass(InPlacePass):
             if sorted(order) != list(range(moe.experts)):
                 raise MoepassError(f"node {name}: the expert order is not a permutation of 0..{moe.experts - 1}")
             node = moe.node
+            for index in EXPERT_INPUTS[node.op_type]:
+                value = node.inputs[index] if index < len(node.inputs) else None
+                if value is not None and value not in moe.expert_values:
+                    raise MoepassError(f"node {name}: expert input {index} ('{value.name}') is computed, not an "
+                                       "initializer, so its experts cannot be reordered")
             for index, value in enumerate(node.inputs):
                 if value is not None and value in moe.expert_values:
                     self._replace(graph, node, index, order, 0)
