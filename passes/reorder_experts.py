@@ -61,8 +61,11 @@ class ReorderExpertsPass(InPlacePass):
         graph.register_initializer(new)
 
     def call(self, model: ir.Model) -> PassResult:
+        """Every node and its router is checked before anything changes: a plan the model cannot
+        take leaves it as it was."""
         graph = model.graph
         found = {m.name: m for m in moe_nodes(graph)}
+        edits = {}  # node -> (node, input, axis) to permute, or None: gather the routing before the node
         for name, order in self.orders.items():
             if name not in found:
                 raise MoepassError(f"no MoE node named {name!r} in the model")
@@ -75,21 +78,30 @@ class ReorderExpertsPass(InPlacePass):
                 if value is not None and value not in moe.expert_values:
                     raise MoepassError(f"node {name}: expert input {index} ('{value.name}') is computed, not an "
                                        "initializer, so its experts cannot be reordered")
+            edits[name] = self._router_edits(node, moe.experts)
+        for name, order in self.orders.items():
+            moe = found[name]
+            node = moe.node
             for index, value in enumerate(node.inputs):
                 if value is not None and value in moe.expert_values:
                     self._replace(graph, node, index, order, 0)
-            self._reorder_router(graph, node, order)
+            if edits[name] is None:
+                self._gather_routing(graph, node, order)
+            for router, index, axis in edits[name] or ():
+                self._replace(graph, router, index, order, axis)
             node.metadata_props[keys.EXPERT_IDS] = ",".join(str(e) for e in order)
             node.metadata_props[keys.RESIDENT] = str(self.resident.get(name, 0))
         return PassResult(model, bool(self.orders))
 
-    def _reorder_router(self, graph: ir.Graph, moe: ir.Node, order: list[int]) -> None:
+    def _router_edits(self, moe: ir.Node, experts: int) -> list[tuple[ir.Node, int, int]] | None:
+        """The router inputs to permute (node, input, axis), or None for a router computed by a
+        subgraph, whose result is gathered instead; MoepassError for a router that cannot be reordered."""
         router = moe.inputs[1].producer()
         if router is None:
             raise MoepassError(f"node {moe.name}: its router logits are a graph input, which cannot be reordered")
         if (router.domain, router.op_type) not in (("", "MatMul"), ("", "Add"), ("com.microsoft", "MatMulNBits")):
-            self._gather_routing(graph, moe, order)
-            return
+            return None
+        edits = []
         for use in moe.inputs[1].uses():
             # the node itself, or a Softmax over the experts that feeds only it (router_weights)
             ok = use.node is moe or (use.node.op_type == "Softmax" and use.node.attributes.get_int("axis", -1) == -1
@@ -100,7 +112,7 @@ class ReorderExpertsPass(InPlacePass):
         if router.op_type == "Add" and router.domain == "" and router.inputs[1].is_initializer() \
                 and router.inputs[1].const_value.shape.rank() == 1:
             # MatMul + Add(bias [experts]): the bias, then the MatMul feeding only this Add
-            self._replace(graph, router, 1, order, 0)
+            edits.append((router, 1, 0))
             logits = router.inputs[0]
             if len(logits.uses()) != 1 or logits.producer() is None:
                 raise MoepassError(f"node {moe.name}: its router's MatMul output feeds more than the bias Add")
@@ -113,14 +125,15 @@ class ReorderExpertsPass(InPlacePass):
                     if not value.is_initializer():
                         raise MoepassError(f"node {moe.name}: router input {value.name} is not a constant")
                     if value.const_value.shape.rank() == 1 and index == 2 and \
-                            value.const_value.shape[0] != len(order):
+                            value.const_value.shape[0] != experts:
                         raise MoepassError(f"node {moe.name}: flat router scales are not supported")
-                    self._replace(graph, router, index, order, 0)
+                    edits.append((router, index, 0))
         elif router.op_type == "MatMul" and router.domain == "" and router.inputs[1].is_initializer():
-            self._replace(graph, router, 1, order, -1)  # W^T [hidden, experts]
+            edits.append((router, 1, -1))  # W^T [hidden, experts]
         else:
             raise MoepassError(f"node {moe.name}: its router is a {router.domain or 'ai.onnx'}::{router.op_type} "
                                "node; moepass reorders MatMul and MatMulNBits routers with constant weights")
+        return edits
 
     def _gather_routing(self, graph: ir.Graph, moe: ir.Node, order: list[int]) -> None:
         """A router computed by a subgraph (deepseek2's group-limited routing, whose groups are

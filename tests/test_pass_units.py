@@ -465,8 +465,12 @@ def test_reorder_experts_rejects_routers_it_cannot_permute():
     peek = ir.node("ArgMax", [logits], {"axis": -1}, name="peek")
     graph.append(peek)
     graph.outputs.append(peek.outputs[0])
+    expert_values = [v for v in graph.node("blk.0.moe").inputs]
     with pytest.raises(MoepassError, match="also feed ArgMax node 'peek'"):
         ReorderExpertsPass({"blk.0.moe": ORDER}, {})(built.model)
+    # checked before anything changed: the experts were not permuted either
+    assert list(graph.node("blk.0.moe").inputs) == expert_values
+    assert "moepass.placement.expert_ids" not in graph.node("blk.0.moe").metadata_props
 
 
 def test_reorder_experts_refuses_an_expert_tensor_from_a_constant_node():
