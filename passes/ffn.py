@@ -42,9 +42,9 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     router, weight_sum = route(builder, x2d, layer)
     gate, up, down = (builder.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
-    node = functools.partial(moe_node, builder.tape.op, f"blk.{layer}.moe", x2d, router, top_k=hp.n_experts_used,
-                             normalize=renormalizes(feats), activation=ACTIVATIONS[feats.activation])
     name = f"blk.{layer}.moe"
+    node = functools.partial(moe_node, builder.tape.op, name, x2d, router, top_k=hp.n_experts_used,
+                             normalize=renormalizes(feats), activation=ACTIVATIONS[feats.activation])
     floats = [qt.storage == "float" for qt in types]
     prefix = f"blk.{layer}.ffn_experts"
     fc1_b = fc2_b = None
