@@ -30,7 +30,7 @@ from moepass.core.architectures import architecture_of
 from moepass.atomic import atomic_directory
 from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
-                           TOKENIZER_FILE, as_ir_model)
+                                TOKENIZER_FILE, as_ir_model)
 from moepass.genai import genai_config
 from moepass.core.imatrix import load_imatrix
 from moepass.runtime.providers import offload_violations

@@ -35,8 +35,8 @@ from moepass.core.version import __version__
 from moepass.atomic import atomic_directory, atomic_file
 from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
-                           TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
-                           read_json_object)
+                                TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
+                                read_json_object)
 from moepass.genai import with_session_entries
 from moepass.core.moe_nodes import moe_nodes
 from moepass.passes.annotate_layers import AnnotateLayersPass

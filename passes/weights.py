@@ -27,7 +27,7 @@ from moepass.core.gguf_reader import GGUFTensor
 from moepass.core.imatrix import importance_rows
 from moepass.cuda_ops.prepack import prepack_sm80
 from moepass.core.quants import (BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points, rel_rms,
-                            unpack_values)
+                                 unpack_values)
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
 # allocator instead of being faulted in afresh for every tensor.

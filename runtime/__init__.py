@@ -20,7 +20,7 @@ import numpy as np
 
 from moepass.core.errors import MoepassError, first_line
 from moepass.core.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
-                           load_model, model_file, read_json_object)
+                                load_model, model_file, read_json_object)
 from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session
 from moepass.core import keys
 

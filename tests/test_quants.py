@@ -10,7 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 import make_fixtures
 from moepass.core.errors import MoepassError
 from moepass.core.quants import (QUANT_TYPES, _block_absmax, _block_min_max, REQUANTIZE_FORM, BlockForm, choose_expert_form, pack, pack_codes,
-                            pack_zero_points, quant_type, unpack_codes, unpack_values)
+                                 pack_zero_points, quant_type, unpack_codes, unpack_values)
 
 BLOCK_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage == "blocks"]
 
