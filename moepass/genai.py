@@ -19,7 +19,6 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import MODEL_FILE
 
 
-
 def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
                  config_entries: dict[str, str] | None = None) -> dict[str, Any]:
     arch = model.metadata_props.get(keys.ARCHITECTURE, "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from moepass.core.moe_nodes import is_moe
+from moepass.core.moe_nodes import ROUTER_LOGITS, is_moe
 from moepass.core import keys
 
 
@@ -25,7 +25,7 @@ class ExposeRouterLogitsPass(InPlacePass):
         for node in graph:
             if not is_moe(node):
                 continue
-            logits = node.inputs[1]
+            logits = node.inputs[ROUTER_LOGITS]
             name = keys.ROUTER_LOGITS_PREFIX + node.name
             # An Identity keeps the original value's name and users untouched.
             exposed = ir.node("Identity", [logits], name=f"{node.name}.expose_router")

@@ -36,10 +36,9 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
-from moepass.core.moe_nodes import Activation, Experts, NodeList, moe_node
+from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node
 from moepass.core.quants import BlockForm, qmoe_takes, quantize_values, rel_rms, requantize_form, unpack_values
 from moepass.passes.weights import PackOnce, StreamedTensor, WeightRecord, WeightReport
-
 
 
 @dataclasses.dataclass
@@ -583,9 +582,9 @@ class MoeNodeRule:
         if self.float_experts == "keep":
             raise Mismatch(f"{where}: already one float MoE node; --float-experts int8 or int4 quantizes it into QMoE")
         inputs = list(node.inputs) + [None] * (8 - len(node.inputs))
-        if any(v is not None for v in inputs[6:8]):
+        if any(inputs[slot] is not None for slot in MOE_SLOTS["fc3"]):
             raise Mismatch(f"{where}: has separate fc3 weights, which ONNX Runtime's CPU QMoE does not take")
-        for index in (2, 4):
+        for index in (MOE_SLOTS["fc1"][0], MOE_SLOTS["fc2"][0]):
             if inputs[index] is None or inputs[index].const_value is None:
                 raise Mismatch(f"{where}: input {index} is not a constant initializer")
         attributes = node.attributes
@@ -604,7 +603,7 @@ class MoeNodeRule:
                                              None if limit is None else limit.as_float()))
 
     def target(self, match: MoeNodeMatch) -> Target:
-        ks = [int(match.anchor.inputs[p].const_value.shape[2]) for p in (2, 4)]
+        ks = [int(match.anchor.inputs[MOE_SLOTS[fc][0]].const_value.shape[2]) for fc in ("fc1", "fc2")]
         form = requantize_form(8 if self.float_experts == "int8" else 4, ks)
         return Target(str(form), form, False, f"float com.microsoft::MoE, K {ks[0]}/{ks[1]} -> {form}, quantized")
 
@@ -613,20 +612,22 @@ class MoeNodeRule:
         moe = match.anchor
         target = self.target(match)
         name = moe.name or f"moe.{index}"
-        stacks = []
-        for position in (2, 4):
-            tensor = moe.inputs[position].const_value
-            groups = [(ExpertMatrix(tensor, e),) for e in range(int(tensor.shape[0]))]
-            stacks.append(writer.packed_stack(f"{name}.fc{1 if position == 2 else 2}", groups, target.form, False))
         inputs = list(moe.inputs) + [None] * (8 - len(moe.inputs))
-        stacks[0].bias, stacks[1].bias = inputs[3], inputs[5]
+        stacks = []
+        for fc in ("fc1", "fc2"):
+            weights, bias = (inputs[slot] for slot in MOE_SLOTS[fc])
+            groups = [(ExpertMatrix(weights.const_value, e),) for e in range(int(weights.const_value.shape[0]))]
+            stacks.append(writer.packed_stack(f"{name}.{fc}", groups, target.form, False))
+            stacks[-1].bias = bias
         nodes = NodeList()
-        moe_node(nodes.op, f"{name}.quantized", inputs[0], inputs[1], stacks[0], stacks[1],
-                 top_k=moe.attributes.get_int("k", 1), normalize=bool(moe.attributes.get_int("normalize_routing_weights", 0)),
+        moe_node(nodes.op, f"{name}.quantized", inputs[0], inputs[ROUTER_LOGITS], stacks[0], stacks[1],
+                 top_k=moe.attributes.get_int("k", 1),
+                 normalize=bool(moe.attributes.get_int("normalize_routing_weights", 0)),
                  activation=match.activation, bits=target.form.bits, block_size=target.form.block_size)
         node = writer.replace(nodes.nodes, moe.outputs[0], moe, target.name)
         return FusionRecord(self.name, _node_name(moe), True, node=node.name,
-                            experts=int(moe.inputs[2].const_value.shape[0]), top_k=moe.attributes.get_int("k", 1),
+                            experts=int(inputs[MOE_SLOTS["fc1"][0]].const_value.shape[0]),
+                            top_k=moe.attributes.get_int("k", 1),
                             form=target.name, geometry=target.geometry)
 
 

@@ -20,7 +20,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core.errors import MoepassError
-from moepass.core.moe_nodes import EXPERT_INPUTS, moe_nodes
+from moepass.core.moe_nodes import EXPERT_INPUTS, ROUTER_LOGITS, ROUTER_WEIGHTS, moe_nodes
 from moepass.passes.weights import StreamedTensor
 from moepass.core import keys
 
@@ -96,13 +96,13 @@ class ReorderExpertsPass(InPlacePass):
     def _router_edits(self, moe: ir.Node, experts: int) -> list[tuple[ir.Node, int, int]] | None:
         """The router inputs to permute (node, input, axis), or None for a router computed by a
         subgraph, whose result is gathered instead; MoepassError for a router that cannot be reordered."""
-        router = moe.inputs[1].producer()
+        router = moe.inputs[ROUTER_LOGITS].producer()
         if router is None:
             raise MoepassError(f"node {moe.name}: its router logits are a graph input, which cannot be reordered")
         if (router.domain, router.op_type) not in (("", "MatMul"), ("", "Add"), ("com.microsoft", "MatMulNBits")):
             return None
         edits = []
-        for use in moe.inputs[1].uses():
+        for use in moe.inputs[ROUTER_LOGITS].uses():
             # the node itself, or a Softmax over the experts that feeds only it (router_weights)
             ok = use.node is moe or (use.node.op_type == "Softmax" and use.node.attributes.get_int("axis", -1) == -1
                                      and all(u.node is moe for u in use.node.outputs[0].uses()))
@@ -143,7 +143,7 @@ class ReorderExpertsPass(InPlacePass):
                            shape=ir.Shape([len(order)]),
                            const_value=ir.Tensor(np.array(order, np.int64), name=f"{moe.name}.expert_order"))
         graph.register_initializer(indices)
-        for index in (1, 14):  # router scores, router_weights
+        for index in (ROUTER_LOGITS, ROUTER_WEIGHTS):  # router scores, router_weights
             if index >= len(moe.inputs) or moe.inputs[index] is None:
                 continue
             source = moe.inputs[index]

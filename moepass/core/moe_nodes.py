@@ -20,9 +20,10 @@ MOE_OPS = ("QMoE", "MoE")
 # Inputs that carry per-expert tensors (first axis = experts); router_weights (14) and the
 # global FP4/FP8 scales (15..) are per token or per tensor.
 EXPERT_INPUTS = {"QMoE": range(2, 14), "MoE": range(2, 8)}
-QMOE_SLOTS = {"fc1": (2, 3, 4, 11), "fc2": (5, 6, 7, 12)}  # weights, scales, bias, zero points
-MOE_SLOTS = {"fc1": (2, 3), "fc2": (4, 5)}                  # weights, bias
-ROUTER_WEIGHTS = 14
+ROUTER_LOGITS = 1
+QMOE_SLOTS = {"fc1": (2, 3, 4, 11), "fc2": (5, 6, 7, 12), "fc3": (8, 9, 10, 13)}  # weights, scales, bias, zero points
+MOE_SLOTS = {"fc1": (2, 3), "fc2": (4, 5), "fc3": (6, 7)}  # weights, bias
+ROUTER_WEIGHTS = 14  # QMoE only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +71,11 @@ def moe_node(op: MakeOp, name: str, hidden: ir.Value, router_logits: ir.Value, f
                   "activation_beta": activation.beta, "normalize_routing_weights": int(normalize)}
     if activation.limit is not None:
         attributes["swiglu_limit"] = activation.limit
-    if not bits:
-        inputs = [hidden, router_logits, fc1.weights, fc1.bias, fc2.weights, fc2.bias]
-        return op("MoE", inputs, attributes, domain="com.microsoft", name=name)
+    if not bits:  # every slot up to fc2's bias written, absent ones empty
+        moe_inputs: list[ir.Value | None] = [hidden, router_logits, None, None, None, None]
+        for experts, slots in ((fc1, MOE_SLOTS["fc1"]), (fc2, MOE_SLOTS["fc2"])):
+            moe_inputs[slots[0]], moe_inputs[slots[1]] = experts.weights, experts.bias
+        return op("MoE", moe_inputs, attributes, domain="com.microsoft", name=name)
     attributes["expert_weight_bits"] = bits
     if block_size:
         attributes["block_size"] = block_size
@@ -128,13 +131,13 @@ class MoeNode:
     @property
     def hidden(self) -> int:
         """Model width: rows of fc2 ([E, hidden, ...] in both ops and every weight format)."""
-        fc2 = self.node.inputs[5 if self.node.op_type == "QMoE" else 4]
+        fc2 = self.node.inputs[(QMOE_SLOTS if self.node.op_type == "QMoE" else MOE_SLOTS)["fc2"][0]]
         return int(fc2.const_value.shape[1])
 
     @property
     def ffn(self) -> int:
         """Expert intermediate size: fc1 rows are [gate, up] interleaved for SwiGLU, 2 * ffn."""
-        rows = int(self.node.inputs[2].const_value.shape[1])
+        rows = int(self.node.inputs[QMOE_SLOTS["fc1"][0]].const_value.shape[1])  # slot 2 in both ops
         swiglu = self.node.attributes.get_string("activation_type", "") == "swiglu"
         return rows // 2 if swiglu else rows
 
