@@ -14,10 +14,11 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
 from moepass.cli import main
+from moepass.core.quants import BlockForm, unpack_values
+from bounds import assert_within, float_rounding_bound
 
 OUTPUT_FILES = ["genai_config.json", "model.onnx", "model.onnx.data", "moepass.json", "tokenizer.json",
                 "tokenizer_config.json"]
-from moepass.core.quants import BlockForm, unpack_values
 
 
 def test_convert_twice_gives_identical_files(tmp_path, make_gguf):
@@ -249,7 +250,10 @@ def test_activation_modes(tmp_path, make_gguf, converted):
 
 
 def test_logits_to_keep(converted):
-    """logits_to_keep = 0 (the default) returns every position; 1 only the last, with the same values."""
+    """logits_to_keep = 0 (the default) returns every position; 1 only the last, with the same values:
+    the LM head's input row is the same bits either way, so its int8 codes are too, and only the
+    order in which the kernel adds the blocks' products may differ between one row and four
+    (float32 rounding)."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(converted("q4_0") / "model.onnx"))
@@ -261,4 +265,4 @@ def test_logits_to_keep(converted):
     every = session.run(["logits"], feeds)[0]
     last = session.run(["logits"], {**feeds, "logits_to_keep": np.array([1])})[0]
     assert every.shape[1] == 4 and last.shape[1] == 1
-    np.testing.assert_array_equal(last[:, 0], every[:, -1])
+    assert_within(last[:, 0], every[:, -1], float_rounding_bound(every, stages=1), "the last position")
