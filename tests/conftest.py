@@ -45,13 +45,14 @@ def make_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory, make_gguf):
-    """converted(preset, activations="int8", expert_format="auto", **gguf_kwargs) -> directory of the
-    converted model (cached); tests of exact arithmetic ask for activations="float"."""
+    """converted(preset, activations="int8", expert_format="auto", exact=False, **gguf_kwargs) ->
+    directory of the converted model (cached); tests of exact arithmetic ask for activations="float",
+    tests of exact repacks for exact=True."""
     from moepass.convert import convert
 
-    def build(folder, preset, activations="int8", expert_format="auto", **kw):
+    def build(folder, preset, activations="int8", expert_format="auto", exact=False, **kw):
         return convert(make_gguf(preset, **kw), folder / "model", activations=activations,
-                       expert_format=expert_format).output_dir
+                       expert_format=expert_format, exact=exact).output_dir
 
     return _cached_by_arguments(tmp_path_factory.mktemp("onnx"), build)
 
@@ -74,13 +75,28 @@ def exported(tmp_path_factory):
     return _cached_by_arguments(tmp_path_factory.mktemp("exported"), build)
 
 
-TRAINED_STEPS = 300
+@pytest.fixture(scope="session")
+def trained_gguf(tmp_path_factory):
+    """(path of the trained qwen3moe F32 GGUF, its importance matrix) — fixtures/train_fixture.py,
+    trained anew in every session (a minute), so every run checks that it is the same file."""
+    import train_fixture
+
+    return train_fixture.train(tmp_path_factory.mktemp("trained") / "trained-f32.gguf", echo=lambda line: None)
 
 
 @pytest.fixture(scope="session")
-def trained_gguf(tmp_path_factory):
-    """(path of the trained qwen3moe F32 GGUF, its importance matrix) — fixtures/train_fixture.py."""
+def trained_models(trained_gguf):
+    """name -> (F32 GGUF, importance matrix, held-out token windows) of both trained models:
+    "markov" (above; windows sampled from its language) and "text" (fixtures/hf_fixture.py: about
+    three minutes of training, kept in the temporary directory between sessions under a digest of
+    the fixture's source and the Python version, so CI's later passes reuse it)."""
+    import hashlib
+    import tempfile
+
+    import hf_fixture
     import train_fixture
 
-    return train_fixture.train(tmp_path_factory.mktemp("trained") / "trained-f32.gguf", steps=TRAINED_STEPS,
-                               echo=lambda line: None)
+    key = hashlib.sha256(Path(hf_fixture.__file__).read_bytes() + sys.version.encode()).hexdigest()[:16]
+    cache = Path(tempfile.gettempdir()) / f"moepass-test-text-fixture-{key}"
+    return {"markov": (*trained_gguf, train_fixture.heldout_windows()),
+            "text": hf_fixture.build(cache, "qwen3moe", echo=lambda line: None)}

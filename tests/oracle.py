@@ -13,6 +13,7 @@ spread: such routing can fall either way (a phimoe Q4_K fixture flips an expert 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,87 @@ def llama_logits(gguf_path, ids=PROMPT):
         llm.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Quality:
+    """A quantized model's next-token distributions against the unquantized model's, as
+    `llama-perplexity --kl-divergence` reports them: mean and 99th-percentile KL divergence
+    KL(P_reference || P_quantized) per position, "same top p" (the share of positions where both
+    rank the same token first), and the perplexity of the text's next tokens."""
+
+    mean_kld: float
+    p99_kld: float
+    top1: float
+    perplexity: float
+    positions: int
+
+    def __str__(self) -> str:
+        return (f"mean KLD {self.mean_kld:.3e}, 99 % KLD {self.p99_kld:.3e}, same top {self.top1:.1%}, "
+                f"PPL {self.perplexity:.3f} over {self.positions} positions")
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _window_klds(reference, logits) -> tuple[np.ndarray, np.ndarray]:
+    """(KL(P_reference || P) per predicting position, log P) of one window's logits."""
+    ref, ours = _log_softmax(reference)[:-1], _log_softmax(logits)[:-1]
+    return (np.exp(ref) * (ref - ours)).sum(axis=-1), ours
+
+
+def next_token_quality(reference_logits, logits, windows) -> Quality:
+    """Quality of `logits` against `reference_logits`, each a list of [positions, vocab] arrays, one
+    per token window of `windows` (position i predicts window[i + 1]; a window's last position
+    predicts nothing and is left out), pooled over every position as llama-perplexity does."""
+    kld, nll, same = [], [], []
+    for ref, logs, ids in zip(reference_logits, logits, windows, strict=True):
+        window_kld, ours = _window_klds(ref, logs)
+        kld.append(window_kld)
+        nll.append(-ours[np.arange(len(ids) - 1), np.asarray(ids)[1:]])
+        same.append(np.argmax(ref[:-1], -1) == ours.argmax(-1))
+    kld, nll, same = (np.concatenate(a) for a in (kld, nll, same))
+    return Quality(float(kld.mean()), float(np.percentile(kld, 99)), float(same.mean()), float(np.exp(nll.mean())),
+                   len(kld))
+
+
+def kld_ratio(reference_logits, ours, theirs, samples: int = 1000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean KLD of `ours` over that of `theirs` (both against `reference_logits`, lists of windows),
+    with a 90 % paired bootstrap interval over windows: (ratio, low, high)."""
+    a = np.array([_window_klds(r, o)[0].sum() for r, o in zip(reference_logits, ours, strict=True)])
+    b = np.array([_window_klds(r, t)[0].sum() for r, t in zip(reference_logits, theirs, strict=True)])
+    picks = np.random.default_rng(seed).integers(0, len(a), (samples, len(a)))
+    ratios = a[picks].sum(axis=1) / b[picks].sum(axis=1)
+    return float(a.sum() / b.sum()), float(np.percentile(ratios, 5)), float(np.percentile(ratios, 95))
+
+
+def llama_window_logits(gguf_path, windows) -> list[np.ndarray]:
+    """llama.cpp's logits for each token window, each its own prefill from an empty cache (one
+    context, reset between windows; F32 KV cache)."""
+    llama_cpp = llama_cpp_module()
+    n_ctx = max(64, max(len(ids) for ids in windows))
+    llm = llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, type_k=0, type_v=0,
+                          n_threads=2, verbose=False)
+    try:
+        out = []
+        for ids in windows:
+            llm.reset()
+            llm.eval(list(ids))
+            out.append(np.array(llm.scores[: len(ids)], dtype=np.float32))
+        return out
+    finally:
+        llm.close()
+
+
+def moepass_window_logits(model_dir, windows) -> list[np.ndarray]:
+    """A converted model's logits for each token window, each its own prefill."""
+    from moepass.runtime import load
+
+    decoder = load(model_dir)
+    return [decoder.forward(np.array([list(ids)]), decoder.empty_cache())[0][0] for ids in windows]
+
+
 def routing_near_ties(model_dir, ids=PROMPT):
     """Positions where some MoE layer's k-th and (k+1)-th router logits are nearly tied."""
     from moepass.passes.expose_router import ExposeRouterLogitsPass
@@ -65,15 +147,17 @@ def routing_near_ties(model_dir, ids=PROMPT):
     return ties
 
 
-def check_against_exact(ours, exact, theirs, what, router_ties):
-    """The converted model as close to the exact computation of the file's weights as llama.cpp is
-    (max |logit - exact| <= DISTANCE_FACTOR x llama.cpp's + SPREAD_FLOOR of the logit spread), and
-    the exact argmax wherever exact arithmetic decides (top-2 margin >= NEAR_TIE of the spread);
-    positions where a router nearly ties are left out of both."""
+def check_against_exact(ours, exact, theirs, what, router_ties, their_exact=None):
+    """The converted model as close to the exact computation of its weights as llama.cpp is to that
+    of the file's (max |logit - exact| <= DISTANCE_FACTOR x llama.cpp's + SPREAD_FLOOR of the logit
+    spread), and the exact argmax wherever exact arithmetic decides (top-2 margin >= NEAR_TIE of the
+    spread); positions where a router nearly ties are left out of both. `exact` is the exact
+    computation of the converted model's weights, `their_exact` that of the file's where they differ
+    (a requantization; default: the same)."""
     kept = ~router_ties
     spread = float(exact.std())
     our_distance = float(np.abs(ours - exact)[kept].max())
-    their_distance = float(np.abs(theirs - exact)[kept].max())
+    their_distance = float(np.abs(theirs - (exact if their_exact is None else their_exact))[kept].max())
     assert our_distance <= DISTANCE_FACTOR * their_distance + SPREAD_FLOOR * spread, \
         f"{what}: max |logit - exact| {our_distance:.4f}, llama.cpp's {their_distance:.4f} (spread {spread:.3f})"
     top2 = np.sort(exact, axis=-1)[:, -2:]

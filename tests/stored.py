@@ -1,0 +1,37 @@
+"""What a converted model stores, read back independently of moepass's writer: every QMoE and
+MatMulNBits weight unpacked into float32 values under its GGUF tensor's name (experts [E, N, K],
+matrices [N, K]), block offsets and float16 scales included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import onnx
+
+from moepass.core.quants import BlockForm, unpack_values
+
+
+def stored_matrices(model_dir: Path) -> Iterator[tuple[np.ndarray, str]]:
+    """(values, GGUF tensor name) of every quantized weight of the saved model in `model_dir`."""
+    model_dir = Path(model_dir)
+    model = onnx.load(model_dir / "model.onnx")
+    init = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(model_dir)) for t in model.graph.initializer}
+    offsets = {n.name.removesuffix(".offsets"): init[n.input[1]] for n in model.graph.node
+               if n.op_type == "MatMul" and n.name.endswith(".offsets")}
+    for node in model.graph.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "QMoE":
+            form = BlockForm(attrs["expert_weight_bits"], attrs.get("block_size", 0))
+            layer = node.name.split(".")[1]
+            fc1 = unpack_values(init[node.input[2]], init[node.input[3]], form)
+            yield fc1[:, 0::2], f"blk.{layer}.ffn_gate_exps.weight"
+            yield fc1[:, 1::2], f"blk.{layer}.ffn_up_exps.weight"
+            yield unpack_values(init[node.input[5]], init[node.input[6]], form), f"blk.{layer}.ffn_down_exps.weight"
+        elif node.op_type == "MatMulNBits":
+            form = BlockForm(attrs["bits"], attrs["block_size"], node.name in offsets)
+            blob = init[node.input[1]]
+            shift = offsets[node.name].T if node.name in offsets else None
+            yield (unpack_values(blob.reshape(blob.shape[0], -1), init[node.input[2]], form, offsets=shift),
+                   node.input[1].removesuffix(".q"))
