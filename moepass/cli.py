@@ -138,10 +138,13 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
 @click.option("--float-experts", type=click.Choice(FLOAT_EXPERT_CHOICES), default="keep", show_default=True,
               help="F32/F16/BF16 experts: keep as float (com.microsoft::MoE) or quantize into QMoE.")
 @click.option("--expert-format", type=click.Choice(EXPERT_FORMATS), default="auto", show_default=True,
-              help="auto: the exact form when the experts move bit-exactly; else int4 where measured to keep "
-                   "llama.cpp's fidelity (Q4_K_M, Q4_K, Q5_K, IQ4_XS, Q4_1, Q5_1), else int8; "
-                   "int4 / int8: force the width; offload: what ONNX Runtime's expert offload takes "
+              help="auto: the exact form when the experts move bit-exactly (Q4_0, Q8_0, IQ4_XS, MXFP4, ...), "
+                   "else 8 bits at the largest block (keeps llama.cpp's fidelity); int4: 4 bits (half the bytes, "
+                   "more error), int8: 8 bits; offload: what ONNX Runtime's expert offload takes "
                    "(int4 block 32 prepacked, float16 graph).")
+@click.option("--exact", is_flag=True,
+              help="Keep every tensor whose blocks move bit-exactly exact, even where a requantized form is "
+                   "faster (Q6_K: int8 block 16 instead of block 128).")
 @click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default="int8", show_default=True,
               help="int8: quantized to 8 bits inside each quantized matmul, as llama.cpp does (ONNX Runtime "
                    "accuracy_level 4; fast). float: exact float arithmetic on the weights (slower; for tests).")
@@ -155,15 +158,16 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
               help="Print the graph after this pass.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(model: str, output: str, float_experts: str, expert_format: str, activations: str, imatrix: str | None,
-            force: bool, context: int | None, allow_non_finite: bool, print_after: str | None, quiet: bool) -> None:
+def convert(model: str, output: str, float_experts: str, expert_format: str, exact: bool, activations: str,
+            imatrix: str | None, force: bool, context: int | None, allow_non_finite: bool, print_after: str | None,
+            quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
 
     progress = _Progress("writing weights", enabled=not quiet)
     try:
-        result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format,
+        result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format, exact=exact,
                              activations=activations, imatrix=imatrix,
                              overwrite=force, progress=progress,
                              print_after=print_after, echo=click.echo, allow_non_finite=allow_non_finite,

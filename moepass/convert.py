@@ -90,12 +90,13 @@ class ConvertResult:
         for w in self.weights:
             groups[("+".join(sorted(set(w["source_types"]))), w["target"])].append(w)
         width = max([12] + [len(source) + 2 for source, _ in groups])
-        rows = [f"{'source':<{width}}{'target':<10}{'tensors':>8}{'bits/w':>8}  rel. RMS error"]
+        target_width = max([10] + [len(target) + 2 for _, target in groups])
+        rows = [f"{'source':<{width}}{'target':<{target_width}}{'tensors':>8}{'bits/w':>8}  rel. RMS error"]
         for (source, target), members in sorted(groups.items()):
             bpw = sum(m["bits_per_weight"] * m["bytes"] for m in members) / sum(m["bytes"] for m in members)
             errors = [e for m in members for e in m["rel_rms_error"]]
             error = "exact" if all(all(m["exact"]) for m in members) else f"max {max(errors):.4f}"
-            rows.append(f"{source:<{width}}{target:<10}{len(members):>8}{bpw:>8.2f}  {error}")
+            rows.append(f"{source:<{width}}{target:<{target_width}}{len(members):>8}{bpw:>8.2f}  {error}")
         return rows
 
     def summary_lines(self) -> list[str]:
@@ -120,7 +121,7 @@ class ConvertResult:
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]
         for target, nbytes in sorted(self.bytes_by_target.items(), key=lambda kv: -kv[1]):
-            lines.append(f"    {target:<12}{nbytes:>16,} bytes")
+            lines.append(f"    {target:<18}{nbytes:>16,} bytes")
         inexact = len(self.weights) - self.n_exact
         lines.append(f"  weights       {self.n_exact} exact, {inexact} requantized"
                      + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
@@ -142,7 +143,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             expert_format: str = "auto", activations: str = "int8", imatrix: str | os.PathLike | None = None,
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print, allow_non_finite: bool = False,
-            context: int | None = None) -> ConvertResult:
+            context: int | None = None, exact: bool = False) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
     Args:
@@ -154,6 +155,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             (quantized into QMoE).
         expert_format: "auto", "int4" or "int8" for quantized experts (see moepass.core.quants.expert_form),
             or "offload": what ONNX Runtime's expert offload requires (int4 block 32 prepacked, float16).
+        exact: keep every tensor whose blocks move bit-exactly in its exact form, even where a
+            requantized form is faster (Q6_K: int8 block 16 instead of block 128).
         activations: "int8" (default): activations quantized to 8 bits inside every quantized matrix
             product, as llama.cpp does (ONNX Runtime's accuracy_level 4, several times faster on the
             CPU); "float": exact float arithmetic (see moepass.passes.activations).
@@ -177,7 +180,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
                                                        imatrix=load_imatrix(imatrix) if imatrix else None,
-                                                       context=context))
+                                                       context=context, exact=exact))
     onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo, activations=activations)
     violations = offload_violations(onnx_model)
     offload = "eligible (int4 block 32 prepacked, float16)" if not violations else \

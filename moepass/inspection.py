@@ -170,7 +170,7 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     lines.append(f"MoE layers    {len(info['moe_nodes'])}")
     for m in info["moe_nodes"]:
         resident = "" if m["resident"] is None else f", {m['resident']} resident on the GPU (stored first)"
-        lines.append(f"  {m['node']:<16}{m['op']:<6}{m['form']:<10}{m['experts']} experts, top-{m['top_k']}, "
+        lines.append(f"  {m['node']:<16}{m['op']:<6}{m['form']:<18}{m['experts']} experts, top-{m['top_k']}, "
                      f"{m['bytes']:,} bytes{resident}")
     for record in info.get("fusion") or []:
         lines.append(f"  fused {record['anchor']} -> {record['node']} ({record['form']})" if record["fused"] else

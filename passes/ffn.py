@@ -10,7 +10,7 @@ from moepass.core import keys
 from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
 from moepass.core.errors import MoepassError
 from moepass.core.moe_nodes import Experts, moe_node
-from moepass.core.quants import OFFLOAD_FORM, BlockForm, expert_form, quant_type, takes_zero_points
+from moepass.core.quants import OFFLOAD_FORM, expert_form, quant_type, requantize_form, scales_in_float16
 from moepass.cuda_ops.prepack import prepack_problem
 from moepass.passes.graph_builder import GraphBuilder
 from moepass.passes.routing import renormalizes, route
@@ -62,10 +62,12 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
             t = (gate, up, down)[floats.index(True)]
             raise MoepassError(f"{t.path}: expert tensor '{t.name}' is {t.type_name} while the other experts of layer "
                                f"{layer} are quantized; pass --float-experts int8 (or int4) to quantize it")
+        ks = [gate.shape[-1], down.shape[-1]]
         if all(floats):
-            form = BlockForm(8 if builder.options.float_experts == "int8" else 4, 32)
+            form = requantize_form(8 if builder.options.float_experts == "int8" else 4, ks)
         else:
-            form = expert_form([qt for qt in types if qt.storage != "float"], builder.options.expert_format)
+            quantized = [qt for qt in types if qt.storage != "float"]
+            form = expert_form(quantized, ks, builder.options.expert_format, builder.options.exact)
         prepack = builder.offload and form == OFFLOAD_FORM
         if prepack:
             for label, (n, k) in (("fc1 (gate and up)", (2 * gate.shape[-2], gate.shape[-1])),
@@ -74,13 +76,12 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
                 if problem:
                     raise MoepassError(f"{name}: {label} cannot take the prepacked layout expert offload needs: "
                                        f"{problem}; convert without --expert-format offload")
-        # 4-bit requantization takes zero points (not in the prepacked offload layout)
-        zero_points = not prepack and takes_zero_points(form, types)
-        fc1_w, fc1_s, fc1_z = builder.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack,
-                                                     zero_points=zero_points)
-        fc2_w, fc2_s, fc2_z = builder.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack,
-                                                     zero_points=zero_points)
-        out = node(Experts(fc1_w, fc1_s, fc1_z, fc1_b), Experts(fc2_w, fc2_s, fc2_z, fc2_b), bits=form.bits,
+        # float16 scales in float32 graphs too (QMoE takes them: half the scale bytes), unless they
+        # would round an exact form's scales
+        scales = ir.DataType.FLOAT16 if builder.offload or scales_in_float16(types, form) else ir.DataType.FLOAT
+        fc1_w, fc1_s, _ = builder.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack, scale_dtype=scales)
+        fc2_w, fc2_s, _ = builder.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack, scale_dtype=scales)
+        out = node(Experts(fc1_w, fc1_s, bias=fc1_b), Experts(fc2_w, fc2_s, bias=fc2_b), bits=form.bits,
                    block_size=form.block_size, prepacked=prepack)
         form_name = str(form)
     out.name = f"{name}.output"

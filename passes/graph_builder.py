@@ -19,21 +19,22 @@ from onnx_ir import tape as ir_tape
 from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, GGUFTensor
-from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type, takes_zero_points
+from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class LowerOptions:
     """What the user chose. `float_experts`: keep F32/F16/BF16 experts as float (com.microsoft::MoE)
-    or quantize them into QMoE int8 / int4 (block 32). `expert_format`: "auto" (see
-    moepass.core.quants.expert_form), or force "int4" / "int8" for quantized experts; requantizable non-expert
-    matrices follow it too (int4 for "int4", else int8 block 32). "offload": what ONNX Runtime's
-    expert offload requires: int4 block 32 experts prepacked in the SM80 layout
-    (weights_prepacked=1) and a float16 graph."""
+    or quantize them into QMoE int8 / int4. `expert_format`: "auto" (see moepass.core.quants.expert_form),
+    or force "int4" / "int8" for quantized experts. "offload": what ONNX Runtime's expert offload
+    requires: int4 block 32 experts prepacked in the SM80 layout (weights_prepacked=1) and a float16
+    graph. `exact`: keep every tensor whose blocks move bit-exactly in its exact form, even where a
+    requantized one is faster (Q6_K's int8 block 16; see quants.EXACT_MIN_BLOCK)."""
 
     float_experts: str = "keep"
     expert_format: str = "auto"
+    exact: bool = False
     imatrix: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False)  # name -> [n_mat, K]
     context: int | None = None  # positions the model is built for (RoPE tables); None: the GGUF's context_length
 
@@ -49,6 +50,7 @@ class GraphBuilder:
         self.tape = ir_tape.Tape()
         self.report = WeightReport()
         self._consts: dict[tuple, ir.Value] = {}
+        self._block_sums: dict[tuple, ir.Value] = {}
         self.moe_layers: list[dict[str, Any]] = []
         self.offload = options.expert_format == "offload"
         # activations, float weights and scales: float16 for the offload format, else float32
@@ -98,8 +100,10 @@ class GraphBuilder:
         return self.tape.initializer(float_tensor(src, qt, name, self.report, transpose, self.act), name=name)
 
     def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm, blob_layout: bool = False,
-                       prepack: bool = False, zero_points: bool = False) -> tuple[ir.Value, ir.Value, ir.Value | None]:
-        """Codes and scales initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
+                       prepack: bool = False, scale_dtype: ir.DataType | None = None
+                       ) -> tuple[ir.Value, ir.Value, ir.Value | None]:
+        """Codes, scales (in `scale_dtype`, default the activation type) and, for a form with
+        offsets, block offsets initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
         types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
         if self.options.imatrix is not None:
             for s in sources:
@@ -110,37 +114,52 @@ class GraphBuilder:
                     raise MoepassError(f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns "
                                        f"for {per}")
         group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix,
-                            scale_dtype=self.act, prepack=prepack, zero_points=zero_points)
-        zeros = self.tape.initializer(group.zero_points, name=group.zero_points.name) if zero_points else None
+                            scale_dtype=scale_dtype or self.act, prepack=prepack)
+        offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if form.offsets else None
         return (self.tape.initializer(group.codes, name=group.codes.name),
-                self.tape.initializer(group.scales, name=group.scales.name), zeros)
+                self.tape.initializer(group.scales, name=group.scales.name), offsets)
 
     # ---- layers ---------------------------------------------------------------------------------
     def linear(self, x: ir.Value, src: GGUFTensor, name: str, weight_name: str | None = None,
                bias: GGUFTensor | None = None) -> ir.Value:
-        """y = x @ W^T (+ b) for a GGUF matrix W [N, K]: MatMulNBits when W's blocks move exactly,
-        else float32 MatMul (+ Add).
+        """y = x @ W^T (+ b) for a GGUF matrix W [N, K]: MatMulNBits for quantized W (quants.matrix_form),
+        plus the block offsets' product with the input's block sums for a form with offsets; float32
+        MatMul (+ Add) for float W.
 
         The weight initializers are named after the GGUF tensor unless `weight_name` says otherwise
         (a tied LM head shares its GGUF tensor with the embedding table)."""
         n, k = src.shape
         weight_name = weight_name or src.name
         b = self.float_weight(bias.name, bias) if bias is not None else None
-        form, zero_points = self.matrix_form(src)
+        form = self.matrix_form(src)
         if form is None:
             w = self.float_weight(f"{weight_name}.T", src, transpose=True)
             y = self.tape.op("MatMul", [x, w], name=name)
             return y if b is None else self.tape.op("Add", [y, b], name=f"{name}.bias")
-        codes, scales, zeros = self.packed_weights(weight_name, [src], form, blob_layout=True, zero_points=zero_points)
-        inputs = [x, codes, scales, zeros] + ([None, b] if b is not None else [])
-        return self.tape.op("MatMulNBits", inputs, {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
-                            domain="com.microsoft", name=name)
+        codes, scales, offsets = self.packed_weights(weight_name, [src], form, blob_layout=True)
+        inputs = [x, codes, scales] + ([None, None, b] if b is not None else [])
+        y = self.tape.op("MatMulNBits", inputs, {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
+                         domain="com.microsoft", name=name)
+        if offsets is None:
+            return y
+        sums = self.block_sums(x, k, form.block_size, f"{name}.block_sums")
+        shifts = self.tape.op("MatMul", [sums, offsets], name=f"{name}.offsets")
+        return self.tape.op("Add", [y, shifts], name=f"{name}.with_offsets")
 
-    def matrix_form(self, src: GGUFTensor, requantize_bits: int | None = None) -> tuple[BlockForm | None, bool]:
-        """(block form, zero points) of a non-expert matrix (quants.matrix_form); None for float."""
+    def block_sums(self, x: ir.Value, k: int, block: int, name: str) -> ir.Value:
+        """x's sums over each block of `block` inputs, [..., K / block], by a product with a 0/1 matrix
+        (any rank of x), computed once per input value (q, k and v share theirs)."""
+        key = (id(x), k, block)
+        if key not in self._block_sums:
+            ones = np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))   # [K, K/block]
+            self._block_sums[key] = self.tape.op("MatMul", [x, self.const(f"const.block_sums.{k}.{block}", ones)],
+                                                 name=name)
+        return self._block_sums[key]
+
+    def matrix_form(self, src: GGUFTensor, offsets: bool = True) -> BlockForm | None:
+        """The block form of a non-expert matrix (quants.matrix_form); None for float."""
         qt = quant_type(src.ggml_type, src.name, src.path)
-        form = matrix_form(qt, self.options.expert_format, requantize_bits)
-        return form, takes_zero_points(form, [qt])
+        return matrix_form(qt, src.shape[-1], self.options.exact, offsets)
 
     def rms_norm(self, x: ir.Value, src: GGUFTensor, name: str, bias: GGUFTensor | None = None) -> ir.Value:
         """RMSNorm(x) * gamma (+ beta: phimoe's norms add a bias after normalizing, as llama.cpp does)."""
@@ -161,16 +180,16 @@ class GraphBuilder:
         """Rows of the token embedding table. A quantized table stays quantized: exact where its
         blocks move exactly, else requantized to 8 bits (com.microsoft::GatherBlockQuantized
         dequantizes only the rows it gathers, codes laid out as QMoE's rows): a float32 copy of a
-        151,936-token table would take 1.2 GB where llama.cpp keeps its blocks."""
+        151,936-token table would take 1.2 GB where llama.cpp keeps its blocks. Measured on both
+        trained models: a Q4_K table at 8 bits keeps llama.cpp's fidelity, at 4 bits it does not (1.8x
+        its KLD)."""
         src = self.tensor("token_embd")
-        # never requantized to 4 bits: an embedding's error enters the residual stream before every
-        # layer (a Q4_K table at int4: 5x the logit error of every other matrix at int4 together)
-        form, zero_points = self.matrix_form(src, requantize_bits=8)
+        form = self.matrix_form(src, offsets=False)  # GatherBlockQuantized has no block offsets
         if form is None:
             table = self.float_weight(self.arch.tensor_name("token_embd"), src)
             return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
-        codes, scales, zeros = self.packed_weights(src.name, [src], form, zero_points=zero_points)
-        return self.tape.op("GatherBlockQuantized", [codes, input_ids, scales, zeros],
+        codes, scales, _ = self.packed_weights(src.name, [src], form)
+        return self.tape.op("GatherBlockQuantized", [codes, input_ids, scales],
                             {"gather_axis": 0, "quantize_axis": 1, "block_size": form.block_size, "bits": form.bits},
                             domain="com.microsoft", name="embed_tokens")
 

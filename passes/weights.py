@@ -26,8 +26,8 @@ from gguf import GGMLQuantizationType
 from moepass.core.gguf_reader import GGUFTensor
 from moepass.core.imatrix import importance_rows
 from moepass.cuda_ops.prepack import prepack_sm80
-from moepass.core.quants import (BlockForm, Packed, QuantType, dequantize, pack, pack_zero_points, rel_rms,
-                                 unpack_values)
+from moepass.core.errors import MoepassError
+from moepass.core.quants import BlockForm, Packed, QuantType, dequantize, pack, rel_rms, unpack_values
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
 # allocator instead of being faulted in afresh for every tensor.
@@ -242,25 +242,27 @@ class PackOnce:
 
 
 class PackedGroup:
-    """Codes, scales (and zero points) initializers of GGUF matrices [.., N, K] in one BlockForm.
+    """Codes and scales (and block offsets) initializers of GGUF matrices [.., N, K] in one BlockForm.
 
     Two sources (gate, up) are interleaved into [.., 2N, K], QMoE's fused SwiGLU layout. With
     `blob_layout` the codes are shaped [N, k_blocks, blob] as MatMulNBits wants them (same bytes);
     with `prepack` each expert's codes are in ONNX Runtime's SM80 layout [K, N*bits/8]. Scales are
-    float32, or float16 (`scale_dtype`) for float16 graphs, the rounding added to the reported error.
+    float32, or float16 (`scale_dtype`), the rounding added to the reported error. A form with
+    offsets (one matrix [N, K]) also gives `offsets`, transposed [k_blocks, N] for the product with
+    the input's block sums.
 
-    The sources are packed once for all three initializers (PackOnce).
+    The sources are packed once for all initializers (PackOnce).
     """
 
     def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
                  report: WeightReport, blob_layout: bool = False, importance: dict[str, np.ndarray] | None = None,
-                 scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False, zero_points: bool = False):
+                 scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False):
         self.sources, self.types, self.form, self.name, self.report = sources, types, form, name, report
         self.importance = importance or {}
         self.scale_type = FLOAT_TYPES[scale_dtype][0]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
         rows = (*lead[:-1], lead[-1] * len(sources))
-        k_blocks = k // form.block_size
+        k_blocks = k // (form.block_size or k)
         # prepack: per expert the SM80 mixed-GEMM layout [K, N*bits/8] (moepass.cuda_ops.prepack)
         self.prepack_rows = lead[-1] if prepack else 0
         if prepack:
@@ -270,23 +272,25 @@ class PackedGroup:
         else:
             self.codes_shape = (*rows, form.packed_bytes(k))
         self.scales_shape = (*rows, k_blocks)
-        self.zero_points_shape = (*rows, (k_blocks * form.bits + 7) // 8) if zero_points else None
+        if form.offsets and len(rows) != 1:
+            raise ValueError(f"{name}: block offsets are for one matrix, not a stack {rows}")
         nbytes = int(np.prod(self.codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(self.scales_shape)) \
-            + (int(np.prod(self.zero_points_shape)) if zero_points else 0)
+            + (4 * int(np.prod(self.scales_shape)) if form.offsets else 0)
         elements = sum(int(np.prod(s.shape)) for s in sources)
         report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes,
                                 round(nbytes * 8 / elements, 4)))
-        once = PackOnce(self._packed_chunks, 2 if zero_points else 1)
+        once = PackOnce(self._packed_chunks, 2 if form.offsets else 1)
         self.codes = StreamedTensor(once.codes, ir.DataType.UINT8, self.codes_shape, f"{name}.q")
         self.scales = StreamedTensor(lambda: once.extra(0), scale_dtype, self.scales_shape, f"{name}.scales")
-        self.zero_points = StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, self.zero_points_shape,
-                                          f"{name}.zero_points") if zero_points else None
+        self.offsets = StreamedTensor(lambda: iter([np.concatenate(list(once.extra(1))).T]), ir.DataType.FLOAT,
+                                      (k_blocks, rows[0]), f"{name}.offsets") if form.offsets else None
 
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None]]]:
-        """(codes, (scales, zero points)) per chunk of rows, as stored; records exactness and error
-        once all rows are done."""
+        """(codes, (scales, offsets)) per chunk of rows, as stored; records exactness and error once
+        all rows are done."""
         n_src, form = len(self.sources), self.form
         k = self.sources[0].shape[-1]
+        k_blocks = k // (form.block_size or k)
         stats = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
 
         def pack_chunk(item: tuple[int, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
@@ -295,41 +299,48 @@ class PackedGroup:
             rows = len(parts[0])
             # Each source is packed straight into its interleaved slot: nothing is copied to interleave.
             codes = np.empty((rows, n_src, form.packed_bytes(k)), dtype=np.uint8)
-            scales = np.empty((rows, n_src, k // form.block_size), dtype=np.float32)
-            zeros = np.empty((rows, n_src, k // form.block_size), dtype=np.uint8) if self.zero_points else None
+            scales = np.empty((rows, n_src, k_blocks), dtype=np.float32)
+            offsets = np.empty((rows, k_blocks), dtype=np.float32) if form.offsets else None
             packs = []
             for j, (raw, qt, src) in enumerate(zip(parts, self.types, self.sources)):
                 imp = self.importance.get(src.name)
                 weights = None if imp is None else importance_rows(imp, src.shape, first, rows)
-                packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights,
-                                  None if zeros is None else zeros[:, j]))
-            packed_zeros = None if zeros is None else pack_zero_points(zeros, form)
+                packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights, offsets))
             if self.scale_type != np.float32:
-                narrow = scales.astype(self.scale_type)
-                for j, p in enumerate(packs):  # the rounding of the scales joins the source's error
-                    shift = narrow[:, j].astype(np.float32) - scales[:, j]
-                    if shift.any():
-                        codes_j = unpack_values(codes[:, j], np.ones_like(scales[:, j]), form,
-                                                None if packed_zeros is None else packed_zeros[:, j])
-                        p.exact = False
-                        p.error_sq += float(np.sum(np.square(codes_j * np.repeat(shift, form.block_size, axis=-1)),
-                                                   dtype=np.float64))
-                        if not p.reference_sq:
-                            p.reference_sq = float(np.sum(np.square(dequantize(parts[j], self.types[j].ggml_type)),
-                                                          dtype=np.float64))
-                scales = narrow
+                scales = self._narrowed(scales, codes, packs, parts)
             if self.prepack_rows:
                 n = self.prepack_rows * n_src
                 experts = codes.reshape(-1, n, form.packed_bytes(k))
                 codes = np.stack([prepack_sm80(e, n, k, form.bits) for e in experts])
-            return codes, scales, packed_zeros, packs
+            return codes, scales, offsets, packs
 
         chunks = _source_rows(self.sources, max(1, self.prepack_rows))
-        for codes, scales, zeros, packs in _ordered_map(pack_chunk, chunks):
+        for codes, scales, offsets, packs in _ordered_map(pack_chunk, chunks):
             for stat, p in zip(stats, packs):
                 stat[0] &= p.exact
                 stat[1] += p.error_sq
                 stat[2] += p.reference_sq
-            yield codes, (scales, zeros)
+            yield codes, (scales, offsets)
         self.report.measured(self.name, [exact for exact, _, _ in stats],
                              [rel_rms(e, r) for _, e, r in stats])
+
+    def _narrowed(self, scales: np.ndarray, codes: np.ndarray, packs: list[Packed], parts: list[np.ndarray]) -> np.ndarray:
+        """`scales` in the narrower scale type: the rounding joins each source's error; a scale
+        beyond its range is refused, naming the tensor."""
+        narrow = scales.astype(self.scale_type)
+        if not np.isfinite(narrow).all():
+            j = int(np.argwhere(~np.isfinite(narrow))[0][1])
+            raise MoepassError(f"{self.sources[j].path}: tensor '{self.sources[j].name}' has a block scale of "
+                               f"{float(np.abs(scales[:, j]).max()):.3g}, beyond float16's range (65504): its "
+                               f"weights are too large for any real model")
+        for j, p in enumerate(packs):
+            shift = narrow[:, j].astype(np.float32) - scales[:, j]
+            if shift.any():
+                codes_j = unpack_values(codes[:, j], np.ones_like(scales[:, j]), self.form)
+                p.exact = False
+                block = self.form.block_size or codes_j.shape[-1]
+                p.error_sq += float(np.sum(np.square(codes_j * np.repeat(shift, block, axis=-1)), dtype=np.float64))
+                if not p.reference_sq:
+                    p.reference_sq = float(np.sum(np.square(dequantize(parts[j], self.types[j].ggml_type)),
+                                                  dtype=np.float64))
+        return narrow

@@ -14,8 +14,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
 from moepass.cli import main
-from moepass.core.quants import BlockForm, unpack_values
 from bounds import assert_within, float_rounding_bound
+from stored import stored_matrices
 
 OUTPUT_FILES = ["genai_config.json", "model.onnx", "model.onnx.data", "moepass.json", "tokenizer.json",
                 "tokenizer_config.json"]
@@ -33,54 +33,42 @@ def test_convert_twice_gives_identical_files(tmp_path, make_gguf):
 def test_result_and_report(tmp_path, make_gguf):
     result = moepass.convert(make_gguf("q4_k"), tmp_path / "out")
     assert result.architecture == "qwen3moe" and result.n_layers == 2
-    # a Q4_K_M layer is requantized anyway: int4 block 32 (measured to keep llama.cpp's fidelity)
-    assert [m["form"] for m in result.moe_layers] == ["int4/b32", "int4/b32"]
+    # a Q4_K_M layer is requantized anyway: 8 bits at the largest block dividing its rows
+    assert [m["form"] for m in result.moe_layers] == ["int8/b128", "int8/b128"]
     assert result.moe_layers[0]["source_types"] == ["Q4_K", "Q4_K", "Q6_K"]
     report = json.loads((tmp_path / "out" / "moepass.json").read_text())
     weights = {w["onnx_name"]: w for w in report["weights"]}
     fc1, fc2 = weights["blk.0.ffn_experts.fc1"], weights["blk.0.ffn_experts.fc2"]
-    assert fc1["exact"] == [False, False] and 0 < max(fc1["rel_rms_error"]) < 0.1   # Q4_K requantized to int4/b32
-    assert fc2["exact"] == [False] and 0 < fc2["rel_rms_error"][0] < 0.1            # Q6_K too
-    int8 = moepass.convert(make_gguf("q4_k"), tmp_path / "int8", expert_format="int8")
-    assert [m["form"] for m in int8.moe_layers] == ["int8/b16", "int8/b16"]     # the form holding Q6_K exactly
-    assert {w["onnx_name"]: w for w in int8.weights}["blk.0.ffn_experts.fc2"]["exact"] == [True]
-    assert weights["output.weight"]["target"] == "int8/b16" and weights["output.weight"]["exact"] == [True]
-    attn_q = weights["blk.0.attn_q.weight"]                                          # Q4_K matrix: requantized
-    assert attn_q["target"] == "int8/b32" and attn_q["exact"] == [False] and 0 < attn_q["rel_rms_error"][0] < 0.01
+    assert fc1["exact"] == [False, False] and 0 < max(fc1["rel_rms_error"]) < 0.02   # Q4_K requantized
+    assert fc2["exact"] == [False] and 0 < fc2["rel_rms_error"][0] < 0.02            # Q6_K too
+    assert weights["output.weight"]["target"] == "int8/b128" and weights["output.weight"]["exact"] == [False]
+    attn_q = weights["blk.0.attn_q.weight"]                                # Q4_K matrix: its own codes, exact
+    assert attn_q["target"] == "int4/b32+offsets" and attn_q["exact"] == [True]
+    exact = moepass.convert(make_gguf("q4_k"), tmp_path / "exact", exact=True)
+    assert [m["form"] for m in exact.moe_layers] == ["int8/b128", "int8/b128"]      # no form holds Q4_K exactly
+    output = {w["onnx_name"]: w for w in exact.weights}["output.weight"]
+    assert output["target"] == "int8/b16" and output["exact"] == [True]             # Q6_K kept exact
     lines = "\n".join(result.summary_lines())
     assert "2 MoE, 8 experts, top-2" in lines and "requantized" in lines
     assert result.output_bytes == sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
 
 
-@pytest.mark.parametrize("preset", ["q8_0", "q4_0", "q6_k"])
+@pytest.mark.parametrize("preset", ["q8_0", "q4_0", "q6_k", "q4_k"])
 def test_stored_weights_are_bit_exact(preset, make_gguf, converted):
-    """Every QMoE and MatMulNBits initializer, unpacked, equals the gguf package's dequantization bit for bit."""
+    """Every QMoE and MatMulNBits weight the report calls exact, unpacked, equals the gguf package's
+    dequantization bit for bit (with exact=True: Q6_K in its int8 block 16 form; Q4_K's attention
+    matrices are exact with block offsets, its experts requantized)."""
     reader = GGUFReader(make_gguf(preset))
     source = {t.name: gguf_dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32) for t in reader.tensors}
-    model = onnx.load(converted(preset) / "model.onnx")
-    init = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(converted(preset))) for t in model.graph.initializer}
+    model_dir = converted(preset, exact=True)
+    report = json.loads((model_dir / "moepass.json").read_text())
+    exact = {s for w in report["weights"] for s, e in zip(w["sources"], w["exact"] or []) if e}
     checked = 0
-    for node in model.graph.node:
-        if node.op_type == "QMoE":
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            form = BlockForm(attrs["expert_weight_bits"], attrs["block_size"])
-            layer = node.name.split(".")[1]
-            fc1 = unpack_values(init[node.input[2]], init[node.input[3]], form)
-            fc2 = unpack_values(init[node.input[5]], init[node.input[6]], form)
-            pairs = [(fc1[:, 0::2], f"blk.{layer}.ffn_gate_exps.weight"), (fc1[:, 1::2], f"blk.{layer}.ffn_up_exps.weight"),
-                     (fc2, f"blk.{layer}.ffn_down_exps.weight")]
-        elif node.op_type == "MatMulNBits":
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            form = BlockForm(attrs["bits"], attrs["block_size"])
-            blob = init[node.input[1]]
-            values = unpack_values(blob.reshape(blob.shape[0], -1), init[node.input[2]], form)
-            pairs = [(values, node.input[1].removesuffix(".q"))]
-        else:
-            continue
-        for ours, name in pairs:
+    for ours, name in stored_matrices(model_dir):
+        if name in exact:
             np.testing.assert_array_equal(ours.view(np.uint32), source[name].view(np.uint32), err_msg=name)
             checked += 1
-    assert checked >= 2 * 3 + 9
+    assert checked == 2 * (4 + (0 if preset == "q4_k" else 3)) + 1   # per layer q, k, v, o (+ 3 experts); LM head
 
 
 def test_split_gguf_converts_to_the_same_weights(make_gguf, converted):
@@ -184,16 +172,18 @@ def test_shipped_fixture_is_what_the_generator_writes(tmp_path):
     assert make_fixtures.DEMO_FIXTURE.stat().st_size < 2 << 20
 
 
-@pytest.mark.parametrize("preset,fmt,form,exact", [("q4_0", "auto", "int4/b32", True), ("q8_0", "auto", "int8/b32", True),
-                                                   ("q4_0", "int8", "int8/b32", True), ("q8_0", "int4", "int4/b32", False),
-                                                   ("q4_k", "int4", "int4/b32", False)])
-def test_expert_format(preset, fmt, form, exact, tmp_path, make_gguf):
+@pytest.mark.parametrize("preset,fmt,form,errors", [("q4_0", "auto", "int4/b32", (0, 0)), ("q8_0", "auto", "int8/b32", (0, 0)),
+                                                    ("q4_0", "int8", "int8/b32", (0, 0)),
+                                                    ("q8_0", "int4", "int4/b32", (0.03, 0.1)),
+                                                    ("q4_k", "int4", "int4/b32", (0.03, 0.1)),
+                                                    ("q4_k", "auto", "int8/b128", (0.001, 0.02))])
+def test_expert_format(preset, fmt, form, errors, tmp_path, make_gguf):
     result = moepass.convert(make_gguf(preset), tmp_path / "out", expert_format=fmt)
     assert [m["form"] for m in result.moe_layers] == [form, form]
     experts = [w for w in result.weights if ".ffn_experts." in w["onnx_name"]]
-    errors = [e for w in experts for e in w["rel_rms_error"]]
-    assert all(all(w["exact"]) for w in experts) == exact
-    assert max(errors) == 0 if exact else 0.03 < max(errors) < 0.1   # int4 block 32 from 8-bit or K-quant codes
+    largest = max(e for w in experts for e in w["rel_rms_error"])
+    assert all(all(w["exact"]) for w in experts) == (errors == (0, 0))
+    assert largest == 0 if errors == (0, 0) else errors[0] < largest < errors[1]
     logits, _ = moepass.load(tmp_path / "out").forward(np.array([[1, 2, 3]]), moepass.load(tmp_path / "out").empty_cache())
     assert np.isfinite(logits).all()
 
@@ -206,29 +196,21 @@ def test_expert_format_option_errors(tmp_path, make_gguf):
     assert result.exit_code == 0 and "int4/b32 x2" in result.stdout
 
 
-def test_int4_zero_points_stored_as_reported(tmp_path, make_gguf):
-    """Requantized int4 experts and matrices carry zero points; unpacked from the saved model they give
-    exactly the error the report states."""
+@pytest.mark.parametrize("fmt", ["auto", "int4"])
+def test_requantized_weights_stored_as_reported(fmt, tmp_path, make_gguf):
+    """Requantized experts and matrices, unpacked from the saved model (float16 expert scales
+    included), give exactly the error the report states."""
     source = make_gguf("q4_k")
-    result = moepass.convert(source, tmp_path / "out", expert_format="int4")
+    result = moepass.convert(source, tmp_path / "out", expert_format=fmt)
     reader = GGUFReader(source)
     values = {t.name: gguf_dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64) for t in reader.tensors}
-    model = onnx.load(tmp_path / "out" / "model.onnx")
-    init = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(tmp_path / "out")) for t in model.graph.initializer}
-    reported = {w["onnx_name"]: w for w in result.weights}
-    form = BlockForm(4, 32)
-    qmoe = next(n for n in model.graph.node if n.op_type == "QMoE" and n.name == "blk.0.moe")
-    assert qmoe.input[11] and qmoe.input[12]
-    fc2 = unpack_values(init[qmoe.input[5]], init[qmoe.input[6]], form, init[qmoe.input[12]])
-    down = values["blk.0.ffn_down_exps.weight"]
-    error = np.linalg.norm(fc2 - down) / np.linalg.norm(down)
-    assert reported["blk.0.ffn_experts.fc2"]["rel_rms_error"][0] == pytest.approx(error, rel=1e-4)
-    matmul = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.name == "blk.0.attn_q")
-    blob = init[matmul.input[1]]
-    q = unpack_values(blob.reshape(blob.shape[0], -1), init[matmul.input[2]], form, init[matmul.input[3]])
-    attn_q = values["blk.0.attn_q.weight"]
-    assert reported["blk.0.attn_q.weight"]["rel_rms_error"][0] == pytest.approx(
-        np.linalg.norm(q - attn_q) / np.linalg.norm(attn_q), rel=1e-4)
+    reported = {s: e for w in result.weights for s, e in zip(w["sources"], w["rel_rms_error"] or [])}
+    checked = 0
+    for ours, name in stored_matrices(tmp_path / "out"):
+        error = np.linalg.norm(ours - values[name]) / np.linalg.norm(values[name])
+        assert reported[name] == pytest.approx(error, rel=1e-4, abs=1e-12), name
+        checked += error > 0
+    assert checked == 2 * (3 + 1) + 1   # per layer gate, up, down and the Q6_K attn_v; the LM head
 
 
 def test_activation_modes(tmp_path, make_gguf, converted):

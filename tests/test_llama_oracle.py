@@ -55,18 +55,11 @@ def _three_ways(decoder):
             "chunked prefill": np.concatenate([first[0], rest[0]])}
 
 
-# Random K-quant codes (random sub-block minimums) are the requantizer's worst case: their int4 block
-# 32 requantization, which --expert-format auto takes for Q4_K_M layers, lands 3-5x llama.cpp's distance
-# from exact here, against 1.3x on the trained model that decided that choice (test_trained_agreement).
-# These fixtures check every architecture's pipeline with the K-quant experts in int8.
-FORMAT = {"q4_k": "int8"}
-
-
 @pytest.mark.parametrize("arch,preset", CASES)
 def test_matches_llama_cpp(arch, preset, make_gguf, converted, tmp_path):
     gguf = make_gguf(preset, arch=arch)
     theirs = llama_logits(gguf, PROMPT)
-    model = converted(preset, arch=arch, expert_format=FORMAT.get(preset, "auto"))
+    model = converted(preset, arch=arch)
     decoder = load(model)
     if preset == "f32":
         for what, ours in _three_ways(decoder).items():

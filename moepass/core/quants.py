@@ -7,12 +7,18 @@ One table, `QUANT_TYPES`, says for every GGUF type moepass accepts how its value
   times a power of two). Such a type moves *bit-exactly* into any `BlockForm` whose block divides
   the native block and whose integer range holds the codes; `exact_forms()` derives which.
 - "float": F32/F16/BF16, kept as float unless the user asks for quantization.
-- "dequantize": formats with fractional minimums or codebooks (Q4_K, ...): their values come from
-  the gguf package's dequantizer and are requantized, with the error measured and reported.
+- "dequantize": formats with fractional minimums or codebooks (Q4_K, ...): their values are
+  dequantized (bit for bit as the gguf package does) and requantized, the error measured and reported.
 
 A `BlockForm` (bits, block_size) is the layout shared by com.microsoft::QMoE and MatMulNBits:
 per row, codes packed along K (for 4 bits element 2j in the low nibble, 2j+1 in the high nibble),
-one float scale per block, value = (u - 2**(bits-1)) * scale with the default zero point.
+one float scale per block, value = (u - 2**(bits-1)) * scale with the default zero point. With
+`offsets` (MatMulNBits only), a float offset per block is added to every value of the block, by a
+second product of the input's block sums: Q4_K's and Q4_1's own codes, scales and minimums, exactly.
+
+Which form each weight takes is decided here only (`expert_form`, `matrix_form`): the exact form
+where one exists at blocks of 32 or more, else 8 bits at the largest block that divides the rows
+(measured to keep llama.cpp's fidelity: docs/benchmarks.md), unless the user asks otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class BlockForm:
 
     bits: int
     block_size: int
+    offsets: bool = False  # a float offset per block besides the scale (MatMulNBits + block sums)
 
     @property
     def zero_point(self) -> int:
@@ -49,25 +56,31 @@ class BlockForm:
         return k * self.bits // 8
 
     def __str__(self) -> str:
-        return f"int{self.bits}/b{self.block_size}" if self.block_size else f"int{self.bits}/row"
+        text = f"int{self.bits}/b{self.block_size}" if self.block_size else f"int{self.bits}/row"
+        return text + "+offsets" if self.offsets else text
 
 
 # Forms the CPU EP runs: 4 and 8 bits; blocks are powers of two >= 16.
 CANDIDATE_FORMS = tuple(BlockForm(bits, bs) for bits in (4, 8) for bs in (16, 32, 64, 128))
-# Used when no form holds a tensor exactly: 8 bits keep the added error near 0.5 % (rel. RMS).
-REQUANTIZE_FORM = BlockForm(8, 32)
+# Requantized blocks: the largest of these that divides the rows, up to what the type allows
+# (QuantType.requantize; 8 bits at block 128 runs fastest of the 8-bit forms on AVX2 and AVX-512
+# alike); 4 bits stay at blocks of 32 or 16, where their error is the least.
+REQUANTIZE_BLOCKS = {8: (128, 64, 32, 16), 4: (32, 16)}
 # CPU time of one token through one QMoE layer of Qwen3-30B-A3B's sizes (hidden 2048, expert ffn 768,
 # 128 experts, top-8), ONNX Runtime 1.32 CPU EP, 2 threads, int8 activations (accuracy_level 4;
-# 8-bit forms quantize activations whatever the level); random codes, best of 20, 2026-11-30, a
-# 2-core Xeon with AVX-512. The speed class the convert summary states for each form.
-QMOE_CPU_DECODE_MS = {BlockForm(4, 16): 0.97, BlockForm(4, 32): 0.64, BlockForm(4, 64): 0.58,
-                      BlockForm(4, 128): 0.53, BlockForm(8, 16): 1.22, BlockForm(8, 32): 1.05}
+# 8-bit forms quantize activations whatever the level), float16 scales; median, 2026-12-01, a 2-core
+# Xeon natively (AVX-512/VNNI kernels) and with AVX-512 hidden (AVX2 kernels, tests/cpu_family.py):
+# benchmarks/kernels.py. The speed class the convert summary states for each form.
+QMOE_CPU_DECODE_MS = {BlockForm(4, 16): (0.73, 0.86), BlockForm(4, 32): (0.56, 0.59),
+                      BlockForm(4, 64): (0.47, 0.58), BlockForm(4, 128): (0.43, 0.56),
+                      BlockForm(8, 16): (1.06, 1.03), BlockForm(8, 32): (0.88, 0.87),
+                      BlockForm(8, 64): (0.80, 0.80), BlockForm(8, 128): (0.75, 0.75)}
 
 
 def parse_form(text: str) -> BlockForm | None:
-    """BlockForm of its name ("int4/b32"); None for anything else ("float32")."""
-    match = re.fullmatch(r"int(\d+)/b(\d+)", text)
-    return BlockForm(int(match[1]), int(match[2])) if match else None
+    """BlockForm of its name ("int4/b32", "int4/b32+offsets"); None for anything else ("float32")."""
+    match = re.fullmatch(r"int(\d+)/b(\d+)(\+offsets)?", text)
+    return BlockForm(int(match[1]), int(match[2]), bool(match[3])) if match else None
 
 
 def speed_class(form: BlockForm) -> str:
@@ -75,7 +88,8 @@ def speed_class(form: BlockForm) -> str:
     ms = QMOE_CPU_DECODE_MS.get(form)
     if ms is None:
         return "CPU speed not measured"
-    return f"CPU decode {ms / QMOE_CPU_DECODE_MS[BlockForm(4, 32)]:.1f}x the time of int4/b32"
+    base = QMOE_CPU_DECODE_MS[BlockForm(4, 32)]
+    return f"CPU decode {ms[0] / base[0]:.1f}x (AVX-512) / {ms[1] / base[1]:.1f}x (AVX2) the time of int4/b32"
 
 
 def _blocks(raw: np.ndarray, ggml_type: GT) -> np.ndarray:
@@ -129,6 +143,23 @@ def decode_iq4_nl(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     qs = b[..., 2:]
     codes = IQ4_NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
     return codes.reshape(*raw.shape[:-1], -1), _fp16_field(b, 0)
+
+
+def decode_iq4_xs(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_XS: 256-element super-blocks: fp16 d, 6-bit sub-block scales (low 4 bits in scales_l's
+    nibbles, high 2 in scales_h), 8 sub-blocks of 32 codebook indices laid out as Q4_0's nibbles;
+    value = d * (ls - 32) * kvalues[i]. Both products are exact in float32 (17 and 24 significant
+    bits), so the values move exactly into int8 codes with scale d * (ls - 32)."""
+    b = _blocks(raw, GT.IQ4_XS)
+    lead = b.shape[:-1]
+    high = np.ascontiguousarray(b[..., 2:4]).view("<u2")                          # [..., 1]
+    low = b[..., 4:8]
+    ls = ((np.stack([low & 0x0F, low >> 4], axis=-1).reshape(*lead, 8))
+          | ((((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)) << 4))
+    scales = _fp16_field(b, 0).astype(np.float32)[..., None] * (ls.view(np.int8) - np.int8(32)).astype(np.float32)
+    qs = b[..., 8:].reshape(*lead, 8, 16)
+    codes = IQ4_NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
+    return codes.reshape(*raw.shape[:-1], -1), scales.reshape(*raw.shape[:-1], -1)
 
 
 # MXFP4 (gpt-oss): E2M1 codes as llama.cpp's kvalues_mxfp4, doubled into integers, with a shared
@@ -239,17 +270,22 @@ class QuantType:
     # the packed codes into out (the same bytes `pack_codes(decode(raw)[0])` gives, several times
     # faster). Only for types whose blocks start with their fp16 scale.
     direct: dict[int, Callable[[np.ndarray, np.ndarray], None]] = dataclasses.field(default_factory=dict)
-    # Requantized into int4 block 32 (with zero points), experts of this type keep llama.cpp's
-    # fidelity: measured on a trained model through llama.cpp's own quantizer, >= 99 % the same
-    # argmax as llama.cpp and at most 2x its distance from the exact computation (the auto rows of
-    # benchmarks/agreement.py --trained; how each type was decided: docs/benchmarks.md). What
-    # --expert-format auto takes for a layer that is requantized anyway (see passes.lower).
-    int4_agrees: bool = False
     # The type's own 4-bit codes with a scale and an offset per 32 elements, (raw rows) -> (u, scale,
-    # offset) with value = scale * u - offset: int4 block 32 with zero points keeps the codes and
-    # rounds only offset / scale to the integer zero point (exact where it is one), instead of
-    # requantizing from floats (see pack_own_codes).
+    # offset) with value = scale * u - offset: MatMulNBits carries them exactly as int4 block 32 with
+    # block offsets (pack_with_offsets).
     own_codes: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+    # Whether every block scale is a float16 value: float16 scales then keep an exact form exact.
+    fp16_scales: bool = False
+    # How the type's expert values are requantized where they move into no form exactly (or where its
+    # exact form is slow, Q6_K's): the fewest bits and the largest 8-bit block that keep llama.cpp's
+    # fidelity, measured by KL divergence from the unquantized model on two trained models beside
+    # llama.cpp on the same file (benchmarks/agreement.py; table in docs/benchmarks.md): mean KLD
+    # within 1.1x llama.cpp's on both. 4 bits (block 32) where the type's own error dwarfs int4's
+    # (Q2_K, IQ2_XXS, IQ2_XS, IQ1_*: both models <= 1.06x, their 90 % intervals <= 1.1x); 8 bits at
+    # block 32 for 5-bit types with minimums and Q4_1 (at block 128 they reached 1.06-1.16x: a block
+    # of 128 mixes four sub-blocks' scales); else 8 bits at block 128.
+    requantize_bits: int = 8
+    int8_block: int = 128
     # Byte offsets of the fp16 scales (d, dmin) in each block, from ggml's block structs: where a
     # NaN or Inf would make every value of the block non-finite. None: no fp16 scale to check
     # (float types are checked whole; MXFP4's e8m0 scale and IQ1_M's split scale are special cases).
@@ -273,25 +309,29 @@ QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
     QuantType(GT.F32, "float", scales=None),
     QuantType(GT.F16, "float", scales=None),
     QuantType(GT.BF16, "float", scales=None),
-    QuantType(GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0, {8: direct_q8_0_int8}, int4_agrees=True),
-    QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0, {4: direct_q4_0_int4}, int4_agrees=True),
-    QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, int4_agrees=True, scales=(208,)),
-    QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0),
-    QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl, int4_agrees=True),
-    QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4, scales=None),
-    # Fractional minimums or non-integer codebooks: requantized from the gguf
-    # package's dequantization, the added error measured and reported.
-    QuantType(GT.Q4_1, "dequantize", int4_agrees=True, own_codes=own_codes_q4_1, scales=(0, 2)),
-    QuantType(GT.Q4_K, "dequantize", int4_agrees=True, own_codes=own_codes_q4_k, scales=(0, 2)),
-    QuantType(GT.Q5_1, "dequantize", int4_agrees=True, scales=(0, 2)),
-    QuantType(GT.Q5_K, "dequantize", int4_agrees=True, scales=(0, 2)),
-    QuantType(GT.IQ4_XS, "dequantize", int4_agrees=True),
-    QuantType(GT.Q2_K, "dequantize", scales=(80, 82)),
+    QuantType(GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0, {8: direct_q8_0_int8}, fp16_scales=True,
+              int8_block=32),
+    QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0, {4: direct_q4_0_int4}, fp16_scales=True,
+              int8_block=32),
+    QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, scales=(208,)),
+    QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0, fp16_scales=True, int8_block=32),
+    QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl, fp16_scales=True, int8_block=32),
+    QuantType(GT.IQ4_XS, "blocks", 32, (-127, 113), decode_iq4_xs, int8_block=32),
+    # e8m0 scales are powers of two: float16 holds 2**-24 .. 2**15, what real weights use
+    QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4, scales=None, fp16_scales=True, int8_block=32),
+    # Fractional minimums or non-integer codebooks: requantized from their values, the added error
+    # measured and reported (Q4_1 and Q4_K non-expert matrices keep their codes with block offsets).
+    QuantType(GT.Q4_1, "dequantize", own_codes=own_codes_q4_1, scales=(0, 2), int8_block=32),
+    QuantType(GT.Q4_K, "dequantize", own_codes=own_codes_q4_k, scales=(0, 2)),
+    QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32),
+    QuantType(GT.Q5_K, "dequantize", scales=(0, 2), int8_block=32),
+    QuantType(GT.Q2_K, "dequantize", scales=(80, 82), requantize_bits=4),
     QuantType(GT.Q3_K, "dequantize", scales=(108,)),
-    QuantType(GT.IQ1_M, "dequantize", scales=None),
-    # int4 measured beyond 2x llama.cpp's distance from exact (Q3_K at 2.1-2.2x), or not measured (IQ1_*)
-    *(QuantType(t, "dequantize") for t in (
-        GT.IQ3_XXS, GT.IQ3_S, GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_S)),
+    QuantType(GT.IQ1_M, "dequantize", scales=None, requantize_bits=4),
+    QuantType(GT.IQ1_S, "dequantize", requantize_bits=4),
+    QuantType(GT.IQ2_XXS, "dequantize", requantize_bits=4),
+    QuantType(GT.IQ2_XS, "dequantize", requantize_bits=4),
+    *(QuantType(t, "dequantize") for t in (GT.IQ3_XXS, GT.IQ3_S, GT.IQ2_S)),
 ]}
 
 
@@ -327,21 +367,32 @@ def quant_type(ggml_type: GT, tensor_name: str, file: object = None) -> QuantTyp
     return qt
 
 
-def dequantize(raw: np.ndarray, ggml_type: GT) -> np.ndarray:
-    """Float32 values of raw rows `[..., row_bytes]`, by the gguf package's own dequantizers."""
+def dequantize(raw: np.ndarray, ggml_type: GT, out: np.ndarray | None = None) -> np.ndarray:
+    """Float32 values of raw rows `[..., row_bytes]`, bit-identical to the gguf package's own
+    dequantizers: compiled per type (moepass.core.quant_kernels, several hundred MB/s per thread),
+    gguf's for BF16; written into `out` when given."""
     if ggml_type == GT.F32:
-        return raw.view(np.float32)
-    if ggml_type == GT.F16:
-        return raw.view(np.float16).astype(np.float32)
-    return gguf_quants.dequantize(raw, ggml_type).astype(np.float32, copy=False)
+        values = raw.view(np.float32)
+    elif ggml_type == GT.F16:
+        values = raw.view(np.float16).astype(np.float32)
+    else:
+        from moepass.core import quant_kernels  # numba: loaded only when blocks are dequantized
+
+        if ggml_type in quant_kernels.KERNELS:
+            return quant_kernels.dequantize(raw, ggml_type, out)
+        values = gguf_quants.dequantize(raw, ggml_type).astype(np.float32, copy=False)
+    if out is None:
+        return values
+    out[...] = values
+    return out
 
 
 @dataclasses.dataclass
 class Packed:
     """Codes and scales of a stack of matrices in one BlockForm.
 
-    `weights`: uint8 `[..., N, K*bits/8]`; `scales`: float32 `[..., N, K/block_size]`;
-    `zero_points`: uint8 `[..., N, K/block_size]` (unpacked), or None for the default zero point.
+    `weights`: uint8 `[..., N, K*bits/8]`; `scales`: float32 `[..., N, K/block_size]`; `offsets`
+    (forms with offsets): float32 `[..., N, K/block_size]`, added to every value of its block.
     For a requantization, `error_sq` = ||W' - W||^2 and `reference_sq` = ||W||^2 against the GGUF
     values (sums, so that chunks of one tensor add up); both stay 0 for an exact repack.
     """
@@ -352,7 +403,7 @@ class Packed:
     exact: bool
     error_sq: float = 0.0
     reference_sq: float = 0.0
-    zero_points: np.ndarray | None = None
+    offsets: np.ndarray | None = None
 
     @property
     def rel_rms_error(self) -> float:
@@ -385,22 +436,19 @@ def unpack_codes(packed: np.ndarray, form: BlockForm) -> np.ndarray:
     return u.astype(np.int16) - form.zero_point
 
 
-def pack_zero_points(zero_points: np.ndarray, form: BlockForm) -> np.ndarray:
-    """Per-block zero points `[..., k_blocks]` packed like the codes (two 4-bit values per byte)."""
-    z = zero_points.astype(np.uint8)
-    if form.bits < 8 and z.shape[-1] % 2:
-        z = np.concatenate([z, np.full(z.shape[:-1] + (1,), form.zero_point, np.uint8)], axis=-1)
-    return _pack_unsigned(z, form)
-
-
-def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm,
-                  zero_points: np.ndarray | None = None) -> np.ndarray:
-    """Float32 values of a packed stack: (u - zero_point) * scale; `zero_points` packed as stored."""
+def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm, zero_points: np.ndarray | None = None,
+                  offsets: np.ndarray | None = None) -> np.ndarray:
+    """Float32 values of a packed stack: (u - zero_point) * scale (+ the block's offset);
+    `zero_points` packed as stored (as ONNX Runtime's MatMulNBits quantizer writes them)."""
     codes = unpack_codes(weights, form).astype(np.float32)
+    block = form.block_size or codes.shape[-1]
     if zero_points is not None:
         zp = unpack_codes(zero_points, form)[..., : scales.shape[-1]].astype(np.float32) + form.zero_point
-        codes = codes + form.zero_point - np.repeat(zp, form.block_size, axis=-1)
-    return codes * np.repeat(scales, form.block_size, axis=-1)
+        codes = codes + form.zero_point - np.repeat(zp, block, axis=-1)
+    values = codes * np.repeat(scales.astype(np.float32), block, axis=-1)
+    if offsets is not None:
+        values += np.repeat(offsets, block, axis=-1)
+    return values
 
 
 def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray, scales: np.ndarray) -> None:
@@ -418,277 +466,123 @@ def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndar
     np.copyto(scales.reshape(native_scales.shape + (repeat,)), native_scales[..., None])
 
 
-def _block_absmax(x: np.ndarray) -> np.ndarray:
-    """max |x| over the last axis. Non-negative float32 values order like their int32 bit patterns,
-    and an integer reduction over a short axis runs about twice as fast as a float one."""
-    return (x.view(np.int32) & np.int32(0x7FFFFFFF)).max(axis=-1).view(np.float32)
-
-
-def _ordered_bits(x: np.ndarray) -> np.ndarray:
-    """int32 keys that order like the float32 values (negative patterns mirrored); self-inverse."""
-    i = x.view(np.int32)
-    return i ^ ((i >> 31) & np.int32(0x7FFFFFFF))
-
-
-def _block_min_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """min and max over the last axis, by integer reductions of the ordered bit patterns."""
-    keys = _ordered_bits(x)
-    return (_ordered_bits(keys.min(axis=-1)).view(np.float32),
-            _ordered_bits(keys.max(axis=-1)).view(np.float32))
-
-
-def _block_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per-block sum of a * b (einsum: several times faster than multiply-and-sum over 16-128)."""
-    return np.einsum("...i,...i->...", a, b)
-
-
-def _blocked(values: np.ndarray, form: BlockForm,
-             importance: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Values `[..., K]` as float32 blocks `[..., K/block, block]`, and the importance weights in the
-    same shape (broadcast from `[K]` for every row, or one row of importance per row of values)."""
-    k = values.shape[-1]
-    shape = (*values.shape[:-1], k // form.block_size, form.block_size)
-    x = values.reshape(shape).astype(np.float32, copy=False)
-    if importance is None:
-        return x, None
-    imp = np.asarray(importance, np.float32)
-    return x, imp.reshape((1,) * (len(shape) - 2) + shape[-2:]) if imp.ndim == 1 else imp.reshape(shape)
-
-
-def quantize_values_asymmetric(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
-    """Block quantization with a zero point per block: the block's [min, max] onto all 2**bits codes,
-    then the least-squares scale for those codes around that zero point (never worse)."""
-    x, w = _blocked(values, form, importance)
-    levels = (1 << form.bits) - 1
-    x_min, x_max = _block_min_max(x)
-    lo, hi = np.minimum(x_min, 0), np.maximum(x_max, 0)
-    scale = ((hi - lo) / levels).astype(np.float32)
-    inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
-    zero = np.clip(np.rint(-lo * inverse), 0, levels)
-    u = np.clip(np.rint(x * inverse[..., None]) + zero[..., None], 0, levels)
-    c = u - zero[..., None]
-    if w is None:
-        xc, cc = _block_dot(x, c), _block_dot(c, c)
-    else:
-        xc, cc = _block_dot(w * x, c), _block_dot(w * c, c)
-    scale = np.divide(xc, cc, out=scale.copy(), where=cc > 0).astype(np.float32)
-    residual = c * scale[..., None] - x
-    packed = _pack_unsigned(u.astype(np.uint8).reshape(values.shape), form)
-    return Packed(form, packed, scale, False,
-                  error_sq=float(np.sum(_block_dot(residual, residual), dtype=np.float64)),
-                  reference_sq=float(np.sum(_block_dot(x, x), dtype=np.float64)),
-                  zero_points=zero.astype(np.uint8))
-
-
 def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
-    """Symmetric block quantization of float values `[..., K]` into `form`, minimizing the (weighted)
-    squared error per block.
+    """Symmetric block quantization of float values `[..., K]` into `form` (no zero points; block
+    size 0: one scale per row), compiled (moepass.core.quant_kernels): 8 bits from the absmax
+    scale, then the least-squares scale for its codes; 4 bits by a search over nine scales per block
+    (rounded, refitted, re-rounded), keeping the least error. `importance` ([K], or [..., K] like
+    `values`, e.g. from an imatrix) weights each input column's error in that choice; the error
+    recorded is the unweighted ||W' - W||^2."""
+    from moepass.core import quant_kernels
 
-    Codes from the absmax scale (for 4 bits the block's largest magnitude on the code range's most
-    negative end, as GGUF's Q4_0 does; for 8 bits on +-127), then the least-squares scale for those
-    codes (never worse). For 4 bits a second candidate too: the codes re-rounded with that scale
-    and refitted (the refinement llama.cpp's quantizers do), kept where it is better. `importance`
-    ([K] or [..., K] like `values`, e.g. from an imatrix) weights each input column's error.
-    Candidates are compared through per-block sums (sum w x^2 - 2 s sum w x q + s^2 sum w q^2); the
-    reported error is computed from the residuals of the codes kept.
-    """
-    x, w = _blocked(values, form, importance)
-    wx = x if w is None else w * x
-    lo, hi = form.code_range
+    codes, scales, error_sq, reference_sq = quant_kernels.quantize_rows(values, form.bits, form.block_size, importance)
+    return Packed(form, codes, scales, False, error_sq, reference_sq)
 
-    def codes_for(scale: np.ndarray, clip: bool = True) -> np.ndarray:
-        inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
-        q = x * inverse[..., None]
-        np.rint(q, out=q)
-        return np.clip(q, lo, hi, out=q) if clip else q
 
-    def moments(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """sum w x q and sum w q^2 per block."""
-        return _block_dot(wx, q), _block_dot(q, q if w is None else w * q)
-
-    if form.bits <= 4:  # few levels: map the signed extreme onto the most negative code, as Q4_0 does
-        x_min, x_max = _block_min_max(x)
-        extreme = np.where(-x_min > x_max, x_min, x_max)
-        scale_a = (extreme / -form.zero_point).astype(np.float32)
-        codes_a = codes_for(scale_a)
-    else:  # |x| / (absmax / 127) rounds to at most 127: no clipping needed
-        scale_a = (_block_absmax(x) / (form.zero_point - 1)).astype(np.float32)
-        codes_a = codes_for(scale_a, clip=False)
-    xq_a, qq_a = moments(codes_a)
-    refit_a = np.divide(xq_a, qq_a, out=np.zeros_like(xq_a), where=qq_a > 0)  # least squares for these codes
-    if form.bits > 4:
-        # 256 levels: re-rounding rarely pays; the refitted scale alone is never worse than absmax
-        scales, codes = refit_a.astype(np.float32), codes_a
-    else:
-        codes_b = codes_for(refit_a)
-        xq_b, qq_b = moments(codes_b)
-        scale_b = np.divide(xq_b, qq_b, out=np.zeros_like(xq_b), where=qq_b > 0)
-        # error difference of the two candidates (the common sum w x^2 cancels)
-        better = (scale_b * scale_b * qq_b - 2 * scale_b * xq_b) < (refit_a * refit_a * qq_a - 2 * refit_a * xq_a)
-        scales = np.where(better, scale_b, refit_a).astype(np.float32)
-        codes = np.where(better[..., None], codes_b, codes_a)
-    packed = pack_codes(codes.astype(np.int8).reshape(values.shape), form)
-    xx = _block_dot(x, x)
-    if form.bits > 4 and w is None:
-        # the kept codes are codes_a with the least-squares scale: per block the error is
-        # sum x^2 - 2 s sum x q + s^2 sum q^2 from moments already at hand (in float64), no residual pass
-        s64, xq64, qq64 = (a.astype(np.float64) for a in (scales, xq_a, qq_a))
-        error = np.maximum(xx.astype(np.float64) - 2 * s64 * xq64 + s64 * s64 * qq64, 0)
-        return Packed(form, packed, scales, False, error_sq=float(np.sum(error)),
-                      reference_sq=float(np.sum(xx, dtype=np.float64)))
-    residual = np.multiply(codes, scales[..., None], out=codes)  # codes are packed: reuse their memory
-    np.subtract(residual, x, out=residual)
-    return Packed(form, packed, scales, False,
-                  error_sq=float(np.sum(_block_dot(residual, residual), dtype=np.float64)),
-                  reference_sq=float(np.sum(xx, dtype=np.float64)))
+def pack_with_offsets(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray, scales: np.ndarray,
+                      offsets: np.ndarray) -> Packed:
+    """Q4_1 / Q4_K rows (value = s u - o, per 32 elements) into int4 block 32 with block offsets,
+    keeping the file's own codes u, scales s and minimums: stored u with scale s is s (u - 8) at
+    the default zero point, and the offset 8 s - o makes it s u - o. Only the float32 rounding of
+    the offset and of the sum can differ from the gguf package's values: measured, and recorded."""
+    u, scale, offset = qt.own_codes(raw)
+    codes[...] = _pack_unsigned(u.astype(np.uint8, copy=False), form)
+    scales[...] = scale
+    offsets[...] = np.float32(8) * scale - offset
+    ours = unpack_values(codes, scales, form, offsets=offsets)
+    reference = dequantize(raw, qt.ggml_type)
+    error_sq = float(np.sum(np.square(ours - reference), dtype=np.float64))
+    return Packed(form, codes, scales, error_sq == 0.0, error_sq,
+                  float(np.sum(np.square(reference), dtype=np.float64)), offsets)
 
 
 def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | None = None,
          scales: np.ndarray | None = None, importance: np.ndarray | None = None,
-         zero_points: np.ndarray | None = None) -> Packed:
+         offsets: np.ndarray | None = None) -> Packed:
     """Raw GGUF rows -> `form`: exact where the formats allow, else requantized with the error measured.
 
-    `codes` and `scales` are where to write (allocated when not given; they may be strided views);
-    `importance` weighs a requantization's error per input column (see quantize_values). With
-    `zero_points` (uint8 [..., k_blocks] to write into), a requantization uses a zero point per block
-    (quantize_values_asymmetric) and an exact repack writes the default one.
+    `codes`, `scales` and (for forms with offsets) `offsets` are where to write (allocated when not
+    given; they may be strided views); `importance` weighs a requantization's error per input column
+    (see quantize_values).
     """
     k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
+    k_blocks = k // (form.block_size or k)
     if codes is None:
         codes = np.empty(raw.shape[:-1] + (form.packed_bytes(k),), dtype=np.uint8)
     if scales is None:
-        scales = np.empty(raw.shape[:-1] + (k // form.block_size,), dtype=np.float32)
+        scales = np.empty(raw.shape[:-1] + (k_blocks,), dtype=np.float32)
     if form in qt.exact_forms():
         repack_exact(raw, qt, form, codes, scales)
-        if zero_points is not None:
-            zero_points[...] = form.zero_point
-        return Packed(form, codes, scales, True, zero_points=zero_points)
-    if zero_points is not None and qt.own_codes is not None and form == OWN_CODES_FORM:
-        return _pack_keeping_codes(raw, qt, codes, scales, zero_points, importance)
-    values = dequantize(raw, qt.ggml_type)
-    requantized = quantize_values(values, form, importance)
-    if zero_points is not None:  # the better of symmetric (default zero point) and asymmetric codes
-        asymmetric = quantize_values_asymmetric(values, form, importance)
-        if asymmetric.error_sq < requantized.error_sq:
-            requantized = asymmetric
-            zero_points[...] = asymmetric.zero_points
-        else:
-            zero_points[...] = form.zero_point
+        return Packed(form, codes, scales, True)
+    if form.offsets:
+        if offsets is None:
+            offsets = np.empty(raw.shape[:-1] + (k_blocks,), dtype=np.float32)
+        return pack_with_offsets(raw, qt, form, codes, scales, offsets)
+    requantized = quantize_values(dequantize(raw, qt.ggml_type), form, importance)
     codes[...] = requantized.weights
     scales[...] = requantized.scales
-    return Packed(form, codes, scales, False, requantized.error_sq, requantized.reference_sq, zero_points)
-
-
-OWN_CODES_FORM = BlockForm(4, 32)
-
-
-def own_zero_points(scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """offset / scale per block: the zero point that keeps a block's own codes exactly."""
-    return np.divide(offset, scale, out=np.zeros_like(scale), where=scale != 0)
-
-
-def pack_own_codes(u: np.ndarray, scale: np.ndarray, offset: np.ndarray,
-                   importance: np.ndarray | None = None) -> Packed:
-    """4-bit codes that carry a scale and an offset per 32 elements (value = scale * u - offset:
-    Q4_1, Q4_K) into int4 block 32 with zero points, keeping the codes: the zero point is offset /
-    scale rounded to an integer (exact where it is one), then the least-squares scale for those
-    codes (never worse than the file's own; weighted by `importance` when given). A block whose
-    scale is 0 holds the constant -offset: codes 0 and zero point 15.
-
-    Every sum the fit and the reported error need follows from the blocks' code moments (sum u,
-    sum u^2, weighted where asked), so the cost is about one pass over the codes."""
-    form = OWN_CODES_FORM
-    levels = (1 << form.bits) - 1
-    flat = scale == 0
-    if flat.any():  # only the offset is left: s * (0 - 15) = -offset
-        u = np.where(np.repeat(flat, form.block_size, axis=-1), np.uint8(0), u)
-        scale = np.where(flat, offset / levels, scale)
-    z = np.clip(np.rint(own_zero_points(scale, offset)), 0, levels)
-    z = np.where(flat, levels, z)
-    uf = u.reshape(*scale.shape, form.block_size).astype(np.float32)
-
-    def moments(w: np.ndarray | None) -> tuple[np.ndarray, ...]:
-        """sum w, sum w u, sum w u^2 per block, in float64."""
-        if w is None:
-            return (np.float64(form.block_size), uf.sum(-1, dtype=np.float64),
-                    _block_dot(uf, uf).astype(np.float64))
-        wu = w * uf
-        return (np.broadcast_to(w.sum(-1, dtype=np.float64), scale.shape), wu.sum(-1, dtype=np.float64),
-                _block_dot(wu, uf).astype(np.float64))
-
-    s64, o64, z64 = scale.astype(np.float64), offset.astype(np.float64), z.astype(np.float64)
-
-    def sums(m0, m1, m2):
-        """sum x c, sum c c, sum x x for x = s u - o (the GGUF values), c = u - z (the codes kept)."""
-        return (s64 * m2 - (s64 * z64 + o64) * m1 + o64 * z64 * m0, m2 - 2 * z64 * m1 + z64 * z64 * m0,
-                s64 * s64 * m2 - 2 * s64 * o64 * m1 + o64 * o64 * m0)
-
-    plain = sums(*moments(None))
-    weights = None if importance is None else _blocked(uf.reshape(u.shape), form, importance)[1]
-    xc, cc, _ = plain if weights is None else sums(*moments(weights))
-    fitted = np.divide(xc, cc, out=s64.copy(), where=cc > 0)
-    xc, cc, xx = plain
-    error = np.maximum(xx - 2 * fitted * xc + fitted * fitted * cc, 0)
-    return Packed(form, _pack_unsigned(u.astype(np.uint8, copy=False), form), fitted.astype(np.float32), False,
-                  error_sq=float(np.sum(error)), reference_sq=float(np.sum(xx)), zero_points=z.astype(np.uint8))
-
-
-def _pack_keeping_codes(raw: np.ndarray, qt: QuantType, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
-                        importance: np.ndarray | None) -> Packed:
-    """pack() for a type with its own 4-bit codes into int4 block 32 with zero points: the codes are
-    kept (pack_own_codes) in every row whose blocks' zero points lie in the code range, as the
-    quantizers that write these types make them; a row with a zero point outside (the error of
-    clipping it would be large) is requantized from its values instead."""
-    u, scale, offset = qt.own_codes(raw)
-    fraction = own_zero_points(scale, offset)
-    levels = (1 << OWN_CODES_FORM.bits) - 1
-    outside = ((fraction < -0.5) | (fraction > levels + 0.5)).any(-1)
-    per_row_importance = importance is not None and np.ndim(importance) > 1
-    error_sq = reference_sq = 0.0
-    for rows, keep in ((~outside, True), (outside, False)):
-        if not rows.any():
-            continue
-        imp = importance[rows] if per_row_importance else importance
-        if keep:
-            part = pack_own_codes(u[rows], scale[rows], offset[rows], imp)
-        else:
-            z = np.empty(zero_points[rows].shape, np.uint8)
-            part = pack(raw[rows], dataclasses.replace(qt, own_codes=None), OWN_CODES_FORM, importance=imp,
-                        zero_points=z)
-        codes[rows], scales[rows], zero_points[rows] = part.weights, part.scales, part.zero_points
-        error_sq, reference_sq = error_sq + part.error_sq, reference_sq + part.reference_sq
-    return Packed(OWN_CODES_FORM, codes, scales, False, error_sq, reference_sq, zero_points)
-
-
-def requantize_form(bits: int, ks: list[int]) -> BlockForm:
-    """The form experts are requantized into: `bits` with blocks of 32, else 16, when the block
-    divides every matrix's K (QMoE takes one block size for fc1 and fc2); else one scale per output
-    row (block_size 0: ONNX Runtime's per-row QMoE, no block_size attribute), whatever K is."""
-    return BlockForm(bits, next((b for b in (32, 16) if all(k % b == 0 for k in ks)), 0))
-
-
-def best_exact_form(qt: QuantType) -> BlockForm | None:
-    """The smallest exact form: fewest bits, then the largest block (fewest scales)."""
-    forms = sorted(qt.exact_forms(), key=lambda f: (f.bits, -f.block_size))
-    return forms[0] if forms else None
-
-
-def choose_expert_form(types: list[QuantType], bits: int | None = None) -> BlockForm:
-    """One form for all expert matrices of a layer (QMoE takes one bit width and block size).
-
-    Picks the candidate (of `bits` bits, when given) that holds the most of the tensors exactly, then
-    the fewest bits, then the largest block; falls back to block 32 (8 bits unless `bits` says
-    otherwise) when none is exact.
-    """
-    candidates = {f for qt in types for f in qt.exact_forms() if bits is None or f.bits == bits}
-    if not candidates:
-        return BlockForm(bits, 32) if bits else REQUANTIZE_FORM
-    return min(candidates, key=lambda f: (-sum(f in qt.exact_forms() for qt in types), f.bits, -f.block_size))
+    return Packed(form, codes, scales, False, requantized.error_sq, requantized.reference_sq)
 
 
 # ---- form policy: which ONNX Runtime block form each weight takes ---------------------------------
 # What ONNX Runtime 1.32's expert offload backend requires (see runtime.providers.offload_violations).
 OFFLOAD_FORM = BlockForm(4, 32)
+# Exact forms are kept from blocks of this size up; Q6_K's only exact form, 8 bits at block 16, costs
+# 10 bits a weight and 1.4x the time of block 128 (float32 scales), so it is requantized unless the
+# user asks for every exact form (exact=True).
+EXACT_MIN_BLOCK = 32
+
+
+def requantize_form(bits: int, ks: list[int], largest: int = 128) -> BlockForm:
+    """The form a tensor (all matrices of a MoE node: QMoE takes one block size) is requantized into:
+    `bits` at the largest block of REQUANTIZE_BLOCKS up to `largest` that divides every K, else one
+    scale per row (block_size 0: ONNX Runtime's per-row QMoE, no block_size attribute), whatever K is."""
+    return BlockForm(bits, next((b for b in REQUANTIZE_BLOCKS[bits] if b <= largest and all(k % b == 0 for k in ks)),
+                                0))
+
+
+def requantized_form(types: list[QuantType], ks: list[int], bits: int | None = None) -> BlockForm:
+    """Where a layer's types are requantized (QuantType.requantize_bits, int8_block): the most bits
+    any of them needs (or `bits`, when given), 8 bits at the smallest int8_block among them."""
+    need = bits or max(qt.requantize_bits for qt in types)
+    return requantize_form(need, ks, min(qt.int8_block for qt in types) if need == 8 else 128)
+
+
+def common_exact_form(types: list[QuantType], bits: int | None = None, exact: bool = False) -> BlockForm | None:
+    """The form (of `bits` bits, when given) that holds every type's values bit-exactly, at blocks of
+    EXACT_MIN_BLOCK or more unless `exact`: the fewest bits, then the largest block; None if none."""
+    least = 16 if exact else EXACT_MIN_BLOCK
+    shared = set.intersection(*(set(qt.exact_forms()) for qt in types)) if types else set()
+    forms = [f for f in shared if f.block_size >= least and (bits is None or f.bits == bits)]
+    return min(forms, key=lambda f: (f.bits, -f.block_size)) if forms else None
+
+
+def expert_form(types: list[QuantType], ks: list[int], choice: str = "auto", exact: bool = False) -> BlockForm:
+    """The QMoE form of one layer's experts (one bit width and block size for all of them), by
+    --expert-format `choice`: the exact form when every expert matrix moves bit-exactly into one
+    (auto: Q4_0 int4/b32, Q8_0, IQ4_XS, MXFP4 int8/b32, ...; int4 / int8: of that width), else
+    requantized: auto as the types' measured QuantType.requantize says (int8/b128 for a Q4_K_M
+    layer of Qwen3-30B-A3B's sizes), int8 likewise at 8 bits, int4 into 4 bits at block 32 (half
+    the bytes of 8, more error: docs/benchmarks.md). "offload": OFFLOAD_FORM."""
+    if choice == "offload":
+        return OFFLOAD_FORM
+    bits = {"int4": 4, "int8": 8}.get(choice)
+    return common_exact_form(types, bits, exact) or requantized_form(types, ks, bits)
+
+
+def matrix_form(qt: QuantType, k: int, exact: bool = False, offsets: bool = True) -> BlockForm | None:
+    """The MatMulNBits (or GatherBlockQuantized) form of a non-expert matrix with rows of K: its exact
+    form where one exists (see common_exact_form); Q4_1 / Q4_K keep their codes in int4 block 32
+    with block offsets where the operator takes them (`offsets`); else 8 bits at the largest block
+    dividing K. None: the matrix stays float."""
+    if qt.storage == "float":
+        return None
+    form = common_exact_form([qt], exact=exact)
+    if form is not None:
+        return form
+    if offsets and qt.own_codes is not None and k % 32 == 0:
+        return BlockForm(4, 32, offsets=True)
+    return requantized_form([qt], [k], bits=8)  # never 4 bits: measured 1.2-2x llama.cpp's KLD
 
 
 def qmoe_takes(form: BlockForm | None, ks: list[int]) -> bool:
@@ -697,38 +591,8 @@ def qmoe_takes(form: BlockForm | None, ks: list[int]) -> bool:
     return form in CANDIDATE_FORMS and all(k % form.block_size == 0 for k in ks)
 
 
-def expert_form(types: list[QuantType], choice: str = "auto") -> BlockForm:
-    """The QMoE form of one layer's experts, by --expert-format `choice`. auto: the exact form when
-    every expert matrix moves bit-exactly (Q8_0, Q4_0, Q6_K, ...); else, since the layer is
-    requantized anyway, int4 block 32 when every type's int4 requantization was measured to keep
-    llama.cpp's fidelity (QuantType.int4_agrees: a Q4_K_M layer, Q4_K gate/up and Q6_K down), else
-    the form holding the most matrices exactly (int8 block 32 when none does). "int4" / "int8": that
-    width; "offload": OFFLOAD_FORM."""
-    if choice == "offload":
-        return OFFLOAD_FORM
-    if choice in ("int4", "int8"):
-        return choose_expert_form(types, bits=int(choice[3]))
-    exact = choose_expert_form(types)
-    if all(exact in qt.exact_forms() for qt in types):  # everything moves bit-exactly: keep it so
-        return exact
-    # requantized anyway: the fast form, where it was measured to keep llama.cpp's fidelity
-    if all(qt.int4_agrees for qt in types):
-        return choose_expert_form(types, bits=4)
-    return exact
-
-
-def matrix_form(qt: QuantType, choice: str = "auto", requantize_bits: int | None = None) -> BlockForm | None:
-    """The form of a non-expert matrix: its exact form when its blocks move exactly; else
-    requantized into `requantize_bits` (default: 8, or 4 for --expert-format int4/offload) block 32;
-    None: it stays float."""
-    if qt.storage == "blocks":
-        return best_exact_form(qt)
-    if qt.storage == "dequantize":
-        return BlockForm(requantize_bits or (4 if choice in ("int4", "offload") else 8), 32)
-    return None
-
-
-def takes_zero_points(form: BlockForm | None, types: list[QuantType]) -> bool:
-    """Whether 4-bit requantization into `form` gets a zero point per block (the better of it and
-    none, block by block); exact forms and 8 bits keep the symmetric codes."""
-    return form is not None and form.bits == 4 and any(form not in qt.exact_forms() for qt in types)
+def scales_in_float16(types: list[QuantType], form: BlockForm) -> bool:
+    """Whether a QMoE node of these types in `form` stores float16 scales in a float32 graph (ONNX
+    Runtime's CPU QMoE takes them, at the same speed: half the scale bytes): always, but for an
+    exact form whose scales float16 would round (Q6_K's d * sc, IQ4_XS's d * (ls - 32))."""
+    return not all(form in qt.exact_forms() for qt in types) or all(qt.fp16_scales for qt in types)
