@@ -114,6 +114,8 @@ for _what, _value in {"zero": (0, V.UINT32), "three": (3, V.UINT32), "string": (
     convert_case(f"meta-alignment-{_what}", lambda env, v=_value: env.bad_gguf(set_kv={"general.alignment": v}),
                  "'general.alignment'")
 convert_case("meta-valid-alignment-64", lambda env: env.bad_gguf(alignment=64), exit=0)
+convert_case("option-threads-zero", lambda env: env.gguf, "--threads", extra=("--threads", "0"))
+convert_case("option-threads-capped", lambda env: env.gguf, exit=0, extra=("--threads", "100000"))
 convert_case("meta-unknown-extra-key", lambda env: env.bad_gguf(set_kv={"x.y": ([1.5], V.ARRAY, V.FLOAT32)}), exit=0)
 
 
@@ -180,6 +182,18 @@ def _array_header(path: Path, key: str) -> int:
 convert_case("struct-array-count-huge", _merges_array(0, lambda left: 1 << 31), "corrupt array length")
 convert_case("struct-array-count-beyond-file", _merges_array(8, lambda left: left // 8 + 1), "corrupt array length")
 convert_case("struct-array-uint8-to-the-end", _merges_array(0, lambda left: left - 200), "bad.gguf")
+
+
+def _token_length(length):
+    def make(env: Env) -> Path:
+        bad = env.copy_gguf()
+        at = _array_header(env.gguf, "tokenizer.ggml.tokens") + 12   # the first token's length
+        return patch(bad, at, u64(length(len(bad.read_bytes()) - at)))
+    return make
+
+
+convert_case("struct-string-past-the-end", _token_length(lambda left: left), "corrupt string length")
+convert_case("struct-string-huge", _token_length(lambda left: 1 << 62), "corrupt string length")
 for _n in (0, 3, 8, 20, 100, 1000):
     convert_case(f"struct-truncated-{_n}-bytes", _truncated(size=_n), "cut.gguf")
 for _f in (0.1, 0.5, 0.9, 0.999):

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +172,28 @@ class _CheckedReader(GGUFReader):
                 values = self._get(orig_offs + 12, scalar, count)
                 parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64), values]
                 return 12 + int(values.nbytes), parts, [2], [GGUFValueType.ARRAY, GGUFValueType(item_type)]
+            if item_type == GGUFValueType.STRING and self.byte_order == "I":
+                return self._string_array(orig_offs, count)
         return super()._get_field_parts(orig_offs, raw_type)
+
+    def _string_array(self, orig_offs: int, count: int):
+        """An array of strings as the gguf reader parts it ([type, count, len0, bytes0, len1, ...]),
+        its lengths read with struct and its parts sliced from a plain ndarray view of the file: the
+        gguf reader's item-by-item memmap slicing takes seconds for a 150,000-token vocabulary."""
+        plain = self.data.view(np.ndarray)
+        view, size = memoryview(plain), len(plain)
+        parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+        offs = orig_offs + 12
+        for _ in range(count):
+            length = struct.unpack_from("=Q", view, offs)[0] if offs + 8 <= size else None
+            if length is None or length > size - offs - 8:
+                raise MoepassError(f"a metadata string at byte {offs} runs past the end of the file (corrupt "
+                                   "string length)")
+            parts.append(plain[offs:offs + 8].view(np.uint64))
+            parts.append(plain[offs + 8:offs + 8 + length])
+            offs += 8 + length
+        types = [GGUFValueType.ARRAY] + ([GGUFValueType.STRING] if count else [])
+        return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
 
     def _build_fields(self, offs: int, count: int) -> int:
         if count > MAX_KEYS:
