@@ -145,6 +145,8 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
 @click.option("--exact", is_flag=True,
               help="Keep every tensor whose blocks move bit-exactly exact, even where a requantized form is "
                    "faster (Q6_K: int8 block 16 instead of block 128).")
+@click.option("--threads", type=click.IntRange(1, None), default=None,
+              help="Threads converting weights (default: every core).")
 @click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default="int8", show_default=True,
               help="int8: quantized to 8 bits inside each quantized matmul, as llama.cpp does (ONNX Runtime "
                    "accuracy_level 4; fast). float: exact float arithmetic on the weights (slower; for tests).")
@@ -158,9 +160,9 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
               help="Print the graph after this pass.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(model: str, output: str, float_experts: str, expert_format: str, exact: bool, activations: str,
-            imatrix: str | None, force: bool, context: int | None, allow_non_finite: bool, print_after: str | None,
-            quiet: bool) -> None:
+def convert(model: str, output: str, float_experts: str, expert_format: str, exact: bool, threads: int | None,
+            activations: str, imatrix: str | None, force: bool, context: int | None, allow_non_finite: bool,
+            print_after: str | None, quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
@@ -168,7 +170,7 @@ def convert(model: str, output: str, float_experts: str, expert_format: str, exa
     progress = _Progress("writing weights", enabled=not quiet)
     try:
         result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format, exact=exact,
-                             activations=activations, imatrix=imatrix,
+                             threads=threads, activations=activations, imatrix=imatrix,
                              overwrite=force, progress=progress,
                              print_after=print_after, echo=click.echo, allow_non_finite=allow_non_finite,
                              context=context)

@@ -143,7 +143,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             expert_format: str = "auto", activations: str = "int8", imatrix: str | os.PathLike | None = None,
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print, allow_non_finite: bool = False,
-            context: int | None = None, exact: bool = False) -> ConvertResult:
+            context: int | None = None, exact: bool = False, threads: int | None = None) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
     Args:
@@ -157,6 +157,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             or "offload": what ONNX Runtime's expert offload requires (int4 block 32 prepacked, float16).
         exact: keep every tensor whose blocks move bit-exactly in its exact form, even where a
             requantized form is faster (Q6_K: int8 block 16 instead of block 128).
+        threads: threads converting weights (None: every core the process may use).
         activations: "int8" (default): activations quantized to 8 bits inside every quantized matrix
             product, as llama.cpp does (ONNX Runtime's accuracy_level 4, several times faster on the
             CPU); "float": exact float arithmetic (see moepass.passes.activations).
@@ -180,7 +181,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
                                                        imatrix=load_imatrix(imatrix) if imatrix else None,
-                                                       context=context, exact=exact))
+                                                       context=context, exact=exact, threads=threads))
     onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo, activations=activations)
     violations = offload_violations(onnx_model)
     offload = "eligible (int4 block 32 prepacked, float16)" if not violations else \

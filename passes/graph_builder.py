@@ -37,6 +37,7 @@ class LowerOptions:
     exact: bool = False
     imatrix: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False)  # name -> [n_mat, K]
     context: int | None = None  # positions the model is built for (RoPE tables); None: the GGUF's context_length
+    threads: int | None = None  # weight conversion threads; None: every core (weights.default_workers)
 
 
 class GraphBuilder:
@@ -114,7 +115,7 @@ class GraphBuilder:
                     raise MoepassError(f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns "
                                        f"for {per}")
         group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix,
-                            scale_dtype=scale_dtype or self.act, prepack=prepack)
+                            scale_dtype=scale_dtype or self.act, prepack=prepack, workers=self.options.threads)
         offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if form.offsets else None
         return (self.tape.initializer(group.codes, name=group.codes.name),
                 self.tape.initializer(group.scales, name=group.scales.name), offsets)
@@ -205,4 +206,4 @@ class GraphBuilder:
         return self.lazy_initializer(name, self.act, (e, n * len(sources)), make)
 
     def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
-        return self.tape.initializer(float_expert_stack(sources, name, self.report, self.act), name=name)
+        return self.tape.initializer(float_expert_stack(sources, name, self.report, self.act, self.options.threads), name=name)

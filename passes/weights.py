@@ -32,7 +32,12 @@ from moepass.core.quants import BlockForm, Packed, QuantType, dequantize, pack, 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
 # allocator instead of being faulted in afresh for every tensor.
 CHUNK_BYTES = 8 << 20
-WORKERS = min(4, os.cpu_count() or 1)
+
+
+def default_workers() -> int:
+    """Worker threads of a conversion unless the user says (convert --threads): every core this
+    process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclasses.dataclass
@@ -106,14 +111,16 @@ def row_chunks(src: GGUFTensor, multiple: int = 1) -> Iterator[tuple[int, np.nda
         yield first, src.read_rows(first, min(step, n_rows - first))
 
 
-def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any]) -> Iterator[Any]:
-    """fn over items on WORKERS threads (numpy releases the GIL), results in order, a few ahead of
-    the consumer, which meanwhile writes the previous result."""
-    with ThreadPoolExecutor(WORKERS) as pool:
+def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int | None) -> Iterator[Any]:
+    """fn over items on `workers` threads (default_workers(); numpy and the compiled kernels release
+    the GIL), results in order, a few ahead of the consumer, which meanwhile writes the previous
+    result."""
+    workers = min(workers or default_workers(), default_workers())  # more threads than cores: no faster
+    with ThreadPoolExecutor(workers) as pool:
         pending: collections.deque = collections.deque()
         for item in items:
             pending.append(pool.submit(fn, item))
-            if len(pending) > WORKERS:
+            if len(pending) > workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
@@ -176,7 +183,7 @@ def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport
 
 
 def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightReport,
-                       dtype: ir.DataType = ir.DataType.FLOAT) -> ir.TensorProtocol:
+                       dtype: ir.DataType = ir.DataType.FLOAT, workers: int | None = None) -> ir.TensorProtocol:
     """Float expert stacks [E, N, K] as [E, N * len(sources), K] float32 (or float16; gate/up rows
     interleaved)."""
     np_type, label, bits = FLOAT_TYPES[dtype]
@@ -199,7 +206,7 @@ def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightRepor
 
     def chunks() -> Iterator[np.ndarray]:
         totals = np.zeros((len(sources), 2))
-        for out, sums in _ordered_map(dequantize_chunk, (parts for _, parts in _source_rows(sources))):
+        for out, sums in _ordered_map(dequantize_chunk, (parts for _, parts in _source_rows(sources)), workers):
             totals += sums
             yield out
         if not exact:
@@ -256,8 +263,9 @@ class PackedGroup:
 
     def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
                  report: WeightReport, blob_layout: bool = False, importance: dict[str, np.ndarray] | None = None,
-                 scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False):
+                 scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False, workers: int | None = None):
         self.sources, self.types, self.form, self.name, self.report = sources, types, form, name, report
+        self.workers = workers
         self.importance = importance or {}
         self.scale_type = FLOAT_TYPES[scale_dtype][0]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
@@ -305,7 +313,8 @@ class PackedGroup:
             for j, (raw, qt, src) in enumerate(zip(parts, self.types, self.sources)):
                 imp = self.importance.get(src.name)
                 weights = None if imp is None else importance_rows(imp, src.shape, first, rows)
-                packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights, offsets))
+                packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights, offsets,
+                                  half_scales=self.scale_type == np.float16))
             if self.scale_type != np.float32:
                 scales = self._narrowed(scales, codes, packs, parts)
             if self.prepack_rows:
@@ -315,7 +324,7 @@ class PackedGroup:
             return codes, scales, offsets, packs
 
         chunks = _source_rows(self.sources, max(1, self.prepack_rows))
-        for codes, scales, offsets, packs in _ordered_map(pack_chunk, chunks):
+        for codes, scales, offsets, packs in _ordered_map(pack_chunk, chunks, self.workers):
             for stat, p in zip(stats, packs):
                 stat[0] &= p.exact
                 stat[1] += p.error_sq

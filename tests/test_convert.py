@@ -22,8 +22,10 @@ OUTPUT_FILES = ["genai_config.json", "model.onnx", "model.onnx.data", "moepass.j
 
 
 def test_convert_twice_gives_identical_files(tmp_path, make_gguf):
+    """Twice, and on one thread or three: the same bytes (chunks are packed in parallel, and written
+    and summed in order)."""
     src = make_gguf("q4_k")
-    a, b = moepass.convert(src, tmp_path / "a"), moepass.convert(src, tmp_path / "b")
+    a, b = moepass.convert(src, tmp_path / "a", threads=1), moepass.convert(src, tmp_path / "b", threads=3)
     names = sorted(p.name for p in a.output_dir.iterdir())
     assert names == OUTPUT_FILES
     match, mismatch, errors = filecmp.cmpfiles(a.output_dir, b.output_dir, names, shallow=False)
@@ -151,10 +153,13 @@ def test_print_after(tmp_path, make_gguf):
 
 @pytest.mark.parametrize("preset", ["q4_k", "f32"])
 def test_chunked_conversion_gives_the_same_bytes(preset, tmp_path, make_gguf, converted, monkeypatch):
-    """Weights are read and packed a few rows at a time; the chunking must not show in the output."""
+    """Weights are read and packed a few rows at a time (and requantized a few rows of a chunk at a
+    time); the chunking must not show in the output."""
+    from moepass.core import quants
     from moepass.passes import weights as lower
 
     monkeypatch.setattr(lower, "CHUNK_BYTES", 3000)
+    monkeypatch.setattr(quants, "REQUANTIZE_SLICE", 1000)
     moepass.convert(make_gguf(preset), tmp_path / "chunked")
     assert filecmp.cmp(tmp_path / "chunked" / "model.onnx.data", converted(preset) / "model.onnx.data", shallow=False)
     chunked = json.loads((tmp_path / "chunked" / "moepass.json").read_text())["weights"]

@@ -28,12 +28,14 @@ specialization whatever the caller's array (a read-only memory map or a writable
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT
 from gguf import quants as gq
 from numba import njit
 
-__all__ = ["dequantize", "KERNELS"]
+__all__ = ["dequantize", "KERNELS", "quantize_rows", "any_non_finite_fp16"]
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -480,6 +482,22 @@ def dequantize(raw: np.ndarray, ggml_type: GT, out: np.ndarray | None = None) ->
     return out
 
 
+@njit(cache=True, nogil=True)
+def _any_non_finite_fp16(blocks, fields):
+    for b in range(blocks.shape[0]):
+        for f in fields:
+            if blocks[b, f + 1] & 0x7C == 0x7C:  # the high byte of a little-endian float16: all exponent bits
+                return True
+    return False
+
+
+def any_non_finite_fp16(blocks: np.ndarray, fields: tuple[int, ...]) -> bool:
+    """Whether any float16 field at these byte offsets of the blocks (uint8 [n, block bytes]) is NaN
+    or Inf, in one pass over the blocks."""
+    return bool(blocks.shape[0]) and _any_non_finite_fp16(_readonly(np.ascontiguousarray(blocks)),
+                                                          np.asarray(fields, np.int64))
+
+
 # ---- symmetric block quantization -------------------------------------------------------------------
 # The 4-bit scales tried per block: the block's largest magnitude mapped onto the most negative code
 # (as Q4_0 does) and onto nearby levels, max / -(8 + d) for these d. Each is rounded, refitted by
@@ -487,6 +505,21 @@ def dequantize(raw: np.ndarray, ggml_type: GT, out: np.ndarray | None = None) ->
 # error. Nine candidates reach the error of a search over 21 (measured on the real-text fixture's
 # Q4_K and Q6_K experts: rel. RMS 0.0714 against 0.0713; the absmax scale alone: 0.0754).
 SCALE_SEARCH = np.arange(-4, 5, dtype=np.float32) * np.float32(0.2)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _to_half(s):
+    """The float16 nearest float32 `s` (ties to even, as numpy's astype(float16)), as float32;
+    beyond float16's range, inf. float16 keeps 11 significant bits down to 2**-14, then steps of
+    2**-24."""
+    a = abs(s)
+    if a == 0 or not np.isfinite(a):
+        return s
+    if a < np.float32(2.0 ** -14):
+        return np.float32(np.rint(np.float64(s) * 2.0 ** 24) * 2.0 ** -24)
+    m, e = math.frexp(np.float64(s))  # s = m 2**e, 0.5 <= |m| < 1
+    r = math.ldexp(np.rint(m * 2048.0) / 2048.0, e)
+    return np.float32(np.inf if r > 65504.0 else -np.inf if r < -65504.0 else r)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="never")
@@ -519,6 +552,23 @@ def _codes_moments_weighted(xb, wb, inverse, lo, hi, q):
     return xq, qq
 
 
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="never")
+def _block_moments(xb, xi, scratch):
+    """(max |x|, sum x^2 in float64) of a block; `xi` is the block's int32 view, `scratch` a 1-element
+    int32 array. The maximum is taken over the bit patterns with the sign cleared (for floats this
+    is the order of magnitudes, and an integer maximum vectorizes): exact on every CPU. The sum is
+    reassociated (SIMD), so its last bits depend on the CPU's vector width; it only enters the
+    error and reference sums that are reported, never a code or a scale."""
+    m = np.int32(0)
+    total = 0.0
+    for i in range(xb.shape[0]):
+        v = xi[i] & np.int32(0x7FFFFFFF)
+        m = v if v > m else m
+        total += np.float64(xb[i]) * np.float64(xb[i])
+    scratch[0] = m
+    return scratch.view(np.float32)[0], total
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def _fit(xb, wb, weighted, scale, lo, hi, q):
     """The codes of `scale` into q, and (their least-squares scale, sum w x q, sum w q q)."""
@@ -530,13 +580,61 @@ def _fit(xb, wb, weighted, scale, lo, hi, q):
     return (np.float32(xq / qq) if qq > 0 else np.float32(0.0)), xq, qq
 
 
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="never")
+def _codes8(xb, inverse, out, clamp):
+    """_codes_moments for the absmax scale's 8-bit codes, the stored codes (c + 128) written
+    straight into `out`. With a normal scale |x| / scale is at most 127 (plus three roundings of
+    2**-24), so the codes need no clamp, and the loop vectorizes; `clamp` for a block so small that
+    its scale is subnormal (and inexact)."""
+    xq = 0.0
+    qq = 0.0
+    if clamp:
+        for i in range(xb.shape[0]):
+            c = min(max(np.rint(xb[i] * inverse), np.float32(-128.0)), np.float32(127.0))
+            out[i] = np.uint8(np.int32(c) + 128)
+            xq += np.float64(xb[i]) * np.float64(c)
+            qq += np.float64(c) * np.float64(c)
+        return xq, qq
+    for i in range(xb.shape[0]):
+        c = np.rint(xb[i] * inverse)
+        out[i] = np.uint8(np.int32(c) + 128)
+        xq += np.float64(xb[i]) * np.float64(c)
+        qq += np.float64(c) * np.float64(c)
+    return xq, qq
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def _quantize_blocks(x, w, weighted, bits, search, codes, scales, sums):
+def _quantize_blocks8(x, half, codes, scales, sums):
+    """_quantize_blocks for 8 bits without importance, in two passes over each block: the absmax
+    scale's codes, written as they are made, then their least-squares scale."""
+    error = 0.0
+    reference = 0.0
+    bits = x.view(np.int32)
+    scratch = np.empty(1, np.int32)
+    for b in range(x.shape[0]):
+        xb = x[b]
+        largest, xx = _block_moments(xb, bits[b], scratch)
+        scale = largest / np.float32(127.0)
+        inverse = np.float32(0.0) if scale == 0 else np.float32(1.0) / scale
+        xq, qq = _codes8(xb, inverse, codes[b], not scale >= np.float32(2.0 ** -126))
+        chosen = np.float32(xq / qq) if qq > 0 else np.float32(0.0)
+        if half:
+            chosen = _to_half(chosen)
+        error += max(xx - 2.0 * chosen * xq + np.float64(chosen) * chosen * qq, 0.0)
+        reference += xx
+        scales[b] = chosen
+    sums[0] += error
+    sums[1] += reference
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _quantize_blocks(x, w, weighted, bits, search, half, codes, scales, sums):
     """Symmetric quantization of float32 blocks x [n_blocks, block]: packed codes into `codes`
     [n_blocks, block * bits / 8] (stored u = c + 2**(bits-1); 4 bits: element 2j in the low
-    nibble), scales into `scales` [n_blocks]; sums[0] += ||s c - x||^2, sums[1] += ||x||^2
-    (unweighted). Block b is weighted by w[b % len(w)] when `weighted`. 8 bits: the absmax scale /
-    127 and the least-squares scale for its codes; 4 bits: SCALE_SEARCH."""
+    nibble), scales into `scales` [n_blocks] (rounded to float16 values when `half`, the error
+    measured with the rounded scale); sums[0] += ||s c - x||^2, sums[1] += ||x||^2 (unweighted).
+    Block b is weighted by w[b % len(w)] when `weighted`. 8 bits: the absmax scale / 127 and the
+    least-squares scale for its codes; 4 bits: SCALE_SEARCH."""
     n_blocks, n = x.shape
     zero = 1 << (bits - 1)
     lo, hi = np.float32(-zero), np.float32(zero - 1)
@@ -544,21 +642,22 @@ def _quantize_blocks(x, w, weighted, bits, search, codes, scales, sums):
     best = np.empty(n, np.float32)
     error = 0.0
     reference = 0.0
+    bits_of = x.view(np.int32)
+    scratch = np.empty(1, np.int32)
     for b in range(n_blocks):
         xb = x[b]
         wb = w[b % w.shape[0]]
-        extreme = np.float32(0.0)
-        xx = 0.0
-        wxx = 0.0
-        for i in range(n):
-            v = xb[i]
-            extreme = v if abs(v) > abs(extreme) else extreme
-            xx += np.float64(v) * np.float64(v)
-            wxx += (np.float64(wb[i]) if weighted else 1.0) * np.float64(v) * np.float64(v)
+        largest, xx = _block_moments(xb, bits_of[b], scratch)
+        extreme = largest
+        if bits == 4:  # the signed value: the first of largest magnitude
+            for i in range(n):
+                if abs(xb[i]) == largest:
+                    extreme = xb[i]
+                    break
         if bits == 8:
-            chosen, xq, qq = _fit(xb, wb, False, abs(extreme) / np.float32(127.0), lo, hi, best)
+            chosen, xq, qq = _fit(xb, wb, False, largest / np.float32(127.0), lo, hi, best)
             if weighted:
-                chosen, _, _ = _fit(xb, wb, True, abs(extreme) / np.float32(127.0), lo, hi, best)
+                chosen, _, _ = _fit(xb, wb, True, largest / np.float32(127.0), lo, hi, best)
             least = max(xx - 2.0 * chosen * xq + np.float64(chosen) * chosen * qq, 0.0) if not weighted else -1.0
         else:
             least = np.inf
@@ -566,12 +665,19 @@ def _quantize_blocks(x, w, weighted, bits, search, codes, scales, sums):
             for d in search:
                 first, _, _ = _fit(xb, wb, weighted, extreme / -(np.float32(8.0) + d), lo, hi, q)
                 s, xq, qq = _fit(xb, wb, weighted, first, lo, hi, q)
-                e = wxx - 2.0 * s * xq + np.float64(s) * s * qq
+                # the (weighted) error less sum w x^2, the same for every candidate: only exact
+                # terms (or, weighted, sums in order), so the choice is the same on every CPU
+                e = np.float64(s) * s * qq - 2.0 * s * xq
                 if e < least:
                     least = e
                     chosen = s
                     best[:] = q
             least = -1.0
+        if half:
+            rounded = _to_half(chosen)
+            if rounded != chosen:
+                least = -1.0
+                chosen = rounded
         if least < 0:  # the error of what is kept, unweighted
             least = 0.0
             for i in range(n):
@@ -590,12 +696,13 @@ def _quantize_blocks(x, w, weighted, bits, search, codes, scales, sums):
     sums[1] += reference
 
 
-def quantize_rows(values: np.ndarray, bits: int, block: int, importance: np.ndarray | None = None
-                  ) -> tuple[np.ndarray, np.ndarray, float, float]:
+def quantize_rows(values: np.ndarray, bits: int, block: int, importance: np.ndarray | None = None,
+                  half_scales: bool = False) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Symmetric `bits`-bit (4 or 8) block quantization of float32 rows [..., K] (block 0: one block
     per row): (packed codes uint8 [..., K * bits / 8], scales float32 [..., K / block], ||W' - W||^2,
     ||W||^2). `importance` [K] (every row) or [..., K] (per row) weights each column's error in the
-    choice of scales."""
+    choice of scales. `half_scales`: scales that float16 holds exactly (inf beyond its range), for
+    a model that stores them as float16, the error measured with them."""
     x = np.ascontiguousarray(values, dtype=np.float32)
     lead, k = x.shape[:-1], x.shape[-1]
     block = block or k
@@ -610,5 +717,8 @@ def quantize_rows(values: np.ndarray, bits: int, block: int, importance: np.ndar
     scales = np.empty(blocks.shape[0], np.float32)
     sums = np.zeros(2)
     if blocks.size:
-        _quantize_blocks(blocks, w, weighted, bits, SCALE_SEARCH, codes, scales, sums)
+        if bits == 8 and not weighted:
+            _quantize_blocks8(blocks, half_scales, codes, scales, sums)
+        else:
+            _quantize_blocks(blocks, w, weighted, bits, SCALE_SEARCH, half_scales, codes, scales, sums)
     return codes.reshape(*lead, -1), scales.reshape(*lead, -1), float(sums[0]), float(sums[1])

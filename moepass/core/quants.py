@@ -353,7 +353,9 @@ def has_non_finite(raw: np.ndarray, ggml_type: GT) -> bool:
         return bool((blocks[:, 0] == 0xFF).any())  # e8m0 0xFF is NaN
     if qt.scales is None:  # IQ1_M: the fp16 scale is spread over the block's scale nibbles
         return not np.isfinite(dequantize(blocks, ggml_type)).all()
-    return any(not np.isfinite(_fp16_field(blocks, offset)).all() for offset in qt.scales)
+    from moepass.core import quant_kernels
+
+    return quant_kernels.any_non_finite_fp16(blocks, qt.scales)
 
 
 def quant_type(ggml_type: GT, tensor_name: str, file: object = None) -> QuantType:
@@ -466,16 +468,19 @@ def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndar
     np.copyto(scales.reshape(native_scales.shape + (repeat,)), native_scales[..., None])
 
 
-def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None) -> Packed:
+def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None,
+                    half_scales: bool = False) -> Packed:
     """Symmetric block quantization of float values `[..., K]` into `form` (no zero points; block
     size 0: one scale per row), compiled (moepass.core.quant_kernels): 8 bits from the absmax
     scale, then the least-squares scale for its codes; 4 bits by a search over nine scales per block
     (rounded, refitted, re-rounded), keeping the least error. `importance` ([K], or [..., K] like
     `values`, e.g. from an imatrix) weights each input column's error in that choice; the error
-    recorded is the unweighted ||W' - W||^2."""
+    recorded is the unweighted ||W' - W||^2. `half_scales`: scales float16 holds exactly, for a
+    model that stores them so (the error measured with them)."""
     from moepass.core import quant_kernels
 
-    codes, scales, error_sq, reference_sq = quant_kernels.quantize_rows(values, form.bits, form.block_size, importance)
+    codes, scales, error_sq, reference_sq = quant_kernels.quantize_rows(values, form.bits, form.block_size, importance,
+                                                                        half_scales)
     return Packed(form, codes, scales, False, error_sq, reference_sq)
 
 
@@ -496,14 +501,18 @@ def pack_with_offsets(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np
                   float(np.sum(np.square(reference), dtype=np.float64)), offsets)
 
 
+# Values requantized per step of pack (float32 weights: 1 MiB, about a core's L2 cache)
+REQUANTIZE_SLICE = 1 << 18
+
+
 def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | None = None,
          scales: np.ndarray | None = None, importance: np.ndarray | None = None,
-         offsets: np.ndarray | None = None) -> Packed:
+         offsets: np.ndarray | None = None, half_scales: bool = False) -> Packed:
     """Raw GGUF rows -> `form`: exact where the formats allow, else requantized with the error measured.
 
     `codes`, `scales` and (for forms with offsets) `offsets` are where to write (allocated when not
     given; they may be strided views); `importance` weighs a requantization's error per input column
-    (see quantize_values).
+    (see quantize_values); `half_scales`: a requantization's scales are chosen among float16 values.
     """
     k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
     k_blocks = k // (form.block_size or k)
@@ -518,10 +527,24 @@ def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | No
         if offsets is None:
             offsets = np.empty(raw.shape[:-1] + (k_blocks,), dtype=np.float32)
         return pack_with_offsets(raw, qt, form, codes, scales, offsets)
-    requantized = quantize_values(dequantize(raw, qt.ggml_type), form, importance)
-    codes[...] = requantized.weights
-    scales[...] = requantized.scales
-    return Packed(form, codes, scales, False, requantized.error_sq, requantized.reference_sq)
+    if raw.ndim != 2:  # (strided views of more dimensions would not reshape in place)
+        done = quantize_values(dequantize(raw, qt.ggml_type), form, importance, half_scales)
+        codes[...], scales[...] = done.weights, done.scales
+        return Packed(form, codes, scales, False, done.error_sq, done.reference_sq)
+    # A few rows at a time, dequantized into a buffer that stays in the CPU's cache for the quantizer
+    # (a whole chunk's float32 values went out to memory and back: a third of the time)
+    step = max(1, REQUANTIZE_SLICE // k)
+    values = np.empty((min(step, len(raw)), k), np.float32)
+    error_sq = reference_sq = 0.0
+    for a in range(0, len(raw), step):
+        b = min(a + step, len(raw))
+        part = dequantize(raw[a:b], qt.ggml_type, out=values[:b - a])
+        weights = importance[a:b] if importance is not None and importance.ndim == 2 else importance
+        done = quantize_values(part, form, weights, half_scales)
+        codes[a:b], scales[a:b] = done.weights, done.scales
+        error_sq += done.error_sq
+        reference_sq += done.reference_sq
+    return Packed(form, codes, scales, False, error_sq, reference_sq)
 
 
 # ---- form policy: which ONNX Runtime block form each weight takes ---------------------------------
