@@ -1,6 +1,6 @@
 """Conversion throughput and peak memory against `cp` of the same file, measured side by side.
 
-    python benchmarks/convert.py                       # Q8_0 and Q4_0, Qwen3-30B-A3B layer sizes, >= 1 GB each
+    python benchmarks/convert.py                       # Q8_0, Q4_0 and Q4_K_M, Qwen3-30B-A3B layer sizes, >= 1 GB each
     python benchmarks/convert.py --preset q4_0 --layers 6
 
 For each preset it generates a GGUF with Qwen3-30B-A3B's layer sizes (hidden 2048, 128 experts,
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Layers per preset that give a file of at least 1 GB at Qwen3-30B-A3B sizes.
-DEFAULT_LAYERS = {"q8_0": 2, "q4_0": 3}
+DEFAULT_LAYERS = {"q8_0": 2, "q4_0": 3, "q4_k_m": 3}
 
 
 @dataclasses.dataclass

@@ -1,12 +1,12 @@
 """Generation speed beside llama.cpp on the same GGUF files: the benchmark users would trust.
 
-    python benchmarks/runtime.py                       # Q4_0, Q4_K_M-like and Q8_0, 6 layers
+    python benchmarks/runtime.py                       # Q4_0, Q4_K_M and Q8_0, 6 layers
     python benchmarks/runtime.py --presets q4_0 --layers 6 --rounds 2
 
 Files: Qwen3-30B-A3B layer sizes (hidden 2048, 128 experts, top-8, expert ffn 768, 32 q / 4 kv
 heads x 128) and vocabulary (151,936 tokens: the LM head is a large share of a decode step), fewer
 layers, written by fixtures/make_fixtures.py (fixed seed). Each is converted with moepass's
-defaults. For each file and side: prefill of 128 and of 512 tokens from an empty cache, decode of
+defaults (or --expert-format). For each file and side: prefill of 128 and of 512 tokens from an empty cache, decode of
 --new-tokens steps after 128 and after 2,048 cached tokens. Each side runs in its own process
 (moepass.runtime's generation path, as `moepass bench` measures it; llama-cpp-python with its
 default settings: logits of the last token only, F16 KV cache, n_batch 512), same thread count,
@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT / "fixtures"))
 
 import make_fixtures  # noqa: E402
 
-PRESET_NAMES = {"q4_0": "Q4_0", "q4_k": "Q4_K_M-like (Q4_K, Q6_K down/attn_v/output)", "q8_0": "Q8_0"}
+PRESET_NAMES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M (llama.cpp's layer rule)",
+                "q4_k": "Q4_K, Q6_K down/attn_v/output", "q8_0": "Q8_0"}
 
 LLAMA_SCRIPT = r"""
 import json, sys, time
@@ -150,13 +151,14 @@ def profile(model_dir: Path, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", nargs="+", default=["q4_0", "q4_k", "q8_0"], choices=sorted(PRESET_NAMES))
+    ap.add_argument("--presets", nargs="+", default=["q4_0", "q4_k_m", "q8_0"], choices=sorted(PRESET_NAMES))
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--depths", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--expert-format", default="auto", help="moepass convert --expert-format (default: auto)")
     ap.add_argument("--workdir", type=Path, default=None, help="Keep the generated files here (default: a temp dir).")
     ap.add_argument("--llama-python", default=sys.executable,
                     help="Python whose llama_cpp runs the llama.cpp side (default: this one; the tests' oracle is "
@@ -176,11 +178,12 @@ def main() -> None:
                 print(f"writing {gguf.name}", file=sys.stderr, flush=True)
                 make_fixtures.write_moe_gguf(gguf, preset, dataclasses.replace(make_fixtures.QWEN3_30B_DIMS,
                                                                                 n_layers=args.layers), seed=0)
-            out = work / f"{gguf.stem}-onnx"
+            out = work / f"{gguf.stem}-onnx" if args.expert_format == "auto" else \
+                work / f"{gguf.stem}-{args.expert_format}-onnx"
             if not out.exists():
                 print(f"converting {gguf.name}", file=sys.stderr, flush=True)
-                subprocess.run([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q"],
-                               check=True, capture_output=True)
+                subprocess.run([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q",
+                                "--expert-format", args.expert_format], check=True, capture_output=True)
             our_runs, their_runs, our_rss, their_rss = [], [], 0, 0
             for r in range(args.rounds):
                 print(f"{preset}: round {r + 1}/{args.rounds}: moepass", file=sys.stderr, flush=True)
