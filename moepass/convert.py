@@ -120,6 +120,12 @@ class ConvertResult:
             "  activations   " + ACTIVATION_SUMMARY[self.activations],
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]
+        requantized8 = any(w["target"].startswith("int8") and not any(w["exact"]) for w in self.weights
+                           if ".ffn_experts." in w["onnx_name"])
+        if self.fusion is None and requantized8 and self.output_bytes > 1.25 * self.source_bytes:
+            lines.append(f"    {self.output_bytes / self.source_bytes:.2f}x the GGUF: experts requantized into 8 bits keep "
+                         "llama.cpp's fidelity; --expert-format int4 is about the GGUF's size, with more error "
+                         "(docs/benchmarks.md)")
         for target, nbytes in sorted(self.bytes_by_target.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {target:<18}{nbytes:>16,} bytes")
         inexact = len(self.weights) - self.n_exact

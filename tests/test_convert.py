@@ -52,6 +52,8 @@ def test_result_and_report(tmp_path, make_gguf):
     assert output["target"] == "int8/b16" and output["exact"] == [True]             # Q6_K kept exact
     lines = "\n".join(result.summary_lines())
     assert "2 MoE, 8 experts, top-2" in lines and "requantized" in lines
+    assert "x the GGUF" in lines and "--expert-format int4" in lines   # 8-bit experts: the size and the choice
+    assert "x the GGUF" not in "\n".join(moepass.convert(make_gguf("q4_0"), tmp_path / "q4_0").summary_lines())
     assert result.output_bytes == sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
 
 
