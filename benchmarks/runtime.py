@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "fixtures"))
 import make_fixtures  # noqa: E402
 
 PRESET_NAMES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M (llama.cpp's layer rule)",
-                "q4_k": "Q4_K, Q6_K down/attn_v/output", "q8_0": "Q8_0"}
+                "q4_k": "Q4_K, Q6_K down/attn_v/output", "q6_k": "Q6_K", "q8_0": "Q8_0"}
 
 LLAMA_SCRIPT = r"""
 import json, sys, time
