@@ -21,7 +21,7 @@ import numpy as np
 from moepass.core.errors import MoepassError, first_line
 from moepass.core.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
                                 load_model, model_file, read_json_object)
-from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session
+from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session, provider_in_effect
 from moepass.core import keys
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ class Decoder:
         except Exception as e:  # ORT raises its own exception types; keep its message, one line
             raise MoepassError(f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: "
                                f"{first_line(e)}") from None
+        self.plan = provider_in_effect(self.session, self.plan)   # ONNX Runtime may have fallen back to the CPU
         # MoE node -> EP, where a per-layer plan is in force (checked against the plan)
         self.moe_placement = check_layer_placement(self.session, structure, self.plan)
         inputs = {i.name: i for i in self.session.get_inputs()}

@@ -206,6 +206,24 @@ def _plan_layers(ort, model: ir.Model, provider: str, layer_mode: str, entries: 
     return layer_mode
 
 
+def provider_in_effect(session, plan: SessionPlan) -> SessionPlan:
+    """The plan as the session carries it out. ONNX Runtime creates a session on the CPU when it
+    cannot create the CUDA EP it was given (its CUDA or cuDNN libraries missing or of another
+    version): it logs an error and goes on. device='cuda' and a required per-layer plan refuse
+    that; auto says so once and the plan names the CPU, so nothing reports CUDA for a CPU run."""
+    if plan.provider != CUDA_EP or CUDA_EP in session.get_providers():
+        return plan
+    problem = (f"ONNX Runtime could not create {CUDA_EP} (the CUDA or cuDNN libraries onnxruntime-gpu needs are "
+               f"missing or of another version: docs/gpu.md) and made the session on the CPU")
+    if plan.device == "cuda":
+        raise MoepassError(f"device='cuda' but {problem}")
+    if plan.layer_mode == "required":
+        raise MoepassError(f"per-layer placement required, but {problem}")
+    log.warning(f"{problem}: running on the CPU")
+    return dataclasses.replace(plan, provider=CPU_EP, providers=[CPU_EP], layer_mode="disabled",
+                               warnings=[*plan.warnings, f"{problem}: running on the CPU"])
+
+
 def check_layer_placement(session, model: ir.Model, plan: SessionPlan) -> dict[str, str]:
     """MoE node -> the EP ONNX Runtime assigned it (its graph assignment record), checked against
     the annotations: a GPU layer that ended on the CPU is an error (required) or one warning (auto)."""

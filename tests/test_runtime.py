@@ -17,7 +17,7 @@ import moepass
 from moepass.cli import main
 from moepass.core.gguf_reader import GGUFModel
 from moepass.runtime import Sampling, choose_token, load
-from moepass.runtime.providers import PLUGIN_EP, offload_violations, plan_session
+from moepass.runtime.providers import PLUGIN_EP, SessionPlan, offload_violations, plan_session, provider_in_effect
 from moepass.tokenizer import tokenizer_from_gguf
 from bounds import assert_within, float_rounding_bound, int8_rerun_bound
 from oracle import llama_cpp_module
@@ -146,6 +146,30 @@ def test_offload_options_accepted_on_cpu(partitioned, caplog):
 def test_required_offload_refused_without_plugin(partitioned):
     with pytest.raises(moepass.MoepassError, match="expert offload required, but no CUDA plugin EP"):
         load(partitioned, mode="required")
+
+
+def test_cuda_that_onnx_runtime_cannot_create_is_not_reported_as_cuda(converted, monkeypatch):
+    """ONNX Runtime makes the session on the CPU when it cannot create the CUDA EP (a [gpu] install
+    without its CUDA libraries; here: the CPU build told that the CUDA EP is available, which ends
+    the same way): device='cuda' refuses, auto says so and its plan names the CPU."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.raises(moepass.MoepassError, match="device='cuda' but ONNX Runtime could not create CUDAExecution"):
+        load(converted("q4_0"), device="cuda")
+    decoder = load(converted("q4_0"))
+    assert decoder.session.get_providers() == ["CPUExecutionProvider"]
+    assert decoder.plan.provider == "CPUExecutionProvider" and decoder.plan.providers == ["CPUExecutionProvider"]
+    assert any("could not create CUDAExecutionProvider" in w for w in decoder.plan.warnings)
+
+
+def test_required_layer_plan_refuses_a_cpu_fallback():
+    cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
+    plan = SessionPlan("auto", cuda, [cuda, cpu], [], {}, "disabled", [], layer_mode="required")
+    on_cpu = types.SimpleNamespace(get_providers=lambda: [cpu])
+    with pytest.raises(moepass.MoepassError, match="per-layer placement required, but ONNX Runtime could not"):
+        provider_in_effect(on_cpu, plan)
+    assert provider_in_effect(types.SimpleNamespace(get_providers=lambda: [cuda, cpu]), plan) is plan
 
 
 def test_device_and_plugin_errors(converted, tmp_path, monkeypatch):
