@@ -587,10 +587,12 @@ def test_hostile(case: Case, env_sources, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def slow_gguf(tmp_path_factory):
-    """A GGUF that takes a second or more to convert: time to interrupt it."""
+    """A GGUF that takes a second or more to convert on one thread (_convert_process): time to
+    interrupt it after its temporary output appears, however fast the machine's cores (266 MB of
+    Q4_K requantized at about 0.15 GB/s per thread: measured 1.8 s)."""
     import make_fixtures
 
-    dims = dataclasses.replace(make_fixtures.TEST_DIMS, n_layers=8, hidden=512, expert_ff=512, n_experts=16)
+    dims = dataclasses.replace(make_fixtures.TEST_DIMS, n_layers=8, hidden=1024, expert_ff=1024, n_experts=16)
     return make_fixtures.write_moe_gguf(tmp_path_factory.mktemp("slow") / "slow.gguf", "q4_k", dims=dims)
 
 
@@ -599,7 +601,8 @@ def _convert_process(gguf: Path, out: Path):
     import sys
 
     # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository)
-    return subprocess.Popen([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q"],
+    return subprocess.Popen([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q",
+                             "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=gguf.parent)
 
 
