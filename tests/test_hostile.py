@@ -600,10 +600,15 @@ def _convert_process(gguf: Path, out: Path):
     import subprocess
     import sys
 
-    # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository)
+    import signal
+
+    # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository);
+    # SIGINT as a terminal gives it: a suite started in the background by a shell inherits SIGINT ignored,
+    # and Python keeps an ignored SIGINT ignored
     return subprocess.Popen([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q",
                              "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=gguf.parent)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=gguf.parent,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_temporary(folder: Path, process, name: str = "out") -> None:
