@@ -115,7 +115,7 @@ class Decoder:
         except Exception as e:  # ORT raises its own exception types; keep its message, one line
             raise MoepassError(f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: "
                                f"{first_line(e)}") from None
-        self.plan = provider_in_effect(self.session, self.plan)   # ONNX Runtime may have fallen back to the CPU
+        self.plan = provider_in_effect(self.session, self.plan, ort)   # ONNX Runtime may have fallen back to the CPU
         # MoE node -> EP, where a per-layer plan is in force (checked against the plan)
         self.moe_placement = check_layer_placement(self.session, structure, self.plan)
         inputs = {i.name: i for i in self.session.get_inputs()}

@@ -130,6 +130,7 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
         provider = PLUGIN_EP
     elif device != "cpu" and CUDA_EP in ort.get_available_providers():
         provider = CUDA_EP
+        _load_cuda_libraries(ort)
     elif device == "cuda":
         raise MoepassError(f"device='cuda' but no CUDA EP is available: ONNX Runtime {ort.__version__} has "
                            f"{', '.join(ort.get_available_providers())}; give the CUDA plugin EP library with "
@@ -206,15 +207,45 @@ def _plan_layers(ort, model: ir.Model, provider: str, layer_mode: str, entries: 
     return layer_mode
 
 
-def provider_in_effect(session, plan: SessionPlan) -> SessionPlan:
+def _load_cuda_libraries(ort) -> None:
+    """Load the CUDA and cuDNN libraries of NVIDIA's pip wheels (what `moepass[gpu]` installs) before
+    ONNX Runtime looks for them: its CUDA EP finds them only so (without: libcublasLt.so.13 "cannot
+    open shared object file", measured with onnxruntime-gpu 1.31.1). A no-op where they are not
+    installed; system libraries on the loader's path still serve."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        try:
+            preload()
+        except Exception as e:  # noqa: BLE001 - a library it could not load is named by the check after the session
+            log.debug("onnxruntime.preload_dlls: %s", first_line(e))
+
+
+def _cuda_failure(ort) -> str:
+    """Why ONNX Runtime could not create its CUDA EP, as the dynamic loader says it: the first library
+    of the EP's (its own, the CUDA and cuDNN libraries, the NVIDIA driver's libcuda) that does not load."""
+    import ctypes
+
+    capi = Path(getattr(ort, "__file__", "")).parent / "capi" / "libonnxruntime_providers_cuda.so"
+    for library in (capi, "libcuda.so.1"):
+        try:
+            ctypes.CDLL(str(library))
+        except OSError as e:
+            what = "no NVIDIA driver" if "libcuda.so" in str(e) else \
+                "its CUDA or cuDNN libraries are missing: pip install 'moepass[gpu]'"
+            return f"{first_line(e)}: {what}"
+    return "a CUDA device it could not use (ONNX Runtime's log above says why)"
+
+
+def provider_in_effect(session, plan: SessionPlan, ort=None) -> SessionPlan:
     """The plan as the session carries it out. ONNX Runtime creates a session on the CPU when it
-    cannot create the CUDA EP it was given (its CUDA or cuDNN libraries missing or of another
-    version): it logs an error and goes on. device='cuda' and a required per-layer plan refuse
-    that; auto says so once and the plan names the CPU, so nothing reports CUDA for a CPU run."""
+    cannot create the CUDA EP it was given (CUDA or cuDNN libraries or the driver missing, no
+    device): it logs an error and goes on. device='cuda' and a required per-layer plan refuse
+    that, naming what the loader could not find; auto says so once and the plan names the CPU, so
+    nothing reports CUDA for a CPU run."""
     if plan.provider != CUDA_EP or CUDA_EP in session.get_providers():
         return plan
-    problem = (f"ONNX Runtime could not create {CUDA_EP} (the CUDA or cuDNN libraries onnxruntime-gpu needs are "
-               f"missing or of another version: docs/gpu.md) and made the session on the CPU")
+    cause = _cuda_failure(ort) if ort is not None else "docs/gpu.md"
+    problem = f"ONNX Runtime could not create {CUDA_EP} ({cause}) and made the session on the CPU"
     if plan.device == "cuda":
         raise MoepassError(f"device='cuda' but {problem}")
     if plan.layer_mode == "required":

@@ -163,6 +163,57 @@ def test_cuda_that_onnx_runtime_cannot_create_is_not_reported_as_cuda(converted,
     assert any("could not create CUDAExecutionProvider" in w for w in decoder.plan.warnings)
 
 
+@pytest.fixture(scope="session")
+def gpu_wheel_python(tmp_path_factory):
+    """The Python of a throwaway venv holding the real onnxruntime-gpu wheel (the [gpu] extra's
+    module, without its CUDA libraries; no GPU here) and moepass: the path by which ONNX Runtime
+    fails to create its CUDA EP on a machine that lacks them. Skipped, saying so, where the wheel
+    cannot be installed (no package index)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    venv = tmp_path_factory.mktemp("onnxruntime-gpu") / "venv"
+    python = venv / "bin" / "python"
+    root = Path(__file__).resolve().parents[1]
+    steps = [[sys.executable, "-m", "venv", str(venv)],
+             [str(python), "-m", "pip", "install", "-q", "onnxruntime-gpu==1.31.1", "numpy", "onnx", "onnx-ir", "gguf",
+              "click", "tokenizers", "numba"],
+             [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(root)]]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, timeout=900)
+        if done.returncode:
+            pytest.skip(f"onnxruntime-gpu could not be installed here: {done.stderr.strip().splitlines()[-1:]}")
+    return python
+
+
+def test_a_cuda_ep_that_fails_to_load_is_refused_or_reported(gpu_wheel_python, converted, tmp_path):
+    """Through the real onnxruntime-gpu 1.31.1 wheel, whose CUDA EP cannot load here: --device cuda
+    exits 2 naming the library the loader could not find; auto warns and says CPUExecutionProvider."""
+    import subprocess
+
+    probe = ("import onnxruntime as o, onnx\n"
+             "from onnx import helper as h, TensorProto as T\n"
+             "g = h.make_graph([h.make_node('Relu', ['x'], ['y'])], 'g', [h.make_tensor_value_info('x', T.FLOAT, [1])],"
+             " [h.make_tensor_value_info('y', T.FLOAT, [1])])\n"
+             "m = h.make_model(g, opset_imports=[h.make_opsetid('', 17)], ir_version=10)\n"
+             "print(o.InferenceSession(m.SerializeToString(), providers=['CUDAExecutionProvider']).get_providers())")
+    loads = subprocess.run([str(gpu_wheel_python), "-c", probe], capture_output=True, text=True, timeout=300)
+    if "CUDAExecutionProvider" in loads.stdout:
+        pytest.skip("the CUDA EP loads on this machine: there is no failure to report")
+    model = converted("q4_0")
+    run = [str(gpu_wheel_python), "-m", "moepass.cli", "run", str(model), "--prompt-ids", "1,2", "--max-new-tokens", "1"]
+    refused = subprocess.run([*run, "--device", "cuda"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    line = [x for x in refused.stderr.splitlines() if x.startswith("moepass: error:")]
+    assert refused.returncode == 2 and line, refused.stderr
+    assert "device='cuda' but ONNX Runtime could not create CUDAExecutionProvider (" in line[0]
+    assert "cannot open shared object file" in line[0] and "made the session on the CPU" in line[0]
+    ran = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert "could not create CUDAExecutionProvider" in ran.stderr and "on CPUExecutionProvider" in ran.stderr
+    assert "on CUDAExecutionProvider" not in ran.stderr
+
+
 def test_required_layer_plan_refuses_a_cpu_fallback():
     cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
     plan = SessionPlan("auto", cuda, [cuda, cpu], [], {}, "disabled", [], layer_mode="required")
