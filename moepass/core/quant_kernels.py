@@ -119,9 +119,9 @@ def _q8_0(b, out, f16):
 
 
 @njit(cache=True, nogil=True)
-def _q4_0(b, out, f16, values):
-    """fp16 d, 16 bytes: element j low nibble of byte j, j + 16 its high nibble; d * (q - 8), q - 8
-    read from a table (faster than converting)."""
+def _fp16_nibbles(b, out, f16, values):
+    """fp16 d, 16 bytes: element j low nibble of byte j, j + 16 its high nibble; d * values[q]: Q4_0
+    (values: q - 8, read from a table, faster than converting) and IQ4_NL (its codebook)."""
     for i in range(b.shape[0]):
         d = _f16(f16, b, i, 0)
         for j in range(16):
@@ -167,17 +167,6 @@ def _q5_1(b, out, f16):
             hi = np.int32(q >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
             out[i, j] = _plus(d * np.float32(lo), m)
             out[i, 16 + j] = _plus(d * np.float32(hi), m)
-
-
-@njit(cache=True, nogil=True)
-def _iq4_nl(b, out, f16, values):
-    """fp16 d, nibbles as Q4_0 indexing the non-linear codebook: d * kvalues[q]."""
-    for i in range(b.shape[0]):
-        d = _f16(f16, b, i, 0)
-        for j in range(16):
-            out[i, j] = d * values[b[i, 2 + j] & 0x0F]
-        for j in range(16):
-            out[i, 16 + j] = d * values[b[i, 2 + j] >> 4]
 
 
 @njit(cache=True, nogil=True)
@@ -431,9 +420,9 @@ def _iq1_m(b, out, f16, grid):
 # Each type's kernel and the tables passed after (blocks, out).
 KERNELS = {
     GT.Q8_0: (_q8_0, (F16,)),
-    GT.Q4_0: (_q4_0, (F16, Q4_0_VALUES)),
+    GT.Q4_0: (_fp16_nibbles, (F16, Q4_0_VALUES)),
     GT.Q5_0: (_q5_0, (F16,)),
-    GT.IQ4_NL: (_iq4_nl, (F16, IQ4_VALUES)),
+    GT.IQ4_NL: (_fp16_nibbles, (F16, IQ4_VALUES)),
     GT.MXFP4: (_mxfp4, (E8M0, MXFP4_VALUES)),
     GT.Q6_K: (_q6_k, (F16,)),
     GT.Q4_1: (_q4_1, (F16,)),
