@@ -115,7 +115,8 @@ def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int | 
     """fn over items on `workers` threads (default_workers(); numpy and the compiled kernels release
     the GIL), results in order, a few ahead of the consumer, which meanwhile writes the previous
     result."""
-    workers = min(workers or default_workers(), default_workers())  # more threads than cores: no faster
+    cores = default_workers()
+    workers = min(workers or cores, cores)  # more threads than cores: no faster
     with ThreadPoolExecutor(workers) as pool:
         pending: collections.deque = collections.deque()
         for item in items:
