@@ -1,0 +1,303 @@
+"""The Decoder: an ONNX Runtime session over a converted model, its tokenizer and chat template,
+and generation through a KV cache (`moepass.runtime.kv_cache`) with llama.cpp's sampling
+(`moepass.runtime.sampling`)."""
+
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import numpy as np
+
+from moepass.core.errors import MoepassError, first_line
+from moepass.core.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+                                load_model, model_file, read_json_object)
+from moepass.runtime.chat_template import ChatTemplate
+from moepass.runtime.kv_cache import KVCache
+from moepass.runtime.sampling import Sampling, StopStrings, choose_token
+from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session, provider_in_effect
+from moepass.core import keys
+
+if TYPE_CHECKING:
+    import onnx_ir
+
+
+def _import_onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise MoepassError("onnxruntime is not installed: pip install 'moepass[cpu]' (or [gpu])") from None
+    return onnxruntime
+
+
+class Decoder:
+    """An ONNX Runtime session over a converted decoder, with its KV-cache bookkeeping."""
+
+    def __init__(self, model_dir: str | os.PathLike, device: str = "auto", threads: int | None = None,
+                 graph: "onnx_ir.Model | None" = None, cuda_plugin: str | None = None, mode: str | None = None,
+                 profile_prefix: str | None = None):
+        """`graph`: run this in-memory variant of the model (e.g. a profiling copy) with the weights
+        of `model_dir`'s data file instead of `model_dir`'s own model.onnx. `profile_prefix`: record
+        ONNX Runtime's per-node profile (`session.end_profiling()` writes it under this prefix)."""
+        import onnx_ir
+
+        ort = _import_onnxruntime()
+        self.model_dir = Path(model_dir)
+        model_path = model_file(self.model_dir)
+        folder = model_path.parent
+        self.info = read_json_object(folder / REPORT_FILE)
+        options_file = read_json_object(folder / OPTIONS_FILE)
+        option_entries = _json_field(options_file, "session_config_entries", dict, folder / OPTIONS_FILE)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in option_entries.items()):
+            raise MoepassError(f"{folder / OPTIONS_FILE}: session_config_entries must map strings to strings")
+        placement_mode = _json_field(options_file, "placement", dict, folder / OPTIONS_FILE).get("mode")
+        if placement_mode not in (None, *keys.OFFLOAD_MODES):
+            raise MoepassError(f"{folder / OPTIONS_FILE}: placement.mode must be one of {', '.join(keys.OFFLOAD_MODES)}")
+        structure = graph if graph is not None else load_model(model_path)
+        self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode,
+                                              placement_mode)
+        options = ort.SessionOptions()
+        self.threads = usable_threads(threads)
+        if self.threads:
+            options.intra_op_num_threads = self.threads
+        options.log_severity_level = 3
+        if profile_prefix:
+            options.enable_profiling = True
+            options.profile_file_prefix = profile_prefix
+        for key, value in self.plan.config_entries.items():
+            options.add_session_config_entry(key, value)
+        source: str | bytes = str(model_path)
+        if graph is not None:
+            source = onnx_ir.to_proto(graph).SerializeToString()
+            options.add_session_config_entry(keys.EXTERNAL_DATA_FOLDER_KEY, str(folder))
+        try:
+            if self.plan.plugin_devices:
+                options.add_provider_for_devices(self.plan.plugin_devices, {})
+                self.session = ort.InferenceSession(source, options)
+            else:
+                self.session = ort.InferenceSession(source, options, providers=self.plan.providers)
+        except Exception as e:  # ORT raises its own exception types; keep its message, one line
+            raise MoepassError(f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: "
+                               f"{first_line(e)}") from None
+        self.plan = provider_in_effect(self.session, self.plan, ort)   # ONNX Runtime may have fallen back to the CPU
+        # MoE node -> EP, where a per-layer plan is in force (checked against the plan)
+        self.moe_placement = check_layer_placement(self.session, structure, self.plan)
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_layer_key)
+        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
+        self._cache_shapes = {n: inputs[n].shape for n in self.past_names}
+        self._cache_dtype = np.float16 if self.past_names and inputs[self.past_names[0]].type == "tensor(float16)" \
+            else np.float32
+        # models converted by moepass >= 0.1 compute the logits of the last N positions on request
+        self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
+        report = folder / REPORT_FILE
+        self.stop_ids = tuple(_json_field(_json_field(self.info, "tokenizer", dict, report), "stop_token_ids", list,
+                                          report))
+        if not all(isinstance(t, int) for t in self.stop_ids):
+            raise MoepassError(f"{report}: tokenizer.stop_token_ids must be integers")
+        # positions the model has RoPE tables for (GGUF conversions; None where unknown)
+        self.context_length = _json_field(self.info, "hparams", dict, report).get("context_length")
+        if self.context_length is not None and (not isinstance(self.context_length, int) or self.context_length < 1):
+            raise MoepassError(f"{report}: hparams.context_length must be a positive integer")
+        self._tokenizer = None
+        self._chat_template: ChatTemplate | None = None
+        self._tokenizer_path = folder / TOKENIZER_FILE
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.session.get_outputs()[0].shape[-1])
+
+    @property
+    def tokenizer(self):
+        """The `tokenizers.Tokenizer` convert wrote (tokenizer.json), or a clear error."""
+        if self._tokenizer is None:
+            if not self._tokenizer_path.is_file():
+                raise MoepassError(f"{self._tokenizer_path}: no tokenizer beside the model; use token ids "
+                                   "(the GGUF had no tokenizer moepass can rebuild)")
+            from tokenizers import Tokenizer
+
+            try:
+                self._tokenizer = Tokenizer.from_file(str(self._tokenizer_path))
+            except Exception as e:  # tokenizers raises plain Exception for every malformed file
+                raise MoepassError(f"{self._tokenizer_path}: not a readable tokenizer ({first_line(e)})") from None
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def empty_cache(self, batch: int = 1, length: int = 0) -> dict[str, np.ndarray]:
+        """Zero KV cache tensors of `length` positions (0: an empty cache for `forward`)."""
+        return {n: np.zeros((batch, shape[1], length, shape[3]), dtype=self._cache_dtype)
+                for n, shape in self._cache_shapes.items()}
+
+    def forward(self, input_ids: np.ndarray, cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Run new tokens `[B, S]` after the cached ones; returns logits `[B, S, V]` and the new cache."""
+        logits, cache, _ = self.forward_with(input_ids, cache, [])
+        return logits, cache
+
+    def forward_with(self, input_ids: np.ndarray, cache: dict[str, np.ndarray], extra_outputs: Sequence[str],
+                     ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """`forward`, also fetching the named extra graph outputs (e.g. a profiling copy's router logits)."""
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        past_len = next(iter(cache.values())).shape[2] if cache else 0
+        mask = np.ones((input_ids.shape[0], past_len + input_ids.shape[1]), dtype=np.int64)
+        feeds = {"input_ids": input_ids, "attention_mask": mask, **cache}
+        names = ["logits", *self.present_names, *extra_outputs]
+        outputs = self.session.run(names, feeds)
+        n_cache = len(self.present_names)
+        new_cache = dict(zip(self.past_names, outputs[1:1 + n_cache]))
+        return outputs[0], new_cache, dict(zip(extra_outputs, outputs[1 + n_cache:]))
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
+                 sampling: Sampling = Sampling(), cache: KVCache | None = None) -> Iterator[int]:
+        """Prefill the prompt, then one token per step through the KV cache; yields each new token as
+        soon as it is chosen, and stops after a stop token (default: the GGUF's). `cache`: a
+        `KVCache` kept between calls (a chat, a server): the prefix it shares with `prompt_ids` is
+        not computed again."""
+        history = list(prompt_ids)
+        if not history:
+            raise MoepassError("the prompt is empty: give at least one token id")
+        vocab = self.vocab_size
+        bad = [t for t in history if not 0 <= t < vocab]
+        if bad:
+            raise MoepassError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        max_new_tokens = self.room_for(len(history), max_new_tokens)
+        stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        rng = np.random.default_rng(sampling.seed)
+        if cache is None:
+            cache = KVCache(self, capacity=len(history) + max_new_tokens)
+        logits = cache.extend(history)
+        for i in range(max_new_tokens):
+            token = choose_token(logits, sampling, rng, history)
+            yield token
+            if token in stops or i == max_new_tokens - 1:  # no step for a token nobody will read
+                return
+            history.append(token)
+            logits = cache.run([token])
+
+    def room_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """How many of `max_new_tokens` fit the context after a prompt (a warning when fewer); a
+        prompt that fills the context is a `ContextOverflow`."""
+        if not self.context_length:
+            return max_new_tokens
+        room = self.context_length - prompt_tokens
+        if room <= 0:
+            raise ContextOverflow(f"the prompt has {prompt_tokens} tokens; the model's context holds "
+                                  f"{self.context_length}")
+        if max_new_tokens > room:
+            log.warning(f"generation stops after {room} new tokens, at the model's context length "
+                        f"({self.context_length})")
+        return min(max_new_tokens, room)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (from the GGUF, in tokenizer_config.json), compiled once."""
+        if self._chat_template is None:
+            where = self._tokenizer_path.with_name(TOKENIZER_CONFIG_FILE)
+            config = read_json_object(where)
+            source = config.get("chat_template")
+            if not source:
+                raise MoepassError(f"{self._tokenizer_path.parent}: the model has no chat template "
+                                   "(tokenizer.chat_template)")
+            if not isinstance(source, str):
+                raise MoepassError(f"{where}: chat_template must be a string")
+            tokens = {k: config[k] if isinstance(config.get(k), str) else "" for k in ("bos_token", "eos_token")}
+            self._chat_template = ChatTemplate(source, where, **tokens)
+        return self._chat_template
+
+    def apply_chat_template(self, user_message: str, system: str | None = None, **variables: Any) -> str:
+        """The prompt for one user message (after an optional system message), with the model's chat
+        template; `variables` reach the template (e.g. enable_thinking=False)."""
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        return self.chat_template.render([*messages, {"role": "user", "content": user_message}], **variables)
+
+    def generate_text(self, prompt: str | Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+                      stop: Sequence[str] = (), cache: KVCache | None = None) -> "TextStream":
+        """Text (or token ids) in, text out, streamed: iterating yields pieces of text as tokens
+        complete them; a stop string ends the answer and is not shown. Afterwards the stream tells
+        its `finish_reason` ("stop" or "length") and token counts."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return TextStream(self, ids, max_new_tokens, sampling, stop, cache)
+
+
+class ContextOverflow(MoepassError):
+    """The prompt does not fit the model's context."""
+
+
+class TextStream:
+    """The pieces of one answer as they come; afterwards its finish reason and token counts."""
+
+    def __init__(self, decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+                 stop: Sequence[str], cache: KVCache | None):
+        self._decoder = decoder
+        self._cache = cache if cache is not None else KVCache(decoder, len(prompt_ids) + max_new_tokens)
+        self._args = (prompt_ids, max_new_tokens, None, sampling, self._cache)
+        self._stop = StopStrings(stop)
+        self.prompt_tokens = len(prompt_ids)
+        self.prefilled_tokens = 0  # of the prompt, run through the model (the rest was cached)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __iter__(self) -> Iterator[str]:
+        d = self._decoder
+        shown = ""
+        for token in d.generate(*self._args):
+            if not self.token_ids:
+                self.prefilled_tokens = self._cache.prefilled
+            self.token_ids.append(token)
+            if token in d.stop_ids:
+                self.finish_reason = "stop"
+                break
+            text = d.decode([t for t in self.token_ids if t not in d.stop_ids])
+            if text.endswith("\ufffd"):  # a character split over tokens: wait for the rest
+                continue
+            piece = self._stop.feed(text[len(shown):])
+            shown = text
+            if piece:
+                self.text += piece
+                yield piece
+            if self._stop.hit:
+                self.finish_reason = "stop"
+                return
+        if self.finish_reason is None:
+            self.finish_reason = "length"
+        rest = self._stop.flush()
+        if rest:
+            self.text += rest
+            yield rest
+
+
+def _json_field(data: dict, key: str, kind: type, path: Path):
+    """data[key] when it is a `kind` (an empty one when absent); another type is a clear error."""
+    value = data.get(key, kind())
+    if not isinstance(value, kind):
+        raise MoepassError(f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'array'}, "
+                           f"found {type(value).__name__}")
+    return value
+
+
+def usable_threads(requested: int | None) -> int | None:
+    """`requested` intra-op threads, at most the CPUs this process may run on (ONNX Runtime would
+    otherwise start one OS thread per request and can exhaust the process limit)."""
+    if not requested:
+        return requested
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if requested > available:
+        log.warning(f"--threads {requested} is more than the {available} CPUs available; using {available}")
+        return available
+    return requested
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    _, layer, kind = name.split(".")
+    return int(layer), kind

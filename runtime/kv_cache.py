@@ -1,0 +1,133 @@
+"""The KV cache of one sequence, bound to ONNX Runtime once, and the tokens it holds.
+
+Each layer's cache is one ONNX Runtime buffer of `capacity` positions, bound both as
+past_key_values.N.* and as present.N.*: GroupQueryAttention sees the same memory on both sides and
+writes each step's keys and values in place (ONNX Runtime's past/present shared-buffer mode), so a
+step costs the same whatever the context length, instead of copying the whole cache into a new
+present tensor. The attention mask's length tells it how many positions are filled. Only the last
+position's logits are computed (the model's `logits_to_keep` input) and copied back.
+
+The cache remembers which tokens fill it: `extend(ids)` keeps the longest common prefix of what it
+holds and `ids`, and runs only the rest (a chat's next turn, or a server request that shares a
+prompt with the one before, prefills only what is new). Positions past the kept prefix are simply
+written over. A full cache grows (to twice its size, up to the model's context) by one copy.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from moepass.core.errors import MoepassError
+from moepass.core.files import LOGITS_TO_KEEP
+
+# Prompt tokens per step: GroupQueryAttention's CPU kernel holds [heads, new, total] attention
+# probabilities, so one step over a 32k-token prompt would need 128 GB for 32 heads; at 512 a step
+# needs at most heads x 512 x context floats.
+PREFILL_CHUNK = 512
+
+
+class KVCache:
+    """Decoding steps through an IO binding, over a KV cache that holds `tokens`."""
+
+    def __init__(self, decoder, capacity: int):
+        """`decoder`: the moepass.runtime.Decoder whose session runs the steps."""
+        import onnxruntime as ort
+
+        self._ort = ort
+        self._decoder = decoder
+        self._binding = decoder.session.io_binding()
+        # In place on the CPU EP, where the buffers are the kernel's own memory. On a GPU EP host
+        # buffers would be copied to the device and back each step, so the pointers differ there:
+        # it keeps the growing cache (present.N.* bound as the next step's past) until device-side
+        # buffers are checked on a GPU.
+        self._in_place = decoder.plan.provider == "CPUExecutionProvider"
+        self._last_only = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))
+        self.capacity = max(1, min(capacity, decoder.context_length or capacity))
+        self._cache = {n: ort.OrtValue.ortvalue_from_numpy(a)
+                       for n, a in decoder.empty_cache(length=self.capacity if self._in_place else 0).items()}
+        self.tokens: list[int] = []  # what the filled positions hold
+        self.prefilled = 0  # tokens the last extend() ran through the model
+        if self._in_place:
+            self._bind_cache()
+
+    def extend(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The next-token logits after `token_ids`, the whole context: the cached prefix they share
+        is kept, the rest runs in PREFILL_CHUNK-token steps (as llama.cpp's n_ubatch), so the
+        attention and expert buffers stay bounded."""
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise MoepassError("nothing to run: the context is empty")
+        shared = 0
+        for cached, new in zip(self.tokens, token_ids):
+            if cached != new:
+                break
+            shared += 1
+        shared = min(shared, len(token_ids) - 1)  # the last token runs again: its logits are wanted
+        self.truncate(shared)
+        return self.run(token_ids[shared:])
+
+    def run(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The next-token logits after the cached tokens and `token_ids`."""
+        token_ids = list(token_ids)
+        self.prefilled = len(token_ids)
+        chunks = [token_ids[i:i + PREFILL_CHUNK] for i in range(0, len(token_ids), PREFILL_CHUNK)]
+        for chunk in chunks[:-1]:
+            self._step(chunk)
+        return self._step(chunks[-1])
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from `length` on."""
+        if length < len(self.tokens):
+            del self.tokens[length:]
+            if not self._in_place:
+                self._cache = {n: self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length]))
+                               for n, v in self._cache.items()}
+
+    def _grow(self, needed: int) -> None:
+        limit = self._decoder.context_length or needed
+        if needed > limit:
+            raise MoepassError(f"{needed} tokens do not fit the model's context of {limit}")
+        self.capacity = min(max(needed, 2 * self.capacity), limit)
+        filled = len(self.tokens)
+        grown = self._decoder.empty_cache(length=self.capacity)
+        for name, value in self._cache.items():
+            grown[name][:, :, :filled] = value.numpy()[:, :, :filled]
+        self._cache = {n: self._ort.OrtValue.ortvalue_from_numpy(a) for n, a in grown.items()}
+        self._binding.clear_binding_inputs()
+        self._binding.clear_binding_outputs()
+        self._bind_cache()
+
+    def _bind_cache(self) -> None:
+        """Bind what stays the same from step to step: logits_to_keep, the logits output and the
+        KV cache (in place: each buffer as both past and present, once for the whole request)."""
+        d, binding = self._decoder, self._binding
+        if d.keeps_logits:  # an overridable initializer: bound as an OrtValue (bind_cpu_input refuses it)
+            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._last_only)
+        binding.bind_output("logits", "cpu")  # the first output bound: get_outputs()[0]
+        for past, present in zip(d.past_names, d.present_names):
+            binding.bind_ortvalue_input(past, self._cache[past])
+            if self._in_place:
+                binding.bind_ortvalue_output(present, self._cache[past])
+            else:
+                binding.bind_output(present, "cpu")
+
+    def _step(self, token_ids: Sequence[int]) -> np.ndarray:
+        d, binding = self._decoder, self._binding
+        ids = np.asarray([token_ids], dtype=np.int64)
+        length = len(self.tokens) + ids.shape[1]
+        if self._in_place and length > self.capacity:
+            self._grow(length)
+        if not self._in_place:  # the cache values change every step: bind them anew
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            self._bind_cache()
+        binding.bind_cpu_input("input_ids", ids)  # replaces the previous step's binding of the name
+        binding.bind_cpu_input("attention_mask", np.ones((1, length), dtype=np.int64))
+        d.session.run_with_iobinding(binding)
+        self.tokens.extend(int(t) for t in token_ids)
+        outputs = binding.get_outputs()
+        if not self._in_place:
+            self._cache = dict(zip(d.past_names, outputs[1:]))
+        return outputs[0].numpy()[0, -1]
