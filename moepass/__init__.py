@@ -7,6 +7,8 @@ Python API (the same capabilities as the CLI):
     info = moepass.inspect("out/")                     # dict: MoE layers, formats, bytes per group
     decoder = moepass.load("out/")                     # moepass.runtime.Decoder
     new_ids = list(decoder.generate([1, 2, 3], max_new_tokens=8))
+    text = "".join(decoder.generate_text("Hi", 32, moepass.Sampling(temperature=0.8, min_p=0.05), stop=["\n"]))
+    chat = moepass.Conversation(decoder, system="Be brief.")  # chat.say("Hi", 64): streamed; history cached
     popularity = moepass.profile("out/", [[1, 2, 3]])  # Popularity
     placed = moepass.partition("out/", "placed/", "8G", profile=popularity)
 
@@ -28,7 +30,7 @@ from moepass.core.version import __version__
 _API = {"ConvertResult": "moepass.convert", "convert": "moepass.convert", "inspect": "moepass.inspection",
         "PartitionResult": "moepass.partition", "partition": "moepass.partition",
         "Popularity": "moepass.popularity", "profile": "moepass.profile",
-        "Sampling": "moepass.runtime", "load": "moepass.runtime"}
+        "Sampling": "moepass.runtime", "Conversation": "moepass.runtime", "load": "moepass.runtime"}
 
 if TYPE_CHECKING:
     from moepass.convert import ConvertResult, convert
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from moepass.partition import PartitionResult, partition
     from moepass.popularity import Popularity
     from moepass.profile import profile
-    from moepass.runtime import Sampling, load
+    from moepass.runtime import Conversation, Sampling, load
 
 
 def __getattr__(name: str) -> Any:
@@ -64,5 +66,5 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-__all__ = ["ConvertResult", "MoepassError", "PartitionResult", "Popularity", "Sampling", "__version__", "convert",
+__all__ = ["Conversation", "ConvertResult", "MoepassError", "PartitionResult", "Popularity", "Sampling", "__version__", "convert",
            "inspect", "load", "partition", "profile"]

@@ -1,4 +1,4 @@
-"""The moepass command line: convert, inspect, run, bench, profile, merge-profiles, partition.
+"""The moepass command line: convert, inspect, run, chat, serve, bench, profile, merge-profiles, partition.
 
 Bad input ends with one line `moepass: error: ...` on stderr and exit status 2.
 """
@@ -18,7 +18,8 @@ import click
 
 from moepass.core import keys
 from moepass.core.choices import (ACTIVATION_MODES, DEVICES, EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT,
-                                  PASS_NAMES, PLAN_MODES, PLUGIN_ENV, POLICIES, PROMPT_FORMATS, TARGETS, Bandwidths)
+                                  LLAMA_SERVER, PASS_NAMES, PLAN_MODES, PLUGIN_ENV, POLICIES, PROMPT_FORMATS, TARGETS,
+                                  Bandwidths, Sampling)
 from moepass.core.errors import MoepassError, expected_failure
 
 
@@ -196,7 +197,7 @@ def inspect(path: str, as_json: bool) -> None:
 
 
 def _runtime_options(f):
-    """Options shared by run and bench: where and how the model is loaded."""
+    """Options shared by run, chat, serve and bench: where and how the model is loaded."""
     for option in reversed([
         click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
                      help="auto: the best EP available; cuda: fail unless a CUDA EP is there."),
@@ -218,49 +219,157 @@ def _echo_placement(decoder) -> None:
         click.echo("MoE layers: " + ", ".join(f"{n} on {ep}" for ep, n in sorted(counts.items())), err=True)
 
 
+def _sampling_options(greedy: bool):
+    """Sampling options shared by run, chat and serve, as llama.cpp names them; the defaults are
+    greedy decoding (run) or llama-server's (chat, serve)."""
+    d = Sampling() if greedy else LLAMA_SERVER
+
+    def decorate(f):
+        for option in reversed([
+            click.option("--temperature", type=click.FloatRange(0, None), default=d.temperature, show_default=True,
+                         callback=_finite_option, help="0 = greedy."),
+            click.option("--top-k", type=click.IntRange(0, None), default=d.top_k, show_default=True,
+                         help="0 = no limit."),
+            click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=d.top_p, show_default=True,
+                         callback=_finite_option),
+            click.option("--min-p", type=click.FloatRange(0, 1), default=d.min_p, show_default=True,
+                         callback=_finite_option, help="Drop tokens less likely than this times the likeliest."),
+            click.option("--repeat-penalty", type=click.FloatRange(0, None, min_open=True), default=d.repeat_penalty,
+                         show_default=True, callback=_finite_option,
+                         help="Divide the logits of tokens among the last --repeat-last-n (1 = off)."),
+            click.option("--repeat-last-n", type=click.IntRange(0, None), default=d.repeat_last_n, show_default=True),
+            click.option("--presence-penalty", type=float, default=d.presence_penalty, show_default=True,
+                         callback=_finite_option),
+            click.option("--frequency-penalty", type=float, default=d.frequency_penalty, show_default=True,
+                         callback=_finite_option),
+            click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None,
+                         help="Seed for sampled decoding."),
+        ]):
+            f = option(f)
+        return f
+    return decorate
+
+
+def _sampling(options: dict) -> Sampling:
+    names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+             "frequency_penalty", "seed")
+    return Sampling(**{n: options.pop(n) for n in names})
+
+
+def _load(model_dir: str, options: dict):
+    """The model as run, chat and serve load it (a partitioned model with its placement)."""
+    from moepass.runtime import load
+
+    start = time.perf_counter()
+    click.echo(f"loading {model_dir} ...", err=True)
+    decoder = load(model_dir, device=options.pop("device"), cuda_plugin=options.pop("cuda_plugin"),
+                   mode=options.pop("mode"), threads=options.pop("threads"))
+    click.echo(f"loaded in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
+    _echo_placement(decoder)
+    return decoder
+
+
+def _think_option(f):
+    return click.option("--think/--no-think", default=None,
+                        help="Turn the template's reasoning switch on or off (Qwen3's enable_thinking).")(f)
+
+
+def _template_variables(decoder, think: bool | None) -> dict:
+    if think is None:
+        return {}
+    switch = decoder.chat_template.thinking_switch
+    if switch is None:
+        raise MoepassError(f"{decoder.chat_template.where}: this chat template has no thinking switch; "
+                           "--think / --no-think do not apply")
+    return {switch: think}
+
+
+_STOP = click.option("--stop", multiple=True, help="Stop when the text reaches this string (repeatable); not shown.")
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path())
 @click.option("--prompt", default=None, help="Prompt text (needs the tokenizer.json convert writes).")
+@click.option("--prompt-file", type=click.File("r", encoding="utf-8"), default=None,
+              help="Prompt text from a file ('-': standard input).")
 @click.option("--prompt-ids", default=None, help="Prompt token ids, comma-separated (e.g. 1,2,3).")
-@click.option("--chat", is_flag=True, help="Wrap --prompt as a user message with the model's chat template.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message with the model's chat template.")
+@click.option("--system", default=None, help="With --chat: a system message before it.")
+@_think_option
 @click.option("--max-new-tokens", type=click.IntRange(0, None), default=16, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0, None), default=0.0, show_default=True,
-              callback=_finite_option, help="0 = greedy.")
-@click.option("--top-k", type=click.IntRange(0, None), default=0, show_default=True, help="0 = no limit.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              callback=_finite_option)
-@click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, help="Seed for sampled decoding.")
+@_STOP
+@_sampling_options(greedy=True)
 @_runtime_options
-def run(model_dir: str, prompt: str | None, prompt_ids: str | None, chat: bool, max_new_tokens: int,
-        temperature: float, top_k: int, top_p: float, seed: int | None, device: str, cuda_plugin: str | None,
-        mode: str | None, threads: int | None) -> None:
+def run(model_dir: str, prompt: str | None, prompt_file, prompt_ids: str | None, chat: bool, system: str | None,
+        think: bool | None, max_new_tokens: int, stop: tuple[str, ...], **options) -> None:
     """Generate: text in, text out (streamed), or token ids in, token ids out."""
-    from moepass.runtime import Sampling, load
-
+    if prompt_file is not None:
+        if prompt is not None or prompt_ids is not None:
+            raise MoepassError("give one of --prompt, --prompt-file or --prompt-ids")
+        prompt = prompt_file.read()
     if (prompt is None) == (prompt_ids is None):
-        raise MoepassError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    start = time.perf_counter()
-    click.echo(f"loading {model_dir} ...", err=True)
-    decoder = load(model_dir, device=device, cuda_plugin=cuda_plugin, mode=mode, threads=threads)
-    click.echo(f"loaded in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
-    _echo_placement(decoder)
-    sampling = Sampling(temperature, top_k, top_p, seed)
+        raise MoepassError("give exactly one of --prompt TEXT (or --prompt-file) or --prompt-ids 1,2,3")
+    if (system is not None or think is not None) and not chat:
+        raise MoepassError("--system and --think/--no-think apply to --chat")
+    sampling = _sampling(options)
+    decoder = _load(model_dir, options)
     start = time.perf_counter()
     if prompt is not None:
-        text = decoder.apply_chat_template(prompt) if chat else prompt
-        count = 0
-        for piece in decoder.generate_text(text, max_new_tokens, sampling):
+        text = decoder.apply_chat_template(prompt, system, **_template_variables(decoder, think)) if chat else prompt
+        stream = decoder.generate_text(text, max_new_tokens, sampling, stop)
+        for piece in stream:
             click.echo(piece, nl=False)
-            count += 1
         click.echo()
+        count, what = stream.completion_tokens, "tokens"
     else:
-        count = 0
+        if stop:
+            raise MoepassError("--stop applies to text prompts; with --prompt-ids the output is token ids")
+        count, what = 0, "tokens"
         for token in decoder.generate(_parse_ids(prompt_ids), max_new_tokens, sampling=sampling):
             click.echo(f"{',' if count else ''}{token}", nl=False)  # as they come: an interrupt keeps them
             count += 1
         click.echo()
-    click.echo(f"{count} {'pieces' if prompt is not None else 'tokens'} in {time.perf_counter() - start:.3f} s "
-               f"on {decoder.plan.provider}", err=True)
+    click.echo(f"{count} {what} in {time.perf_counter() - start:.3f} s on {decoder.plan.provider}", err=True)
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path())
+@click.option("--system", default=None, help="A system message that opens the conversation.")
+@_think_option
+@click.option("--max-new-tokens", type=click.IntRange(1, None), default=1024, show_default=True,
+              help="At most this many tokens per answer.")
+@_STOP
+@_sampling_options(greedy=False)
+@_runtime_options
+def chat(model_dir: str, system: str | None, think: bool | None, max_new_tokens: int, stop: tuple[str, ...],
+         **options) -> None:
+    """Talk to the model in the terminal, turn after turn (the KV cache keeps the history)."""
+    from moepass.chat import chat_loop
+
+    sampling = _sampling(options)
+    decoder = _load(model_dir, options)
+    chat_loop(decoder, system, _template_variables(decoder, think), max_new_tokens, sampling, stop)
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--api-key", default=None, envvar="MOEPASS_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (default: $MOEPASS_API_KEY; none: open).")
+@click.option("--queue", "queue_size", type=click.IntRange(0, None), default=8, show_default=True,
+              help="Requests that may wait while one is answered; more get 503.")
+@_runtime_options
+def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size: int, **options) -> None:
+    """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    from pathlib import Path
+
+    from moepass.server import serve as run_server
+
+    decoder = _load(model_dir, options)
+    folder = Path(model_dir).resolve()
+    model_id = (folder.parent if folder.is_file() else folder).name
+    run_server(decoder, model_id, host, port, api_key, queue_size, echo=lambda text: click.echo(text, err=True))
 
 
 @main.command()

@@ -100,7 +100,7 @@ def test_text_and_chat_cli(converted):
                                   "--temperature", "0.7", "--seed", "3"])
     assert result.exit_code == 0, result.output
     result = runner.invoke(main, ["run", str(converted("q4_0")), "--max-new-tokens", "4"])
-    assert result.exit_code == 2 and "exactly one of --prompt TEXT or --prompt-ids" in result.stderr
+    assert result.exit_code == 2 and "exactly one of --prompt TEXT (or --prompt-file) or --prompt-ids" in result.stderr
 
 
 def test_bench_cli(converted):
@@ -331,17 +331,18 @@ def test_long_prompts_are_prefilled_in_chunks(converted, monkeypatch):
     arithmetic (attention adds each chunk's scores and values in another order; measured 1e-6)
     and within tests/bounds.py's int8 rerun bound with int8 activations."""
     import moepass.runtime as runtime
+    import moepass.runtime.kv_cache as kv_cache
 
-    monkeypatch.setattr(runtime, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(kv_cache, "PREFILL_CHUNK", 16)
     calls = []
-    original = runtime._BoundDecoding._step
-    monkeypatch.setattr(runtime._BoundDecoding, "_step", lambda self, ids: calls.append(len(ids)) or original(self, ids))
+    original = runtime.KVCache._step
+    monkeypatch.setattr(runtime.KVCache, "_step", lambda self, ids: calls.append(len(ids)) or original(self, ids))
     last = {}
     for activations in ("float", "int8"):
         decoder = load(converted("q4_0", activations=activations))
         prompt = np.random.default_rng(0).integers(0, decoder.vocab_size, 40).tolist()
         whole, _ = decoder.forward(np.array([prompt]), decoder.empty_cache())
-        last[activations] = whole[0, -1], runtime._BoundDecoding(decoder, capacity=41).run(prompt)
+        last[activations] = whole[0, -1], runtime.KVCache(decoder, capacity=41).run(prompt)
     assert calls == [16, 16, 8] * 2
     (whole_f, chunked_f), (whole_8, chunked_8) = last["float"], last["int8"]
     float_bound = float_rounding_bound(whole_f, stages=3)
@@ -366,7 +367,7 @@ def test_text_refusals(make_gguf, tmp_path):
     ("{% for m in messages %}{{ m.content.__class__ }}{% endfor %}", "SecurityError"),
     ("{{ messages.append('x') }}", "SecurityError"),                                   # mutation
     ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),                  # broken
-    ("{{ no_such_variable }}", "UndefinedError"),
+    ("{{ no_such_variable.field }}", "UndefinedError"),                              # reaching into nothing
 ])
 def test_chat_templates_render_in_a_sandbox(template, why, converted, tmp_path):
     """A GGUF's chat template is the model file's code: rendered in jinja2's immutable sandbox, and

@@ -1,0 +1,57 @@
+"""`moepass chat`: a multi-turn conversation in the terminal, as llama-cli's conversation mode.
+
+Each line typed is a user turn; the answer streams as it is generated, then one line on stderr
+tells its speed and how many prompt tokens the turn had to compute (the KV cache keeps the
+history, so a turn prefills only what is new). `/reset` forgets the history, `/exit` (or Ctrl-D)
+leaves; Ctrl-C stops the answer being written and returns to the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import click
+
+COMMANDS = {"/reset": "forget the conversation", "/exit": "leave (or Ctrl-D)", "/help": "this list"}
+
+
+def chat_loop(decoder, system: str | None, variables: dict, max_new_tokens: int, sampling, stop,
+              read: Callable[[str], str] = input) -> None:
+    """Turns until /exit or end of input; `variables` reach the template (e.g. enable_thinking)."""
+    from moepass.runtime.conversation import Conversation
+
+    decoder.chat_template  # noqa: B018 - no template: one clear error before the first prompt
+    conversation = Conversation(decoder, system=system, **variables)
+    click.echo("type a message; /reset forgets the conversation, /exit or Ctrl-D leaves, "
+               "Ctrl-C stops an answer", err=True)
+    while True:
+        try:
+            line = read("> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo(err=True)
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            conversation.reset()
+            click.echo("(conversation forgotten)", err=True)
+            continue
+        if text in ("/help", "/?") or (text.startswith("/") and " " not in text):
+            click.echo("\n".join(f"{c:<8} {what}" for c, what in COMMANDS.items()), err=True)
+            continue
+        start = time.perf_counter()
+        stopped = ""
+        try:
+            for piece in conversation.say(line, max_new_tokens, sampling, stop):
+                click.echo(piece, nl=False)
+        except KeyboardInterrupt:
+            stopped = "stopped; "
+        seconds = time.perf_counter() - start
+        stream = conversation.last
+        click.echo()
+        click.echo(f"[{stopped}{stream.completion_tokens} tokens, {stream.completion_tokens / seconds:.1f} tokens/s; "
+                   f"prompt {stream.prompt_tokens} tokens, {stream.prefilled_tokens} computed]", err=True)

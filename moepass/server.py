@@ -1,0 +1,393 @@
+"""`moepass serve`: an OpenAI-compatible HTTP server over one converted (or partitioned) model.
+
+Endpoints as llama-server offers them: `POST /v1/chat/completions`, `POST /v1/completions` (each
+streamed as server-sent events with `"stream": true`), `GET /v1/models` (the model's id is its
+folder's name), `GET /health`. The model loads as `moepass run` loads it (a partitioned model with
+its expert placement), and requests are answered one at a time, in the order they came, from a
+bounded queue: a request that finds it full is answered 503 at once. A client that goes away
+stops its generation. Request fields beyond OpenAI's, as llama-server has them: `top_k`, `min_p`,
+`repeat_penalty`, `repeat_last_n`, `cache_prompt` (default true: the prefix a prompt shares with
+the previous request's is not computed again), `chat_template_kwargs` (e.g.
+`{"enable_thinking": false}`); absent sampling fields take llama-server's defaults. Bad requests
+get OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`) with a 4xx status,
+and the server goes on serving.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the endpoints' parameter types (Request) at runtime
+import asyncio
+import concurrent.futures
+import json
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from moepass.core.errors import MoepassError
+
+# what an OpenAI request may hold, and moepass's name for it
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "seed": "seed", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "min_p": (0, 1), "presence_penalty": (-2, 2),
+           "frequency_penalty": (-2, 2), "repeat_penalty": (0, 10)}
+MAX_STOP_STRINGS = 16
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, OpenAI error type, and the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _number(body: dict, name: str, integer: bool = False) -> float | int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        raise RequestError(400, f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    low, high = _RANGES.get(name, (0, None))
+    if value < low or (high is not None and value > high):
+        raise RequestError(400, f"'{name}' must be between {low} and {high}" if high is not None
+                           else f"'{name}' must be >= {low}", name)
+    return value
+
+
+def sampling_of(body: dict, defaults):
+    """The request's sampling settings over `defaults` (a `Sampling`)."""
+    import dataclasses
+
+    changes = {}
+    for field, ours in _SAMPLING_FIELDS.items():
+        value = _number(body, field, integer=field in ("top_k", "seed", "repeat_last_n"))
+        if value is not None:
+            changes[ours] = value
+    if changes.get("top_p") == 0:
+        raise RequestError(400, "'top_p' must be above 0", "top_p")
+    if "repeat_penalty" in changes and changes["repeat_penalty"] <= 0:
+        raise RequestError(400, "'repeat_penalty' must be above 0", "repeat_penalty")
+    if "seed" in changes:
+        changes["seed"] %= 2 ** 64
+    return dataclasses.replace(defaults, **changes)
+
+
+def stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    return stops
+
+
+def message_text(message: Any, i: int) -> dict:
+    """One chat message as the template gets it: role and content as strings (a list of text parts
+    is joined, as llama-server does)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(400, f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise RequestError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
+    if content is None and message.get("tool_calls"):
+        content = ""
+    if not isinstance(content, str):
+        raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           f"messages[{i}].content")
+    return {**{k: v for k, v in message.items() if k != "content"}, "content": content}
+
+
+class ModelServer:
+    """The model, its one worker thread and its queue; `chat` and `complete` turn a request body
+    into a prompt, then `answer` streams it."""
+
+    def __init__(self, decoder, model_id: str, queue_size: int = 8, defaults=None,
+                 echo: Callable[[str], None] = lambda text: None):
+        from moepass.runtime import LLAMA_SERVER
+
+        self.decoder = decoder
+        self.model_id = model_id
+        self.defaults = defaults or LLAMA_SERVER
+        self.created = int(time.time())
+        self.queue_size = queue_size
+        self.echo = echo
+        # every ONNX Runtime call on one thread, in the order requests came: the KV cache is one
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moepass-model")
+        self._turn = asyncio.Lock()
+        self._waiting = 0
+        self._cache = None
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_id:
+            raise RequestError(404, f"the model '{model}' does not exist; this server has '{self.model_id}'",
+                               "model", "model_not_found")
+
+    def max_tokens(self, body: dict, prompt_tokens: int) -> int:
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RequestError(400, "'max_tokens' must be a positive integer", "max_tokens")
+        context = self.decoder.context_length
+        if context and prompt_tokens >= context:
+            raise RequestError(400, f"the prompt has {prompt_tokens} tokens; the model's context holds {context}",
+                               "messages" if "messages" in body else "prompt", "context_length_exceeded")
+        if value is None:
+            return (context - prompt_tokens) if context else 256
+        return value
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "'messages' must be a non-empty list", "messages")
+        messages = [message_text(m, i) for i, m in enumerate(messages)]
+        extra = body.get("chat_template_kwargs") or {}
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise RequestError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        tools = body.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise RequestError(400, "'tools' must be a list of objects", "tools")
+        reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(extra)
+        if reserved:
+            raise RequestError(400, f"chat_template_kwargs may not set {sorted(reserved)[0]}", "chat_template_kwargs")
+        try:
+            text = self.decoder.chat_template.render(messages, tools=tools, **extra)
+        except MoepassError as e:  # the template refused these messages (e.g. raise_exception)
+            raise RequestError(400, str(e), "messages") from None
+        return self.decoder.encode(text)
+
+    def completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return self.decoder.encode(prompt)
+        if (isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            vocab = self.decoder.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+            return list(prompt)
+        raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", "prompt")
+
+    async def answer(self, prompt_ids: list[int], body: dict, disconnected: Callable) -> AsyncIterator[tuple]:
+        """Yields ("piece", text) as the answer comes, then ("end", stream). Waits its turn in the
+        queue (503 when it is full); stops when `disconnected()` says the client went away."""
+        from moepass.runtime import KVCache
+
+        if body.get("n", 1) != 1:
+            raise RequestError(400, "only n = 1 is supported", "n")
+        sampling = sampling_of(body, self.defaults)
+        stops = stop_strings(body)
+        max_new = self.max_tokens(body, len(prompt_ids))
+        reuse = body.get("cache_prompt", True)
+        if not isinstance(reuse, bool):
+            raise RequestError(400, "'cache_prompt' must be true or false", "cache_prompt")
+        if self._turn.locked() and self._waiting >= self.queue_size:
+            raise RequestError(503, f"the server is busy: {self._waiting} requests are waiting already",
+                               kind="server_error", code="queue_full")
+        self._waiting += 1
+        try:
+            await self._turn.acquire()
+        finally:
+            self._waiting -= 1
+        loop = asyncio.get_running_loop()
+        pieces: Iterator[str] | None = None
+        stream = None
+        finished = False
+        try:
+            if self._cache is None or not reuse:
+                self._cache = await loop.run_in_executor(self._worker, KVCache, self.decoder,
+                                                         len(prompt_ids) + max_new)
+            stream = self.decoder.generate_text(prompt_ids, max_new, sampling, stops, cache=self._cache)
+            pieces = iter(stream)
+            end = object()
+            while not await disconnected():
+                piece = await loop.run_in_executor(self._worker, next, pieces, end)
+                if piece is end:
+                    finished = True
+                    break
+                yield "piece", piece
+            if finished:
+                yield "end", stream
+        finally:
+            if pieces is not None:  # closed on the worker thread, after any step still running there
+                self._worker.submit(pieces.close)
+            self._turn.release()
+            if not finished and stream is not None:
+                self.echo(f"a client went away after {stream.completion_tokens} of {max_new} tokens; "
+                          "its generation stopped")
+
+
+def _usage(stream) -> dict:
+    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
+            "total_tokens": stream.prompt_tokens + stream.completion_tokens}
+
+
+def _timings(stream) -> dict:
+    """llama-server's `timings`: prompt tokens computed, and those the cache held."""
+    return {"prompt_n": stream.prefilled_tokens, "cache_n": stream.prompt_tokens - stream.prefilled_tokens,
+            "predicted_n": stream.completion_tokens}
+
+
+def create_app(server: ModelServer, api_key: str | None = None):
+    """The FastAPI application over `server`."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI(title="moepass", version=_version())
+
+    def error(e: RequestError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if api_key and request.url.path != "/health" and \
+                request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return error(RequestError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                      kind="authentication_error", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": server.created,
+                                            "owned_by": "moepass"}]}
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(400, f"the request body is not JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        server.check_model(body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError(400, "'stream' must be true or false", "stream")
+        return body
+
+    async def respond(request: Request, chat: bool):
+        try:
+            body = await read_body(request)
+            prompt = server.chat_prompt(body) if chat else server.completion_prompt(body)
+            answer = server.answer(prompt, body, request.is_disconnected)
+            first = await anext(answer)  # the request's own errors (queue full, bad fields) before any byte
+        except RequestError as e:
+            return error(e)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        kind = "chat.completion" if chat else "text_completion"
+        created = int(time.time())
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            content = {"content": text} if text is not None else {}
+            if delta:
+                return {"index": 0, "delta": content, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                    "logprobs": None}
+
+        if not body.get("stream"):
+            text = []
+            event = first
+            try:
+                async for event in _with_first(first, answer):
+                    if event[0] == "piece":
+                        text.append(event[1])
+            finally:
+                await answer.aclose()  # its turn ends now, whatever ended the request
+            if event[0] != "end":  # the client left
+                return JSONResponse({}, status_code=499)
+            stream = event[1]
+            return {"id": ident, "object": kind, "created": created, "model": server.model_id,
+                    "choices": [choice("".join(text), stream.finish_reason, delta=False)], "usage": _usage(stream),
+                    "timings": _timings(stream)}
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
+            if isinstance(body.get("stream_options"), dict) else False
+        chunk_kind = f"{kind}.chunk" if chat else kind
+
+        def sse(choices: list, **extra) -> str:
+            data = {"id": ident, "object": chunk_kind, "created": created, "model": server.model_id,
+                    "choices": choices, **extra}
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        async def events():
+            if chat:
+                yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                            "logprobs": None}])
+            try:
+                async for event in _with_first(first, answer):
+                    if event[0] == "piece":
+                        yield sse([choice(event[1], None, delta=True)])
+                    else:
+                        stream = event[1]
+                        yield sse([choice(None if chat else "", stream.finish_reason, delta=True)],
+                                  timings=_timings(stream))
+                        if include_usage:
+                            yield sse([], usage=_usage(stream))
+            finally:  # also when the client went away mid-stream: generation stops, the next request's turn comes
+                await answer.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await respond(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await respond(request, chat=False)
+
+    return app
+
+
+async def _with_first(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _version() -> str:
+    from moepass.core.version import __version__
+
+    return __version__
+
+
+def serve(decoder, model_id: str, host: str, port: int, api_key: str | None, queue_size: int,
+          echo: Callable[[str], None]) -> None:
+    """Serve until interrupted (uvicorn: Ctrl-C or SIGTERM stop it after the running request)."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise MoepassError("moepass serve needs FastAPI and uvicorn: pip install 'moepass[serve]'") from None
+
+    async def main() -> None:
+        app = create_app(ModelServer(decoder, model_id, queue_size, echo=echo), api_key)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        server = uvicorn.Server(config)
+        echo(f"serving '{model_id}' on http://{host}:{port}/v1 (OpenAI-compatible; Ctrl-C stops)")
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn could not listen there; it said why on the line above
+            raise MoepassError(f"cannot listen on {host}:{port}") from None
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:  # uvicorn stopped gracefully, then raised the signal again
+        pass
+    echo("server stopped")

@@ -1,0 +1,97 @@
+"""`moepass chat` as a user sees it, through a pseudo-terminal (pexpect): turns that keep the history
+in the KV cache (the second turn computes fewer prompt tokens than the whole history holds), the
+first answer equal to `moepass run --chat`'s, /reset, Ctrl-C stopping an answer without leaving,
+/exit."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from make_fixtures import Dims
+from moepass.cli import main
+
+pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extra")
+
+STATS = re.compile(r"\[(stopped; )?(\d+) tokens, [\d.]+ tokens/s; prompt (\d+) tokens, (\d+) computed\]")
+
+
+def _spawn(model: Path, *args: str):
+    # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository)
+    child = pexpect.spawn(sys.executable, ["-m", "moepass.cli", "chat", str(model), "--threads", "1", *args],
+                          cwd=str(model.parent), encoding="utf-8", codec_errors="replace", timeout=120,
+                          dimensions=(50, 400))
+    child.expect_exact("Ctrl-C stops an answer")
+    return child
+
+
+def _turn(child, text: str) -> tuple[str, tuple]:
+    child.expect_exact("> ")
+    child.sendline(text)
+    child.expect(STATS)
+    return child.before, child.match.groups()
+
+
+def test_two_turns_reuse_the_cache_and_reset_forgets(converted):
+    model = Path(converted("q4_0"))
+    child = _spawn(model, "--max-new-tokens", "8", "--seed", "5", "--system", "be brief")
+    answer, (stopped, new, prompt, computed) = _turn(child, "the other one")
+    assert not stopped and int(computed) == int(prompt)  # the first turn computes its whole prompt
+    expected = CliRunner().invoke(main, ["run", str(model), "--chat", "--system", "be brief", "--prompt",
+                                         "the other one", "--max-new-tokens", "8", "--seed", "5", "--temperature",
+                                         "0.8", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05"])
+    assert expected.exit_code == 0, expected.output
+    # the terminal echoes the line typed and writes \r\n; compare what the model wrote
+    shown = answer.split("the other one", 1)[1].replace("\r\n", "\n").strip("\n")
+    assert shown == expected.stdout.strip("\n").replace("\r\n", "\n")
+    _, (_, _, prompt2, computed2) = _turn(child, "and then")
+    assert int(prompt2) > int(prompt) + int(new)       # the history: first turn, answer, second turn
+    assert int(computed2) < int(prompt2) - int(prompt)  # only what the cache did not hold
+    child.expect_exact("> ")
+    child.sendline("/reset")
+    child.expect_exact("(conversation forgotten)")
+    _, (_, _, prompt3, _) = _turn(child, "the other one")
+    assert int(prompt3) == int(prompt)
+    child.expect_exact("> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+# a longer context than the test fixture's, so that an answer takes seconds to write
+LONG = Dims(n_layers=4, hidden=512, n_heads=8, head_dim=64, expert_ff=512, context_length=2048)
+ANSWER = 1500
+
+
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(converted):
+    """Greedy decoding of a prompt whose long answer meets no stop token (checked first, on this
+    CPU), so that the answer is still being written when Ctrl-C comes."""
+    from moepass.runtime import load
+
+    model = Path(converted("q4_0", dims=LONG))
+    decoder = load(model, threads=1)
+    prompt = next((p for p in ("the other one", "tell me more", "a long story", "go on", "and again")
+                   if not set(decoder.generate(decoder.encode(decoder.apply_chat_template(p)), ANSWER))
+                   & set(decoder.stop_ids)), None)
+    if prompt is None:
+        pytest.skip(f"every prompt's greedy answer meets a stop token within {ANSWER} tokens on this CPU")
+    child = _spawn(model, "--max-new-tokens", str(ANSWER), "--temperature", "0")
+    child.expect_exact("> ")
+    child.sendline(prompt)
+    child.expect(re.escape(prompt) + r"\r\n.")  # the terminal's echo, then the answer's first piece
+    child.delaybeforesend = 0
+    child.sendintr()
+    child.expect(STATS)
+    stopped, new, _, _ = child.match.groups()
+    assert stopped and int(new) < ANSWER
+    _, (stopped, _, _, computed) = _turn(child, "go on")
+    assert not stopped and int(computed) > 0
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

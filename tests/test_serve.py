@@ -1,0 +1,264 @@
+"""`moepass serve` started as a user starts it (a subprocess on a free local port), driven by the
+official `openai` Python client: chat and completions, streamed and not, stop strings, bad requests,
+a context overflow, a client that leaves mid-stream, concurrent clients, a full queue, an API key.
+Answers are compared with `moepass run`'s on the same prompt and seed; after every bad request the
+server must still answer."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from moepass.cli import main
+
+openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
+pytest.importorskip("fastapi", reason="moepass serve needs the serve extra")
+httpx = pytest.importorskip("httpx")
+
+SEEDED = dict(temperature=0.9, top_p=0.95, seed=42)
+# what the server takes for fields a request leaves out: llama-server's defaults, not run's greedy ones
+SERVER_DEFAULTS = ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05"]  # later ones win
+UNCACHED = {"cache_prompt": False}  # a fresh KV cache: the prompt computed as `moepass run` computes it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, log: Path, *args: str):
+        self.port = _free_port()
+        self.log = log
+        self.base = f"http://127.0.0.1:{self.port}"
+        # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository)
+        self.process = subprocess.Popen([sys.executable, "-m", "moepass.cli", "serve", str(model), "--port",
+                                         str(self.port), "--threads", "1", *args],
+                                        stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=model.parent,
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up:\n" + log.read_text()
+            time.sleep(0.1)
+
+    def client(self, **kwargs) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
+                             timeout=120, **kwargs)
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGINT)
+        return self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(converted, tmp_path_factory) -> Path:
+    return Path(converted("q4_0"))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    running = Server(model, tmp_path_factory.mktemp("serve") / "server.log")
+    yield running
+    assert running.stop() == 0, running.log.read_text()
+
+
+def _run(model: Path, *args: str) -> str:
+    result = CliRunner().invoke(main, ["run", str(model), "--threads", "1", *args])
+    assert result.exit_code == 0, result.output
+    return result.stdout[:-1]  # run ends the answer with a newline
+
+
+def _sampling_args(settings: dict) -> list[str]:
+    """run's options for the sampling fields of a request (and the server's defaults for the rest)."""
+    return SERVER_DEFAULTS + [a for k, v in settings.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def test_models_and_health(server, model):
+    assert [m.id for m in server.client().models.list().data] == [model.name]
+    assert httpx.get(f"{server.base}/health").json() == {"status": "ok"}
+
+
+def test_chat_is_run_chat(server, model):
+    client = server.client()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the other one"}]
+    answer = client.chat.completions.create(model=model.name, messages=messages, max_tokens=10,
+                                            extra_body=UNCACHED, **SEEDED)
+    expected = _run(model, "--chat", "--system", "be brief", "--prompt", "the other one", "--max-new-tokens", "10",
+                    *_sampling_args(SEEDED))
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    from moepass.runtime import load
+
+    decoder = load(model)
+    assert answer.usage.prompt_tokens == len(decoder.encode(decoder.apply_chat_template("the other one", "be brief")))
+    assert answer.usage.completion_tokens == 10 or answer.choices[0].finish_reason == "stop"
+    # streamed: the same text, piece by piece, then a finish reason and the usage
+    chunks = list(client.chat.completions.create(model=model.name, messages=messages, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=UNCACHED,
+                                                 **SEEDED))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-2].choices[0].finish_reason == answer.choices[0].finish_reason
+    assert chunks[-1].usage.prompt_tokens == answer.usage.prompt_tokens
+
+
+def test_completions_are_run(server, model):
+    client = server.client()
+    greedy = client.completions.create(model=model.name, prompt="the other one", max_tokens=8, temperature=0,
+                                       extra_body=UNCACHED)
+    assert greedy.choices[0].text == _run(model, "--prompt", "the other one", "--max-new-tokens", "8")
+    sampled = client.completions.create(model=model.name, prompt="the other one", max_tokens=8, extra_body=UNCACHED,
+                                        **SEEDED)
+    assert sampled.choices[0].text == _run(model, "--prompt", "the other one", "--max-new-tokens", "8",
+                                           *_sampling_args(SEEDED))
+    streamed = client.completions.create(model=model.name, prompt="the other one", max_tokens=8, temperature=0,
+                                         stream=True, extra_body=UNCACHED)
+    assert "".join(c.choices[0].text for c in streamed) == greedy.choices[0].text
+    ids = client.completions.create(model=model.name, prompt=[1, 2, 3], max_tokens=4, temperature=0,
+                                    extra_body=UNCACHED)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 4
+
+
+def test_stop_strings_and_penalties_are_run(server, model):
+    client = server.client()
+    whole = _run(model, "--prompt", "the other one", "--max-new-tokens", "12")
+    stop = whole[4:6]
+    cut = client.completions.create(model=model.name, prompt="the other one", max_tokens=12, temperature=0,
+                                    stop=[stop], extra_body=UNCACHED)
+    assert cut.choices[0].text == whole[:whole.index(stop)] and cut.choices[0].finish_reason == "stop"
+    settings = dict(temperature=0.7, seed=3, presence_penalty=0.5, frequency_penalty=0.3)
+    extra = {"repeat_penalty": 1.2, "min_p": 0.1, "top_k": 20}
+    penalized = client.completions.create(model=model.name, prompt="the other one", max_tokens=12,
+                                          extra_body={**UNCACHED, **extra}, **settings)
+    assert penalized.choices[0].text == _run(model, "--prompt", "the other one", "--max-new-tokens", "12",
+                                             *_sampling_args({**settings, **extra}))
+
+
+def test_the_prompt_cache_computes_only_what_is_new(server, model):
+    body = {"model": model.name, "messages": [{"role": "user", "content": "the other one"}], "max_tokens": 4,
+            "temperature": 0}
+    first = httpx.post(f"{server.base}/v1/chat/completions", json=body, timeout=60).json()
+    body["messages"] += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "and then"}]
+    second = httpx.post(f"{server.base}/v1/chat/completions", json=body, timeout=60).json()
+    timings = second["timings"]
+    assert timings["cache_n"] > 0 and timings["prompt_n"] + timings["cache_n"] == second["usage"]["prompt_tokens"]
+    assert timings["prompt_n"] < second["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("body,status,says", [
+    (b"{not json", 400, "the request body is not JSON"),
+    (b"[1, 2]", 400, "must be a JSON object"),
+    (json.dumps({"messages": []}).encode(), 400, "'messages' must be a non-empty list"),
+    (json.dumps({"messages": [{"content": "x"}]}).encode(), 400, "messages[0] must be an object with a 'role'"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400,
+     "'temperature' must be a number"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_p": 0}).encode(), 400, "'top_p' must be above 0"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400,
+     "'max_tokens' must be a positive integer"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400, "only n = 1"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": [1]}).encode(), 400, "'stop' must be"),
+    (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}).encode(), 404,
+     "the model 'gpt-4o' does not exist"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, model, body, status, says):
+    response = httpx.post(f"{server.base}/v1/chat/completions", content=body,
+                          headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert says in error["message"] and error["type"] == "invalid_request_error"
+    assert server.client().completions.create(model=model.name, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_the_real_client_sees_the_errors(server, model):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as overflow:
+        client.completions.create(model=model.name, prompt=[5] * 600, max_tokens=4)
+    assert overflow.value.code == "context_length_exceeded" and "the model's context holds 512" in str(overflow.value)
+    assert client.completions.create(model=model.name, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_client_that_leaves_stops_its_generation(server, model):
+    with httpx.stream("POST", f"{server.base}/v1/completions", timeout=60,
+                      json={"prompt": "the other one", "max_tokens": 480, "temperature": 0, "stream": True,
+                            "stop": ["\x00never"]}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    # the server noted it, long before the 480 tokens were generated, and serves the next client
+    deadline = time.monotonic() + 30
+    while "went away" not in server.log.read_text():
+        assert time.monotonic() < deadline, server.log.read_text()
+        time.sleep(0.05)
+    said = [line for line in server.log.read_text().splitlines() if "went away" in line][-1]
+    done = int(said.split("after ")[1].split(" ")[0])
+    assert done < 480, said
+    assert server.client().completions.create(model=model.name, prompt="hi", max_tokens=2).choices
+
+
+def test_concurrent_clients_get_their_own_answers(server, model):
+    prompts = ["the other one", "hello there", "one more", "and the last"]
+    expected = {p: _run(model, "--prompt", p, "--max-new-tokens", "16", *_sampling_args(SEEDED)) for p in prompts}
+    got: dict[str, str] = {}
+
+    def ask(prompt: str) -> None:
+        got[prompt] = server.client().completions.create(model=model.name, prompt=prompt, max_tokens=16,
+                                                         extra_body=UNCACHED, **SEEDED).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == expected
+
+
+def test_a_full_queue_is_503_and_an_api_key_is_required(model, tmp_path):
+    """--queue 1: of six requests sent at once, one is answered while one waits; the others find
+    the queue full (503) at once, while the first still generates its 480 tokens (0.5 s or more here)."""
+    guarded = Server(model, tmp_path / "server.log", "--queue", "1", "--api-key", "sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            guarded.client(api_key="wrong").models.list()
+        assert httpx.get(f"{guarded.base}/health").status_code == 200  # health needs no key
+        clients = [guarded.client(api_key="sesame") for _ in range(6)]
+        start = threading.Barrier(len(clients))
+        outcomes: list = []
+
+        def ask(client) -> None:
+            start.wait()
+            try:
+                outcomes.append(client.completions.create(model=model.name, prompt="the other one", max_tokens=480,
+                                                          temperature=0, stop=["\x00never"]).choices[0].text)
+            except openai.APIStatusError as e:
+                outcomes.append(e)
+
+        threads = [threading.Thread(target=ask, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        answers = [o for o in outcomes if isinstance(o, str)]
+        refused = [o for o in outcomes if not isinstance(o, str)]
+        assert len(answers) >= 2 and len(set(answers)) == 1 and refused, outcomes
+        assert all(e.status_code == 503 and "busy" in str(e) for e in refused), refused
+        assert clients[0].completions.create(model=model.name, prompt="hi", max_tokens=2).choices
+    finally:
+        assert guarded.stop() == 0, guarded.log.read_text()
