@@ -22,6 +22,10 @@ def chat_loop(decoder, system: str | None, variables: dict, max_new_tokens: int,
     from moepass.runtime.conversation import Conversation
 
     decoder.chat_template  # noqa: B018 - no template: one clear error before the first prompt
+    try:
+        import readline  # noqa: F401 - line editing and history for input(), where the platform has it
+    except ImportError:
+        pass
     conversation = Conversation(decoder, system=system, **variables)
     click.echo("type a message; /reset forgets the conversation, /exit or Ctrl-D leaves, "
                "Ctrl-C stops an answer", err=True)

@@ -247,6 +247,11 @@ def create_app(server: ModelServer, api_key: str | None = None):
     def error(e: RequestError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception) -> JSONResponse:
+        """What went wrong while answering (ONNX Runtime, the template): OpenAI's error object, 500."""
+        return error(RequestError(500, f"{type(e).__name__}: {e}", kind="server_error"))
+
     @app.middleware("http")
     async def authorize(request: Request, call_next):
         if api_key and request.url.path != "/health" and \

@@ -26,6 +26,7 @@ from moepass.core.files import LOGITS_TO_KEEP
 # probabilities, so one step over a 32k-token prompt would need 128 GB for 32 heads; at 512 a step
 # needs at most heads x 512 x context floats.
 PREFILL_CHUNK = 512
+FIRST_CAPACITY = 8192
 
 
 class KVCache:
@@ -44,7 +45,8 @@ class KVCache:
         # buffers are checked on a GPU.
         self._in_place = decoder.plan.provider == "CPUExecutionProvider"
         self._last_only = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))
-        self.capacity = max(1, min(capacity, decoder.context_length or capacity))
+        # positions allocated now; more are added as they fill (a request may ask for many it never uses)
+        self.capacity = max(1, min(capacity, decoder.context_length or capacity, FIRST_CAPACITY))
         self._cache = {n: ort.OrtValue.ortvalue_from_numpy(a)
                        for n, a in decoder.empty_cache(length=self.capacity if self._in_place else 0).items()}
         self.tokens: list[int] = []  # what the filled positions hold

@@ -262,3 +262,24 @@ def test_a_full_queue_is_503_and_an_api_key_is_required(model, tmp_path):
         assert clients[0].completions.create(model=model.name, prompt="hi", max_tokens=2).choices
     finally:
         assert guarded.stop() == 0, guarded.log.read_text()
+
+
+def test_a_partitioned_model_serves_with_its_placement(model, tmp_path):
+    """The server loads a partition as run does: its plan's session options in force (here the
+    per-layer plan falls back to the CPU with its warning), the placed folder's name as the id, and
+    run's answer."""
+    placed = tmp_path / "placed"
+    result = CliRunner().invoke(main, ["partition", str(model), "--vram", "8G", "--target", "layers", "-o",
+                                       str(placed)])
+    assert result.exit_code == 0, result.output
+    server = Server(placed, tmp_path / "server.log")
+    try:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == ["placed"]
+        answer = client.completions.create(model="placed", prompt="the other one", max_tokens=8, temperature=0)
+        assert answer.choices[0].text == _run(placed, "--prompt", "the other one", "--max-new-tokens", "8")
+    finally:
+        assert server.stop() == 0, server.log.read_text()
+    run_log = CliRunner().invoke(main, ["run", str(placed), "--prompt", "hi", "--max-new-tokens", "1"]).stderr
+    said = [line for line in run_log.splitlines() if "warning" in line]
+    assert said and all(line in server.log.read_text() for line in said)
