@@ -6,6 +6,7 @@ first answer equal to `moepass run --chat`'s, /reset, Ctrl-C stopping an answer 
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -21,10 +22,11 @@ STATS = re.compile(r"\[(stopped; )?(\d+) tokens, [\d.]+ tokens/s; prompt (\d+) t
 
 
 def _spawn(model: Path, *args: str):
-    # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository)
+    # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository);
+    # SIGINT as a terminal gives it: a suite started in the background by a shell inherits SIGINT ignored
     child = pexpect.spawn(sys.executable, ["-m", "moepass.cli", "chat", str(model), "--threads", "1", *args],
                           cwd=str(model.parent), encoding="utf-8", codec_errors="replace", timeout=120,
-                          dimensions=(50, 400))
+                          dimensions=(50, 400), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.expect_exact("Ctrl-C stops an answer")
     return child
 
