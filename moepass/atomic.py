@@ -19,9 +19,41 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from moepass.core.errors import WRITE_ERRNOS, MoepassError
+from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
+                                TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
+
+# what convert and partition write into an output folder: --force replaces a folder of these only
+OUTPUT_FILES = frozenset({MODEL_FILE, DATA_FILE, REPORT_FILE, PLAN_FILE, OPTIONS_FILE, TOKENIZER_FILE,
+                          TOKENIZER_CONFIG_FILE, GENAI_CONFIG_FILE})
 
 
-def _check_destination(path: Path, overwrite: bool, is_dir: bool, inputs: Iterable[str | os.PathLike]) -> None:
+def foreign_entry(folder: Path) -> str | None:
+    """Why `folder` is not an output of moepass that --force may replace (None: it is one, or empty):
+    it must hold moepass's report (moepass.json with its version) and nothing but moepass's files."""
+    import json
+
+    entries = sorted(os.listdir(folder))
+    if not entries:
+        return None
+    for name in entries:
+        entry = folder / name
+        if name not in OUTPUT_FILES or entry.is_symlink() or not entry.is_file():
+            return f"it holds {name!r}, which moepass does not write"
+    try:
+        report = json.loads((folder / REPORT_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return f"it has no readable {REPORT_FILE} of moepass's"
+    if not isinstance(report, dict) or "moepass_version" not in report:
+        return f"its {REPORT_FILE} is not moepass's"
+    return None
+
+
+def check_destination(path: str | os.PathLike, overwrite: bool, is_dir: bool,
+                      inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Refuse an output path before any work (atomic_directory / atomic_file check it again when
+    they start writing): one that would replace an input, what is there without `overwrite`, a
+    folder not of moepass's with it."""
+    path = Path(path)
     absolute = Path(os.path.abspath(path))
     here = Path.cwd()
     if absolute == Path(absolute.anchor):
@@ -33,10 +65,11 @@ def _check_destination(path: Path, overwrite: bool, is_dir: bool, inputs: Iterab
         source = Path(os.path.realpath(source))
         if source == real or real in source.parents:
             raise MoepassError(f"{path}: writing there would replace the input {source}")
-    if not path.parent.exists():
-        raise MoepassError(f"{path}: parent directory {path.parent} does not exist")
-    if not path.parent.is_dir():
-        raise MoepassError(f"{path}: parent {path.parent} is a file, not a directory")
+    ancestor = path.parent  # missing folders above the output are created (and removed again on failure)
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise MoepassError(f"{path}: {ancestor} is a file, not a directory")
     if not os.path.lexists(path):
         return
     if path.is_symlink():
@@ -49,8 +82,17 @@ def _check_destination(path: Path, overwrite: bool, is_dir: bool, inputs: Iterab
         raise MoepassError(f"{path}: already exists (a file); pass --force to replace it")
     if not is_dir and path.is_dir():
         raise MoepassError(f"{path}: is a directory")
+    if is_dir and overwrite:
+        _refuse_foreign(path)
     if not overwrite and not (is_dir and not any(path.iterdir())):
         raise MoepassError(f"{path}: already exists; pass --force to replace it")
+
+
+def _refuse_foreign(folder: Path) -> None:
+    why = foreign_entry(folder)
+    if why:
+        raise MoepassError(f"{folder}: --force replaces only a folder that moepass wrote, and {why}; "
+                           "remove it yourself or name another output")
 
 
 def _prefix(destination: Path, kind: str) -> str:
@@ -116,6 +158,7 @@ def _replace(tmp: Path, destination: Path, overwrite: bool) -> None:
         return
     old = None
     if destination.is_dir() and not destination.is_symlink():
+        _refuse_foreign(destination)  # again: it may have changed while this run was writing
         old = Path(tempfile.mkdtemp(prefix=_prefix(destination, "old"), dir=destination.parent))
         destination.rename(old / destination.name)
     tmp.replace(destination)
@@ -140,20 +183,43 @@ def _writing(destination: Path, tmp: Path, overwrite: bool) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
+def _parents(destination: Path) -> Iterator[None]:
+    """The missing folders above `destination`, made for the block and removed again if it fails."""
+    made = []
+    folder = destination.parent
+    while not os.path.lexists(folder):
+        made.append(folder)
+        folder = folder.parent
+    try:
+        for folder in reversed(made):
+            folder.mkdir()
+    except OSError as e:
+        raise MoepassError(f"{destination}: cannot create {folder} ({e.strerror})") from None
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+@contextlib.contextmanager
 def atomic_directory(destination: str | os.PathLike, overwrite: bool = False,
                      inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
     """Yield a temporary directory beside `destination`; it becomes `destination` if the block succeeds.
     `inputs`: files the block reads, which the output must never replace."""
     destination = Path(destination)
-    _check_destination(destination, overwrite, is_dir=True, inputs=inputs)
-    _sweep_stale(destination)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=_prefix(destination, "tmp"), dir=destination.parent))
-    except OSError as e:
-        raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
-    _ordinary_permissions(tmp, 0o777)
-    with _writing(destination, tmp, overwrite) as path:
-        yield path
+    check_destination(destination, overwrite, is_dir=True, inputs=inputs)
+    with _parents(destination):
+        _sweep_stale(destination)
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=_prefix(destination, "tmp"), dir=destination.parent))
+        except OSError as e:
+            raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
+        _ordinary_permissions(tmp, 0o777)
+        with _writing(destination, tmp, overwrite) as path:
+            yield path
 
 
 @contextlib.contextmanager
@@ -161,14 +227,15 @@ def atomic_file(destination: str | os.PathLike, overwrite: bool = False,
                 inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
     """Yield a temporary file path beside `destination`; it becomes `destination` if the block succeeds."""
     destination = Path(destination)
-    _check_destination(destination, overwrite, is_dir=False, inputs=inputs)
-    _sweep_stale(destination)
-    try:
-        fd, name = tempfile.mkstemp(prefix=_prefix(destination, "tmp"), dir=destination.parent)
-    except OSError as e:
-        raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
-    os.close(fd)
-    tmp = Path(name)
-    _ordinary_permissions(tmp, 0o666)
-    with _writing(destination, tmp, overwrite) as path:
-        yield path
+    check_destination(destination, overwrite, is_dir=False, inputs=inputs)
+    with _parents(destination):
+        _sweep_stale(destination)
+        try:
+            fd, name = tempfile.mkstemp(prefix=_prefix(destination, "tmp"), dir=destination.parent)
+        except OSError as e:
+            raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
+        os.close(fd)
+        tmp = Path(name)
+        _ordinary_permissions(tmp, 0o666)
+        with _writing(destination, tmp, overwrite) as path:
+            yield path

@@ -39,16 +39,17 @@ class _Group(click.Group):
         try:
             code = super().main(args, prog_name, standalone_mode=False, **extra)
             sys.exit(code if isinstance(code, int) else 0)
-        except click.exceptions.NoArgsIsHelpError as e:  # `moepass` alone: the help, exit 2
-            click.echo(e.ctx.get_help(), err=True)
-            sys.exit(2)
+        except click.exceptions.NoArgsIsHelpError as e:  # `moepass` alone: the help, as --help gives it
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
         except click.ClickException as e:
             option = f"{e.param_hint}: " if isinstance(e, click.BadParameter) and e.param_hint else ""
             message = e.message if option else e.format_message()
-            click.echo(f"moepass: error: {option}{message}", err=True)
+            hint = f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
+            click.echo(f"moepass: error: {option}{message}{hint}", err=True)
             sys.exit(2)
         except (click.Abort, KeyboardInterrupt):
-            click.echo("moepass: interrupted; nothing half-written was left", err=True)
+            click.echo(f"moepass: interrupted{_NOTHING_LEFT if _writes(args) else ''}", err=True)
             sys.exit(130)
         except SystemExit:
             raise
@@ -77,8 +78,18 @@ class _WarningLine(logging.Handler):
         click.echo(f"moepass: warning: {record.getMessage()}", err=True)
 
 
+_NOTHING_LEFT = "; nothing half-written was left"
+WRITING_COMMANDS = ("convert", "partition", "profile", "merge-profiles")
+
+
+def _writes(args) -> bool:
+    """Whether the command line runs a command that writes files (whose interruption says so)."""
+    words = [a for a in (sys.argv[1:] if args is None else args) if not a.startswith("-")]
+    return bool(words) and words[0] in WRITING_COMMANDS
+
+
 def _terminated(signum, frame):
-    click.echo("moepass: terminated; nothing half-written was left", err=True)
+    click.echo(f"moepass: terminated{_NOTHING_LEFT if _writes(None) else ''}", err=True)
     sys.exit(128 + signum)  # SystemExit unwinds through every cleanup (atomic outputs remove their temporaries)
 
 
@@ -90,7 +101,7 @@ def _version() -> str:
         return "(not installed)"
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="moepass")
 def main() -> None:
     """Turn Mixture-of-Experts GGUF models into ONNX decoders with com.microsoft::QMoE experts."""
@@ -116,13 +127,9 @@ class _Progress:
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise MoepassError(f"--prompt-ids must be comma-separated integers, not {text!r}") from None
-    if not ids:
-        raise MoepassError(f"--prompt-ids {text!r} gives no token id")
-    return ids
+    from moepass.profile import token_ids
+
+    return token_ids(text, "--prompt-ids")
 
 
 def _finite_option(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
@@ -146,16 +153,17 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
 @click.option("--exact", is_flag=True,
               help="Keep every tensor whose blocks move bit-exactly exact, even where a requantized form is "
                    "faster (Q6_K: int8 block 16 instead of block 128).")
-@click.option("--threads", type=click.IntRange(1, None), default=None,
-              help="Threads converting weights (default: every core).")
+@click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="every core",
+              help="Threads converting weights.")
 @click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default="int8", show_default=True,
               help="int8: quantized to 8 bits inside each quantized matmul, as llama.cpp does (ONNX Runtime "
                    "accuracy_level 4; fast). float: exact float arithmetic on the weights (slower; for tests).")
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
-@click.option("--context", type=click.IntRange(1, MAX_CONTEXT), default=None,
-              help="Positions the model is built for (its RoPE tables); default: the GGUF's context_length.")
+@click.option("-c", "--context", type=click.IntRange(1, MAX_CONTEXT), default=None,
+              show_default="the GGUF's context_length",
+              help="Positions (tokens) the model is built for: its RoPE tables.")
 @click.option("--allow-non-finite", is_flag=True,
               help="Convert tensors holding NaN or Inf (refused by default: the model would compute NaN logits).")
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
@@ -206,7 +214,8 @@ def _runtime_options(f):
         click.option("--offload", "mode", type=click.Choice(keys.OFFLOAD_MODES), default=None,
                      help="Expert offload: disabled, auto (fall back with a warning) or required "
                           "(default: what partition wrote)."),
-        click.option("--threads", type=click.IntRange(1, None), default=None, help="ONNX Runtime intra-op threads."),
+        click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="ONNX Runtime's: every core",
+                     help="ONNX Runtime intra-op threads."),
     ]):
         f = option(f)
     return f
@@ -229,20 +238,21 @@ def _sampling_options(greedy: bool):
             click.option("--temperature", type=click.FloatRange(0, None), default=d.temperature, show_default=True,
                          callback=_finite_option, help="0 = greedy."),
             click.option("--top-k", type=click.IntRange(0, None), default=d.top_k, show_default=True,
-                         help="0 = no limit."),
+                         help="Keep the K likeliest tokens (0 = no limit)."),
             click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=d.top_p, show_default=True,
-                         callback=_finite_option),
+                         callback=_finite_option, help="Keep the likeliest tokens up to this probability mass (1 = all)."),
             click.option("--min-p", type=click.FloatRange(0, 1), default=d.min_p, show_default=True,
                          callback=_finite_option, help="Drop tokens less likely than this times the likeliest."),
             click.option("--repeat-penalty", type=click.FloatRange(0, None, min_open=True), default=d.repeat_penalty,
                          show_default=True, callback=_finite_option,
                          help="Divide the logits of tokens among the last --repeat-last-n (1 = off)."),
-            click.option("--repeat-last-n", type=click.IntRange(0, None), default=d.repeat_last_n, show_default=True),
+            click.option("--repeat-last-n", type=click.IntRange(0, None), default=d.repeat_last_n, show_default=True,
+                         help="Tokens of the context the penalties look back over."),
             click.option("--presence-penalty", type=float, default=d.presence_penalty, show_default=True,
-                         callback=_finite_option),
+                         callback=_finite_option, help="Subtracted from the logit of every token seen."),
             click.option("--frequency-penalty", type=float, default=d.frequency_penalty, show_default=True,
-                         callback=_finite_option),
-            click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None,
+                         callback=_finite_option, help="Subtracted from a token's logit once per time it was seen."),
+            click.option("-s", "--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, show_default="random",
                          help="Seed for sampled decoding."),
         ]):
             f = option(f)
@@ -254,6 +264,15 @@ def _sampling(options: dict) -> Sampling:
     names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
              "frequency_penalty", "seed")
     return Sampling(**{n: options.pop(n) for n in names})
+
+
+def _require(extra: str, what: str, *modules: str) -> None:
+    """An extra's packages, checked before the model loads (not after a minute of loading)."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MoepassError(f"{what} needs {', '.join(missing)}: pip install 'moepass[{extra}]'")
 
 
 def _load(model_dir: str, options: dict):
@@ -289,14 +308,15 @@ _STOP = click.option("--stop", multiple=True, help="Stop when the text reaches t
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
-@click.option("--prompt", default=None, help="Prompt text (needs the tokenizer.json convert writes).")
-@click.option("--prompt-file", type=click.File("r", encoding="utf-8"), default=None,
+@click.option("-p", "--prompt", default=None, help="Prompt text (needs the tokenizer.json convert writes).")
+@click.option("-f", "--prompt-file", type=click.File("r", encoding="utf-8"), default=None,
               help="Prompt text from a file ('-': standard input).")
-@click.option("--prompt-ids", default=None, help="Prompt token ids, comma-separated (e.g. 1,2,3).")
+@click.option("--prompt-ids", default=None, help="Prompt token ids, separated by commas or spaces (1,2,3).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message with the model's chat template.")
 @click.option("--system", default=None, help="With --chat: a system message before it.")
 @_think_option
-@click.option("--max-new-tokens", type=click.IntRange(0, None), default=16, show_default=True)
+@click.option("-n", "--max-new-tokens", type=click.IntRange(0, None), default=16, show_default=True,
+              help="Tokens to generate at most.")
 @_STOP
 @_sampling_options(greedy=True)
 @_runtime_options
@@ -305,12 +325,14 @@ def run(model_dir: str, prompt: str | None, prompt_file, prompt_ids: str | None,
     """Generate: text in, text out (streamed), or token ids in, token ids out."""
     if prompt_file is not None:
         if prompt is not None or prompt_ids is not None:
-            raise MoepassError("give one of --prompt, --prompt-file or --prompt-ids")
+            raise click.UsageError("give one of --prompt, --prompt-file or --prompt-ids")
         prompt = prompt_file.read()
     if (prompt is None) == (prompt_ids is None):
-        raise MoepassError("give exactly one of --prompt TEXT (or --prompt-file) or --prompt-ids 1,2,3")
+        raise click.UsageError("give exactly one of --prompt TEXT (or --prompt-file) or --prompt-ids 1,2,3")
     if (system is not None or think is not None) and not chat:
-        raise MoepassError("--system and --think/--no-think apply to --chat")
+        raise click.UsageError("--system and --think/--no-think apply to --chat")
+    if chat:
+        _require("chat", "--chat", "jinja2")
     sampling = _sampling(options)
     decoder = _load(model_dir, options)
     start = time.perf_counter()
@@ -320,24 +342,27 @@ def run(model_dir: str, prompt: str | None, prompt_file, prompt_ids: str | None,
         for piece in stream:
             click.echo(piece, nl=False)
         click.echo()
-        count, what = stream.completion_tokens, "tokens"
+        count, ended = stream.completion_tokens, stream.ended_by
     else:
         if stop:
-            raise MoepassError("--stop applies to text prompts; with --prompt-ids the output is token ids")
-        count, what = 0, "tokens"
+            raise click.UsageError("--stop applies to text prompts; with --prompt-ids the output is token ids")
+        tokens: list[int] = []
         for token in decoder.generate(_parse_ids(prompt_ids), max_new_tokens, sampling=sampling):
-            click.echo(f"{',' if count else ''}{token}", nl=False)  # as they come: an interrupt keeps them
-            count += 1
+            click.echo(f"{',' if tokens else ''}{token}", nl=False)  # as they come: an interrupt keeps them
+            tokens.append(token)
         click.echo()
-    click.echo(f"{count} {what} in {time.perf_counter() - start:.3f} s on {decoder.plan.provider}", err=True)
+        count = len(tokens)
+        ended = "the stop token" if tokens and tokens[-1] in decoder.stop_ids else "the token limit"
+    click.echo(f"{count} tokens in {time.perf_counter() - start:.3f} s on {decoder.plan.provider}, ended by {ended}",
+               err=True)
 
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @_think_option
-@click.option("--max-new-tokens", type=click.IntRange(1, None), default=1024, show_default=True,
-              help="At most this many tokens per answer.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(1, None), default=1024, show_default=True,
+              help="Tokens per answer at most.")
 @_STOP
 @_sampling_options(greedy=False)
 @_runtime_options
@@ -346,6 +371,7 @@ def chat(model_dir: str, system: str | None, think: bool | None, max_new_tokens:
     """Talk to the model in the terminal, turn after turn (the KV cache keeps the history)."""
     from moepass.chat import chat_loop
 
+    _require("chat", "moepass chat", "jinja2")
     sampling = _sampling(options)
     decoder = _load(model_dir, options)
     chat_loop(decoder, system, _template_variables(decoder, think), max_new_tokens, sampling, stop)
@@ -366,6 +392,7 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
 
     from moepass.server import serve as run_server
 
+    _require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
     decoder = _load(model_dir, options)
     folder = Path(model_dir).resolve()
     model_id = (folder.parent if folder.is_file() else folder).name
@@ -374,11 +401,14 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
-@click.option("--prompt-tokens", type=click.IntRange(1, None), default=128, show_default=True)
-@click.option("--new-tokens", type=click.IntRange(1, None), default=64, show_default=True)
+@click.option("-p", "--prompt-tokens", type=click.IntRange(1, None), default=128, show_default=True,
+              help="Tokens in the prefill measured (llama-bench's -p).")
+@click.option("-n", "--new-tokens", type=click.IntRange(1, None), default=64, show_default=True,
+              help="Tokens decoded per measurement (llama-bench's -n).")
 @click.option("--depth", type=click.IntRange(1, None), default=None,
               help="Decode after this many cached tokens (default: after the prompt).")
-@click.option("--repeats", type=click.IntRange(1, None), default=3, show_default=True)
+@click.option("-r", "--repeats", type=click.IntRange(1, None), default=3, show_default=True,
+              help="Measurements of each phase; the best counts (llama-bench's -r).")
 @click.option("--profile", is_flag=True, help="Also profile 16 decode steps: kernel time per operator type.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout (llama-bench-like fields).")
 @_runtime_options
@@ -430,7 +460,8 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
 @click.option("-o", "--output", required=True, type=click.Path(), help="Popularity file to write (JSON).")
 @click.option("--merge", "merge_with", multiple=True, type=click.Path(dir_okay=False),
               help="Add these earlier profiles of the same model to the result (repeatable).")
-@click.option("--threads", type=click.IntRange(1, None), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="ONNX Runtime's: every core",
+              help="ONNX Runtime intra-op threads.")
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat: bool, prompt_ids: str | None,
@@ -439,8 +470,13 @@ def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat:
     from moepass.popularity import Popularity
     from moepass.profile import profile as run_profile, read_prompts
 
+    from moepass.atomic import check_destination
+
     if (prompts_file is None) == (prompt_ids is None):
-        raise MoepassError("give exactly one of --prompts FILE or --prompt-ids 1,2,3")
+        raise click.UsageError("give exactly one of --prompts FILE or --prompt-ids 1,2,3")
+    check_destination(output, force, is_dir=False)  # before the work, not after it
+    if chat:
+        _require("chat", "--chat", "jinja2")
     prompts = read_prompts(prompts_file, prompts_format) if prompts_file else [_parse_ids(prompt_ids)]
     earlier = [Popularity.load(p) for p in merge_with]
     progress = _Progress("profiling prompts", enabled=not quiet)
@@ -462,8 +498,10 @@ def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat:
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     """Add up popularity profiles of the same model."""
+    from moepass.atomic import check_destination
     from moepass.popularity import Popularity
 
+    check_destination(output, force, is_dir=False)  # before reading the profiles
     merged = Popularity.load(profiles[0])
     for path in profiles[1:]:
         merged = merged.merge(Popularity.load(path), path)
@@ -473,7 +511,9 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
-@click.option("--vram", required=True, help="GPU memory to use: 8G, 8GiB, 7.5GB, 8000M or plain bytes.")
+@click.option("--vram", required=True,
+              help="GPU memory to use, in bytes: 8G / 8GB are decimal (8e9), 8GiB binary (8 x 2^30); 7.5GB, 8000M "
+                   "or a plain number work too.")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Directory for the annotated model and plan.")
 @click.option("--target", type=click.Choice(TARGETS), default="auto", show_default=True,
               help="offload: per expert, for the ONNX Runtime CUDA plugin EP's expert offload; layers: whole MoE "
@@ -488,7 +528,8 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
               help="global (default with a profile), balanced, or uniform (default without).")
 @click.option("--mode", type=click.Choice(PLAN_MODES), default="auto", show_default=True,
               help="required: fail when the non-expert weights, KV cache and buffers do not fit.")
-@click.option("--context", type=click.IntRange(1, None), default=4096, show_default=True, help="KV cache tokens.")
+@click.option("-c", "--context", type=click.IntRange(1, None), default=4096, show_default=True,
+              help="Tokens the KV cache holds.")
 @click.option("--batch", type=click.IntRange(1, None), default=1, show_default=True, help="Sequences at once.")
 @click.option("--prefill-tokens", type=click.IntRange(1, None), default=512, show_default=True,
               help="Tokens per prefill step (sizes the working buffers).")

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from moepass.core.version import __version__
 from moepass.core.architectures import architecture_of
-from moepass.atomic import atomic_directory
+from moepass.atomic import atomic_directory, check_destination
 from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
                                 TOKENIZER_FILE, as_ir_model)
@@ -114,9 +114,9 @@ class ConvertResult:
         else:
             lines.append(f"  layers        {self.n_layers} ({len(self.moe_layers)} MoE, {experts} experts, top-{top_k})")
         lines += [
-            "  expert form   " + (", ".join(f"{form} x{n}" + (f" ({speed_class(parse_form(form))})"
-                                                                  if parse_form(form) else "")
-                                        for form, n in sorted(forms.items())) or "none"),
+            "  expert form   " + (", ".join(f"{form} in {n} layer{'s' if n > 1 else ''}"
+                                                + (f" ({speed_class(parse_form(form))})" if parse_form(form) else "")
+                                                for form, n in sorted(forms.items())) or "none"),
             "  activations   " + ACTIVATION_SUMMARY[self.activations],
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]
@@ -140,8 +140,9 @@ class ConvertResult:
         else:
             pre = f", {self.tokenizer['pre']} pre-tokenizer" if self.tokenizer.get("pre") else ""
             lines.append(f"  tokenizer     {self.tokenizer.get('model')}{pre} -> {TOKENIZER_FILE}")
-        rate = self.source_bytes / self.seconds / 1e9 if self.seconds else 0.0
-        lines.append(f"  time          {self.seconds:.2f} s ({rate:.2f} GB/s of input)")
+        rate = self.source_bytes / self.seconds if self.seconds else 0.0
+        speed = f"{rate / 1e9:.2f} GB/s" if rate >= 1e8 else f"{rate / 1e6:.1f} MB/s"
+        lines.append(f"  time          {self.seconds:.2f} s ({speed} of input)")
         return lines
 
 
@@ -183,6 +184,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
                             overwrite=overwrite, progress=progress)
     start = time.perf_counter()
     source, output_dir = Path(model), Path(output_dir)
+    check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # before any work
     gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moepass.core.architectures import ARCHITECTURES
+from moepass.core.architectures import architecture_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import REPORT_FILE, as_ir_model, read_json_object
 from moepass.core.gguf_reader import GGUFModel, is_gguf
@@ -45,7 +45,10 @@ def _gguf_group(name: str) -> str:
 def inspect_gguf(path: Path) -> dict[str, Any]:
     gguf = GGUFModel(path)
     arch_name = gguf.architecture
-    arch = ARCHITECTURES.get(arch_name)
+    try:
+        arch, why_not = architecture_of(gguf), None
+    except MoepassError as e:  # convert's own reason (an unknown or a dense architecture), said as a fact
+        arch, why_not = None, str(e).split(": ", 1)[-1]
     groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     types: collections.Counter = collections.Counter()
     for t in gguf.tensors.values():
@@ -58,6 +61,7 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
         "file_bytes": gguf.file_bytes,
         "architecture": arch_name,
         "supported": arch is not None,
+        "unsupported_reason": why_not,
         "tensor_types": dict(types),
         "bytes_by_group": {g: dict(c) for g, c in sorted(groups.items())},
     }
@@ -145,7 +149,7 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     if info["kind"] == "gguf":
         lines.append(f"format        GGUF, {len(info['parts'])} part(s), {info['file_bytes']:,} bytes")
         lines.append(f"architecture  {info['architecture']}"
-                     + ("" if info["supported"] else "  (not supported by moepass convert)"))
+                     + ("" if info["supported"] else f"  (not converted by moepass: {info['unsupported_reason']})"))
         if "hparams" in info:
             hp = info["hparams"]
             lines.append(f"model         {hp['n_layers']} layers, hidden {hp['hidden']}, "

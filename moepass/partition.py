@@ -32,7 +32,7 @@ import onnx
 import onnx_ir as ir
 
 from moepass.core.version import __version__
-from moepass.atomic import atomic_directory, atomic_file
+from moepass.atomic import atomic_directory, atomic_file, check_destination
 from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
                                 TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
@@ -66,9 +66,12 @@ class PartitionResult:
         total = sum(n["experts"] for n in nodes)
         offload = self.plan.get("offload", {"active": True})
         if self.plan["target"] == "layers":
-            on_gpu = [n["node"] for n in nodes if n["device"] == "gpu"]
-            head = (f"placed {len(on_gpu)} of {len(nodes)} MoE layers on the GPU whole (per-layer placement: the "
-                    f"experts of the other {len(nodes) - len(on_gpu)} run on the CPU) -> {self.output_dir}")
+            on_gpu = len([n for n in nodes if n["device"] == "gpu"])
+            rest = len(nodes) - on_gpu
+            where = ("every MoE layer runs on the CPU" if not on_gpu else "all of them" if not rest else
+                     f"the experts of the other {rest} run on the CPU")
+            head = (f"placed {on_gpu} of {len(nodes)} MoE layers on the GPU whole (per-layer placement: {where}) "
+                    f"-> {self.output_dir}")
         else:
             head = (f"placed {resident} of {total} experts on the GPU ({self.plan['inputs']['policy']} policy) -> "
                     f"{self.output_dir}" + ("" if offload["active"] else
@@ -83,7 +86,9 @@ class PartitionResult:
             f"  reserve          {format_bytes(mem['reserve_bytes']):>12}",
             f"  resident experts {format_bytes(mem['resident_expert_bytes']):>12}",
             f"  host experts     {format_bytes(mem['host_expert_bytes']):>12}",
-            f"  free             {format_bytes(mem['free_bytes']):>12}",
+            f"  free             {format_bytes(mem['free_bytes']):>12}" + (
+                "  (nothing fits beside the non-expert part)" if not mem["resident_expert_bytes"]
+                and not mem["free_bytes"] else ""),
             f"  GPU hit rate     {pred['gpu_hit_rate_by_mass']:.1%} of routing mass, "
             f"{pred['gpu_hit_rate_by_selection']:.1%} of selections ({pred['based_on']})",
             f"  decode estimate  {pred['decode_ms_per_token']['cold_experts_on_cpu']:.3g} ms/token with cold "
@@ -154,6 +159,9 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     if report is not None and Path(report).suffix.lower() != ".png":
         raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
     source = model_file(model_dir)
+    check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # the outputs before any work
+    if report is not None:
+        check_destination(report, overwrite, is_dir=False, inputs=[source])
     model = load_model(source)
     identity = model_identity(model)
     memory = MemoryModel.of(model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Callable, Sequence, Union
 
@@ -45,19 +46,23 @@ def read_prompts(path: str | os.PathLike, fmt: str = "text") -> list[Prompt]:
             if line.strip():
                 prompts.append(line)
         elif fmt == "ids":
-            text = line.split("#", 1)[0].replace(",", " ").strip()
-            if not text:
-                continue
-            try:
-                prompts.append([int(t) for t in text.split()])
-            except ValueError:
-                raise MoepassError(f"{path}:{number}: expected token ids separated by commas or spaces, "
-                                   f"got {line.strip()[:60]!r}") from None
+            text = line.split("#", 1)[0]
+            if text.strip():
+                prompts.append(token_ids(text, f"{path}:{number}"))
         elif line.strip():
             prompts.append(_json_prompt(line, f"{path}:{number}"))
     if not prompts:
         raise MoepassError(f"{path}: no prompts in the file")
     return prompts
+
+
+def token_ids(text: str, where: str) -> list[int]:
+    """Token ids separated by commas and/or whitespace ("1,2,3", "1 2 3", "1, 2, 3"); anything
+    else (signs, other digits, an empty list) is an error naming `where`."""
+    parts = [t for t in re.split(r"[\s,]+", text.strip()) if t]
+    if not parts or not all(re.fullmatch(r"[0-9]+", t) for t in parts):
+        raise MoepassError(f"{where}: expected token ids separated by commas or spaces, got {text.strip()[:60]!r}")
+    return [int(t) for t in parts]
 
 
 def _json_prompt(line: str, where: str) -> Prompt:

@@ -115,7 +115,7 @@ class Decoder:
         if self._tokenizer is None:
             if not self._tokenizer_path.is_file():
                 raise MoepassError(f"{self._tokenizer_path}: no tokenizer beside the model; use token ids "
-                                   "(the GGUF had no tokenizer moepass can rebuild)")
+                                   "(convert writes one for a GGUF whose tokenizer it can rebuild, none for ONNX input)")
             from tokenizers import Tokenizer
 
             try:
@@ -188,7 +188,7 @@ class Decoder:
         room = self.context_length - prompt_tokens
         if room <= 0:
             raise ContextOverflow(f"the prompt has {prompt_tokens} tokens; the model's context holds "
-                                  f"{self.context_length}")
+                                  f"{self.context_length} (convert --context N builds it for more)")
         if max_new_tokens > room:
             log.warning(f"generation stops after {room} new tokens, at the model's context length "
                         f"({self.context_length})")
@@ -221,6 +221,8 @@ class Decoder:
         """Text (or token ids) in, text out, streamed: iterating yields pieces of text as tokens
         complete them; a stop string ends the answer and is not shown. Afterwards the stream tells
         its `finish_reason` ("stop" or "length") and token counts."""
+        if isinstance(prompt, str) and not prompt:
+            raise MoepassError("the prompt is empty: give some text")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return TextStream(self, ids, max_new_tokens, sampling, stop, cache)
 
@@ -243,6 +245,7 @@ class TextStream:
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
+        self.ended_by = ""  # the same, in words
 
     @property
     def completion_tokens(self) -> int:
@@ -256,7 +259,7 @@ class TextStream:
                 self.prefilled_tokens = self._cache.prefilled
             self.token_ids.append(token)
             if token in d.stop_ids:
-                self.finish_reason = "stop"
+                self.finish_reason, self.ended_by = "stop", f"the stop token {d.decode([token])!r}"
                 break
             text = d.decode([t for t in self.token_ids if t not in d.stop_ids])
             if text.endswith("\ufffd"):  # a character split over tokens: wait for the rest
@@ -267,10 +270,10 @@ class TextStream:
                 self.text += piece
                 yield piece
             if self._stop.hit:
-                self.finish_reason = "stop"
+                self.finish_reason, self.ended_by = "stop", "a stop string"
                 return
         if self.finish_reason is None:
-            self.finish_reason = "length"
+            self.finish_reason, self.ended_by = "length", "the token limit"
         rest = self._stop.flush()
         if rest:
             self.text += rest

@@ -133,8 +133,9 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
         _load_cuda_libraries(ort)
     elif device == "cuda":
         raise MoepassError(f"device='cuda' but no CUDA EP is available: ONNX Runtime {ort.__version__} has "
-                           f"{', '.join(ort.get_available_providers())}; give the CUDA plugin EP library with "
-                           f"cuda_plugin= or {PLUGIN_ENV}, or install onnxruntime-gpu")
+                           f"{', '.join(ort.get_available_providers())}; give the CUDA plugin EP library "
+                           f"(--cuda-plugin LIB or ${PLUGIN_ENV}), or install moepass[gpu] in place of "
+                           "moepass[cpu] (onnxruntime and onnxruntime-gpu cannot be installed together)")
     else:
         provider = CPU_EP
 

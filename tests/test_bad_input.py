@@ -110,10 +110,6 @@ def test_unwritable_output_path(tmp_path, make_gguf):
     _convert_fails(make_gguf("q4_0"), Path("/proc/moepass-out"), "/proc/moepass-out", "cannot write")
 
 
-def test_output_parent_missing(tmp_path, make_gguf):
-    _convert_fails(make_gguf("q4_0"), tmp_path / "no" / "such" / "out", "does not exist")
-
-
 def test_existing_output_is_not_overwritten(tmp_path, make_gguf):
     out = tmp_path / "out"
     out.mkdir()
@@ -121,9 +117,15 @@ def test_existing_output_is_not_overwritten(tmp_path, make_gguf):
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out), "-q"])
     assert result.exit_code == 2 and "already exists; pass --force" in result.stderr
     assert (out / "mine.txt").read_text() == "keep me" and len(list(out.iterdir())) == 1
+    # --force replaces only what moepass wrote: a folder holding the user's file stays as it is
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out), "-q", "--force"])
-    assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == OUTPUT_FILES
+    assert result.exit_code == 2 and "it holds 'mine.txt', which moepass does not write" in result.stderr
+    assert (out / "mine.txt").read_text() == "keep me" and len(list(out.iterdir())) == 1
+    (out / "mine.txt").unlink()
+    for _ in range(2):  # into the empty folder, then over moepass's own output
+        result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out), "-q", "--force"])
+        assert result.exit_code == 0, result.output
+        assert sorted(p.name for p in out.iterdir()) == OUTPUT_FILES
     assert not list(tmp_path.glob(".out.*"))
 
 
@@ -155,8 +157,14 @@ def test_run_errors(tmp_path, converted):
     runner = CliRunner()
     result = runner.invoke(main, ["run", str(tmp_path / "nothing"), "--prompt-ids", "1,2"])
     assert result.exit_code == 2 and "no such model" in result.stderr
-    result = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt-ids", "1,x"])
-    assert result.exit_code == 2 and "--prompt-ids must be comma-separated integers" in result.stderr
+    for bad in ("1,x", "1;2", "-1,2", "1.5", "+3", ",", "\u0663"):  # \u0663: an Arabic-Indic three, int() takes it
+        result = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt-ids", bad])
+        assert result.exit_code == 2 and "--prompt-ids: expected token ids separated by commas or spaces" in \
+            result.stderr, (bad, result.stderr)
+    # commas and whitespace as in an ids file: "1 2 3" is three tokens, not 123
+    spaced = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt-ids", "1 2  3", "--max-new-tokens", "3"])
+    commas = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt-ids", "1, 2,3", "--max-new-tokens", "3"])
+    assert spaced.exit_code == commas.exit_code == 0 and spaced.stdout == commas.stdout
     result = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt-ids", "1,99999"])
     assert result.exit_code == 2 and "token id 99999 is outside the vocabulary" in result.stderr
 
@@ -180,3 +188,46 @@ def test_tensor_shape_disagrees_with_metadata(tmp_path, make_gguf):
     patched.write_bytes(data[:at] + np.uint32(256).tobytes() + data[at + 4:])
     _convert_fails(patched, tmp_path / "out", "tensor 'blk.0.ffn_gate_exps.weight' has shape [8, 128, 256]",
                    "expected [8, 256, 256]")
+
+
+def test_outputs_are_checked_before_any_work(converted, make_gguf, tmp_path, monkeypatch):
+    """An output that exists (without --force) is refused before the work starts, not after it."""
+    import sys
+
+    import moepass.convert  # noqa: F401 - the modules (moepass.convert etc. name the API functions)
+    import moepass.partition  # noqa: F401
+    import moepass.profile  # noqa: F401
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the work started before the output was checked")
+
+    taken = tmp_path / "taken.json"
+    taken.write_text("{}")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
+    monkeypatch.setattr(sys.modules["moepass.profile"], "profile", no_work)
+    monkeypatch.setattr(sys.modules["moepass.partition"], "load_model", no_work)
+    monkeypatch.setattr(sys.modules["moepass.convert"], "GGUFModel", no_work)
+    model = str(converted("q4_0"))
+    runner = CliRunner()
+    for args in (["profile", model, "--prompt-ids", "1,2,3", "-o", str(taken)],
+                 ["merge-profiles", str(taken), str(taken), "-o", str(taken)],
+                 ["partition", model, "--vram", "8G", "-o", str(tmp_path / "taken")],
+                 ["partition", model, "--vram", "8G", "-o", str(tmp_path / "new"), "--report", str(taken.with_suffix(".png"))],
+                 ["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "taken")]):
+        if args[-1].endswith(".png"):
+            taken.with_suffix(".png").write_bytes(b"picture")
+        result = runner.invoke(main, args)
+        assert result.exit_code == 2 and "already exists; pass --force" in result.stderr, (args, result.output)
+    assert (tmp_path / "taken" / "mine.txt").read_text() == "keep"
+
+
+def test_missing_parent_folders_are_made_and_removed_on_failure(make_gguf, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "a" / "b" / "out"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "a" / "b" / "out" / "model.onnx").is_file()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(make_gguf("q4_0").read_bytes()[:4096])
+    result = runner.invoke(main, ["convert", str(broken), "-o", str(tmp_path / "c" / "d" / "out"), "-q"])
+    assert result.exit_code == 2 and not (tmp_path / "c").exists(), result.output

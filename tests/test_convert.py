@@ -129,7 +129,7 @@ def test_cli_demo_flow(tmp_path, make_gguf):
     out = tmp_path / "demo"
     result = runner.invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert "2 MoE, 8 experts, top-2" in result.stdout and "int4/b32 x2" in result.stdout
+    assert "2 MoE, 8 experts, top-2" in result.stdout and "int4/b32 in 2 layers" in result.stdout
     result = runner.invoke(main, ["inspect", str(out)])
     assert result.exit_code == 0 and "blk.0.moe" in result.stdout
     result = runner.invoke(main, ["inspect", str(make_gguf("q4_0")), "--json"])
@@ -200,7 +200,7 @@ def test_expert_format_option_errors(tmp_path, make_gguf):
         moepass.convert(make_gguf("q4_0"), tmp_path / "out", expert_format="int3")
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q8_0")), "-o", str(tmp_path / "cli"), "-q",
                                        "--expert-format", "int4"])
-    assert result.exit_code == 0 and "int4/b32 x2" in result.stdout
+    assert result.exit_code == 0 and "int4/b32 in 2 layers" in result.stdout
 
 
 @pytest.mark.parametrize("fmt", ["auto", "int4"])

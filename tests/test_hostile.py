@@ -365,7 +365,34 @@ def _input_itself(env: Env) -> str:
     return str(shutil.copy(env.gguf, env.tmp / "out"))
 
 
+def _foreign_folder(env: Env) -> str:
+    env.write("out/notes.txt", "mine")
+    env.write("out/sub/precious.txt", "mine too")
+    return str(env.tmp / "out")
+
+
+def _converted_with_a_foreign_file(env: Env) -> str:
+    out = env.tmp / "out"
+    result = CliRunner().invoke(main, ["convert", str(env.gguf), "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    env.write("out/notes.txt", "mine")
+    return str(out)
+
+
+def _foreign_report(env: Env) -> str:
+    env.write("out/model.onnx", "not a model")
+    env.write("out/moepass.json", '{"written by": "someone else"}')
+    return str(env.tmp / "out")
+
+
 case("out-existing-file", _convert_to(_existing_file), "already exists", out="out")
+# --force replaces a folder moepass wrote, never one holding anything else (the user's files)
+case("out-foreign-folder-force", _convert_to(_foreign_folder, "--force"),
+     "--force replaces only a folder that moepass wrote", "it holds 'notes.txt'", out="out")
+case("out-converted-plus-foreign-file-force", _convert_to(_converted_with_a_foreign_file, "--force"),
+     "it holds 'notes.txt', which moepass does not write", out="out")
+case("out-foreign-report-force", _convert_to(_foreign_report, "--force"), "its moepass.json is not moepass's",
+     out="out")
 case("out-existing-file-force", _convert_to(_existing_file, "--force"), "not a directory", out="out")
 case("out-symlink", _convert_to(_symlink_to_dir), "already exists", out="out")
 case("out-symlink-force", _convert_to(_symlink_to_dir, "--force"), "symbolic link", out="out")
@@ -377,7 +404,8 @@ case("out-contains-input", lambda env: ["convert", str(shutil.copy(env.gguf, env
 case("out-dot", lambda env: ["convert", str(env.gguf), "-o", ".", "-q"], "current directory")
 case("out-dot-force", lambda env: ["convert", str(env.gguf), "-o", ".", "-q", "--force"], "current directory")
 case("out-root", lambda env: ["convert", str(env.gguf), "-o", "/", "-q", "--force"], "'/'")
-case("out-parent-missing", _convert_to(lambda env: str(env.tmp / "a" / "b" / "out")), "does not exist")
+case("out-grandparent-is-file", _convert_to(lambda env: str(env.write("a", "a file") / "b" / "out")),
+     "is a file, not a directory")
 case("out-parent-is-file", _convert_to(lambda env: str(env.write("file", "x") / "out")), "file")
 case("out-unwritable", _convert_to(lambda env: "/proc/moepass-out"), "/proc/moepass-out")
 case("out-empty-dir-ok", _convert_to(lambda env: (env.tmp / "out").mkdir() or str(env.tmp / "out")), exit=0)
@@ -463,7 +491,7 @@ case("run-generation-stops-at-context", _run("--max-new-tokens", "2000"), exit=0
 case("run-no-prompt", lambda env: ["run", str(env.model)], "--prompt")
 case("run-both-prompts", _run("--prompt", "x"), "--prompt")
 case("run-empty-prompt-ids", lambda env: ["run", str(env.model), "--prompt-ids", ","], "--prompt-ids")
-case("run-negative-id", lambda env: ["run", str(env.model), "--prompt-ids", "-1"], "token id -1")
+case("run-negative-id", lambda env: ["run", str(env.model), "--prompt-ids", "-1"], "--prompt-ids: expected token ids")
 for _name, _content in [("tokenizer.json", "{"), ("tokenizer.json", "[]"), ("tokenizer.json", '{"model": 5}'),
                         ("tokenizer_config.json", "[]"), ("moepass.json", "["), ("moepass.json", "[]"),
                         ("moepass.json", '{"tokenizer": 5}'), ("onnxruntime_options.json", "{"),

@@ -88,6 +88,8 @@ def speed_class(form: BlockForm) -> str:
     ms = QMOE_CPU_DECODE_MS.get(form)
     if ms is None:
         return "CPU speed not measured"
+    if form == BlockForm(4, 32):
+        return "the fastest exact form on the CPU"
     base = QMOE_CPU_DECODE_MS[BlockForm(4, 32)]
     return f"CPU decode {ms[0] / base[0]:.1f}x (AVX-512) / {ms[1] / base[1]:.1f}x (AVX2) the time of int4/b32"
 

@@ -1,0 +1,52 @@
+"""The help a user reads: -h everywhere, bare `moepass` is the help (exit 0), every option says its
+default, llama.cpp's short flags, and usage mistakes point to --help."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from moepass.cli import main
+
+COMMANDS = sorted(main.commands)
+# inputs a user may give or not, which have no default to state
+OPTIONAL_INPUTS = {"prompt", "prompt_file", "prompt_ids", "prompts_file", "system", "imatrix", "print_after",
+                   "profile_path", "report"}
+
+
+def test_bare_moepass_is_the_help():
+    result = CliRunner().invoke(main, [], prog_name="moepass")
+    assert result.exit_code == 0 and "Usage: moepass" in result.stdout and "serve" in result.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_says_its_default(command):
+    result = CliRunner().invoke(main, [command, "-h"], prog_name="moepass")
+    assert result.exit_code == 0 and f"Usage: moepass {command}" in result.stdout
+    cmd = main.commands[command]
+    silent = [p.name for p in cmd.params if isinstance(p, click.Option) and not p.is_flag and not p.required
+              and not p.multiple and not p.hidden and p.name not in ("help", *OPTIONAL_INPUTS)
+              and not (p.show_default and (p.default is not None or isinstance(p.show_default, str)))
+              and "default" not in (p.help or "")]
+    assert not silent, f"{command}: options that do not say their default: {silent}"
+
+
+@pytest.mark.parametrize("command,short,long", [
+    ("run", "-p", "--prompt"), ("run", "-n", "--max-new-tokens"), ("run", "-t", "--threads"),
+    ("chat", "-n", "--max-new-tokens"), ("bench", "-p", "--prompt-tokens"), ("bench", "-n", "--new-tokens"),
+    ("bench", "-r", "--repeats"), ("convert", "-c", "--context"), ("convert", "-t", "--threads"),
+    ("partition", "-c", "--context"), ("serve", "-t", "--threads")])
+def test_llama_cpp_short_flags(command, short, long):
+    option = next(p for p in main.commands[command].params if long in getattr(p, "opts", ()))
+    assert short in option.opts
+
+
+def test_usage_mistakes_point_to_help(converted):
+    result = CliRunner().invoke(main, ["run", str(converted("q4_0"))], prog_name="moepass")
+    assert result.exit_code == 2
+    assert result.stderr.strip().endswith("(see 'moepass run --help')"), result.stderr
+    result = CliRunner().invoke(main, ["run", str(converted("q4_0")), "-p", "x", "--top-p", "2"], prog_name="moepass")
+    assert result.exit_code == 2 and "--top-p" in result.stderr and "--help" in result.stderr
+    result = CliRunner().invoke(main, ["partition", "-h"], prog_name="moepass")
+    assert "decimal" in result.stdout and "GiB" in result.stdout

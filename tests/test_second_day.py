@@ -1,0 +1,91 @@
+"""What a user meets after the demo (issue 27's second day): summaries a person can read, messages
+that say what is true, errors that point to the way out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from moepass.cli import main
+
+
+def _ok(args: list[str]):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _fails(args: list[str]) -> str:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    return result.stderr
+
+
+def test_convert_summary_reads_as_words(make_gguf, tmp_path):
+    out = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out")]).stdout
+    assert "int4/b32 in 2 layers (the fastest exact form on the CPU)" in out
+    assert " x2 " not in out and "the time of int4/b32)" not in out
+    assert "MB/s of input)" in out and "0.00 GB/s" not in out  # a 2 MB file: megabytes, not 0.00 GB/s
+
+
+def test_partition_summary_names_no_zero_counts(converted, tmp_path):
+    model = str(converted("q4_0"))
+    everything = _ok(["partition", model, "--vram", "8G", "--target", "layers", "-o", str(tmp_path / "big")]).stdout
+    assert "(per-layer placement: all of them)" in everything and "the other 0" not in everything
+    nothing = _ok(["partition", model, "--vram", "1M", "--reserve", "0", "--target", "layers",
+                   "-o", str(tmp_path / "small")]).stdout
+    assert "(per-layer placement: every MoE layer runs on the CPU)" in nothing and "the other" not in nothing
+    assert "(nothing fits beside the non-expert part)" in nothing
+
+
+def test_run_says_how_it_ended(converted):
+    result = _ok(["run", str(converted("q4_0")), "-p", "the other one", "-n", "3"])
+    assert "3 tokens in" in result.stderr and "ended by the token limit" in result.stderr and "pieces" not in \
+        result.stderr
+    result = _ok(["run", str(converted("q4_0")), "--prompt-ids", "1 2 3", "-n", "3"])
+    assert "ended by" in result.stderr
+
+
+def test_messages_say_what_is_true(converted, make_gguf, tmp_path):
+    assert "the prompt is empty: give some text" in _fails(["run", str(converted("q4_0")), "--prompt", ""])
+    # the README's bench --depth 2048 on the demo's 512 positions: the way out is named
+    said = _fails(["bench", str(converted("q4_0")), "--depth", "2048", "-n", "4", "-r", "1"])
+    assert "context holds 512" in said and "convert --context" in said
+    # a dense llama GGUF: inspect describes it, with convert's reason, instead of failing on a key
+    dense = make_gguf("q4_0", arch="llama", omit_keys=("llama.expert_count",))
+    info = json.loads(_ok(["inspect", str(dense), "--json"]).stdout)
+    assert info["supported"] is False and "a dense llama model" in info["unsupported_reason"]
+    assert "not converted by moepass: a dense llama model" in _ok(["inspect", str(dense)]).stdout
+
+
+def test_the_cuda_refusal_names_the_cli_way_out(converted):
+    from moepass.runtime import load
+
+    import moepass
+
+    with pytest.raises(moepass.MoepassError) as refused:
+        load(converted("q4_0"), device="cuda")
+    message = str(refused.value)
+    assert "--cuda-plugin" in message and "moepass[gpu] in place of moepass[cpu]" in message
+
+
+def test_an_interrupt_claims_cleanup_only_where_something_is_written():
+    from moepass.cli import _writes
+
+    assert _writes(["convert", "m.gguf", "-o", "out"]) and _writes(["partition", "m", "--vram", "8G", "-o", "p"])
+    assert not _writes(["run", "m", "-p", "hi"]) and not _writes(["serve", "m"]) and not _writes(["--version"])
+
+
+def test_missing_extras_are_named_before_the_model_loads(converted, monkeypatch):
+    import importlib.util
+
+    import moepass.runtime
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jinja2" else real(name, *a))
+    monkeypatch.setattr(moepass.runtime, "load", lambda *a, **k: pytest.fail("the model loaded first"))
+    said = _fails(["run", str(converted("q4_0")), "-p", "hi", "--chat"])
+    assert "--chat needs jinja2: pip install 'moepass[chat]'" in said
+    assert "moepass chat needs jinja2" in _fails(["chat", str(converted("q4_0"))])
