@@ -32,7 +32,7 @@ import onnx
 import onnx_ir as ir
 
 from moepass.core.version import __version__
-from moepass.atomic import atomic_directory, atomic_file, check_destination
+from moepass.atomic import atomic_directory, atomic_file, check_destination, share_file
 from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
                                 TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
@@ -58,6 +58,7 @@ class PartitionResult:
     plan: dict[str, Any]
     options: dict[str, str]
     warnings: list[str]
+    weights: str = "rewritten"  # how model.onnx.data came to be: rewritten, or the source's shared (hard link, ...)
 
     def summary_lines(self) -> list[str]:
         mem, pred = self.plan["memory"], self.plan["prediction"]
@@ -95,6 +96,7 @@ class PartitionResult:
             f"experts on the CPU, {pred['decode_ms_per_token']['cold_experts_over_pcie']:.3g} ms/token over PCIe "
             "(bandwidth model, not a measurement)",
         ]
+        lines.append(f"  weights          {self.weights}")
         other = pred.get("per_expert_alternative")
         if other:
             lines.append(f"  per expert       {other['gpu_hit_rate_by_mass']:.1%} of routing mass, "
@@ -213,7 +215,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         sort_keys=True)
     output_dir = Path(output_dir)
     with atomic_directory(output_dir, overwrite) as tmp:
-        ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE, max_workers=1)
+        weights = _save(model, source, tmp, unchanged=target == "layers")
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
         (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
@@ -230,4 +232,24 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
 
             with atomic_file(report, overwrite) as picture:
                 draw_plan(document, popularity, picture)
-    return PartitionResult(output_dir, document, options, ([inactive] if inactive else []) + plan.warnings)
+    return PartitionResult(output_dir, document, options, ([inactive] if inactive else []) + plan.warnings, weights)
+
+
+def _save(model: ir.Model, source: Path, folder: Path, unchanged: bool) -> str:
+    """Write the placed model into `folder`. A per-layer plan only annotates nodes: when every weight
+    still lies in the source's data file, that file is shared (hard link, reflink, else a copy) and
+    only model.onnx is written, pointing into it as before; otherwise (reordered experts) the
+    weights are written anew. Says which."""
+    data = source.parent / DATA_FILE
+    external = [v.const_value for v in model.graph.initializers.values()
+                if isinstance(v.const_value, ir.ExternalTensor)]
+    if unchanged and data.is_file() and external and all(
+            Path(t.location) == Path(DATA_FILE) and Path(t.base_dir).resolve() == source.parent.resolve()
+            for t in external):
+        how = share_file(data, folder / DATA_FILE)
+        onnx.save(ir.to_proto(model), folder / MODEL_FILE)
+        return (f"{DATA_FILE} shared with {source.parent} ({how}: per-layer placement changes no weight)"
+                if how != "copy" else f"{DATA_FILE} copied as it is from {source.parent} (per-layer placement "
+                                      "changes no weight; this file system has no reflinks to share it)")
+    ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE, max_workers=1)
+    return f"{DATA_FILE} rewritten (experts reordered resident-first)"

@@ -331,3 +331,26 @@ def test_more_budget_never_serves_less(problem, extra, policy):
     assert more >= less - 1e-12
 
 
+
+
+def test_a_per_layer_plan_shares_the_weights_unchanged(converted, tmp_path, monkeypatch):
+    """--target layers changes no weight: model.onnx.data is the source's, shared by a reflink where
+    the file system has them, else copied in the kernel, never rewritten tensor by tensor; the placed
+    model computes what the source does. --target offload reorders experts and rewrites them."""
+    import onnx_ir
+
+    source = converted("q4_0")
+    monkeypatch.setattr(onnx_ir, "save", lambda *a, **k: pytest.fail("the weights were rewritten"))
+    placed = moepass.partition(source, tmp_path / "layers", "8G", target="layers")
+    assert filecmp.cmp(source / "model.onnx.data", placed.output_dir / "model.onnx.data", shallow=False)
+    assert placed.weights.startswith("model.onnx.data shared with") or \
+        placed.weights.startswith("model.onnx.data copied as it is from")
+    assert f"  weights          {placed.weights}" in placed.summary_lines()
+    prompt = np.array([[1, 2, 3, 4]])
+    a, _ = load(source).forward(prompt, load(source).empty_cache())
+    decoder = load(placed.output_dir)
+    b, _ = decoder.forward(prompt, decoder.empty_cache())
+    assert np.array_equal(a, b)
+    monkeypatch.undo()
+    moved = moepass.partition(source, tmp_path / "offload", "8G", target="offload")
+    assert moved.weights == "model.onnx.data rewritten (experts reordered resident-first)"
