@@ -16,12 +16,13 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from moepass.core.errors import WRITE_ERRNOS, MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
                                 TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
 
+COPY_STEP = 256 << 20  # bytes a copy moves between progress reports
 # what convert and partition write into an output folder: --force replaces a folder of these only
 OUTPUT_FILES = frozenset({MODEL_FILE, DATA_FILE, REPORT_FILE, PLAN_FILE, OPTIONS_FILE, TOKENIZER_FILE,
                           TOKENIZER_CONFIG_FILE, GENAI_CONFIG_FILE})
@@ -182,7 +183,7 @@ def _writing(destination: Path, tmp: Path, overwrite: bool) -> Iterator[Path]:
             tmp.unlink()
 
 
-def share_file(source: Path, destination: Path) -> str:
+def share_file(source: Path, destination: Path, progress: Callable[[int, int], None] | None = None) -> str:
     """`destination` with `source`'s bytes, without copying them where the file system allows: a
     reflink (a copy-on-write clone: Btrfs, XFS, bcachefs), else a copy in the kernel. Not a hard
     link: onnx-ir refuses to read external data whose file has more than one link (its guard
@@ -196,7 +197,16 @@ def share_file(source: Path, destination: Path) -> str:
         return "reflink"
     except OSError:
         pass
-    shutil.copyfile(source, destination)
+    total = source.stat().st_size
+    with open(source, "rb") as src, open(destination, "wb") as dst:
+        done = 0
+        while done < total:  # in the kernel, in steps that can report progress
+            step = os.copy_file_range(src.fileno(), dst.fileno(), min(COPY_STEP, total - done))
+            if step == 0:
+                raise MoepassError(f"{source}: shrank while it was copied")
+            done += step
+            if progress is not None:
+                progress(done, total)
     return "copy"
 
 

@@ -108,18 +108,50 @@ def main() -> None:
 
 
 class _Progress:
-    """A progress bar on stderr whose length is learned from the first report."""
+    """Progress on stderr, its length learned from the first report: a bar on a terminal; elsewhere
+    (a log file, CI) a line every LOG_EVERY seconds and one at the end, with what is done, the rate
+    and the time left. `unit`: "bytes" (shown in MB/GB) or a noun counted as it is ("prompts")."""
 
-    def __init__(self, label: str, enabled: bool):
-        self.label, self.enabled, self.bar = label, enabled, None
+    LOG_EVERY = 5.0
+
+    def __init__(self, label: str, enabled: bool, unit: str = "bytes"):
+        self.label, self.enabled, self.unit, self.bar = label, enabled, unit, None
+        self.tty = sys.stderr.isatty()
+        self.start = self.last = 0.0  # from the first report: the rate of the work itself
+        self.done = self.total = 0
+
+    def _amount(self, n: float) -> str:
+        if self.unit != "bytes":
+            return f"{int(n)}"
+        return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
-        if self.bar is None:
-            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr, show_pos=True)
-            self.bar.__enter__()
-        self.bar.update(done - self.bar.pos)
+        if not self.start:
+            self.start = self.last = time.monotonic()
+        self.done, self.total = done, total
+        if self.tty:
+            if self.bar is None:
+                self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr,
+                                             show_pos=self.unit != "bytes")
+                self.bar.__enter__()
+            self.bar.update(done - self.bar.pos)
+            return
+        now = time.monotonic()
+        if now - self.last >= self.LOG_EVERY or (done >= total and self.last != -1):
+            self.last = now if done < total else -1
+            click.echo(self.line(now), err=True)
+
+    def line(self, now: float) -> str:
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        left = (self.total - self.done) / rate if rate else float("inf")
+        what = f"{self._amount(self.done)} of {self._amount(self.total)}" + ("" if self.unit == "bytes" else
+                                                                              f" {self.unit}")
+        speed = f"{self._amount(rate)}/s" if self.unit == "bytes" else f"{rate:.1f} {self.unit}/s"
+        eta = "done" if self.done >= self.total else f"{left:.0f} s left" if math.isfinite(left) else "time left unknown"
+        return f"{self.label}: {what} ({self.done / max(self.total, 1):.0%}), {speed}, {eta}"
 
     def close(self) -> None:
         if self.bar is not None:
@@ -160,7 +192,7 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
                    "accuracy_level 4; fast). float: exact float arithmetic on the weights (slower; for tests).")
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
-@click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
+@click.option("--force", is_flag=True, help="Replace the output directory if moepass wrote it (never a folder of yours).")
 @click.option("-c", "--context", type=click.IntRange(1, MAX_CONTEXT), default=None,
               show_default="the GGUF's context_length",
               help="Positions (tokens) the model is built for: its RoPE tables.")
@@ -479,7 +511,7 @@ def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat:
         _require("chat", "--chat", "jinja2")
     prompts = read_prompts(prompts_file, prompts_format) if prompts_file else [_parse_ids(prompt_ids)]
     earlier = [Popularity.load(p) for p in merge_with]
-    progress = _Progress("profiling prompts", enabled=not quiet)
+    progress = _Progress("profiling prompts", enabled=not quiet, unit="prompts")
     try:
         result = run_profile(model_dir, prompts, threads=threads, progress=progress, chat=chat)
     finally:
@@ -542,20 +574,25 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
               help="GB/s, for the estimate.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Also draw the plan (heatmap and memory bar) into this PNG file.")
-@click.option("--force", is_flag=True, help="Replace the output directory (and report) if they exist.")
+@click.option("--force", is_flag=True, help="Replace the output directory (and report) if moepass wrote them.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress.")
 def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: str | None, profile_path: str | None,
               policy: str | None, mode: str,
               context: int, batch: int, prefill_tokens: int, reserve: str, gpu_bandwidth: float,
-              host_bandwidth: float, pcie_bandwidth: float, report: str | None, force: bool) -> None:
+              host_bandwidth: float, pcie_bandwidth: float, report: str | None, force: bool, quiet: bool) -> None:
     """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the plan and an
     annotated model."""
     from moepass.partition import partition as run_partition
 
-    result = run_partition(model_dir, output, vram, profile=profile_path, context=context, batch=batch,
-                           prefill_tokens=prefill_tokens, reserve=reserve, policy=policy, mode=mode,
-                           bandwidths=Bandwidths(gpu_bandwidth, host_bandwidth, pcie_bandwidth), report=report,
-                           overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
-                           target=target, cuda_plugin=cuda_plugin)
+    progress = _Progress("writing the placed model", enabled=not quiet)
+    try:
+        result = run_partition(model_dir, output, vram, profile=profile_path, context=context, batch=batch,
+                               prefill_tokens=prefill_tokens, reserve=reserve, policy=policy, mode=mode,
+                               bandwidths=Bandwidths(gpu_bandwidth, host_bandwidth, pcie_bandwidth), report=report,
+                               overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
+                               target=target, cuda_plugin=cuda_plugin, progress=progress)
+    finally:
+        progress.close()
     for line in result.summary_lines():
         click.echo(line)
 

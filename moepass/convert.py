@@ -30,7 +30,7 @@ from moepass.core.architectures import architecture_of
 from moepass.atomic import atomic_directory, check_destination
 from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
-                                TOKENIZER_FILE, as_ir_model)
+                                TOKENIZER_FILE, as_ir_model, save_model)
 from moepass.genai import genai_config
 from moepass.core.imatrix import load_imatrix
 from moepass.runtime.providers import offload_violations
@@ -45,7 +45,7 @@ from moepass.core import keys
 from moepass.core.choices import ACTIVATION_MODES, FLOAT_EXPERT_CHOICES
 
 
-ProgressFn = Callable[[int, int], None]  # (tensors written, total tensors)
+ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
 ACTIVATION_SUMMARY = {
     "int8": "int8 inside quantized matmuls (ONNX Runtime accuracy_level 4, as llama.cpp): fast; "
             "--activations float for exact arithmetic",
@@ -197,7 +197,9 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
                                                                  if expert_format != "offload" else "")
 
     with atomic_directory(output_dir, overwrite, inputs=gguf.parts) as tmp:
-        _save(onnx_model, tmp, progress)
+        # one writer thread, in initializer order: each tensor converted on several threads chunk by chunk
+        # (moepass.passes.weights), a group's codes written before its scales
+        save_model(onnx_model, tmp / MODEL_FILE, progress)
         weights = [r.as_dict() for r in lowered.report.records.values()]
         bytes_by_target: dict[str, int] = collections.Counter()
         for w in weights:
@@ -223,21 +225,6 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
                          bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
                          output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info,
                          offload=offload, activations=activations)
-
-
-def _save(model: ir.Model, folder: Path, progress: ProgressFn | None) -> None:
-    """model.onnx + model.onnx.data. One writer thread, in initializer order: each tensor is
-    converted on several threads chunk by chunk (moepass.passes.weights), and a group's codes are
-    written before its scales."""
-    done = 0
-
-    def on_tensor(_tensor: ir.TensorProtocol, info: Any) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, info.total)
-
-    ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1)
 
 
 def _is_onnx(model: Any) -> bool:
@@ -286,7 +273,9 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
                    "fused_from": r.anchor} for i, r in enumerate(fused)]
     inputs = [source, *_data_files(source)] if source.is_file() else []
     with atomic_directory(Path(output_dir), overwrite, inputs=inputs) as tmp:
-        _save(onnx_model, tmp, progress)
+        # one writer thread, in initializer order: each tensor converted on several threads chunk by chunk
+        # (moepass.passes.weights), a group's codes written before its scales
+        save_model(onnx_model, tmp / MODEL_FILE, progress)
         weights = [r.as_dict() for r in fuse.report.records.values()]
         report = {"moepass_version": __version__, "source": {"file": source.name, "bytes": source_bytes},
                   "activations": activations,

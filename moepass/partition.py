@@ -36,7 +36,7 @@ from moepass.atomic import atomic_directory, atomic_file, check_destination, sha
 from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
                                 TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
-                                read_json_object)
+                                read_json_object, save_model)
 from moepass.genai import with_session_entries
 from moepass.core.moe_nodes import moe_nodes
 from moepass.passes.annotate_layers import AnnotateLayersPass
@@ -146,7 +146,8 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               prefill_tokens: int = 512, reserve: str | int = "512MiB", policy: str | None = None,
               mode: str = "auto", bandwidths: Bandwidths = Bandwidths(), report: str | os.PathLike | None = None,
               overwrite: bool = False, warn: Callable[[str], None] | None = None, target: str = "auto",
-              cuda_plugin: str | os.PathLike | None = None) -> PartitionResult:
+              cuda_plugin: str | os.PathLike | None = None,
+              progress: Callable[[int, int], None] | None = None) -> PartitionResult:
     """Plan expert placement for a GPU budget and write the annotated model, plan and options.
 
     target: "offload" (per expert, for the CUDA plugin EP's expert offload), "layers" (whole MoE
@@ -215,7 +216,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         sort_keys=True)
     output_dir = Path(output_dir)
     with atomic_directory(output_dir, overwrite) as tmp:
-        weights = _save(model, source, tmp, unchanged=target == "layers")
+        weights = _save(model, source, tmp, unchanged=target == "layers", progress=progress)
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
         (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
@@ -235,7 +236,8 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     return PartitionResult(output_dir, document, options, ([inactive] if inactive else []) + plan.warnings, weights)
 
 
-def _save(model: ir.Model, source: Path, folder: Path, unchanged: bool) -> str:
+def _save(model: ir.Model, source: Path, folder: Path, unchanged: bool,
+          progress: Callable[[int, int], None] | None) -> str:
     """Write the placed model into `folder`. A per-layer plan only annotates nodes: when every weight
     still lies in the source's data file, that file is shared (hard link, reflink, else a copy) and
     only model.onnx is written, pointing into it as before; otherwise (reordered experts) the
@@ -246,10 +248,10 @@ def _save(model: ir.Model, source: Path, folder: Path, unchanged: bool) -> str:
     if unchanged and data.is_file() and external and all(
             Path(t.location) == Path(DATA_FILE) and Path(t.base_dir).resolve() == source.parent.resolve()
             for t in external):
-        how = share_file(data, folder / DATA_FILE)
+        how = share_file(data, folder / DATA_FILE, progress)
         onnx.save(ir.to_proto(model), folder / MODEL_FILE)
         return (f"{DATA_FILE} shared with {source.parent} ({how}: per-layer placement changes no weight)"
                 if how != "copy" else f"{DATA_FILE} copied as it is from {source.parent} (per-layer placement "
                                       "changes no weight; this file system has no reflinks to share it)")
-    ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE, max_workers=1)
+    save_model(model, folder / MODEL_FILE, progress)
     return f"{DATA_FILE} rewritten (experts reordered resident-first)"

@@ -682,14 +682,14 @@ def test_output_appearing_meanwhile_is_not_replaced(make_gguf, tmp_path, monkeyp
     convert_module = importlib.import_module("moepass.convert")
 
     out = tmp_path / "out"
-    real_save = convert_module._save
+    real_save = convert_module.save_model
 
-    def save_while_another_run_finishes(model, folder, progress):
-        real_save(model, folder, progress)
+    def save_while_another_run_finishes(model, path, progress):
+        real_save(model, path, progress)
         out.mkdir()
         (out / "model.onnx").write_text("the other run's model")
 
-    monkeypatch.setattr(convert_module, "_save", save_while_another_run_finishes)
+    monkeypatch.setattr(convert_module, "save_model", save_while_another_run_finishes)
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out), "-q"])
     assert result.exit_code == 2, result.output
     assert "appeared while this run was writing" in result.stderr and "Traceback" not in result.stderr
@@ -702,11 +702,11 @@ def test_full_disk_is_one_line_naming_the_output(make_gguf, tmp_path, monkeypatc
 
     convert_module = importlib.import_module("moepass.convert")
 
-    def no_space(model, folder, progress):
-        (folder / "model.onnx.data").write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.onnx.data"))
+    def no_space(model, path, progress):
+        (path.parent / "model.onnx.data").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path.parent / "model.onnx.data"))
 
-    monkeypatch.setattr(convert_module, "_save", no_space)
+    monkeypatch.setattr(convert_module, "save_model", no_space)
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out), "-q"])
     assert result.exit_code == 2, result.output
@@ -721,7 +721,7 @@ def test_a_bug_keeps_its_traceback(make_gguf, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(convert_module, "_save", broken)
+    monkeypatch.setattr(convert_module, "save_model", broken)
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out"), "-q"])
     assert result.exit_code == 1
     assert "Traceback" in result.stderr and "ZeroDivisionError: a bug" in result.stderr

@@ -4,6 +4,7 @@ that say what is true, errors that point to the way out."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -89,3 +90,22 @@ def test_missing_extras_are_named_before_the_model_loads(converted, monkeypatch)
     said = _fails(["run", str(converted("q4_0")), "-p", "hi", "--chat"])
     assert "--chat needs jinja2: pip install 'moepass[chat]'" in said
     assert "moepass chat needs jinja2" in _fails(["chat", str(converted("q4_0"))])
+
+
+def test_progress_without_a_terminal_is_lines_with_rate_and_time_left(make_gguf, converted, tmp_path, monkeypatch):
+    """A log file gets a line every few seconds (here every report) and one at the end: what is done
+    of what, the rate and the time left; convert, partition and profile all report."""
+    from moepass.cli import _Progress
+
+    monkeypatch.setattr(_Progress, "LOG_EVERY", 0.0)
+    out = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out")]).stderr
+    lines = [line for line in out.splitlines() if line.startswith("writing weights: ")]
+    assert len(lines) > 2 and all(re.fullmatch(r"writing weights: [\d.]+ MB of [\d.]+ MB \(\d+%\), [\d.]+ MB/s, "
+                                               r"(\d+ s left|time left unknown|done)", line) for line in lines), lines
+    assert " s left" in lines[1] and lines[-1].endswith("(100%), " + lines[-1].split("(100%), ")[1])
+    assert lines[-1].endswith("done") and sum(line.endswith("done") for line in lines) == 1
+    placed = _ok(["partition", str(converted("q4_0")), "--vram", "8G", "--target", "layers", "-o",
+                  str(tmp_path / "placed")]).stderr
+    assert "writing the placed model: " in placed and placed.count("done") == 1
+    profiled = _ok(["profile", str(converted("q4_0")), "--prompt-ids", "1,2,3", "-o", str(tmp_path / "p.json")])
+    assert "profiling prompts: 1 of 1 prompts (100%)" in profiled.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from moepass.core.errors import MoepassError, first_line
 
@@ -50,6 +50,23 @@ def load_model(model_dir: str | os.PathLike) -> "onnx_ir.Model":
         raise MoepassError(f"{path}: not an ONNX model with a graph (empty or not ONNX)")
     check_external_data(model, path)
     return model
+
+
+def save_model(model: "onnx_ir.Model", path: Path, progress: "Callable[[int, int], None] | None" = None) -> None:
+    """`model` as model.onnx at `path` with every weight in DATA_FILE beside it, one writer thread;
+    `progress(bytes written, total bytes)` as the tensors go out."""
+    import onnx_ir
+
+    callback = None
+    if progress is not None:
+        total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+        def callback(_tensor, info) -> None:  # called as each tensor starts: what lies before it is written
+            progress(info.offset, total)
+
+    onnx_ir.save(model, path, external_data=DATA_FILE, callback=callback, max_workers=1)
+    if progress is not None:
+        progress(total, total)
 
 
 def check_external_data(model: "onnx_ir.Model", path: Path) -> None:
