@@ -74,3 +74,29 @@ def test_runtime_offload_checks_pass_for_the_offload_format(offload_pair, tmp_pa
         decoder = moepass.load(offload.output_dir, mode="auto")   # this machine: CPU only
     assert caplog.records[-1].getMessage() == "no CUDA plugin EP: all 2 MoE layers run on the CPU"
     assert decoder.plan.config_entries["session.moe.offload.mode"] == "auto"
+
+
+def test_a_profile_applies_to_every_form_of_the_same_model(offload_pair, converted, tmp_path):
+    """The shapes of a prepacked model are read as the raw one's (QMoE's scales, [E, N, blocks] in
+    both layouts), so a profile measured on one conversion of a GGUF plans every other: the default,
+    int4 and the offload form share one fingerprint, and inspect and the memory model see the same
+    hidden and expert sizes."""
+    from moepass.placement import MemoryModel
+    from moepass.popularity import model_identity
+
+    offload, unpacked = offload_pair
+    default = converted("q4_0")
+    shapes = {str(folder): [(n["hidden"], n["ffn"]) for n in moepass.inspect(folder)["moe_nodes"]]
+              for folder in (default, offload.output_dir, unpacked.output_dir)}
+    assert len({tuple(s) for s in shapes.values()}) == 1, shapes
+    assert list(shapes.values())[0][0] == (256, 256)  # the test fixture's hidden and expert_ff
+    identities = {model_identity(ir.load(folder / "model.onnx"))["fingerprint"]
+                  for folder in (default, offload.output_dir, unpacked.output_dir)}
+    assert len(identities) == 1
+    # the working buffers come from those sizes (the offload graph's float16 activations halve some)
+    work = [MemoryModel.of(ir.load(folder / "model.onnx")).work_bytes(4096, 1, 512)
+            for folder in (offload.output_dir, unpacked.output_dir)]
+    assert work[0] <= work[1]
+    profile = moepass.profile(default, [[1, 2, 3, 4, 5]])
+    placed = moepass.partition(offload.output_dir, tmp_path / "placed", "8G", profile=profile, target="offload")
+    assert placed.plan["inputs"]["profile"]["tokens"] == 5

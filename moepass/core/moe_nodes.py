@@ -128,16 +128,22 @@ class MoeNode:
     def name(self) -> str:
         return self.node.name
 
+    def _rows(self, projection: str) -> int:
+        """Output rows of fc1 or fc2: axis 1 of QMoE's scales ([E, N, blocks] in the raw and the
+        prepacked layout alike, whose codes are [E, N, K/2] and [E, K, N/2]) or of MoE's weights."""
+        if self.node.op_type == "QMoE":
+            return int(self.node.inputs[QMOE_SLOTS[projection][1]].const_value.shape[1])
+        return int(self.node.inputs[MOE_SLOTS[projection][0]].const_value.shape[1])
+
     @property
     def hidden(self) -> int:
-        """Model width: rows of fc2 ([E, hidden, ...] in both ops and every weight format)."""
-        fc2 = self.node.inputs[(QMOE_SLOTS if self.node.op_type == "QMoE" else MOE_SLOTS)["fc2"][0]]
-        return int(fc2.const_value.shape[1])
+        """Model width: the rows of fc2."""
+        return self._rows("fc2")
 
     @property
     def ffn(self) -> int:
         """Expert intermediate size: fc1 rows are [gate, up] interleaved for SwiGLU, 2 * ffn."""
-        rows = int(self.node.inputs[QMOE_SLOTS["fc1"][0]].const_value.shape[1])  # slot 2 in both ops
+        rows = self._rows("fc1")
         swiglu = self.node.attributes.get_string("activation_type", "") == "swiglu"
         return rows // 2 if swiglu else rows
 
