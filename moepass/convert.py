@@ -180,6 +180,13 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     if activations not in ACTIVATION_MODES:
         raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")
     if _is_onnx(model):
+        given = [option for option, value, default in (
+            ("--expert-format", expert_format, "auto"), ("--exact", exact, False), ("--imatrix", imatrix, None),
+            ("--print-after", print_after, None), ("--context", context, None),
+            ("--allow-non-finite", allow_non_finite, False)) if value != default]
+        if given:  # refused, not ignored
+            raise MoepassError(f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
+                               "are (--float-experts and --activations apply)")
         return convert_onnx(model, output_dir, float_experts=float_experts, activations=activations,
                             overwrite=overwrite, progress=progress)
     start = time.perf_counter()

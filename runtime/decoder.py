@@ -86,6 +86,8 @@ class Decoder:
         self.moe_placement = check_layer_placement(self.session, structure, self.plan)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_layer_key)
+        _check_inputs(model_path, inputs, self.past_names)
+        self.feeds_mask, self.feeds_positions = "attention_mask" in inputs, "position_ids" in inputs
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
         self._cache_shapes = {n: inputs[n].shape for n in self.past_names}
         self._cache_dtype = np.float16 if self.past_names and inputs[self.past_names[0]].type == "tensor(float16)" \
@@ -145,13 +147,24 @@ class Decoder:
         """`forward`, also fetching the named extra graph outputs (e.g. a profiling copy's router logits)."""
         input_ids = np.asarray(input_ids, dtype=np.int64)
         past_len = next(iter(cache.values())).shape[2] if cache else 0
-        mask = np.ones((input_ids.shape[0], past_len + input_ids.shape[1]), dtype=np.int64)
-        feeds = {"input_ids": input_ids, "attention_mask": mask, **cache}
+        feeds = {**self.feeds(input_ids, past_len), **cache}
         names = ["logits", *self.present_names, *extra_outputs]
         outputs = self.session.run(names, feeds)
         n_cache = len(self.present_names)
         new_cache = dict(zip(self.past_names, outputs[1:1 + n_cache]))
         return outputs[0], new_cache, dict(zip(extra_outputs, outputs[1 + n_cache:]))
+
+    def feeds(self, input_ids: np.ndarray, past_len: int) -> dict[str, np.ndarray]:
+        """input_ids [B, S] after `past_len` cached positions, with the attention mask and position
+        ids where the model takes them (exported models may take either, neither or both)."""
+        feeds = {"input_ids": input_ids}
+        batch, length = input_ids.shape
+        if self.feeds_mask:
+            feeds["attention_mask"] = np.ones((batch, past_len + length), dtype=np.int64)
+        if self.feeds_positions:
+            feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + length, dtype=np.int64),
+                                                    (batch, length)).copy()
+        return feeds
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
                  sampling: Sampling = Sampling(), cache: KVCache | None = None) -> Iterator[int]:
@@ -278,6 +291,27 @@ class TextStream:
         if rest:
             self.text += rest
             yield rest
+
+
+FED_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _check_inputs(model_path: Path, inputs: dict, past_names: list[str]) -> None:
+    """The model takes what moepass feeds (input_ids, and attention_mask, position_ids and
+    past_key_values.* where it has them) and can generate: a sequence axis that is not fixed, or a
+    KV cache. Anything else is refused at load, naming the input."""
+    unknown = [n for n in inputs if n not in FED_INPUTS and n not in past_names]
+    if "input_ids" not in inputs:
+        raise MoepassError(f"{model_path}: the model has no input 'input_ids' (its inputs: {', '.join(inputs)}); "
+                           "moepass feeds token ids through it")
+    if unknown:
+        raise MoepassError(f"{model_path}: the model needs the input '{unknown[0]}', which moepass does not feed "
+                           f"(it feeds {', '.join(FED_INPUTS)} and past_key_values.*)")
+    shape = inputs["input_ids"].shape
+    if not past_names and len(shape) == 2 and isinstance(shape[1], int):
+        raise MoepassError(f"{model_path}: input_ids has the fixed shape {list(shape)} and the model has no KV cache: "
+                           f"it computes exactly {shape[1]} tokens and cannot generate; export it with a dynamic "
+                           "sequence axis (torch.onnx.export dynamic_axes / dynamic_shapes)")
 
 
 def _json_field(data: dict, key: str, kind: type, path: Path):

@@ -43,7 +43,9 @@ class KVCache:
         # buffers would be copied to the device and back each step, so the pointers differ there:
         # it keeps the growing cache (present.N.* bound as the next step's past) until device-side
         # buffers are checked on a GPU.
-        self._in_place = decoder.plan.provider == "CPUExecutionProvider"
+        self._in_place = decoder.plan.provider == "CPUExecutionProvider" and bool(decoder.past_names)
+        # a model without a KV cache (an export of logits only) runs the whole sequence each step
+        self._cacheless = not decoder.past_names
         self._last_only = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))
         # positions allocated now; more are added as they fill (a request may ask for many it never uses)
         self.capacity = max(1, min(capacity, decoder.context_length or capacity, FIRST_CAPACITY))
@@ -117,6 +119,11 @@ class KVCache:
 
     def _step(self, token_ids: Sequence[int]) -> np.ndarray:
         d, binding = self._decoder, self._binding
+        if self._cacheless:
+            ids = np.asarray([[*self.tokens, *token_ids]], dtype=np.int64)
+            logits = d.session.run(["logits"], d.feeds(ids, 0))[0]
+            self.tokens.extend(int(t) for t in token_ids)
+            return logits[0, -1]
         ids = np.asarray([token_ids], dtype=np.int64)
         length = len(self.tokens) + ids.shape[1]
         if self._in_place and length > self.capacity:
@@ -125,8 +132,8 @@ class KVCache:
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
             self._bind_cache()
-        binding.bind_cpu_input("input_ids", ids)  # replaces the previous step's binding of the name
-        binding.bind_cpu_input("attention_mask", np.ones((1, length), dtype=np.int64))
+        for name, value in d.feeds(ids, length - ids.shape[1]).items():  # replaces the previous step's binding
+            binding.bind_cpu_input(name, value)
         d.session.run_with_iobinding(binding)
         self.tokens.extend(int(t) for t in token_ids)
         outputs = binding.get_outputs()
