@@ -20,6 +20,16 @@ def _unit(nbytes: int) -> tuple[str, float]:
 
 
 def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -> None:
+    """Write the plan's picture as a PNG file."""
+    import matplotlib.pyplot as plt
+
+    fig = plan_figure(plan, popularity)
+    fig.savefig(path, dpi=110, bbox_inches="tight", format="png")
+    plt.close(fig)
+
+
+def plan_figure(plan: dict[str, Any], popularity: Popularity | None):
+    """The plan as a matplotlib figure: the heatmap (axes 0) and the memory bar (axes 2)."""
     try:
         import matplotlib
 
@@ -37,7 +47,7 @@ def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -
         resident[i, n["resident"]] = True
 
     fig = plt.figure(figsize=(max(8, n_experts * 0.12 + 3), max(4, len(nodes) * 0.22 + 3)))
-    grid = fig.add_gridspec(2, 1, height_ratios=[max(3, len(nodes) * 0.22), 0.6], hspace=0.3)
+    grid = fig.add_gridspec(2, 1, height_ratios=[max(3, len(nodes) * 0.22), 0.6], hspace=0.5)
     ax = fig.add_subplot(grid[0])
     from matplotlib.colors import LogNorm
 
@@ -45,9 +55,10 @@ def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -
     floor = 1e-2
     image = ax.imshow(np.clip(heat, floor, None), aspect="auto", cmap="viridis", interpolation="nearest",
                       norm=LogNorm(vmin=floor, vmax=max(float(np.nanmax(heat)), 1.0)))
+    offload = plan.get("offload", {"active": True})
     ys, xs = np.nonzero(resident)
     ax.scatter(xs, ys, marker="s", s=max(4, 400 / max(n_experts, len(nodes))), facecolors="none",
-               edgecolors="white", linewidths=0.8, label="on the GPU")
+               edgecolors="white", linewidths=0.8)
     ax.set_xlabel("expert id")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(len(nodes)))
@@ -55,9 +66,20 @@ def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -
     ax.set_yticklabels([f"{n['node']} ({n['device'].upper()})" if layers else n["node"] for n in nodes],
                        fontsize=7 if len(nodes) > 24 else 9)
     based = plan["prediction"]["based_on"]
-    ax.set_title(f"{'Per-layer placement. ' if layers else ''}Expert popularity ({based}; 1.0 = average) and GPU residency: "
-                 f"{plan['prediction']['gpu_hit_rate_by_mass']:.1%} of routing mass on the GPU")
-    ax.legend(loc="upper right", fontsize=8, framealpha=0.6)
+    hit = plan["prediction"]["gpu_hit_rate_by_mass"]
+    residency = (f"{hit:.1%} of routing mass on the GPU" if offload["active"] else
+                 f"INACTIVE plan: ONNX Runtime will not offload this model, every expert runs on the CPU\n"
+                 f"(as planned, {hit:.1%} of routing mass would be on the GPU)")
+    ax.set_title(f"{'Per-layer placement. ' if layers else ''}Expert popularity ({based}; 1.0 = average) "
+                 f"and GPU residency:\n{residency}", pad=20, fontsize=10,
+                 color="black" if offload["active"] else "#b00000")
+    # above the heatmap, not on it (no cell hidden); a black square stands for the white ones
+    from matplotlib.lines import Line2D
+
+    marker = Line2D([], [], marker="s", markerfacecolor="none", markeredgecolor="black", linestyle="none",
+                    label="on the GPU" if offload["active"] else "planned for the GPU (inactive)")
+    ax.legend(handles=[marker], loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, frameon=False,
+              borderaxespad=0.2)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="routing mass x experts (log)")
 
     bar = fig.add_subplot(grid[1])
@@ -75,5 +97,4 @@ def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -
     bar.set_xlabel(f"{unit} of the {mem['vram_bytes'] / scale:.2f} {unit} budget (dashed); "
                    f"{mem['host_expert_bytes'] / scale:.2f} {unit} of experts stay in host memory")
     bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=3, fontsize=8, frameon=False)
-    fig.savefig(path, dpi=110, bbox_inches="tight", format="png")
-    plt.close(fig)
+    return fig

@@ -354,3 +354,27 @@ def test_a_per_layer_plan_shares_the_weights_unchanged(converted, tmp_path, monk
     monkeypatch.undo()
     moved = moepass.partition(source, tmp_path / "offload", "8G", target="offload")
     assert moved.weights == "model.onnx.data rewritten (experts reordered resident-first)"
+
+
+def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, converted, popularity):
+    """An offload plan for a model ONNX Runtime will not offload says so in its title; the legend
+    lies outside the heatmap, covering no cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from moepass.plan_report import plan_figure
+
+    inactive = partition(converted("q4_0"), tmp_path / "placed", "8G", profile=popularity, target="offload")
+    assert inactive.plan["offload"]["active"] is False
+    figure = plan_figure(inactive.plan, popularity)
+    heatmap = figure.axes[0]
+    assert "INACTIVE plan, ONNX Runtime will not offload this model" in heatmap.get_title()
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    legend = heatmap.get_legend().get_window_extent(renderer)
+    cells = heatmap.get_window_extent(renderer)
+    assert legend.y0 >= cells.y1 - 1, (legend, cells)  # above the cells
+    active = partition(converted("q4_0", expert_format="offload"), tmp_path / "placed2", "8G", profile=popularity,
+                       target="offload")
+    title = plan_figure(active.plan, popularity).axes[0].get_title()
+    assert "INACTIVE" not in title and "of routing mass on the GPU" in title
