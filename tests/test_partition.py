@@ -368,7 +368,7 @@ def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, conv
     assert inactive.plan["offload"]["active"] is False
     figure = plan_figure(inactive.plan, popularity)
     heatmap = figure.axes[0]
-    assert "INACTIVE plan, ONNX Runtime will not offload this model" in heatmap.get_title()
+    assert "INACTIVE plan: ONNX Runtime will not offload this model, every expert runs on the CPU" in heatmap.get_title()
     figure.canvas.draw()
     renderer = figure.canvas.get_renderer()
     legend = heatmap.get_legend().get_window_extent(renderer)
