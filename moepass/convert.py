@@ -32,6 +32,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
                                 TOKENIZER_FILE, as_ir_model, save_model)
 from moepass.genai import genai_config
+from moepass.core.moe_nodes import moe_nodes
 from moepass.core.imatrix import load_imatrix
 from moepass.runtime.providers import offload_violations
 from moepass.tokenizer import tokenizer_from_gguf
@@ -70,6 +71,7 @@ class ConvertResult:
     tokenizer: dict[str, Any] = dataclasses.field(default_factory=dict)
     offload: str = ""  # whether ONNX Runtime's expert offload can take the model, and if not, why
     fusion: list[dict[str, Any]] | None = None  # ONNX input: what happened to each candidate MoE layer
+    existing_moe: int = 0  # ONNX input: com.microsoft QMoE/MoE nodes it had already (kept as they are)
     activations: str = "int8"  # inside quantized matrix products: "int8" (as llama.cpp) or "float" (exact)
 
     @property
@@ -106,9 +108,11 @@ class ConvertResult:
         lines = [f"converted {self.source.name} ({self.architecture}) -> {self.output_dir}"]
         if self.fusion is not None:
             fused = [f for f in self.fusion if f["fused"]]
+            already = f"; {self.existing_moe} QMoE/MoE nodes were there already, kept as they are" \
+                if self.existing_moe else ""
             lines.append(f"  MoE layers    {len(fused)} of {len(self.fusion)} candidates fused "
-                         f"({experts} experts, top-{top_k})" if self.fusion else
-                         "  MoE layers    none found: the model is written unchanged")
+                         f"({experts} experts, top-{top_k}){already}" if self.fusion else
+                         f"  MoE layers    none to fuse{already or ' found: the model is written unchanged'}")
             lines.extend(f"    {f['anchor']}: -> {f['node']} ({f['form']})" if f["fused"] else
                          f"    not fused: {f['reason']}" for f in self.fusion)
         else:
@@ -187,6 +191,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         if given:  # refused, not ignored
             raise MoepassError(f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
                                "are (--float-experts and --activations apply)")
+        _refuse_converted(model)
         return convert_onnx(model, output_dir, float_experts=float_experts, activations=activations,
                             overwrite=overwrite, progress=progress)
     start = time.perf_counter()
@@ -234,6 +239,24 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
                          offload=offload, activations=activations)
 
 
+def _refuse_converted(model: Any) -> None:
+    """A folder (or its model.onnx) that moepass already wrote: nothing is left to fuse, and its
+    tokenizer and genai_config would not carry over; it runs, profiles and partitions as it is."""
+    if not isinstance(model, (str, os.PathLike)):
+        return
+    folder = Path(model) if Path(model).is_dir() else Path(model).parent
+    report = folder / REPORT_FILE
+    if report.is_file():
+        try:
+            info = json.loads(report.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return
+        if isinstance(info, dict) and "moepass_version" in info:
+            layers = len(info.get("moe_layers") or [])
+            raise MoepassError(f"{folder}: already converted by moepass ({layers} MoE layers in QMoE/MoE nodes); "
+                               "run, profile or partition it as it is, or convert the GGUF it came from again")
+
+
 def _is_onnx(model: Any) -> bool:
     """An ONNX model (file, directory or in-memory), rather than a GGUF file."""
     if not isinstance(model, (str, os.PathLike)):
@@ -263,6 +286,8 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     onnx_model, label = as_ir_model(model)
     source = Path(label)
     source_bytes = _model_bytes(source)
+    existing = sum(1 for m in moe_nodes(onnx_model.graph)  # those the fusion leaves as they are
+                   if m.node.op_type == "QMoE" or float_experts == "keep")
     fuse = FuseMoePass(float_experts)
     fuse(onnx_model)
     fused = [r for r in fuse.records if r.fused]
@@ -295,7 +320,8 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     return ConvertResult(output_dir=Path(output_dir), source=source, architecture="onnx", n_layers=len(fuse.records),
                          moe_layers=moe_layers, bytes_by_target=dict(bytes_by_target), weights=weights,
                          source_bytes=source_bytes, output_bytes=output_bytes, seconds=time.perf_counter() - start,
-                         offload=offload, fusion=[r.as_dict() for r in fuse.records], activations=activations)
+                         offload=offload, fusion=[r.as_dict() for r in fuse.records], activations=activations,
+                         existing_moe=existing)
 
 
 def _data_files(path: Path) -> list[Path]:

@@ -109,3 +109,26 @@ def test_progress_without_a_terminal_is_lines_with_rate_and_time_left(make_gguf,
     assert "writing the placed model: " in placed and placed.count("done") == 1
     profiled = _ok(["profile", str(converted("q4_0")), "--prompt-ids", "1,2,3", "-o", str(tmp_path / "p.json")])
     assert "profiling prompts: 1 of 1 prompts (100%)" in profiled.stderr
+
+
+def test_folder_messages_say_what_the_folder_is(make_gguf, converted, tmp_path):
+    import shutil
+
+    folder = tmp_path / "gdir"
+    folder.mkdir()
+    shutil.copy(make_gguf("q4_0"), folder / "model.gguf")
+    for command in (["convert", str(folder), "-o", str(tmp_path / "out")], ["run", str(folder), "-p", "hi"],
+                    ["inspect", str(folder)]):
+        said = _fails(command)
+        assert f"{folder}: a folder of GGUF files (model.gguf), not a converted model" in said, command
+        assert f"moepass convert {folder / 'model.gguf'} -o OUT" in said
+    # a folder moepass wrote: nothing to fuse, said as such (instead of 'MoE layers none found')
+    said = _fails(["convert", str(converted("q4_0")), "-o", str(tmp_path / "again")])
+    assert "already converted by moepass (2 MoE layers in QMoE/MoE nodes); run, profile or partition it" in said
+    # someone else's ONNX model that has QMoE nodes already: they are named, not 'none found'
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(converted("q4_0") / name, foreign / name)
+    out = _ok(["convert", str(foreign), "-o", str(tmp_path / "fused")]).stdout
+    assert "MoE layers    none to fuse; 2 QMoE/MoE nodes were there already, kept as they are" in out

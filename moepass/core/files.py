@@ -27,6 +27,14 @@ LOGITS_TO_KEEP = "logits_to_keep"
 def model_file(model_dir: str | os.PathLike) -> Path:
     """The model.onnx of a model directory (or the path itself when it names a file), which must exist."""
     path = Path(model_dir)
+    if path.is_dir() and not (path / MODEL_FILE).is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        others = sorted(p.name for p in path.glob("*.onnx"))
+        if ggufs:
+            raise MoepassError(f"{path}: a folder of GGUF files ({', '.join(ggufs[:3])}{', ...' if len(ggufs) > 3 else ''}),"
+                               f" not a converted model: convert the file, `moepass convert {path / ggufs[0]} -o OUT`")
+        if others:
+            raise MoepassError(f"{path}: has no {MODEL_FILE}; it holds {', '.join(others[:3])}: give that file's path")
     path = path / MODEL_FILE if path.is_dir() else path
     if not path.is_file():
         raise MoepassError(f"{path}: no such model (run `moepass convert` first)")
