@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -112,7 +113,8 @@ class ConvertResult:
                 if self.existing_moe else ""
             lines.append(f"  MoE layers    {len(fused)} of {len(self.fusion)} candidates fused "
                          f"({experts} experts, top-{top_k}){already}" if self.fusion else
-                         f"  MoE layers    none to fuse{already or ' found: the model is written unchanged'}")
+                         f"  MoE layers    none to fuse{already}" if already else
+                         "  MoE layers    none found: the model is written unchanged")
             lines.extend(f"    {f['anchor']}: -> {f['node']} ({f['form']})" if f["fused"] else
                          f"    not fused: {f['reason']}" for f in self.fusion)
         else:
@@ -191,7 +193,6 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         if given:  # refused, not ignored
             raise MoepassError(f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
                                "are (--float-experts and --activations apply)")
-        _refuse_converted(model)
         return convert_onnx(model, output_dir, float_experts=float_experts, activations=activations,
                             overwrite=overwrite, progress=progress)
     start = time.perf_counter()
@@ -239,22 +240,18 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
                          offload=offload, activations=activations)
 
 
-def _refuse_converted(model: Any) -> None:
-    """A folder (or its model.onnx) that moepass already wrote: nothing is left to fuse, and its
-    tokenizer and genai_config would not carry over; it runs, profiles and partitions as it is."""
-    if not isinstance(model, (str, os.PathLike)):
-        return
-    folder = Path(model) if Path(model).is_dir() else Path(model).parent
-    report = folder / REPORT_FILE
-    if report.is_file():
-        try:
-            info = json.loads(report.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return
-        if isinstance(info, dict) and "moepass_version" in info:
-            layers = len(info.get("moe_layers") or [])
-            raise MoepassError(f"{folder}: already converted by moepass ({layers} MoE layers in QMoE/MoE nodes); "
-                               "run, profile or partition it as it is, or convert the GGUF it came from again")
+def _moepass_source(label: str) -> tuple[Path | None, dict[str, Any]]:
+    """The folder of an ONNX input that moepass wrote, and its report (None, {} for other input):
+    what its conversion knew of the model (tokenizer, hyperparameters) carries over."""
+    folder = Path(label).parent if label.endswith(".onnx") else None
+    report = folder / REPORT_FILE if folder is not None else None
+    if report is None or not report.is_file():
+        return None, {}
+    try:
+        info = json.loads(report.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None, {}
+    return (folder, info) if isinstance(info, dict) and "moepass_version" in info else (None, {})
 
 
 def _is_onnx(model: Any) -> bool:
@@ -312,6 +309,12 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
         report = {"moepass_version": __version__, "source": {"file": source.name, "bytes": source_bytes},
                   "activations": activations,
                   "fusion": [r.as_dict() for r in fuse.records], "moe_layers": moe_layers, "weights": weights}
+        earlier, known = _moepass_source(label)
+        if earlier is not None:  # a model moepass converted before: its tokenizer and genai config still hold
+            report.update({k: known[k] for k in ("architecture", "hparams", "tokenizer") if k in known})
+            for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENAI_CONFIG_FILE):
+                if (earlier / name).is_file():
+                    shutil.copyfile(earlier / name, tmp / name)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
     bytes_by_target: dict[str, int] = collections.Counter()

@@ -122,9 +122,14 @@ def test_folder_messages_say_what_the_folder_is(make_gguf, converted, tmp_path):
         said = _fails(command)
         assert f"{folder}: a folder of GGUF files (model.gguf), not a converted model" in said, command
         assert f"moepass convert {folder / 'model.gguf'} -o OUT" in said
-    # a folder moepass wrote: nothing to fuse, said as such (instead of 'MoE layers none found')
-    said = _fails(["convert", str(converted("q4_0")), "-o", str(tmp_path / "again")])
-    assert "already converted by moepass (2 MoE layers in QMoE/MoE nodes); run, profile or partition it" in said
+    # a folder moepass wrote: its QMoE nodes are named (not 'MoE layers none found'), and its tokenizer,
+    # genai config and what moepass.json knew of the model carry over, so that the copy runs as the original
+    again = _ok(["convert", str(converted("q4_0")), "-o", str(tmp_path / "again")]).stdout
+    assert "MoE layers    none to fuse; 2 QMoE/MoE nodes were there already, kept as they are" in again
+    assert {"tokenizer.json", "tokenizer_config.json", "genai_config.json"} <= {
+        p.name for p in (tmp_path / "again").iterdir()}
+    assert _ok(["run", str(tmp_path / "again"), "-p", "the other one", "-n", "6"]).stdout == \
+        _ok(["run", str(converted("q4_0")), "-p", "the other one", "-n", "6"]).stdout
     # someone else's ONNX model that has QMoE nodes already: they are named, not 'none found'
     foreign = tmp_path / "foreign"
     foreign.mkdir()
