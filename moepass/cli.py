@@ -575,11 +575,15 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Also draw the plan (heatmap and memory bar) into this PNG file.")
 @click.option("--force", is_flag=True, help="Replace the output directory (and report) if moepass wrote them.")
+@click.option("--ignore-kernel-table", is_flag=True,
+              help="Plan as if the CUDA EP took every node (for an ONNX Runtime build newer than moepass's table of "
+                   "its kernels); by default MoE layers it has no kernel for stay on the CPU.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress.")
 def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: str | None, profile_path: str | None,
               policy: str | None, mode: str,
               context: int, batch: int, prefill_tokens: int, reserve: str, gpu_bandwidth: float,
-              host_bandwidth: float, pcie_bandwidth: float, report: str | None, force: bool, quiet: bool) -> None:
+              host_bandwidth: float, pcie_bandwidth: float, report: str | None, force: bool,
+              ignore_kernel_table: bool, quiet: bool) -> None:
     """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the plan and an
     annotated model."""
     from moepass.partition import partition as run_partition
@@ -590,7 +594,8 @@ def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: 
                                prefill_tokens=prefill_tokens, reserve=reserve, policy=policy, mode=mode,
                                bandwidths=Bandwidths(gpu_bandwidth, host_bandwidth, pcie_bandwidth), report=report,
                                overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
-                               target=target, cuda_plugin=cuda_plugin, progress=progress)
+                               target=target, cuda_plugin=cuda_plugin, progress=progress,
+                               kernel_table=not ignore_kernel_table)
     finally:
         progress.close()
     for line in result.summary_lines():

@@ -35,7 +35,7 @@ from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT
 from moepass.genai import genai_config
 from moepass.core.moe_nodes import moe_nodes
 from moepass.core.imatrix import load_imatrix
-from moepass.runtime.providers import offload_violations
+from moepass.core.capabilities import offload_violations
 from moepass.tokenizer import tokenizer_from_gguf
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.passes import QuantizeActivationsPass, run_pipeline

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moepass.core.architectures import architecture_of
+from moepass.core.capabilities import cuda_refusals
 from moepass.core.errors import MoepassError
 from moepass.core.files import REPORT_FILE, as_ir_model, read_json_object
 from moepass.core.gguf_reader import GGUFModel, is_gguf
@@ -78,6 +79,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     graph = model.graph
     found = moe_nodes(graph)
     expert_inputs = {v.name for m in found for v in m.expert_values}
+    refused = cuda_refusals(model)  # node -> why ONNX Runtime's CUDA EP will not take it
     nodes = []
     for m in found:
         attrs = {k: a.value for k, a in m.node.attributes.items()}
@@ -92,6 +94,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
                       "hidden": m.hidden, "ffn": m.ffn, "activation": attrs.get("activation_type"),
                       "bytes": m.bytes_per_expert * m.experts,
                       "resident": int(placement["resident"]) if "resident" in placement else None,
+                      "cuda": refused.get(m.name),  # None: the CUDA EP takes it
                       "metadata": dict(m.node.metadata_props)})
     groups: collections.Counter = collections.Counter()
     dtypes: collections.Counter = collections.Counter()
@@ -117,6 +120,8 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
         "outputs": [v.name for v in graph.outputs],
         # MoE subgraphs `moepass convert` would fuse in this model, and why others would not be
         "fusion_candidates": [r.as_dict() for r in dry_run.records],
+        # the nodes ONNX Runtime's CUDA EP has no kernel for, and why (moepass.core.capabilities)
+        "cuda_refused": refused,
         # what convert did when it made this model from an ONNX model (its moepass.json)
         "fusion": fused,
     }
@@ -174,8 +179,18 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     lines.append(f"MoE layers    {len(info['moe_nodes'])}")
     for m in info["moe_nodes"]:
         resident = "" if m["resident"] is None else f", {m['resident']} resident on the GPU (stored first)"
+        cuda = "; CUDA takes it" if m["cuda"] is None else "; not on CUDA"
         lines.append(f"  {m['node']:<16}{m['op']:<6}{m['form']:<18}{m['experts']} experts, top-{m['top_k']}, "
-                     f"{m['bytes']:,} bytes{resident}")
+                     f"{m['bytes']:,} bytes{resident}{cuda}")
+    refused = info.get("cuda_refused") or {}
+    if refused:
+        reasons = collections.Counter(refused.values())
+        lines.append(f"CUDA EP       {len(refused)} nodes it has no kernel for (they would run on the CPU):")
+        lines.extend(f"  {n} x {why}" for why, n in reasons.most_common())
+        if any("float32" in why for why in reasons):
+            lines.append("  (convert --expert-format offload writes a float16 graph whose every node the CUDA EP takes)")
+    else:
+        lines.append("CUDA EP       takes every node")
     for record in info.get("fusion") or []:
         lines.append(f"  fused {record['anchor']} -> {record['node']} ({record['form']})" if record["fused"] else
                      f"  not fused: {record['reason']}")

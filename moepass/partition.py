@@ -45,7 +45,7 @@ from moepass.core.choices import PLUGIN_ENV, TARGETS, Bandwidths
 from moepass.placement import (Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
                                parse_bytes, plan_placement)
 from moepass.popularity import Popularity, model_identity
-from moepass.runtime.providers import offload_violations
+from moepass.core.capabilities import cuda_refusals, offload_violations
 from moepass.core import keys
 
 PLAN_FORMAT = "moepass-plan"
@@ -147,13 +147,16 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               mode: str = "auto", bandwidths: Bandwidths = Bandwidths(), report: str | os.PathLike | None = None,
               overwrite: bool = False, warn: Callable[[str], None] | None = None, target: str = "auto",
               cuda_plugin: str | os.PathLike | None = None,
-              progress: Callable[[int, int], None] | None = None) -> PartitionResult:
+              progress: Callable[[int, int], None] | None = None, kernel_table: bool = True) -> PartitionResult:
     """Plan expert placement for a GPU budget and write the annotated model, plan and options.
 
     target: "offload" (per expert, for the CUDA plugin EP's expert offload), "layers" (whole MoE
     nodes on the GPU or the CPU, through layer annotations the in-tree CUDA EP follows) or "auto":
     offload when the model is eligible and a CUDA plugin EP is named (`cuda_plugin` or
-    $MOEPASS_CUDA_PLUGIN), layers otherwise."""
+    $MOEPASS_CUDA_PLUGIN), layers otherwise. `kernel_table`: MoE nodes that ONNX Runtime's CUDA EP
+    has no kernel for (moepass.core.capabilities) stay on the CPU in the plan, said before planning;
+    False plans as if it took every node (an ONNX Runtime build whose kernels the table does not
+    describe)."""
     if target not in TARGETS:
         raise MoepassError(f"target must be one of {', '.join(TARGETS)}, not {target!r}")
     for name, value in (("context", context), ("batch", batch), ("prefill_tokens", prefill_tokens)):
@@ -180,6 +183,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     if budget.reserve_bytes >= budget.vram_bytes:
         raise MoepassError(f"--reserve {reserve!r} leaves nothing of --vram {vram!r} for the model")
     violations = offload_violations(model)
+    cuda_refusals_of = cuda_refusals(model) if kernel_table else {}
     if target == "auto":
         target = "offload" if not violations and (cuda_plugin or os.environ.get(PLUGIN_ENV)) else "layers"
     inactive = None
@@ -189,7 +193,18 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
                     "convert the GGUF with --expert-format offload for a model it will")
         if mode == "required":
             raise MoepassError(inactive)
-    plan = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target=target)
+    refused = {m.name: why for m in moe_nodes(model.graph) if (why := cuda_refusals_of.get(m.name))}
+    if refused:  # said before planning; the plan keeps those layers on the CPU, where they will run
+        name, why = next(iter(refused.items()))
+        stays = (f"{source.parent}: ONNX Runtime's CUDA EP has no kernel for {len(refused)} of {len(memory.groups)} "
+                 f"MoE layers ({name}: {why}): they run on the CPU whatever the plan; convert the GGUF with "
+                 "--expert-format offload for a float16 graph whose every node the CUDA EP takes")
+        if mode == "required":
+            raise MoepassError(stays)
+        if warn is not None:
+            warn(stays)
+    plan = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target=target,
+                          cpu_only=frozenset(refused))
     if inactive and warn is not None:  # first, once the inputs are known to be good
         warn(inactive + "; the plan is written but inactive")
     for message in plan.warnings:

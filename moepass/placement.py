@@ -215,9 +215,10 @@ def choose_layers(groups: list[ExpertGroup], budget: int) -> list[bool]:
 
 def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity | None = None,
                    policy: str | None = None, mode: str = "auto", bandwidths: Bandwidths = Bandwidths(),
-                   target: str = "offload") -> Plan:
+                   target: str = "offload", cpu_only: frozenset[str] = frozenset()) -> Plan:
     """The placement for `target` "offload" (experts chosen one by one, by `policy`) or "layers"
-    (whole MoE nodes, see choose_layers)."""
+    (whole MoE nodes, see choose_layers). `cpu_only`: MoE nodes the GPU's EP has no kernel for;
+    none of their experts is placed on the GPU (the budget they would have had stays free)."""
     if mode not in PLAN_MODES:
         raise MoepassError(f"mode must be one of {', '.join(PLAN_MODES)}, not {mode!r}")
     if target not in ("offload", "layers"):
@@ -258,8 +259,9 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
                     for g, m, gpu in zip(groups, mass, on_gpu)]
     else:
         resident = choose_resident(groups, mass, expert_budget, policy)
+    resident = [[] if g.node in cpu_only else r for g, r in zip(groups, resident)]
     resident_bytes = sum(len(r) * g.bytes_per_expert for r, g in zip(resident, groups))
-    all_fit = resident_bytes == memory.expert_bytes
+    all_fit = all(len(r) == g.experts for g, r in zip(groups, resident) if g.node not in cpu_only)
     if fits and not all_fit and mode == "auto":
         if target == "layers":
             placed = sum(1 for r in resident if r)

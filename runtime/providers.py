@@ -28,6 +28,7 @@ from moepass.core.errors import MoepassError, first_line
 from moepass.core import keys
 from moepass.core.choices import DEVICES, PLUGIN_ENV
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
+from moepass.core.capabilities import offload_violations
 from moepass.core.moe_nodes import moe_nodes
 
 log = logging.getLogger("moepass")
@@ -38,38 +39,6 @@ CPU_EP = "CPUExecutionProvider"
 OFFLOAD_MIN_ORT = (1, 32)
 # the first release that parses session.layer_assignment_settings (docs/gpu.md: probed per release)
 LAYERING_MIN_ORT = (1, 25)
-
-
-def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
-    """(node, rule) for every MoE node that ONNX Runtime's expert offload would refuse."""
-    found = []
-    for moe in moe_nodes(model.graph):
-        node, attrs = moe.node, moe.node.attributes
-        if node.op_type != "QMoE":
-            found.append((moe.name, "only QMoE nodes are offloaded (this is a float MoE node)"))
-            continue
-        bits = attrs.get_int("expert_weight_bits", 4)
-        prepacked = attrs.get_int("weights_prepacked", 0)
-        block = attrs.get_int("block_size", 0)
-        if bits == 4 and (prepacked != 1 or block != 32):
-            found.append((moe.name, f"int4 experts need weights_prepacked=1 and block_size 32 "
-                                    f"(has weights_prepacked={prepacked}, block_size {block or 'per row'})"))
-        elif bits == 3 and (prepacked != 0 or block not in (32, 64, 128)):
-            found.append((moe.name, "int3 experts need weights_prepacked=0 and block_size 32, 64 or 128"))
-        elif bits == 2 and prepacked != 1:
-            found.append((moe.name, "int2 experts need weights_prepacked=1"))
-        elif bits == 8:
-            found.append((moe.name, "int8 experts are not offloaded (int4 prepacked block 32, int3 or int2 are)"))
-        dtype = node.inputs[0].dtype or node.outputs[0].dtype  # the activations' type, as the node declares it
-        if dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-            found.append((moe.name, f"activations must be float16 or bfloat16 (are {dtype.name if dtype else '?'})"))
-        if attrs.get_string("activation_type", "") == "swiglu" and attrs.get_int("swiglu_fusion", 0) != 1:
-            found.append((moe.name, "SwiGLU must be interleaved (swiglu_fusion=1)"))
-        if attrs.get_int("use_sparse_mixer", 0):
-            found.append((moe.name, "the sparse mixer is not supported"))
-        if any(not v.is_initializer() for v in moe.expert_values):
-            found.append((moe.name, "expert weights and scales must be constant initializers"))
-    return found
 
 
 @dataclasses.dataclass

@@ -78,7 +78,7 @@ def _five_resident(source, out):
     memory = MemoryModel.of(load_model(source))
     vram = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16) + \
         5 * memory.groups[0].bytes_per_expert
-    result = partition(source, out, vram, profile=profile(source, PROMPTS), reserve=0, context=64,
+    result = partition(source, out, vram, kernel_table=False, profile=profile(source, PROMPTS), reserve=0, context=64,
                        prefill_tokens=16, target="offload")
     assert sum(n["resident_count"] for n in result.plan["nodes"]) == 5
     return out
@@ -146,7 +146,7 @@ def test_other_architectures_profile_and_partition_exactly(arch, tmp_path, conve
 
 def test_outputs_plan_and_options_accepted_by_onnxruntime(tmp_path, converted, popularity):
     out = tmp_path / "placed"
-    result = partition(converted("q4_0"), out, "2MiB", profile=popularity, context=64, prefill_tokens=16,
+    result = partition(converted("q4_0"), out, "2MiB", kernel_table=False, profile=popularity, context=64, prefill_tokens=16,
                        reserve="64K", report=tmp_path / "plan.png", target="offload")
     assert sorted(p.name for p in out.iterdir()) == ["genai_config.json", "model.onnx", "model.onnx.data",
                                                       "moepass.json", "onnxruntime_options.json", "plan.json",
@@ -201,7 +201,7 @@ def test_required_mode_fails_with_missing_bytes(tmp_path, converted):
         partition(offloadable, out, 1000, mode="required", context=64, prefill_tokens=16, reserve=0, target="offload")
     assert not out.exists() and not list(tmp_path.glob(".placed.*"))
     warnings = []
-    result = partition(converted("q4_0"), out, 1000, mode="auto", context=64, prefill_tokens=16, reserve=0,
+    result = partition(converted("q4_0"), out, 1000, kernel_table=False, mode="auto", context=64, prefill_tokens=16, reserve=0,
                        warn=warnings.append, target="offload")
     assert f"{need - 1000:,} bytes" in warnings[1] and "missing; no expert is placed on the GPU" in warnings[1]
     assert result.plan["fits"] is False
@@ -219,7 +219,7 @@ def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, c
     """A default conversion (int4 experts in the raw layout) is not offload-eligible: partition says so
     before planning, names the node and rule and the way out; required mode refuses it."""
     warnings = []
-    result = partition(converted("q4_0"), tmp_path / "placed", "1G", profile=popularity, warn=warnings.append,
+    result = partition(converted("q4_0"), tmp_path / "placed", "1G", kernel_table=False, profile=popularity, warn=warnings.append,
                        target="offload")
     assert "ONNX Runtime will not offload this model's experts (blk.0.moe: int4 experts need weights_prepacked=1" \
         in warnings[0] and "--expert-format offload" in warnings[0] and warnings[0].endswith("inactive")
@@ -228,7 +228,7 @@ def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, c
     assert plan["offload"]["active"] is False
     assert "(inactive: ONNX Runtime will not offload this model)" in result.summary_lines()[0]
     with pytest.raises(moepass.MoepassError, match="will not offload this model's experts"):
-        partition(converted("q4_0"), tmp_path / "required", "1G", profile=popularity, mode="required", target="offload")
+        partition(converted("q4_0"), tmp_path / "required", "1G", kernel_table=False, profile=popularity, mode="required", target="offload")
     assert not (tmp_path / "required").exists()
     assert result.plan["prediction"]["gpu_hit_rate_by_mass"] == pytest.approx(1.0)
 
@@ -266,7 +266,7 @@ def test_bad_input(tmp_path, converted, popularity):
         (["--vram", "8G", "--report", str(tmp_path / "plan.svg")], "name it *.png"),
     ]
     for args, message in cases:
-        result = runner.invoke(main, ["partition", str(converted("q4_0")), "-o", str(out), "--target", "offload",
+        result = runner.invoke(main, ["partition", str(converted("q4_0")), "--ignore-kernel-table", "-o", str(out), "--target", "offload",
                                       *args])
         assert result.exit_code == 2, (args, result.output)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -277,7 +277,7 @@ def test_bad_input(tmp_path, converted, popularity):
 
 def test_same_input_same_files(tmp_path, converted, popularity):
     for name in ("a", "b"):
-        partition(converted("q4_0"), tmp_path / name, "1500K", profile=popularity, reserve=0, context=64,
+        partition(converted("q4_0"), tmp_path / name, "1500K", kernel_table=False, profile=popularity, reserve=0, context=64,
                   prefill_tokens=16, target="offload")
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", names, shallow=False)
@@ -285,7 +285,7 @@ def test_same_input_same_files(tmp_path, converted, popularity):
 
 
 def test_cli_partition(tmp_path, converted):
-    result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--vram", "1500K", "--reserve", "0",
+    result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--ignore-kernel-table", "--vram", "1500K", "--reserve", "0",
                                        "--context", "64", "--prefill-tokens", "16", "-o", str(tmp_path / "p"),
                                        "--target", "offload"])
     assert result.exit_code == 0, result.output
@@ -341,7 +341,7 @@ def test_a_per_layer_plan_shares_the_weights_unchanged(converted, tmp_path, monk
 
     source = converted("q4_0")
     monkeypatch.setattr(onnx_ir, "save", lambda *a, **k: pytest.fail("the weights were rewritten"))
-    placed = moepass.partition(source, tmp_path / "layers", "8G", target="layers")
+    placed = moepass.partition(source, tmp_path / "layers", "8G", kernel_table=False, target="layers")
     assert filecmp.cmp(source / "model.onnx.data", placed.output_dir / "model.onnx.data", shallow=False)
     assert placed.weights.startswith("model.onnx.data shared with") or \
         placed.weights.startswith("model.onnx.data copied as it is from")
@@ -352,7 +352,7 @@ def test_a_per_layer_plan_shares_the_weights_unchanged(converted, tmp_path, monk
     b, _ = decoder.forward(prompt, decoder.empty_cache())
     assert np.array_equal(a, b)
     monkeypatch.undo()
-    moved = moepass.partition(source, tmp_path / "offload", "8G", target="offload")
+    moved = moepass.partition(source, tmp_path / "offload", "8G", kernel_table=False, target="offload")
     assert moved.weights == "model.onnx.data rewritten (experts reordered resident-first)"
 
 
@@ -364,7 +364,7 @@ def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, conv
     matplotlib.use("Agg")
     from moepass.plan_report import plan_figure
 
-    inactive = partition(converted("q4_0"), tmp_path / "placed", "8G", profile=popularity, target="offload")
+    inactive = partition(converted("q4_0"), tmp_path / "placed", "8G", kernel_table=False, profile=popularity, target="offload")
     assert inactive.plan["offload"]["active"] is False
     figure = plan_figure(inactive.plan, popularity)
     heatmap = figure.axes[0]

@@ -33,9 +33,9 @@ def test_convert_summary_reads_as_words(make_gguf, tmp_path):
 
 def test_partition_summary_names_no_zero_counts(converted, tmp_path):
     model = str(converted("q4_0"))
-    everything = _ok(["partition", model, "--vram", "8G", "--target", "layers", "-o", str(tmp_path / "big")]).stdout
+    everything = _ok(["partition", model, "--ignore-kernel-table", "--vram", "8G", "--target", "layers", "-o", str(tmp_path / "big")]).stdout
     assert "(per-layer placement: all of them)" in everything and "the other 0" not in everything
-    nothing = _ok(["partition", model, "--vram", "1M", "--reserve", "0", "--target", "layers",
+    nothing = _ok(["partition", model, "--ignore-kernel-table", "--vram", "1M", "--reserve", "0", "--target", "layers",
                    "-o", str(tmp_path / "small")]).stdout
     assert "(per-layer placement: every MoE layer runs on the CPU)" in nothing and "the other" not in nothing
     assert "(nothing fits beside the non-expert part)" in nothing
@@ -104,7 +104,7 @@ def test_progress_without_a_terminal_is_lines_with_rate_and_time_left(make_gguf,
                                                r"(\d+ s left|time left unknown|done)", line) for line in lines), lines
     assert " s left" in lines[1] and lines[-1].endswith("(100%), " + lines[-1].split("(100%), ")[1])
     assert lines[-1].endswith("done") and sum(line.endswith("done") for line in lines) == 1
-    placed = _ok(["partition", str(converted("q4_0")), "--vram", "8G", "--target", "layers", "-o",
+    placed = _ok(["partition", str(converted("q4_0")), "--ignore-kernel-table", "--vram", "8G", "--target", "layers", "-o",
                   str(tmp_path / "placed")]).stderr
     assert "writing the placed model: " in placed and placed.count("done") == 1
     profiled = _ok(["profile", str(converted("q4_0")), "--prompt-ids", "1,2,3", "-o", str(tmp_path / "p.json")])

@@ -1,0 +1,181 @@
+"""What ONNX Runtime's execution providers take, as facts: the expert-offload eligibility rules of
+the CUDA plugin EP (`offload_violations`) and the CUDA kernel table (`cuda_refusal`): which node,
+with which types and attributes, has a CUDA kernel.
+
+An annotation or a plan is a preference: a node whose op, types or attributes have no CUDA kernel
+stays on the CPU. The kernel table is read from ONNX Runtime's source, the CUDA contrib kernels
+and their registry, in versions of late 2026's main branch (the 1.3x line; the CUDA plugin EP
+0.4.0 compiles the same kernel files, minus aten/collective/transformers ops); each rule names
+the file it comes from. It has not been run on a GPU here (docs/gpu.md says what has).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import onnx_ir as ir
+
+from moepass.core.moe_nodes import QMOE_SLOTS, moe_nodes
+
+CONTRIB = "onnxruntime/contrib_ops/cuda/"
+REGISTRY = CONTRIB + "cuda_contrib_kernels.cc"
+HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+FLOATS = (ir.DataType.FLOAT, *HALF)
+
+
+def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
+    """(node, rule) for every MoE node that ONNX Runtime's expert offload would refuse."""
+    found = []
+    for moe in moe_nodes(model.graph):
+        node, attrs = moe.node, moe.node.attributes
+        if node.op_type != "QMoE":
+            found.append((moe.name, "only QMoE nodes are offloaded (this is a float MoE node)"))
+            continue
+        bits = attrs.get_int("expert_weight_bits", 4)
+        prepacked = attrs.get_int("weights_prepacked", 0)
+        block = attrs.get_int("block_size", 0)
+        if bits == 4 and (prepacked != 1 or block != 32):
+            found.append((moe.name, f"int4 experts need weights_prepacked=1 and block_size 32 "
+                                    f"(has weights_prepacked={prepacked}, block_size {block or 'per row'})"))
+        elif bits == 3 and (prepacked != 0 or block not in (32, 64, 128)):
+            found.append((moe.name, "int3 experts need weights_prepacked=0 and block_size 32, 64 or 128"))
+        elif bits == 2 and prepacked != 1:
+            found.append((moe.name, "int2 experts need weights_prepacked=1"))
+        elif bits == 8:
+            found.append((moe.name, "int8 experts are not offloaded (int4 prepacked block 32, int3 or int2 are)"))
+        dtype = node.inputs[0].dtype or node.outputs[0].dtype  # the activations' type, as the node declares it
+        if dtype not in HALF:
+            found.append((moe.name, f"activations must be float16 or bfloat16 (are {dtype.name if dtype else '?'})"))
+        if attrs.get_string("activation_type", "") == "swiglu" and attrs.get_int("swiglu_fusion", 0) != 1:
+            found.append((moe.name, "SwiGLU must be interleaved (swiglu_fusion=1)"))
+        if attrs.get_int("use_sparse_mixer", 0):
+            found.append((moe.name, "the sparse mixer is not supported"))
+        if any(not v.is_initializer() for v in moe.expert_values):
+            found.append((moe.name, "expert weights and scales must be constant initializers"))
+    return found
+
+
+def activation_dtype(model: ir.Model) -> ir.DataType:
+    """The type the graph computes in: its KV cache's (GroupQueryAttention's past and present, the
+    type of the attention and MoE inputs in moepass's graphs), else its logits', else float32."""
+    for value in (*model.graph.inputs, *model.graph.outputs):
+        if value.name.startswith("past_key_values.") and value.dtype is not None:
+            return value.dtype
+    logits = next((v for v in model.graph.outputs if v.name == "logits" and v.dtype is not None), None)
+    return logits.dtype if logits is not None else ir.DataType.FLOAT
+
+
+def _activations(node: ir.Node, graph_dtype: ir.DataType) -> ir.DataType:
+    """The type a kernel is registered by: the node's first input (GatherBlockQuantized: its
+    scales, whose type its output has), else its output, else the graph's."""
+    first = node.inputs[2] if node.op_type == "GatherBlockQuantized" and len(node.inputs) > 2 else node.inputs[0]
+    return (first.dtype if first is not None else None) or node.outputs[0].dtype or graph_dtype
+
+
+def _name(dtype: ir.DataType) -> str:
+    return {ir.DataType.FLOAT: "float32"}.get(dtype, dtype.name.lower())
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaKernel:
+    """One CUDA kernel's registration and constructor checks: the activation types it is registered
+    for, and `check(node) -> the rule a node breaks (None: taken)`."""
+
+    types: tuple[ir.DataType, ...]
+    source: str
+    check: Callable[[ir.Node], str | None] = lambda node: None
+
+
+def _qmoe(node: ir.Node) -> str | None:
+    attrs = node.attributes
+    bits = attrs.get_int("expert_weight_bits", 4)
+    if bits not in (4, 8):  # mixed and 2-bit widths: merged per ONNX Runtime's plans, not in the source read
+        return f"expert_weight_bits {bits}: the CUDA QMoE kernel takes 4 or 8"
+    block = attrs.get_int("block_size", -1)
+    zero_points = any(i < len(node.inputs) and node.inputs[i] is not None for i in (QMOE_SLOTS["fc1"][3],
+                                                                                  QMOE_SLOTS["fc2"][3]))
+    if zero_points and block <= 0:
+        return "zero points with row-wise scales (block_size <= 0) are refused"
+    if zero_points and block < 32:
+        return f"zero points need block_size >= 32 (has {block})"
+    if QMOE_SLOTS["fc3"][0] < len(node.inputs) and node.inputs[QMOE_SLOTS["fc3"][0]] is not None:
+        return "separate fc3 expert weights are refused"
+    scales = node.inputs[QMOE_SLOTS["fc2"][1]].const_value
+    fc1 = node.inputs[QMOE_SLOTS["fc1"][1]].const_value
+    if scales is not None and fc1 is not None:
+        hidden, rows = int(scales.shape[1]), int(fc1.shape[1])
+        inter = rows // 2 if attrs.get_string("activation_type", "") == "swiglu" else rows
+        if hidden % 64 or inter % 64:
+            return f"hidden {hidden} and expert size {inter} must be multiples of 64 (the int kernel's K tile)"
+    return None
+
+
+def _gqa(node: ir.Node) -> str | None:
+    if len(node.inputs) > 10 and node.inputs[10] is not None:
+        return "attention_bias is refused"
+    return None
+
+
+def _matmul_nbits(node: ir.Node) -> str | None:
+    bits = node.attributes.get_int("bits", 4)
+    if bits not in (4, 8):
+        return f"bits {bits}: the kernel dispatches 4 and 8"
+    return None
+
+
+def _gather_block_quantized(node: ir.Node) -> str | None:
+    block = node.attributes.get_int("block_size", 128)
+    data = node.inputs[0]
+    if data.dtype is not None and data.dtype not in (ir.DataType.UINT8, ir.DataType.UINT4, ir.DataType.INT4):
+        return f"data in {_name(data.dtype)}: uint8, uint4 or int4"
+    rank = len(data.shape) if data.shape is not None else None
+    axis = node.attributes.get_int("quantize_axis", 1)
+    if block and (block < 16 or block & (block - 1)):
+        return f"block_size {block}: 0 or a power of two >= 16"
+    if rank is not None and axis not in (rank - 1, -1):
+        return "only the last axis may be quantized"
+    return None
+
+
+# (domain, op) -> the CUDA kernel; ops of the ONNX domain moepass emits (MatMul, Gather, Reshape, ...)
+# have CUDA kernels for every type they take here and are not listed
+CUDA_KERNELS: dict[tuple[str, str], CudaKernel | None] = {
+    ("com.microsoft", "QMoE"): CudaKernel(HALF, CONTRIB + "moe/moe_quantization.cc", _qmoe),
+    ("com.microsoft", "MoE"): CudaKernel(FLOATS, CONTRIB + "moe/moe.cc"),
+    ("com.microsoft", "GroupQueryAttention"): CudaKernel(HALF, CONTRIB + "bert/group_query_attention.cc", _gqa),
+    ("com.microsoft", "MatMulNBits"): CudaKernel(FLOATS, CONTRIB + "quantization/matmul_nbits.cc", _matmul_nbits),
+    ("com.microsoft", "GatherBlockQuantized"): CudaKernel(
+        FLOATS, CONTRIB + "quantization/gather_block_quantized.cc", _gather_block_quantized),
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"): CudaKernel(FLOATS, REGISTRY),
+    ("", "SimplifiedLayerNormalization"): CudaKernel(FLOATS, CONTRIB + "layer_norm.cc"),
+    ("com.microsoft", "MoEGroupRouter"): None,  # no such kernel in the registry read
+}
+
+
+def cuda_refusal(node: ir.Node, graph_dtype: ir.DataType = ir.DataType.FLOAT) -> str | None:
+    """Why the CUDA EP has no kernel for `node` (None: it takes it). `graph_dtype`: the type the
+    graph computes in, where the node's own values carry none (`activation_dtype`)."""
+    key = (node.domain or "", node.op_type)
+    if key not in CUDA_KERNELS:
+        return None if key[0] in ("", "ai.onnx") else f"{node.op_type} ({key[0]}) is not in moepass's CUDA table"
+    kernel = CUDA_KERNELS[key]
+    if kernel is None:
+        return f"{node.op_type}: ONNX Runtime's CUDA EP registers no kernel for it ({REGISTRY})"
+    dtype = _activations(node, graph_dtype)
+    if dtype not in kernel.types:
+        names = "/".join(_name(t) for t in kernel.types)
+        return f"{node.op_type} in {_name(dtype)}: the CUDA kernel is registered for {names} ({kernel.source})"
+    rule = kernel.check(node)
+    return f"{node.op_type}: {rule} ({kernel.source})" if rule else None
+
+
+def cuda_refusals(model: ir.Model) -> dict[str, str]:
+    """node name -> why the CUDA EP will not take it, for every node of the main graph it will not."""
+    dtype = activation_dtype(model)
+    found = {}
+    for node in model.graph:
+        why = cuda_refusal(node, dtype)
+        if why:
+            found[node.name or node.op_type] = why
+    return found
