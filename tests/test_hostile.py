@@ -735,4 +735,8 @@ def test_prompt_ids_print_as_they_come(converted):
                                        "--max-new-tokens", "50"])
     assert result.exit_code == 0, result.output
     assert "generation stops after 4 new tokens" in result.stderr
-    assert len(result.stdout.strip().split(",")) <= 4
+    from moepass.runtime import load
+
+    expected = list(load(converted("q4_0")).generate([5] * 508, 4))  # what the model chooses, stop token included
+    assert 1 <= len(expected) <= 4 and result.stdout == ",".join(map(str, expected)) + "\n"
+    assert f"{len(expected)} tokens in " in result.stderr
