@@ -49,7 +49,9 @@ def attention_inputs(builder: GraphBuilder, mask: ir.Value) -> AttentionInputs:
         raise MoepassError(f"{builder.gguf.path}: value head size {hparams.value_dim} differs from key head size "
                            f"{head_size}; GroupQueryAttention needs them equal")
     rope = hparams.rope
-    tables = functools.cache(lambda: rope_cache(positions, rotary, rope))  # cos and sin from one pass
+    # LongRoPE: the factors llama.cpp takes for a context of `positions` (Rope.long_factors)
+    factors = rope.freq_factors(positions)
+    tables = functools.cache(lambda: rope_cache(positions, rotary, rope, factors))  # cos and sin from one pass
     cos = builder.lazy_initializer("rope.cos_cache", builder.act, (positions, rotary // 2), lambda: tables()[0])
     sin = builder.lazy_initializer("rope.sin_cache", builder.act, (positions, rotary // 2), lambda: tables()[1])
     multiplied = builder.arch.features.multipliers and hparams.attention_scale

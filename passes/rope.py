@@ -8,7 +8,8 @@ from moepass.core.architectures import Rope
 from moepass.core.errors import MoepassError
 
 
-def rope_cache(n_positions: int, head_dim: int, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+def rope_cache(n_positions: int, head_dim: int, rope: Rope, freq_factors: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin tables `[n_positions, head_dim/2]` for RoPE, as ggml's rope (rope_yarn) computes them.
 
     The angles follow llama.cpp's float32 recurrence (theta_i = theta_{i-1} * base^(-2/d)), so the
@@ -17,6 +18,10 @@ def rope_cache(n_positions: int, head_dim: int, rope: Rope) -> tuple[np.ndarray,
     dimension pair mixes the interpolated angle (theta * freq_scale) and the original one along a
     ramp between the correction dimensions, and cos/sin are scaled by attn_factor * (1 + 0.1 ln s)
     (which GroupQueryAttention's rotation then applies to q and k).
+
+    `freq_factors` (LongRoPE: Rope.freq_factors, one per dimension pair) divide each pair's angle
+    before any scaling, as ggml_rope_cache_init (ggml/src/ggml-cpu/ops.cpp) passes theta / ff to
+    rope_yarn as its extrapolated angle; attn_factor then scales cos/sin as above.
     """
     f32 = np.float32
     half = head_dim // 2
@@ -25,6 +30,11 @@ def rope_cache(n_positions: int, head_dim: int, rope: Rope) -> tuple[np.ndarray,
     theta[:, 0] = np.arange(n_positions, dtype=np.float32)
     for i in range(1, half):
         theta[:, i] = theta[:, i - 1] * theta_scale
+    if freq_factors is not None:
+        freq_factors = np.asarray(freq_factors, dtype=np.float32).reshape(-1)
+        if freq_factors.size < half:  # ggml_rope_impl's GGML_ASSERT(c->ne[0] >= n_dims / 2)
+            raise MoepassError(f"{freq_factors.size} RoPE frequency factors for {half} rotated dimension pairs")
+        theta = theta / freq_factors[:half]  # float32, as ggml divides
     freq_scale, mscale = f32(rope.freq_scale), f32(rope.attn_factor)
     angles = theta * freq_scale
     if rope.ext_factor:

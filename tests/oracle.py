@@ -8,7 +8,9 @@ holds the converted model to llama.cpp's own distance from it. A position is *de
 exact computation's top-2 logit margin is at least NEAR_TIE times the spread (std) of its logits,
 and a router *nearly ties* when its k-th and (k+1)-th logits are closer than ROUTER_TIE times their
 spread: such routing can fall either way (a phimoe Q4_K fixture flips an expert at positions whose
-2nd/3rd router logits differ by 0.016-0.046), and those positions are left out.
+2nd/3rd router logits differ by 0.016-0.046), and those positions are left out. deepseek2's routing
+ties where its selection scores (gating probabilities plus the selection bias) or, group-limited,
+its group scores nearly tie.
 """
 
 from __future__ import annotations
@@ -125,25 +127,74 @@ def moepass_window_logits(model_dir, windows) -> list[np.ndarray]:
     return [decoder.forward(np.array([list(ids)]), decoder.empty_cache())[0][0] for ids in windows]
 
 
+def _tied(scores: np.ndarray, k: int, spread: np.ndarray | None = None) -> np.ndarray:
+    """Rows whose k-th and (k+1)-th largest scores are closer than ROUTER_TIE times `spread` (by
+    default the std of the row's scores)."""
+    ordered = np.sort(scores, axis=-1)[:, ::-1]
+    return ordered[:, k - 1] - ordered[:, k] < ROUTER_TIE * (scores.std(axis=-1) if spread is None else spread)
+
+
+def _deepseek_ties(logits: np.ndarray, hparams: dict, bias: np.ndarray | None, k: int) -> np.ndarray:
+    """Near ties of deepseek2's routing (passes/routing.py deepseek_routing, llama.cpp's
+    build_moe_ffn), whose MoE node gets -inf for every expert not selected: of the selection
+    scores (gating probabilities plus the bias exp_probs_b) at the k-th expert within the groups
+    used, and with group-limited routing of the group scores (a group's best two) at the last
+    group used."""
+    if hparams.get("gating_func") == 2:
+        probs = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    else:
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+    selection = probs + (0 if bias is None else bias)
+    ties = np.zeros(len(selection), dtype=bool)
+    groups = hparams.get("n_expert_groups", 0)
+    if groups > 1:
+        used = hparams["n_group_used"]
+        grouped = selection.reshape(len(selection), groups, -1)
+        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+        ties |= _tied(group_scores, used)
+        kept = np.zeros(group_scores.shape, dtype=bool)
+        np.put_along_axis(kept, np.argsort(-group_scores, axis=-1)[:, :used], True, axis=-1)
+        within = np.where(kept[..., None], grouped, -np.inf).reshape(selection.shape)
+        return ties | _tied(within, k, selection.std(axis=-1))
+    return ties | _tied(selection, k)
+
+
 def routing_near_ties(model_dir, ids=PROMPT):
-    """Positions where some MoE layer's k-th and (k+1)-th router logits are nearly tied."""
+    """Positions where some MoE layer's k-th and (k+1)-th router logits are nearly tied (deepseek2:
+    its selection scores, or its group scores: _deepseek_ties)."""
+    import json
+
     from moepass.passes.expose_router import ExposeRouterLogitsPass
     from moepass.core.moe_nodes import moe_nodes
     from moepass.core.files import load_model
     from moepass.runtime import Decoder
 
+    report = json.loads((Path(model_dir) / "moepass.json").read_text())
+    deepseek = report["architecture"] == "deepseek2"
     model = load_model(model_dir)
     top_k = {m.name: m.top_k for m in moe_nodes(model.graph)}
     expose = ExposeRouterLogitsPass()
     expose(model)
+    outputs = dict(expose.outputs)
+    if deepseek:  # the router's own logits, before the routing that the node's input already holds
+        layers = {m["node"]: m["layer"] for m in report["moe_layers"]}
+        routers = {n.name: n.outputs[0] for n in model.graph if n.name.endswith(".router")}
+        for node in outputs:
+            value = routers[f"blk.{layers[node]}.router"]
+            model.graph.outputs.append(value)
+            outputs[node] = value.name
     decoder = Decoder(model_dir, graph=model)
-    _, _, routers = decoder.forward_with(np.array([ids]), decoder.empty_cache(), list(expose.outputs.values()))
+    _, _, values = decoder.forward_with(np.array([ids]), decoder.empty_cache(), list(outputs.values()))
     ties = np.zeros(len(ids), dtype=bool)
-    for node, output in expose.outputs.items():
-        logits = routers[output]
-        ordered = np.sort(logits, axis=-1)[:, ::-1]
-        k = top_k[node]
-        ties |= ordered[:, k - 1] - ordered[:, k] < ROUTER_TIE * logits.std(axis=-1)
+    for node, output in outputs.items():
+        logits = values[output]
+        if deepseek:
+            bias = model.graph.initializers.get(f"blk.{layers[node]}.exp_probs_b.bias")
+            ties |= _deepseek_ties(logits, report["hparams"], None if bias is None else
+                                   bias.const_value.numpy().astype(np.float64), top_k[node])
+        else:
+            ties |= _tied(logits, top_k[node])
     return ties
 
 
@@ -175,22 +226,23 @@ def dequantized_copy(gguf_path, out_path):
     return rewrite_gguf(gguf_path, out_path)
 
 
-def llama_quantize(source: Path, destination: Path, file_type: str, imatrix: dict[str, np.ndarray]) -> bool:
-    """llama.cpp's quantizer (the one behind llama-quantize), with an importance matrix; False when
-    it refuses."""
+def llama_quantize(source: Path, destination: Path, file_type: str, imatrix: dict[str, np.ndarray] | None) -> bool:
+    """llama.cpp's quantizer (the one behind llama-quantize), with an importance matrix or, where
+    `imatrix` is None, without one (llama-quantize without --imatrix); False when it refuses."""
     import ctypes
 
     llama_cpp = llama_cpp_module()
-    entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
-    keep = []
-    for entry, (name, values) in zip(entries, imatrix.items()):
-        values, encoded = np.ascontiguousarray(values, dtype=np.float32), name.encode()
-        keep += [values, encoded]  # the C struct points into these
-        entry.name = encoded
-        entry.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        entry.size = values.size
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
     params.nthread = 2
-    params.imatrix = ctypes.cast(entries, type(params.imatrix))
+    keep = []
+    if imatrix is not None:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for entry, (name, values) in zip(entries, imatrix.items()):
+            values, encoded = np.ascontiguousarray(values, dtype=np.float32), name.encode()
+            keep += [values, encoded]  # the C struct points into these
+            entry.name = encoded
+            entry.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entry.size = values.size
+        params.imatrix = ctypes.cast(entries, type(params.imatrix))
     return llama_cpp.llama_model_quantize(str(source).encode(), str(destination).encode(), ctypes.byref(params)) == 0

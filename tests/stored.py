@@ -1,6 +1,7 @@
 """What a converted model stores, read back independently of moepass's writer: every QMoE and
-MatMulNBits weight unpacked into float32 values under its GGUF tensor's name (experts [E, N, K],
-matrices [N, K]), block offsets and float16 scales included."""
+MatMulNBits weight and a quantized token embedding table (GatherBlockQuantized) unpacked into
+float32 values under its GGUF tensor's name (experts [E, N, K], matrices [N, K]), block offsets
+and float16 scales included."""
 
 from __future__ import annotations
 
@@ -35,3 +36,6 @@ def stored_matrices(model_dir: Path) -> Iterator[tuple[np.ndarray, str]]:
             shift = offsets[node.name].T if node.name in offsets else None
             yield (unpack_values(blob.reshape(blob.shape[0], -1), init[node.input[2]], form, offsets=shift),
                    node.input[1].removesuffix(".q"))
+        elif node.op_type == "GatherBlockQuantized":  # codes laid out as QMoE's rows, [vocab, hidden]
+            yield (unpack_values(init[node.input[0]], init[node.input[2]], BlockForm(attrs["bits"], attrs["block_size"])),
+                   node.input[0].removesuffix(".q"))

@@ -77,8 +77,9 @@ def test_readme_lists_every_architecture():
 
 
 @pytest.mark.parametrize("extra,message", [
-    ({"metadata": {"phimoe.rope.scaling.type": "longrope"}}, "'phimoe.rope.scaling.type' is 'longrope'"),
-    ({"tensors": {"rope_factors_long.weight": np.ones(32, np.float32)}}, "tensor 'rope_factors_long.weight'"),
+    # LongRoPE (rope_factors_long/short, rope.scaling.type "longrope") is converted: tests/test_longrope.py
+    ({"metadata": {"phimoe.rope.scaling.type": "su"}}, "'phimoe.rope.scaling.type' is 'su'"),
+    ({"tensors": {"rope_freqs.weight": np.ones(32, np.float32)}}, "tensor 'rope_freqs.weight'"),
     ({"metadata": {"phimoe.rope.dimension_count": 32}}, "partial rotary embedding"),
 ])
 def test_unsupported_rope_variants_are_refused(extra, message, make_gguf, tmp_path):

@@ -72,7 +72,9 @@ def test_stored_weights_are_bit_exact(preset, make_gguf, converted):
         if name in exact:
             np.testing.assert_array_equal(ours.view(np.uint32), source[name].view(np.uint32), err_msg=name)
             checked += 1
-    assert checked == 2 * (4 + (0 if preset == "q4_k" else 3)) + 1   # per layer q, k, v, o (+ 3 experts); LM head
+    # per layer q, k, v, o (+ 3 experts); the LM head; the token table (GatherBlockQuantized) where it
+    # moves exactly (Q4_K's is requantized)
+    assert checked == 2 * (4 + (0 if preset == "q4_k" else 3)) + 1 + (preset != "q4_k")
 
 
 def test_split_gguf_converts_to_the_same_weights(make_gguf, converted):
@@ -217,7 +219,7 @@ def test_requantized_weights_stored_as_reported(fmt, tmp_path, make_gguf):
         error = np.linalg.norm(ours - values[name]) / np.linalg.norm(values[name])
         assert reported[name] == pytest.approx(error, rel=1e-4, abs=1e-12), name
         checked += error > 0
-    assert checked == 2 * (3 + 1) + 1   # per layer gate, up, down and the Q6_K attn_v; the LM head
+    assert checked == 2 * (3 + 1) + 2   # per layer gate, up, down and the Q6_K attn_v; the LM head, the token table
 
 
 def test_activation_modes(tmp_path, make_gguf, converted):

@@ -233,6 +233,22 @@ def expected_shapes(hp: HParams, features: Features) -> dict[str, tuple[int, ...
     }
 
 
+GGML_MAX_DIMS = 4
+
+
+def llama_cpp_accepts(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Whether llama.cpp's loader reads a tensor of `shape` where it expects `expected` (numpy
+    order): llama_model_loader::check_tensor_dims compares ggml's GGML_MAX_DIMS dimensions, the ones
+    create_tensor does not name being 1. So a size-1 outer dimension is no dimension:
+    convert_hf_to_gguf.py writes Qwen2-MoE's shared-expert gate 2-D (ne [n_embd, 1], from the
+    [1, n_embd] nn.Linear), llama.cpp's quantizer writes it 1-D, and llama.cpp loads both as the
+    {n_embd} it asks for."""
+    def padded(s: tuple[int, ...]) -> tuple[int, ...]:
+        return (1,) * (GGML_MAX_DIMS - len(s)) + tuple(s)
+
+    return len(shape) <= GGML_MAX_DIMS and padded(shape) == padded(expected)
+
+
 def latent_dims(hp: HParams) -> tuple[int, int, int, int, int]:
     """(heads, key head size, value head size, RoPE part, no-RoPE part) of multi-head latent
     attention as llama.cpp derives them (key/value_length when the _mla keys are absent)."""
@@ -284,6 +300,9 @@ class Features:
     # `leading_dense` blocks have a dense FFN instead of experts
     mla: bool = False
     yarn_log_multiplier: bool = False   # read rope.scaling.yarn_log_multiplier as llama.cpp does for deepseek2
+    # LongRoPE: llama.cpp loads rope_factors_long/short.weight (phimoe's load_arch_tensors); other
+    # architectures' files holding them are refused (llama.cpp's loader would count them as extra)
+    longrope: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("rope", ROPE_STYLES), ("routing", ROUTINGS), ("qk_norm", QK_NORMS),
@@ -350,10 +369,15 @@ class Architecture:
         return TENSORS[role].format(i=layer)
 
     def tensor(self, gguf: GGUFModel, role: str, layer: int | None, hp: HParams) -> GGUFTensor | StackedTensor:
-        """The tensor of `role`; for legacy files, per-expert tensors stacked into the expert role."""
+        """The tensor of `role`, with the shape the metadata implies where llama.cpp reads it as that
+        (llama_cpp_accepts); for legacy files, per-expert tensors stacked into the expert role."""
         name = self.tensor_name(role, layer)
         if gguf.has_tensor(name) or not (self.features.legacy_experts and role in LEGACY_EXPERT_TENSORS):
-            return gguf.tensor(name)
+            tensor = gguf.tensor(name)
+            expected = expected_shapes(hp, self.features).get(role)
+            if expected and tensor.shape != expected and llama_cpp_accepts(tensor.shape, expected):
+                return dataclasses.replace(tensor, shape=expected)  # the same bytes: only size-1 dimensions differ
+            return tensor
         legacy = LEGACY_EXPERT_TENSORS[role]
         if not gguf.has_tensor(legacy.format(i=layer, e=0)):
             return gguf.tensor(name)  # neither form: the error names the stacked tensor
@@ -375,7 +399,7 @@ class Architecture:
                                   f"q rank {hp.q_lora_rank or 'full'}, key {nope}+{rope} (RoPE), value {v_head}")
             if hp.leading_dense:
                 parts["dense_blocks"] = f"the first {hp.leading_dense} (ffn {hp.ffn})"
-        scaling = hp.rope.describe()
+        scaling = hp.rope.describe(hp.context_length)  # the converted model's context (--context)
         if scaling:
             parts["rope_scaling"] = scaling
         if hp.sliding_window_layers:
@@ -421,7 +445,8 @@ class Architecture:
         return tuple(required), tuple(optional)
 
     def check_tensors(self, gguf: GGUFModel, hp: HParams) -> None:
-        """Every tensor the recipe reads is present with the shape the metadata implies."""
+        """Every tensor the recipe reads is present with the shape the metadata implies (up to the
+        size-1 dimensions llama.cpp's loader ignores: `tensor` drops them)."""
         shapes = expected_shapes(hp, self.features)
         roles = [self.block_roles(i, hp) for i in range(hp.n_layers)]
         wanted = [(role, None, True) for role in GLOBAL_TENSORS] + \
@@ -450,6 +475,11 @@ class Rope:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     yarn_log_mul: float = 0.0  # deepseek2's mscale_all_dim (rope.scaling.yarn_log_multiplier / 0.1)
+    # LongRoPE (phimoe): the file's rope_factors_short / rope_factors_long.weight, one float32
+    # divisor per rotated dimension pair (None: that tensor is absent); which one applies depends
+    # on the context the model is built for (long_factors).
+    factors_short: tuple[float, ...] | None = None
+    factors_long: tuple[float, ...] | None = None
 
     def latent_attention_mscale(self) -> float:
         """deepseek2's YaRN magnitude for its attention scale (kq_scale = mscale^2 / sqrt(head)),
@@ -459,15 +489,111 @@ class Rope:
         original = f32(self.attn_factor) * (f32(1) + f32(0.1) * log_inverse)
         return float(original * (f32(1) + f32(0.1) * f32(self.yarn_log_mul) * log_inverse))
 
-    def describe(self) -> str | None:
+    @property
+    def longrope(self) -> bool:
+        return self.factors_short is not None or self.factors_long is not None
+
+    def long_factors(self, context: int) -> bool:
+        """Whether llama.cpp takes the long factors for a model run with n_ctx = `context`.
+
+        llama.cpp chooses once per llama_context, by its size, not per position (src/llama-model.cpp,
+        llama_model::get_rope_factors: rope_long if cparams.n_ctx_seq > hparams.n_ctx_orig_yarn, else
+        rope_short; the phi3 graph phimoe uses, src/models/phi3.cpp, hands that tensor to
+        ggml_rope_ext for every position). n_ctx_seq is n_ctx rounded up to a multiple of 256 (the
+        llama_context constructor, src/llama-context.cpp: n_ctx = GGML_PAD(n_ctx, 256), one sequence),
+        and n_ctx_orig_yarn is rope.scaling.original_context_length, else context_length
+        (llama_model::load_hparams). So a model built for `context` positions takes the long factors
+        at every position, those below the original context too, when that padded size exceeds it.
+        """
+        return llama_context_size(context) > self.n_ctx_orig
+
+    def freq_factors(self, context: int) -> np.ndarray | None:
+        """The LongRoPE factors llama.cpp applies at `context` (long_factors), float32; None: none
+        (no LongRoPE, or the file lacks the chosen tensor: llama.cpp then passes no factors)."""
+        chosen = self.factors_long if self.long_factors(context) else self.factors_short
+        return None if chosen is None else np.array(chosen, dtype=np.float32)
+
+    def describe(self, context: int) -> str | None:
+        """The scaling in words, for a model built for `context` positions."""
+        parts = []
         if self.ext_factor:
-            return f"YaRN x{1 / self.freq_scale:g} (original context {self.n_ctx_orig})"
-        return f"linear x{1 / self.freq_scale:g}" if self.freq_scale != 1.0 else None
+            parts.append(f"YaRN x{1 / self.freq_scale:g} (original context {self.n_ctx_orig})")
+        elif self.freq_scale != 1.0:
+            parts.append(f"linear x{1 / self.freq_scale:g}")
+        if self.longrope:
+            long, padded = self.long_factors(context), llama_context_size(context)
+            which = "long" if long else "short"
+            chosen = f"{which} factors" if (self.factors_long if long else self.factors_short) is not None \
+                else f"no factors (the file lacks rope_factors_{which})"
+            sized = f"context {context}" + (f", {padded} in llama.cpp," if padded != context else "")
+            parts.append(f"LongRoPE {chosen} at every position ({sized} {'>' if long else '<='} original "
+                         f"{self.n_ctx_orig}: llama.cpp chooses by the context, not per position)")
+        if self.attn_factor != 1.0 and not self.ext_factor:
+            parts.append(f"attention factor {self.attn_factor:.6g}")
+        return ", ".join(parts) or None
+
+
+LLAMA_CONTEXT_PAD = 256  # llama_context's constructor (src/llama-context.cpp): n_ctx = GGML_PAD(n_ctx, 256)
+
+
+def llama_context_size(n_ctx: int) -> int:
+    """The context of one sequence llama.cpp (as llama-cpp-python 0.3.36 vendors it) makes of n_ctx:
+    cparams.n_ctx_seq = GGML_PAD(n_ctx, 256)."""
+    return -(-n_ctx // LLAMA_CONTEXT_PAD) * LLAMA_CONTEXT_PAD
 
 
 # RoPE variants the recipe does not build yet: refused by name rather than converted wrongly.
-UNSUPPORTED_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+UNSUPPORTED_ROPE_TENSORS = ("rope_freqs.weight",)
+# LongRoPE's frequency factors, converted where the architecture has Features.longrope (read_longrope)
+LONGROPE_TENSORS = {"factors_short": "rope_factors_short.weight", "factors_long": "rope_factors_long.weight"}
 SUPPORTED_ROPE_SCALING = ("none", "linear", "yarn")
+
+
+def read_longrope(gguf: GGUFModel, hp: HParams) -> dict[str, tuple[float, ...] | None]:
+    """LongRoPE's factor tensors, as llama.cpp loads and applies them (Rope.factors_short/long).
+
+    - convert_hf_to_gguf.py (conversion/phi.py, Phi3MiniModel, which PhiMoeModel extends):
+      generate_extra_tensors writes rope_factors_long.weight and rope_factors_short.weight (float32,
+      rope_dims / 2 each, from rope_scaling.long_factor / short_factor) and
+      `{arch}.rope.scaling.attn_factor` = sqrt(1 + ln(s) / ln(original_max_position_embeddings)),
+      s = max_position_embeddings / original (1 when s <= 1); set_gguf_parameters writes
+      `{arch}.rope.scaling.original_context_length`. No rope.scaling.type ("linear" by default).
+    - llama.cpp, src/models/phimoe.cpp (llama_model_phimoe::load_arch_tensors): both optional
+      (TENSOR_NOT_REQUIRED), global (one tensor shared by every layer: TENSOR_DUPLICATED), of
+      dimensions {n_embd_head / 2}, n_embd_head = n_embd / n_head. ggml_rope_impl (ggml/src/ggml.c)
+      asserts they are F32.
+    - Which one applies: Rope.long_factors. The attention factor is the existing
+      rope.scaling.attn_factor (read_rope: yarn_attn_factor *= hparams.rope_attn_factor, llama_context's
+      constructor), in both regimes.
+    - How: ggml/src/ggml-cpu/ops.cpp, ggml_rope_cache_init: each pair i0/2 turns by
+      rope_yarn(theta / freq_factors[i0/2], ...), whose cos and sin are scaled by mscale =
+      attn_factor (passes/rope.py rope_cache).
+
+    Refused with the tensor named: another type than F32, another shape, factors that are not
+    finite and positive (they divide the angle: 0 gives infinite angles, llama.cpp NaN).
+    """
+    half = hp.hidden // hp.n_heads // 2
+    factors: dict[str, tuple[float, ...] | None] = {}
+    for field, name in LONGROPE_TENSORS.items():
+        if not gguf.has_tensor(name):
+            factors[field] = None
+            continue
+        tensor = dataclasses.replace(gguf.tensor(name), check_finite=False)  # refused below, with its reason
+        if tensor.type_name != "F32":
+            raise MoepassError(f"{gguf.path}: tensor '{name}' (LongRoPE factors) is {tensor.type_name}; llama.cpp "
+                               "applies only F32 RoPE factors")
+        # llama.cpp's loader compares all four ggml dimensions, the unnamed ones 1 (check_tensor_dims)
+        if len(tensor.shape) > 4 or tensor.shape[-1] != half or any(d != 1 for d in tensor.shape[:-1]):
+            raise MoepassError(f"{gguf.path}: tensor '{name}' (LongRoPE factors) has shape {list(tensor.shape)}, "
+                               f"expected [{half}] (head size {hp.hidden // hp.n_heads} / 2) from the metadata")
+        values = tensor.read_raw().view(np.float32).reshape(-1)
+        bad = ~(np.isfinite(values) & (values > 0))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise MoepassError(f"{gguf.path}: tensor '{name}' (LongRoPE factors) holds {values[i]} at index {i}; "
+                               "the factors divide RoPE's frequencies and must be finite and positive")
+        factors[field] = tuple(float(v) for v in values)
+    return factors
 
 
 def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
@@ -476,12 +602,20 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     a, f32 = arch.gguf_arch, np.float32
     for name in UNSUPPORTED_ROPE_TENSORS:
         if gguf.has_tensor(name):
-            raise MoepassError(f"{gguf.path}: tensor '{name}' holds RoPE frequency factors (LongRoPE / llama3 "
-                               "scaling), which moepass does not convert yet")
+            raise MoepassError(f"{gguf.path}: tensor '{name}' holds RoPE frequency factors (llama3 scaling), "
+                               "which moepass does not convert yet")
+    if not arch.features.longrope:
+        for name in LONGROPE_TENSORS.values():
+            if gguf.has_tensor(name):
+                raise MoepassError(f"{gguf.path}: tensor '{name}' holds LongRoPE frequency factors, which moepass "
+                                   f"converts for phimoe only (not for {a})")
+    # "longrope" (where converted): llama.cpp's LLAMA_ROPE_SCALING_TYPE_LONGROPE, which phimoe's graph
+    # treats as "linear" (neither "none" nor YaRN in the llama_context constructor)
+    supported = SUPPORTED_ROPE_SCALING + (("longrope",) if arch.features.longrope else ())
     scaling = gguf.typed(f"{a}.rope.scaling.type", str, "linear")  # llama.cpp's default when absent
-    if scaling not in SUPPORTED_ROPE_SCALING:
+    if scaling not in supported:
         raise MoepassError(f"{gguf.path}: metadata key '{a}.rope.scaling.type' is {scaling!r}; moepass converts "
-                           f"RoPE scaling {', '.join(SUPPORTED_ROPE_SCALING)}")
+                           f"RoPE scaling {', '.join(supported)}")
     factor = gguf.typed(f"{a}.rope.scaling.factor", float, gguf.typed(f"{a}.rope.scale_linear", float, 0.0))
     if factor < 0:
         raise MoepassError(f"{gguf.path}: metadata key '{a}.rope.scaling.factor' is {factor}; it must be at least 0")
@@ -503,8 +637,9 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
         attn_factor = attn_factor * (f32(1) / (f32(1) + f32(0.1) * np.log(scale)))
     attn_factor = attn_factor * f32(gguf.typed(f"{a}.rope.scaling.attn_factor", float, 1.0))
     n_ctx_orig = gguf.typed(f"{a}.rope.scaling.original_context_length", int, hp.context_length)
+    longrope = read_longrope(gguf, hp) if arch.features.longrope else {}
     return Rope(base=float(f32(hp.rope_base)), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
-                attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul))
+                attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul), **longrope)
 
 
 def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: HParams) -> tuple[bool, ...]:
@@ -617,7 +752,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
         hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
         block_tensors=(*ATTENTION, "attn_norm_bias", "attn_output_bias", *ROUTED_EXPERTS, "ffn_norm_bias"),
         optional_tensors=ATTENTION_BIASES[:3],
-        features=Features(rope="neox", routing="softmax_topk_renorm"), genai_type="phi3",
+        features=Features(rope="neox", routing="softmax_topk_renorm", longrope=True), genai_type="phi3",
     ),
     Architecture(
         gguf_arch="gpt-oss", description="gpt-oss (gpt-oss-20b, gpt-oss-120b)",
