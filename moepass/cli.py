@@ -422,13 +422,14 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
     """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     from pathlib import Path
 
-    from moepass.server import serve as run_server
+    from moepass.server import listen, serve as run_server
 
     _require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
+    listener = listen(host, port)  # before the model loads: a busy port says so at once
     decoder = _load(model_dir, options)
     folder = Path(model_dir).resolve()
     model_id = (folder.parent if folder.is_file() else folder).name
-    run_server(decoder, model_id, host, port, api_key, queue_size, echo=lambda text: click.echo(text, err=True))
+    run_server(decoder, model_id, listener, api_key, queue_size, echo=lambda text: click.echo(text, err=True))
 
 
 @main.command()

@@ -106,8 +106,8 @@ def message_text(message: Any, i: int) -> dict:
 
 
 class ModelServer:
-    """The model, its one worker thread and its queue; `chat` and `complete` turn a request body
-    into a prompt, then `answer` streams it."""
+    """The model, its one worker thread and its queue; `chat_prompt` and `completion_prompt` turn a
+    request body into prompt tokens, then `answer` streams the answer."""
 
     def __init__(self, decoder, model_id: str, queue_size: int = 8, defaults=None,
                  echo: Callable[[str], None] = lambda text: None):
@@ -373,23 +373,36 @@ def _version() -> str:
     return __version__
 
 
-def serve(decoder, model_id: str, host: str, port: int, api_key: str | None, queue_size: int,
+def listen(host: str, port: int):
+    """A socket bound to host:port, before the model loads: a busy port fails at once, in one line."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        raise MoepassError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return listener
+
+
+def serve(decoder, model_id: str, listener, api_key: str | None, queue_size: int,
           echo: Callable[[str], None]) -> None:
-    """Serve until interrupted (uvicorn: Ctrl-C or SIGTERM stop it after the running request)."""
+    """Serve on `listener` (from `listen`) until interrupted (uvicorn: Ctrl-C or SIGTERM stop it
+    after the running request)."""
     try:
         import uvicorn
     except ImportError:
         raise MoepassError("moepass serve needs FastAPI and uvicorn: pip install 'moepass[serve]'") from None
+    host, port = listener.getsockname()[:2]
 
     async def main() -> None:
         app = create_app(ModelServer(decoder, model_id, queue_size, echo=echo), api_key)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-        server = uvicorn.Server(config)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         echo(f"serving '{model_id}' on http://{host}:{port}/v1 (OpenAI-compatible; Ctrl-C stops)")
-        try:
-            await server.serve()
-        except SystemExit:  # uvicorn could not listen there; it said why on the line above
-            raise MoepassError(f"cannot listen on {host}:{port}") from None
+        await server.serve(sockets=[listener])
 
     try:
         asyncio.run(main())

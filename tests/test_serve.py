@@ -283,3 +283,16 @@ def test_a_partitioned_model_serves_with_its_placement(model, tmp_path):
     run_log = CliRunner().invoke(main, ["run", str(placed), "--prompt", "hi", "--max-new-tokens", "1"]).stderr
     said = [line for line in run_log.splitlines() if "warning" in line]
     assert said and all(line in server.log.read_text() for line in said)
+
+
+def test_a_busy_port_is_one_line_before_the_model_loads(model, monkeypatch):
+    import moepass.runtime
+
+    monkeypatch.setattr(moepass.runtime, "load", lambda *a, **k: pytest.fail("the model loaded first"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", str(model), "--port", str(port)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"moepass: error: cannot listen on 127.0.0.1:{port}: Address already in use"
