@@ -18,8 +18,8 @@ import click
 
 from moepass.core import keys
 from moepass.core.choices import (ACTIVATION_MODES, DEVICES, EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT,
-                                  LLAMA_SERVER, PASS_NAMES, PLAN_MODES, PLUGIN_ENV, POLICIES, PROMPT_FORMATS, TARGETS,
-                                  Bandwidths, Sampling)
+                                  GPU_PRESETS, LLAMA_SERVER, PASS_NAMES, PLAN_MODES, PLUGIN_ENV, POLICIES, PROMPT_FORMATS,
+                                  TARGETS, Bandwidths, Sampling)
 from moepass.core.errors import MoepassError, expected_failure
 
 
@@ -544,7 +544,7 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
-@click.option("--vram", required=True,
+@click.option("--vram", default=None, show_default="the --gpu card's memory",
               help="GPU memory to use, in bytes: 8G / 8GB are decimal (8e9), 8GiB binary (8 x 2^30); 7.5GB, 8000M "
                    "or a plain number work too.")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Directory for the annotated model and plan.")
@@ -567,15 +567,24 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 @click.option("--prefill-tokens", type=click.IntRange(1, None), default=512, show_default=True,
               help="Tokens per prefill step (sizes the working buffers).")
 @click.option("--reserve", default="512MiB", show_default=True, help="GPU memory kept for the runtime itself.")
-@click.option("--gpu-bandwidth", type=float, callback=_finite_option, default=Bandwidths.gpu, show_default=True,
-              help="GB/s, for the estimate.")
-@click.option("--host-bandwidth", type=float, callback=_finite_option, default=Bandwidths.host, show_default=True,
-              help="GB/s, for the estimate.")
-@click.option("--pcie-bandwidth", type=float, callback=_finite_option, default=Bandwidths.pcie, show_default=True,
-              help="GB/s, for the estimate.")
+@click.option("--gpu-bandwidth", type=float, callback=_finite_option, default=None,
+              show_default=f"the --gpu card's, else {Bandwidths.gpu:g}", help="GPU memory GB/s, for the estimate.")
+@click.option("--host-bandwidth", type=float, callback=_finite_option, default=None,
+              show_default=f"{Bandwidths.host:g}", help="Host memory GB/s, where the CPU side is not timed "
+                                                        "(--no-calibrate).")
+@click.option("--pcie-bandwidth", type=float, callback=_finite_option, default=None,
+              show_default=f"the --gpu card's link, else {Bandwidths.pcie:g}", help="Host-GPU link GB/s, for the estimate.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Also draw the plan (heatmap and memory bar) into this PNG file.")
 @click.option("--force", is_flag=True, help="Replace the output directory (and report) if moepass wrote them.")
+@click.option("--gpu", "gpu_preset", type=click.Choice(sorted(GPU_PRESETS)), default=None,
+              help="A card's memory, bandwidth and PCIe link from its data sheet (moepass/core/choices.py); "
+                   "--vram and the bandwidth options override it.")
+@click.option("--cpu-profile", type=click.Path(dir_okay=False), default=None,
+              help="Take the CPU side of the estimate from an earlier plan.json instead of timing it now.")
+@click.option("--no-calibrate", is_flag=True, help="No timing on this CPU: the bandwidth model alone.")
+@click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="ONNX Runtime's: every core",
+              help="Threads the CPU timing uses (those run and bench will use).")
 @click.option("--ignore-kernel-table", is_flag=True,
               help="Plan as if the CUDA EP took every node (for an ONNX Runtime build newer than moepass's table of "
                    "its kernels); by default MoE layers it has no kernel for stay on the CPU.")
@@ -583,20 +592,32 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: str | None, profile_path: str | None,
               policy: str | None, mode: str,
               context: int, batch: int, prefill_tokens: int, reserve: str, gpu_bandwidth: float,
-              host_bandwidth: float, pcie_bandwidth: float, report: str | None, force: bool,
+              host_bandwidth: float | None, pcie_bandwidth: float | None, report: str | None, force: bool,
+              gpu_preset: str | None, cpu_profile: str | None, no_calibrate: bool, threads: int | None,
               ignore_kernel_table: bool, quiet: bool) -> None:
     """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the plan and an
     annotated model."""
     from moepass.partition import partition as run_partition
 
+    card = GPU_PRESETS.get(gpu_preset)
+    vram = vram or (card.vram if card else None)
+    if vram is None:
+        raise click.UsageError("give --vram SIZE or --gpu NAME")
+    def given(value: float | None, preset: float | None, default: float) -> float:
+        return value if value is not None else preset if preset is not None else default
+
+    bandwidths = Bandwidths(given(gpu_bandwidth, card and card.bandwidth, Bandwidths.gpu),
+                            given(host_bandwidth, None, Bandwidths.host),
+                            given(pcie_bandwidth, card and card.pcie, Bandwidths.pcie))
     progress = _Progress("writing the placed model", enabled=not quiet)
     try:
         result = run_partition(model_dir, output, vram, profile=profile_path, context=context, batch=batch,
                                prefill_tokens=prefill_tokens, reserve=reserve, policy=policy, mode=mode,
-                               bandwidths=Bandwidths(gpu_bandwidth, host_bandwidth, pcie_bandwidth), report=report,
+                               bandwidths=bandwidths, report=report,
                                overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
                                target=target, cuda_plugin=cuda_plugin, progress=progress,
-                               kernel_table=not ignore_kernel_table)
+                               kernel_table=not ignore_kernel_table, cpu_profile=cpu_profile,
+                               calibrate=not no_calibrate, threads=threads)
     finally:
         progress.close()
     for line in result.summary_lines():

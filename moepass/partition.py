@@ -94,8 +94,13 @@ class PartitionResult:
             f"{pred['gpu_hit_rate_by_selection']:.1%} of selections ({pred['based_on']})",
             f"  decode estimate  {pred['decode_ms_per_token']['cold_experts_on_cpu']:.3g} ms/token with cold "
             f"experts on the CPU, {pred['decode_ms_per_token']['cold_experts_over_pcie']:.3g} ms/token over PCIe "
-            "(bandwidth model, not a measurement)",
+            + ("(GPU side from the bandwidths, CPU side timed here)" if "cpu" in pred else
+               "(bandwidth model, not a measurement)"),
         ]
+        if "cpu_only" in pred["decode_ms_per_token"]:
+            lines.append(f"  CPU only         {pred['decode_ms_per_token']['cpu_only']:.3g} ms/token with every layer on "
+                         f"this CPU ({pred['cpu']['threads'] or 'default'} threads; MoE layers and the LM head's "
+                         "rate timed on this model)")
         lines.append(f"  weights          {self.weights}")
         other = pred.get("per_expert_alternative")
         if other:
@@ -147,7 +152,9 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               mode: str = "auto", bandwidths: Bandwidths = Bandwidths(), report: str | os.PathLike | None = None,
               overwrite: bool = False, warn: Callable[[str], None] | None = None, target: str = "auto",
               cuda_plugin: str | os.PathLike | None = None,
-              progress: Callable[[int, int], None] | None = None, kernel_table: bool = True) -> PartitionResult:
+              progress: Callable[[int, int], None] | None = None, kernel_table: bool = True,
+              cpu_profile: str | os.PathLike | None = None, calibrate: bool = True,
+              threads: int | None = None) -> PartitionResult:
     """Plan expert placement for a GPU budget and write the annotated model, plan and options.
 
     target: "offload" (per expert, for the CUDA plugin EP's expert offload), "layers" (whole MoE
@@ -156,7 +163,9 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     $MOEPASS_CUDA_PLUGIN), layers otherwise. `kernel_table`: MoE nodes that ONNX Runtime's CUDA EP
     has no kernel for (moepass.core.capabilities) stay on the CPU in the plan, said before planning;
     False plans as if it took every node (an ONNX Runtime build whose kernels the table does not
-    describe)."""
+    describe). `calibrate`: time pieces of the model on this CPU (`threads`; moepass.runtime.calibrate)
+    for the CPU side of the prediction, or take them from `cpu_profile` (an earlier plan.json);
+    False: the bandwidth model alone."""
     if target not in TARGETS:
         raise MoepassError(f"target must be one of {', '.join(TARGETS)}, not {target!r}")
     for name, value in (("context", context), ("batch", batch), ("prefill_tokens", prefill_tokens)):
@@ -203,8 +212,13 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
             raise MoepassError(stays)
         if warn is not None:
             warn(stays)
+    costs = None
+    if calibrate or cpu_profile is not None:
+        from moepass.runtime.calibrate import cpu_costs
+
+        costs = cpu_costs(source, threads, cpu_profile)
     plan = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target=target,
-                          cpu_only=frozenset(refused))
+                          cpu_only=frozenset(refused), cpu_costs=costs)
     if inactive and warn is not None:  # first, once the inputs are known to be good
         warn(inactive + "; the plan is written but inactive")
     for message in plan.warnings:
@@ -215,9 +229,12 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               "prefill_tokens": prefill_tokens, "policy": plan.policy, "mode": mode, "profile": profile_info,
               "bandwidths_gbps": dataclasses.asdict(bandwidths)}
     document = _plan_document(plan, memory, inputs, identity, options)
+    if costs is not None:
+        document["cpu_costs"] = costs
     if target == "layers":
         if popularity is not None:  # what per-expert placement would serve at the same budget
-            per_expert = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target="offload")
+            per_expert = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target="offload",
+                                        cpu_costs=costs)
             document["prediction"]["per_expert_alternative"] = {
                 k: per_expert.prediction[k] for k in ("gpu_hit_rate_by_mass", "gpu_hit_rate_by_selection",
                                                       "decode_ms_per_token")}

@@ -215,10 +215,13 @@ def choose_layers(groups: list[ExpertGroup], budget: int) -> list[bool]:
 
 def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity | None = None,
                    policy: str | None = None, mode: str = "auto", bandwidths: Bandwidths = Bandwidths(),
-                   target: str = "offload", cpu_only: frozenset[str] = frozenset()) -> Plan:
+                   target: str = "offload", cpu_only: frozenset[str] = frozenset(),
+                   cpu_costs: dict[str, Any] | None = None) -> Plan:
     """The placement for `target` "offload" (experts chosen one by one, by `policy`) or "layers"
     (whole MoE nodes, see choose_layers). `cpu_only`: MoE nodes the GPU's EP has no kernel for;
-    none of their experts is placed on the GPU (the budget they would have had stays free)."""
+    none of their experts is placed on the GPU (the budget they would have had stays free).
+    `cpu_costs`: a decode step's pieces timed on this CPU (moepass.runtime.calibrate): the
+    prediction then times the cold experts by them and adds `cpu_only`, every layer on the CPU."""
     if mode not in PLAN_MODES:
         raise MoepassError(f"mode must be one of {', '.join(PLAN_MODES)}, not {mode!r}")
     if target not in ("offload", "layers"):
@@ -286,17 +289,43 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
         "total_expert_bytes": memory.expert_bytes,
         "free_bytes": budget.vram_bytes - fixed - resident_bytes if fits else 0,
     }
-    prediction = _predict(memory, groups, resident, sel_hit, mass_hit, bandwidths, profiled=popularity is not None)
+    prediction = _predict(memory, groups, resident, sel_hit, mass_hit, bandwidths, profiled=popularity is not None,
+                          cpu_costs=cpu_costs)
     return Plan(memory_breakdown, fits, policy, {g.node: r for g, r in zip(groups, resident)}, order,
                 mass_hit, sel_hit, prediction, warnings)
 
 
 def _predict(memory: MemoryModel, groups: list[ExpertGroup], resident: list[list[int]], sel_hit: dict[str, float],
-             mass_hit: dict[str, float], bw: Bandwidths, profiled: bool) -> dict[str, Any]:
+             mass_hit: dict[str, float], bw: Bandwidths, profiled: bool,
+             cpu_costs: dict[str, Any] | None = None) -> dict[str, Any]:
     hot = sum(g.top_k * sel_hit[g.node] * g.bytes_per_expert for g in groups)
     cold = sum(g.top_k * (1 - sel_hit[g.node]) * g.bytes_per_expert for g in groups)
     gpu_s = (memory.non_expert_bytes + hot) / (bw.gpu * 1e9)
     n = len(groups)
+    if cpu_costs is not None:  # measured on this CPU: the cold experts run there at the measured cost
+        from moepass.runtime.calibrate import cpu_step_ms
+
+        cold_ms = cpu_step_ms(cpu_costs, {g.node: 1 - sel_hit[g.node] for g in groups})["moe"]
+        every = cpu_step_ms(cpu_costs)
+        return {
+            "label": "estimate: the GPU side from a bandwidth model, the CPU side from pieces of this model timed "
+                     "on this CPU",
+            "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",
+            "gpu_hit_rate_by_mass": sum(mass_hit.values()) / n,
+            "gpu_hit_rate_by_selection": sum(sel_hit.values()) / n,
+            "bytes_per_token": {"gpu": int(memory.non_expert_bytes + hot), "cold_experts": int(cold)},
+            "bandwidths_gbps": dataclasses.asdict(bw),
+            "cpu": {"machine": cpu_costs["machine"], "threads": cpu_costs["threads"], "moe_ms": every["moe"],
+                    "non_expert_ms": every["dense"]},
+            "decode_ms_per_token": {
+                "cold_experts_on_cpu": 1e3 * gpu_s + cold_ms,
+                "cold_experts_over_pcie": 1e3 * (gpu_s + cold / (bw.pcie * 1e9)),
+                "cpu_only": every["moe"] + every["dense"],
+            },
+            "formula": "t = (non-expert bytes + selected hot expert bytes) / gpu_bw + the measured CPU time of "
+                       "each MoE layer x its cold share (or selected cold bytes / pcie_bw); cpu_only = every MoE "
+                       "layer's measured time + the non-expert bytes a step reads at the measured CPU rate",
+        }
     return {
         "label": "estimate from a bandwidth model, not a measurement",
         "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",

@@ -276,9 +276,13 @@ def test_bad_input(tmp_path, converted, popularity):
 
 
 def test_same_input_same_files(tmp_path, converted, popularity):
+    """Byte-identical outputs for the same inputs: the CPU side's timings are a measurement, so they
+    are taken from one plan for both (--cpu-profile), or not made (--no-calibrate)."""
+    timed = partition(converted("q4_0"), tmp_path / "timed", "1500K", kernel_table=False, reserve=0, context=64,
+                      prefill_tokens=16, target="offload")
     for name in ("a", "b"):
-        partition(converted("q4_0"), tmp_path / name, "1500K", kernel_table=False, profile=popularity, reserve=0, context=64,
-                  prefill_tokens=16, target="offload")
+        partition(converted("q4_0"), tmp_path / name, "1500K", kernel_table=False, profile=popularity, reserve=0,
+                  context=64, prefill_tokens=16, target="offload", cpu_profile=timed.output_dir / "plan.json")
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", names, shallow=False)
     assert mismatch == [] and errors == []

@@ -50,6 +50,32 @@ class Bandwidths:
                 raise MoepassError(f"--{name}-bandwidth {value} is not a positive number of GB/s")
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuPreset:
+    """A card's memory, memory bandwidth and host link, as its vendor's data sheet states them."""
+
+    vram: str           # as partition --vram takes it
+    bandwidth: float    # GB/s
+    pcie: float         # GB/s, one direction: PCIe 4.0 x16 31.5, x8 15.8; PCIe 5.0 x16 63
+    source: str
+
+
+# partition --gpu NAME (NVIDIA's product pages, read 2026-12-01)
+GPU_PRESETS = {
+    "rtx3060-12g": GpuPreset("12GiB", 360.0, 31.5, "https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/"
+                             "rtx-3060-3060ti/ (GDDR6 192-bit 15 Gbps; PCIe 4.0 x16)"),
+    "rtx4060-8g": GpuPreset("8GiB", 272.0, 15.8, "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
+                            "rtx-4060-4060ti/ (GDDR6 128-bit 17 Gbps; PCIe 4.0 x8)"),
+    "rtx4090-24g": GpuPreset("24GiB", 1008.0, 31.5, "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
+                             "rtx-4090/ (GDDR6X 384-bit 21 Gbps; PCIe 4.0 x16)"),
+    "a100-80g": GpuPreset("80GiB", 2039.0, 31.5, "https://www.nvidia.com/en-us/data-center/a100/ (80 GB HBM2e "
+                          "SXM: 2,039 GB/s; PCIe 4.0 x16)"),
+    "h100": GpuPreset("80GiB", 3350.0, 63.0, "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM 80 GB "
+                      "HBM3: 3.35 TB/s; PCIe 5.0 x16)"),
+    "h200": GpuPreset("141GB", 4800.0, 63.0, "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e: "
+                      "4.8 TB/s; PCIe 5.0 x16)"),
+}
+
 # run / bench
 DEVICES = ("auto", "cpu", "cuda")
 PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"  # path of the CUDA plugin EP library, when not given as an option
