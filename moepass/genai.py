@@ -54,11 +54,15 @@ def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
 
 
 def with_session_entries(config: dict[str, Any], entries: dict[str, str], label: Any = "genai_config.json",
-                         ) -> dict[str, Any]:
-    """A genai config whose decoder session also gets these ONNX Runtime session config entries."""
+                         provider: str | None = None) -> dict[str, Any]:
+    """A genai config whose decoder session also gets these ONNX Runtime session config entries,
+    and runs on `provider` (genai's name, e.g. "cuda": onnxruntime-genai-cuda then puts the model on
+    the GPU; a CPU build is told `config.clear_providers()`)."""
     session = config.get("model", {}).get("decoder", {}).get("session_options") \
         if isinstance(config.get("model"), dict) and isinstance(config["model"].get("decoder"), dict) else None
     if not isinstance(session, dict):
         raise MoepassError(f"{label}: no model.decoder.session_options object (not a genai config moepass wrote)")
     session.update({k: str(v) for k, v in entries.items()})
+    if provider is not None:
+        session["provider_options"] = [{provider: {}}]
     return config

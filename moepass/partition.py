@@ -257,8 +257,11 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
             if (source.parent / name).is_file():
                 shutil.copyfile(source.parent / name, tmp / name)
         if (source.parent / GENAI_CONFIG_FILE).is_file():
+            # a per-layer plan is for onnxruntime-genai-cuda's in-tree CUDA EP; expert offload needs the
+            # plugin EP, which genai is not given here (docs/gpu.md, route (c))
             genai = with_session_entries(read_json_object(source.parent / GENAI_CONFIG_FILE), options,
-                                         source.parent / GENAI_CONFIG_FILE)
+                                         source.parent / GENAI_CONFIG_FILE,
+                                         provider="cuda" if target == "layers" else None)
             (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
         if report is not None:
             from moepass.plan_report import draw_plan

@@ -318,6 +318,33 @@ def test_onnxruntime_genai_takes_the_offload_options(partitioned):
     og.Model(str(partitioned))  # ONNX Runtime validates the entries as genai passes them on
 
 
+def test_a_per_layer_plans_genai_config_names_cuda(converted, tmp_path):
+    """onnxruntime-genai-cuda puts a per-layer plan on the GPU from its genai_config.json; on a CPU
+    build (here) the same folder runs once its providers are cleared, with the plan's entries, and
+    gives the source's greedy tokens."""
+    import onnxruntime_genai as og
+
+    placed = moepass.partition(converted("q4_0"), tmp_path / "placed", "8G", target="layers",
+                               calibrate=False).output_dir
+    session = json.loads((placed / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert session["provider_options"] == [{"cuda": {}}] and "session.layer_assignment_settings" in session
+    config = og.Config(str(placed))
+    config.clear_providers()
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=23)
+    generator = og.Generator(model, params)
+    generator.append_tokens([5, 77, 200])
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    assert tokens == list(load(converted("q4_0")).generate([5, 77, 200], 20, stop_ids=()))
+    offload = json.loads((moepass.partition(converted("q4_0"), tmp_path / "offload", "8G", target="offload",
+                                            calibrate=False).output_dir / "genai_config.json").read_text())
+    assert offload["model"]["decoder"]["session_options"]["provider_options"] == []
+
+
 def test_io_bound_generation_equals_plain_forward_steps(converted):
     decoder = load(converted("q4_0"))
     logits, cache = decoder.forward(np.array([[5, 77, 200]]), decoder.empty_cache())
