@@ -16,18 +16,19 @@ and the server goes on serving.
 # no `from __future__ import annotations`: FastAPI reads the endpoints' parameter types (Request) at runtime
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import math
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Iterator
 
+from moepass.core.choices import Sampling
 from moepass.core.errors import MoepassError
 
-# what an OpenAI request may hold, and moepass's name for it
-_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                    "seed": "seed", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
-                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+# a request's sampling fields bear moepass.Sampling's names (OpenAI's, and llama-server's for the rest)
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
+_INTEGER_FIELDS = ("top_k", "seed", "repeat_last_n")
 _RANGES = {"temperature": (0, 2), "top_p": (0, 1), "min_p": (0, 1), "presence_penalty": (-2, 2),
            "frequency_penalty": (-2, 2), "repeat_penalty": (0, 10)}
 MAX_STOP_STRINGS = 16
@@ -61,13 +62,11 @@ def _number(body: dict, name: str, integer: bool = False) -> float | int | None:
 
 def sampling_of(body: dict, defaults):
     """The request's sampling settings over `defaults` (a `Sampling`)."""
-    import dataclasses
-
     changes = {}
-    for field, ours in _SAMPLING_FIELDS.items():
-        value = _number(body, field, integer=field in ("top_k", "seed", "repeat_last_n"))
+    for field in _SAMPLING_FIELDS:
+        value = _number(body, field, integer=field in _INTEGER_FIELDS)
         if value is not None:
-            changes[ours] = value
+            changes[field] = value
     if changes.get("top_p") == 0:
         raise RequestError(400, "'top_p' must be above 0", "top_p")
     if "repeat_penalty" in changes and changes["repeat_penalty"] <= 0:

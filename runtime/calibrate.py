@@ -110,14 +110,14 @@ def _largest_dense(model: ir.Model) -> tuple[ir.Node, int] | None:
     return best
 
 
-def _dense_rate(node: ir.Node, dtype: ir.DataType, folder: Path, threads: int | None) -> float:
+def _dense_rate(node: ir.Node, size: int, dtype: ir.DataType, folder: Path, threads: int | None) -> float:
+    """Bytes per second a one-token step of `node` reads its `size` bytes of weights at."""
     k = node.attributes.get_int("K", 0) if node.op_type == "MatMulNBits" else int(node.inputs[1].shape[0])
     np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
     a = ir.Value(name="a", shape=ir.Shape([1, k]), type=ir.TensorType(dtype))
     inputs = [a] + [None if v is None else _constant(v) if v.const_value is not None else None
                     for v in node.inputs[1:]]
     feeds = [{"a": np.random.default_rng(0).normal(0, 1, (1, k)).astype(np_dtype)}]
-    size = sum(tensor_bytes(v) for v in node.inputs[1:] if v is not None and v.const_value is not None)
     return size / _time(_single_node_model(node, inputs, 1), folder, feeds, threads)
 
 
@@ -167,8 +167,7 @@ def measure_cpu_costs(model_dir: str | os.PathLike, threads: int | None = None) 
     non_expert_read = sum(tensor_bytes(v) for v in model.graph.initializers.values()
                           if v.name not in expert and v.name not in embedding)
     return {"format": FORMAT, "version": 1, "machine": machine(), "threads": threads or 0,
-            "moe_ms": forms, "moe_form_of": per_node, "dense_bytes_per_s": _dense_rate(dense[0], dtype, path.parent,
-                                                                                       threads),
+            "moe_ms": forms, "moe_form_of": per_node, "dense_bytes_per_s": _dense_rate(*dense, dtype, path.parent, threads),
             "non_expert_bytes_read": non_expert_read}
 
 

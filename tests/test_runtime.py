@@ -292,20 +292,28 @@ def test_old_onnxruntime(converted, caplog):
 
 # ---- onnxruntime-genai -----------------------------------------------------------------------------
 
+def _genai_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """onnxruntime-genai's greedy tokens after `prompt` (an og.Model)."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens
+
+
 @pytest.mark.parametrize("preset,arch", [("f32", "qwen3moe"), ("q4_0", "qwen3moe"), ("q4_0", "gpt-oss"),
                                          ("q4_0", "deepseek2"), ("q4_0", "deepseek2-kv_b")])
 def test_onnxruntime_genai_generates_the_same_tokens(preset, arch, converted):
     """genai_config.json describes the KV cache as the graph holds it (deepseek2: the compressed one)."""
     import onnxruntime_genai as og
-    model = og.Model(str(converted(preset, arch=arch)))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=3 + 20, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens([5, 77, 200])
-    theirs = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        theirs.append(int(generator.get_next_tokens()[0]))
+
+    theirs = _genai_greedy(og.Model(str(converted(preset, arch=arch))), [5, 77, 200], 20)
     assert theirs == list(load(converted(preset, arch=arch)).generate([5, 77, 200], 20, stop_ids=()))
 
 
@@ -330,15 +338,7 @@ def test_a_per_layer_plans_genai_config_names_cuda(converted, tmp_path):
     assert session["provider_options"] == [{"cuda": {}}] and "session.layer_assignment_settings" in session
     config = og.Config(str(placed))
     config.clear_providers()
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=23)
-    generator = og.Generator(model, params)
-    generator.append_tokens([5, 77, 200])
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
+    tokens = _genai_greedy(og.Model(config), [5, 77, 200], 20)
     assert tokens == list(load(converted("q4_0")).generate([5, 77, 200], 20, stop_ids=()))
     offload = json.loads((moepass.partition(converted("q4_0"), tmp_path / "offload", "8G", target="offload",
                                             calibrate=False).output_dir / "genai_config.json").read_text())

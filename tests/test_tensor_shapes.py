@@ -11,9 +11,10 @@ import filecmp
 import numpy as np
 import onnx
 import pytest
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader
 
 import moepass
+from make_fixtures import finish, metadata_copy
 from moepass.core.architectures import llama_cpp_accepts
 
 
@@ -35,12 +36,7 @@ def _copy_with_shapes(source, destination, shapes: dict[str, tuple[int, ...]]):
     """A copy of a GGUF, every tensor's bytes as they are, the F32 tensors named in `shapes` given
     those (numpy-order) shapes."""
     reader = GGUFReader(str(source))
-    writer = GGUFWriter(str(destination), str(reader.fields["general.architecture"].contents()))
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    writer = metadata_copy(reader, destination)
     for tensor in reader.tensors:
         data = np.asarray(tensor.data)
         if tensor.name in shapes:
@@ -49,10 +45,7 @@ def _copy_with_shapes(source, destination, shapes: dict[str, tuple[int, ...]]):
             writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=tensor.tensor_type)
         else:
             writer.add_tensor(tensor.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return destination
 
 
