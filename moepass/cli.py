@@ -19,7 +19,7 @@ import click
 from moepass.core import keys
 from moepass.core.choices import (ACTIVATION_MODES, DEVICES, EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT,
                                   GPU_PRESETS, LLAMA_SERVER, PASS_NAMES, PLAN_MODES, PLUGIN_ENV, POLICIES, PROMPT_FORMATS,
-                                  TARGETS, Bandwidths, Sampling)
+                                  TARGETS, Bandwidths, DEFAULT_DRAFT_TOKENS, Sampling)
 from moepass.core.errors import MoepassError, expected_failure
 
 
@@ -200,10 +200,15 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
               help="Convert tensors holding NaN or Inf (refused by default: the model would compute NaN logits).")
 @click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
               help="Print the graph after this pass.")
+@click.option("--genai-speculative", default=None, metavar="ngram|draft:PATH", show_default="off",
+              help="Write speculative decoding into genai_config.json for onnxruntime-genai (PATH: the draft "
+                   "model's converted folder); moepass run/chat/serve take --speculative when they run.")
+@click.option("--draft-tokens", type=click.IntRange(1, 16), default=DEFAULT_DRAFT_TOKENS, show_default=True,
+              help="With --genai-speculative: draft tokens per step.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(model: str, output: str, float_experts: str, expert_format: str, exact: bool, threads: int | None,
             activations: str, imatrix: str | None, force: bool, context: int | None, allow_non_finite: bool,
-            print_after: str | None, quiet: bool) -> None:
+            print_after: str | None, genai_speculative: str | None, draft_tokens: int, quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
@@ -214,7 +219,7 @@ def convert(model: str, output: str, float_experts: str, expert_format: str, exa
                              threads=threads, activations=activations, imatrix=imatrix,
                              overwrite=force, progress=progress,
                              print_after=print_after, echo=click.echo, allow_non_finite=allow_non_finite,
-                             context=context)
+                             context=context, genai_speculative=genai_speculative, draft_tokens=draft_tokens)
     finally:
         progress.close()
     for line in result.summary_lines():
@@ -248,9 +253,20 @@ def _runtime_options(f):
                           "(default: what partition wrote)."),
         click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="ONNX Runtime's: every core",
                      help="ONNX Runtime intra-op threads."),
+        click.option("--speculative", default=None, metavar="ngram|draft:PATH", show_default="off: one token per step",
+                     help="Speculative decoding: drafts from n-gram lookup in the context, or from a smaller "
+                          "converted model with the same vocabulary; the output is the model's own."),
+        click.option("--draft-tokens", type=click.IntRange(1, 64), default=DEFAULT_DRAFT_TOKENS, show_default=True,
+                     help="With --speculative: draft tokens checked per step."),
     ]):
         f = option(f)
     return f
+
+
+def _load_options(options: dict) -> dict:
+    """The keyword arguments of moepass.runtime.load among the CLI's options (taken out of them)."""
+    names = ("device", "cuda_plugin", "mode", "threads", "speculative", "draft_tokens")
+    return {n: options.pop(n) for n in names}
 
 
 def _echo_placement(decoder) -> None:
@@ -313,10 +329,11 @@ def _load(model_dir: str, options: dict):
 
     start = time.perf_counter()
     click.echo(f"loading {model_dir} ...", err=True)
-    decoder = load(model_dir, device=options.pop("device"), cuda_plugin=options.pop("cuda_plugin"),
-                   mode=options.pop("mode"), threads=options.pop("threads"))
+    decoder = load(model_dir, **_load_options(options))
     click.echo(f"loaded in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
     _echo_placement(decoder)
+    if decoder.speculator is not None:
+        click.echo(decoder.speculator.describe(), err=True)
     return decoder
 
 
@@ -442,21 +459,35 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
               help="Decode after this many cached tokens (default: after the prompt).")
 @click.option("-r", "--repeats", type=click.IntRange(1, None), default=3, show_default=True,
               help="Measurements of each phase; the best counts (llama-bench's -r).")
+@click.option("-f", "--prompt-file", type=click.File("r", encoding="utf-8"), default=None,
+              help="Measure on this text's tokens instead of -p pseudo-random ones (for --speculative, whose drafts "
+                   "depend on the text).")
 @click.option("--profile", is_flag=True, help="Also profile 16 decode steps: kernel time per operator type.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout (llama-bench-like fields).")
 @_runtime_options
-def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None, repeats: int, profile: bool,
-          as_json: bool, device: str, cuda_plugin: str | None, mode: str | None, threads: int | None) -> None:
-    """Prefill and decode speed (tokens/s of the best of --repeats; min/median/max), peak RSS."""
+def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None, repeats: int, prompt_file,
+          profile: bool, as_json: bool, **options) -> None:
+    """Prefill and decode speed (tokens/s of the best of --repeats; min/median/max), peak RSS; with
+    --speculative, decode with and without it and the share of drafts kept."""
     from moepass.runtime import load
     from moepass.runtime.bench import measure, operator_shares
 
+    if prompt_file is not None and depth is not None:
+        raise click.UsageError("--depth applies to pseudo-random prompts; with --prompt-file decode follows the text")
+    load_options = _load_options(options)
     start = time.perf_counter()
-    decoder = load(model_dir, device=device, cuda_plugin=cuda_plugin, mode=mode, threads=threads)
+    decoder = load(model_dir, **load_options)
     click.echo(f"loaded {model_dir} in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
     _echo_placement(decoder)
+    prompt = None
+    if prompt_file is not None:
+        prompt = decoder.encode(prompt_file.read())
+        if not prompt:
+            raise MoepassError(f"{prompt_file.name}: the prompt file holds no text")
+        prompt_tokens = len(prompt)
     result = measure(decoder, prompt_tokens, new_tokens, repeats, depth,
-                     progress=None if as_json else lambda text: click.echo(text, err=True))
+                     progress=None if as_json else lambda text: click.echo(text, err=True), prompt=prompt)
+    threads = load_options["threads"]
     result.update(model=str(model_dir), backend=decoder.plan.provider, threads=threads or 0,
                   activations=decoder.info.get("activations", "float"),
                   size_bytes=sum(f.stat().st_size for f in decoder.model_dir.iterdir() if f.is_file())
@@ -464,8 +495,8 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
                   n_params=sum(round(w["bytes"] * 8 / w["bits_per_weight"])
                                for w in decoder.info.get("weights", []) if w.get("bits_per_weight")))
     if profile:
-        result["decode_operator_shares"] = operator_shares(model_dir, depth=depth or prompt_tokens, device=device,
-                                                           cuda_plugin=cuda_plugin, mode=mode, threads=threads)
+        del load_options["speculative"], load_options["draft_tokens"]
+        result["decode_operator_shares"] = operator_shares(model_dir, depth=depth or prompt_tokens, **load_options)
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))
         return
@@ -474,6 +505,11 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
         r = result[phase]
         click.echo(f"{phase:<8} {r['tokens_per_s']:10.1f} tokens/s  ({what}; seconds min/median/max "
                    f"{r['seconds_min']:.3f}/{r['seconds_median']:.3f}/{r['seconds_max']:.3f})")
+    if "speculative" in result:
+        spec = result["speculative"]
+        click.echo(f"plain    {spec['plain_decode']['tokens_per_s']:10.1f} tokens/s  (decode without "
+                   f"speculation: {spec['speedup']:.2f}x with it; {spec['acceptance']:.0%} of drafts kept, "
+                   f"{spec['tokens_per_step']:.2f} tokens per step)")
     click.echo(f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({decoder.plan.provider}, "
                f"{threads or 'default'} threads, {result['activations']} activations)")
     for op, share in result.get("decode_operator_shares", {}).items():

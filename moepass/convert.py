@@ -32,7 +32,7 @@ from moepass.atomic import atomic_directory, check_destination
 from moepass.core.errors import MoepassError
 from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
                                 TOKENIZER_FILE, as_ir_model, save_model)
-from moepass.genai import genai_config
+from moepass.genai import check_speculation, genai_config, with_speculation
 from moepass.core.moe_nodes import moe_nodes
 from moepass.core.imatrix import load_imatrix
 from moepass.core.capabilities import offload_violations
@@ -44,7 +44,7 @@ from moepass.passes.lower import LowerOptions, lower_gguf
 from moepass.core.quants import parse_form, speed_class
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 from moepass.core import keys
-from moepass.core.choices import ACTIVATION_MODES, FLOAT_EXPERT_CHOICES
+from moepass.core.choices import ACTIVATION_MODES, DEFAULT_DRAFT_TOKENS, FLOAT_EXPERT_CHOICES
 
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
@@ -156,7 +156,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             expert_format: str = "auto", activations: str = "int8", imatrix: str | os.PathLike | None = None,
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print, allow_non_finite: bool = False,
-            context: int | None = None, exact: bool = False, threads: int | None = None) -> ConvertResult:
+            context: int | None = None, exact: bool = False, threads: int | None = None,
+            genai_speculative: str | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
     Args:
@@ -182,6 +183,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             compute NaN logits).
         context: the positions the model is built for (its RoPE tables; default: the GGUF's
             context_length, refused when its tables would outweigh the whole model).
+        genai_speculative: "ngram" or "draft:PATH" (a converted draft model's folder): speculative
+            decoding in genai_config.json, `draft_tokens` per step (see moepass.genai.with_speculation).
     """
     if activations not in ACTIVATION_MODES:
         raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")
@@ -189,7 +192,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         given = [option for option, value, default in (
             ("--expert-format", expert_format, "auto"), ("--exact", exact, False), ("--imatrix", imatrix, None),
             ("--print-after", print_after, None), ("--context", context, None),
-            ("--allow-non-finite", allow_non_finite, False)) if value != default]
+            ("--allow-non-finite", allow_non_finite, False), ("--genai-speculative", genai_speculative, None))
+            if value != default]
         if given:  # refused, not ignored
             raise MoepassError(f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
                                "are (--float-experts and --activations apply)")
@@ -198,6 +202,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     start = time.perf_counter()
     source, output_dir = Path(model), Path(output_dir)
     check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # before any work
+    if genai_speculative:  # its draft model and numbers checked before the work too
+        check_speculation(genai_speculative, draft_tokens)
     gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
@@ -230,6 +236,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         tokenizer.write(tmp, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
         report["tokenizer"] = tokenizer.info
         genai = genai_config(lowered.hparams, lowered.model, tokenizer.info)
+        if genai_speculative:
+            genai = with_speculation(genai, genai_speculative, draft_tokens, output_dir)
         (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())

@@ -9,6 +9,8 @@ onnxruntime-genai passes every key it does not know to ONNX Runtime as a session
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
@@ -16,7 +18,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.architectures import ARCHITECTURES, HParams
 from moepass.core.errors import MoepassError
-from moepass.core.files import MODEL_FILE
+from moepass.core.files import GENAI_CONFIG_FILE, MODEL_FILE, read_json_object
 
 
 def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
@@ -65,4 +67,49 @@ def with_session_entries(config: dict[str, Any], entries: dict[str, str], label:
     session.update({k: str(v) for k, v in entries.items()})
     if provider is not None:
         session["provider_options"] = [{provider: {}}]
+    return config
+
+
+GENAI_MAX_DRAFT_TOKENS = 16  # onnxruntime-genai 0.18: "speculative.max_draft_tokens must be between 1 and 16"
+GENAI_NGRAM_SIZE = 3         # the context suffix its n-gram lookup matches (moepass.runtime.speculative: 3, then 2)
+
+
+def check_speculation(spec: str, draft_tokens: int) -> tuple[Path | None, dict[str, Any] | None]:
+    """The draft model's folder and its genai decoder entry (None, None for n-gram lookup), checked."""
+    from moepass.runtime.speculative import parse
+
+    if not 1 <= draft_tokens <= GENAI_MAX_DRAFT_TOKENS:
+        raise MoepassError(f"--draft-tokens {draft_tokens}: onnxruntime-genai takes 1 to {GENAI_MAX_DRAFT_TOKENS}")
+    kind, path = parse(spec)
+    if kind == "ngram":
+        return None, None
+    draft_dir = Path(path)
+    draft_config_file = draft_dir / GENAI_CONFIG_FILE
+    if not draft_config_file.is_file() or not (draft_dir / MODEL_FILE).is_file():
+        raise MoepassError(f"{draft_dir}: not a converted model folder ({MODEL_FILE} and {GENAI_CONFIG_FILE}); "
+                           "the draft model is a moepass convert output")
+    draft = read_json_object(draft_config_file)
+    model = draft.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):
+        raise MoepassError(f"{draft_config_file}: no model.decoder object (not a genai config moepass wrote)")
+    return draft_dir, model
+
+
+def with_speculation(config: dict[str, Any], spec: str, draft_tokens: int, folder: Path) -> dict[str, Any]:
+    """A genai config that decodes speculatively, as onnxruntime-genai 0.18 reads it (probed): a
+    top-level "speculative" object (n-gram lookup: "ngram_size"), and for a draft model its decoder
+    under model.draft, whose filename is relative to `folder` (where this config will lie); a draft
+    model needs the shared past/present buffer mode ("Requested length of rewind is greater than the
+    current length" otherwise, at the first rejected draft)."""
+    draft_dir, draft = check_speculation(spec, draft_tokens)
+    config["speculative"] = {"max_draft_tokens": draft_tokens}
+    if draft_dir is None:
+        config["speculative"]["ngram_size"] = GENAI_NGRAM_SIZE
+        return config
+    if draft.get("vocab_size") != config["model"].get("vocab_size"):
+        raise MoepassError(f"{draft_dir}: the draft model has {draft.get('vocab_size')} tokens, the model "
+                           f"{config['model'].get('vocab_size')}; a draft model needs the same vocabulary")
+    config["model"]["draft"] = {**draft["decoder"], "filename": os.path.relpath(draft_dir.resolve() / MODEL_FILE,
+                                                                                folder.resolve())}
+    config["search"]["past_present_share_buffer"] = True
     return config

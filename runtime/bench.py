@@ -50,26 +50,51 @@ def _timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[floa
 
 
 def measure(decoder, prompt_tokens: int, new_tokens: int, repeats: int = 3, depth: int | None = None,
-            progress=None) -> dict[str, Any]:
+            progress=None, prompt: list[int] | None = None) -> dict[str, Any]:
     """Prefill of `prompt_tokens` and decode of `new_tokens` after `depth` cached tokens (default:
-    the prompt), each `repeats` times; `progress(text)` is told what runs."""
+    the prompt), each `repeats` times; `progress(text)` is told what runs. `prompt`: these tokens
+    instead of pseudo-random ones (a text, for speculative decoding, whose drafts depend on it).
+    With the decoder's speculator, decode is measured with it and without it, on the same prompt:
+    `speculative` holds both rates, their ratio and the acceptance rate."""
+    if prompt is not None:
+        prompt_tokens = len(prompt)
     depth = prompt_tokens if depth is None else depth
-    prefill, decode = [], []
+    prompts = {n: prompt if prompt is not None else _prompt(decoder, n) for n in {prompt_tokens, depth}}
+    speculator = decoder.speculator
+    if speculator is not None:
+        speculator.drafted = speculator.accepted = speculator.steps = 0
+    generations = repeats * (1 if depth == prompt_tokens else 2)  # the speculative ones
+    prefill, decode, plain = [], [], []
     for i in range(repeats):
         if progress:
-            progress(f"run {i + 1}/{repeats}: prefill {prompt_tokens} tokens, decode {new_tokens} after {depth}")
-        first, steps = _timed_generation(decoder, _prompt(decoder, prompt_tokens), new_tokens)
+            progress(f"run {i + 1}/{repeats}: prefill {prompt_tokens} tokens, decode {new_tokens} after {depth}"
+                     + (", with and without speculation" if speculator else ""))
+        first, steps = _timed_generation(decoder, prompts[prompt_tokens], new_tokens)
         prefill.append(first)
         if depth != prompt_tokens:
-            _, steps = _timed_generation(decoder, _prompt(decoder, depth), new_tokens)
+            _, steps = _timed_generation(decoder, prompts[depth], new_tokens)
         decode.append(steps)
-    return {
+        if speculator is not None:
+            decoder.speculate(None)
+            try:
+                plain.append(_timed_generation(decoder, prompts[depth], new_tokens)[1])
+            finally:
+                decoder.speculate(speculator)
+    result = {
         "prefill": {**_stats(prefill, prompt_tokens), "prompt_tokens": prompt_tokens},
         "decode": {**_stats(decode, new_tokens), "depth": depth},
         "prefill_tokens_per_s": prompt_tokens / min(prefill),
         "decode_tokens_per_s": new_tokens / min(decode),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+    if speculator is not None:
+        result["acceptance"] = speculator.acceptance
+        result["speculative"] = {
+            "kind": speculator.kind, "draft_tokens": speculator.draft_tokens, "acceptance": speculator.acceptance,
+            "tokens_per_step": generations * new_tokens / max(speculator.steps, 1),
+            "plain_decode": _stats(plain, new_tokens),
+            "speedup": min(plain) / min(decode)}
+    return result
 
 
 def operator_shares(model_dir, new_tokens: int = 16, depth: int = 128, **load_options) -> dict[str, float]:

@@ -15,6 +15,7 @@ from moepass.core.errors import MoepassError, first_line
 from moepass.core.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
                                 load_model, model_file, read_json_object)
 from moepass.runtime.chat_template import ChatTemplate
+from moepass.runtime import speculative
 from moepass.runtime.kv_cache import KVCache
 from moepass.runtime.sampling import Sampling, StopStrings, choose_token
 from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session, provider_in_effect
@@ -22,6 +23,8 @@ from moepass.core import keys
 
 if TYPE_CHECKING:
     import onnx_ir
+
+    from moepass.runtime.speculative import Speculator
 
 
 def _import_onnxruntime():
@@ -106,10 +109,22 @@ class Decoder:
         self._tokenizer = None
         self._chat_template: ChatTemplate | None = None
         self._tokenizer_path = folder / TOKENIZER_FILE
+        # drafts checked K at a time (moepass.runtime.speculative); None: one token per step
+        self.speculator: "Speculator | None" = None
+
+    def speculate(self, speculator: "Speculator | None") -> None:
+        """Generate with speculative decoding from now on (None: plain decoding again)."""
+        if speculator is not None:
+            speculator.check_target(self)
+        self.speculator = speculator
 
     @property
     def vocab_size(self) -> int:
         return int(self.session.get_outputs()[0].shape[-1])
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None or self._tokenizer_path.is_file()
 
     @property
     def tokenizer(self):
@@ -171,7 +186,7 @@ class Decoder:
         """Prefill the prompt, then one token per step through the KV cache; yields each new token as
         soon as it is chosen, and stops after a stop token (default: the GGUF's). `cache`: a
         `KVCache` kept between calls (a chat, a server): the prefix it shares with `prompt_ids` is
-        not computed again."""
+        not computed again. With a `speculator` (`speculate`), several tokens per step."""
         history = list(prompt_ids)
         if not history:
             raise MoepassError("the prompt is empty: give at least one token id")
@@ -185,6 +200,10 @@ class Decoder:
         if cache is None:
             cache = KVCache(self, capacity=len(history) + max_new_tokens)
         logits = cache.extend(history)
+        if self.speculator is not None:
+            yield from speculative.generate(self.speculator, cache, history, logits, max_new_tokens, stops, sampling,
+                                            rng)
+            return
         for i in range(max_new_tokens):
             token = choose_token(logits, sampling, rng, history)
             yield token

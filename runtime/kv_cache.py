@@ -46,7 +46,8 @@ class KVCache:
         self._in_place = decoder.plan.provider == "CPUExecutionProvider" and bool(decoder.past_names)
         # a model without a KV cache (an export of logits only) runs the whole sequence each step
         self._cacheless = not decoder.past_names
-        self._last_only = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))
+        self._keep = {1: ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))}  # logits_to_keep values
+        self._kept = 1  # the one bound
         # positions allocated now; more are added as they fill (a request may ask for many it never uses)
         self.capacity = max(1, min(capacity, decoder.context_length or capacity, FIRST_CAPACITY))
         self._cache = {n: ort.OrtValue.ortvalue_from_numpy(a)
@@ -74,12 +75,22 @@ class KVCache:
 
     def run(self, token_ids: Sequence[int]) -> np.ndarray:
         """The next-token logits after the cached tokens and `token_ids`."""
+        return self.run_rows(token_ids, keep=1)[0]
+
+    def run_rows(self, token_ids: Sequence[int], keep: int) -> np.ndarray:
+        """The logits `[keep, vocab]` of the last `keep` positions after the cached tokens and
+        `token_ids` (row i: the next-token logits after all but the last keep - 1 - i of them), as
+        speculative decoding checks its drafts."""
         token_ids = list(token_ids)
+        if not 1 <= keep <= min(len(token_ids), PREFILL_CHUNK):
+            raise MoepassError(f"logits of {keep} positions asked after {len(token_ids)} new tokens")
         self.prefilled = len(token_ids)
-        chunks = [token_ids[i:i + PREFILL_CHUNK] for i in range(0, len(token_ids), PREFILL_CHUNK)]
-        for chunk in chunks[:-1]:
-            self._step(chunk)
-        return self._step(chunks[-1])
+        rest = token_ids
+        while len(rest) > PREFILL_CHUNK:  # the last chunk holds the `keep` positions
+            head = min(PREFILL_CHUNK, len(rest) - keep)
+            self._step(rest[:head], 1)
+            rest = rest[head:]
+        return self._step(rest, keep)
 
     def truncate(self, length: int) -> None:
         """Forget the positions from `length` on."""
@@ -108,7 +119,7 @@ class KVCache:
         KV cache (in place: each buffer as both past and present, once for the whole request)."""
         d, binding = self._decoder, self._binding
         if d.keeps_logits:  # an overridable initializer: bound as an OrtValue (bind_cpu_input refuses it)
-            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._last_only)
+            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[self._kept])
         binding.bind_output("logits", "cpu")  # the first output bound: get_outputs()[0]
         for past, present in zip(d.past_names, d.present_names):
             binding.bind_ortvalue_input(past, self._cache[past])
@@ -117,13 +128,24 @@ class KVCache:
             else:
                 binding.bind_output(present, "cpu")
 
-    def _step(self, token_ids: Sequence[int]) -> np.ndarray:
+    def _step(self, token_ids: Sequence[int], keep: int) -> np.ndarray:
+        """Run `token_ids` after the cached tokens; the logits of the last `keep` positions."""
         d, binding = self._decoder, self._binding
+        keep = min(keep, len(token_ids))
         if self._cacheless:
             ids = np.asarray([[*self.tokens, *token_ids]], dtype=np.int64)
-            logits = d.session.run(["logits"], d.feeds(ids, 0))[0]
+            feeds = d.feeds(ids, 0)
+            if d.keeps_logits:
+                feeds[LOGITS_TO_KEEP] = np.array([keep], dtype=np.int64)
+            logits = d.session.run(["logits"], feeds)[0]
             self.tokens.extend(int(t) for t in token_ids)
-            return logits[0, -1]
+            return logits[0, -keep:]
+        if d.keeps_logits and keep != self._kept:
+            if keep not in self._keep:
+                self._keep[keep] = self._ort.OrtValue.ortvalue_from_numpy(np.array([keep], dtype=np.int64))
+            self._kept = keep
+            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[keep])
+            binding.bind_output("logits", "cpu")  # of the new shape (ONNX Runtime kept the last one's)
         ids = np.asarray([token_ids], dtype=np.int64)
         length = len(self.tokens) + ids.shape[1]
         if self._in_place and length > self.capacity:
@@ -139,4 +161,5 @@ class KVCache:
         outputs = binding.get_outputs()
         if not self._in_place:
             self._cache = dict(zip(d.past_names, outputs[1:]))
-        return outputs[0].numpy()[0, -1]
+        # a copy: ONNX Runtime writes the next step's logits into the same buffer
+        return outputs[0].numpy()[0, -keep:].copy()

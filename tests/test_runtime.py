@@ -369,7 +369,7 @@ def test_long_prompts_are_prefilled_in_chunks(converted, monkeypatch):
     monkeypatch.setattr(kv_cache, "PREFILL_CHUNK", 16)
     calls = []
     original = runtime.KVCache._step
-    monkeypatch.setattr(runtime.KVCache, "_step", lambda self, ids: calls.append(len(ids)) or original(self, ids))
+    monkeypatch.setattr(runtime.KVCache, "_step", lambda self, ids, keep: calls.append(len(ids)) or original(self, ids, keep))
     last = {}
     for activations in ("float", "int8"):
         decoder = load(converted("q4_0", activations=activations))

@@ -81,6 +81,10 @@ DEVICES = ("auto", "cpu", "cuda")
 PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"  # path of the CUDA plugin EP library, when not given as an option
 
 
+# run, chat, serve, bench: speculative decoding (moepass.runtime.speculative): --speculative ngram | draft:PATH
+SPECULATIVE_KINDS = ("ngram", "draft")
+DEFAULT_DRAFT_TOKENS = 4
+
 # run, chat, serve: how the next token is chosen (moepass.runtime.sampling applies it)
 @dataclasses.dataclass(frozen=True)
 class Sampling:
