@@ -9,8 +9,8 @@ yields between 1 and K + 1 tokens for the price of one pass over K + 1 positions
 memory-bound CPU costs little more than a pass over one.
 
 Drafts come from
-- `ngram` (prompt lookup, no second model): the tokens that followed the most recent earlier
-  occurrence of the context's last 3 (else 2) tokens; pays where the answer repeats its context
+- `ngram` (prompt lookup, no second model): the tokens that followed a recent earlier occurrence
+  of the context's last 3 (else 2) tokens; pays where the answer repeats its context
   (code edits, summaries, quotes);
 - `draft:PATH`: another moepass-converted model with the same vocabulary (a smaller one), decoding
   K tokens ahead with its own KV cache.
@@ -52,8 +52,9 @@ def parse(spec: str) -> tuple[str, str | None]:
 
 
 def ngram_draft(history: Sequence[int], count: int, sizes: Sequence[int] = NGRAM_SIZES) -> list[int]:
-    """Up to `count` tokens that followed the most recent earlier occurrence of the last n tokens of
-    `history` (n from `sizes`, longest first); none when nothing matches."""
+    """Up to `count` tokens that followed an earlier occurrence of the last n tokens of `history`
+    (n from `sizes`, longest first): the latest occurrence that `count` tokens follow, else the
+    earliest (in a short loop the latest is followed by the suffix alone); none when nothing matches."""
     tokens = np.asarray(history, dtype=np.int64)
     for n in sizes:
         if len(tokens) <= n:
@@ -66,7 +67,8 @@ def ngram_draft(history: Sequence[int], count: int, sizes: Sequence[int] = NGRAM
             match &= tokens[starts + j] == suffix[j]
         found = np.flatnonzero(match)
         if len(found):
-            begin = int(found[-1]) + n
+            followed = found[found + n + count <= len(tokens)]
+            begin = int(followed[-1] if len(followed) else found[0]) + n
             return tokens[begin:begin + count].tolist()
     return []
 

@@ -26,10 +26,13 @@ REPEATING = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12, 13]
 def test_ngram_draft_takes_the_latest_longest_match():
     history = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert ngram_draft(history, 2) == [7, 8]            # (2, 3) last seen before 7, 8; (5, 2, 3) never
+    assert ngram_draft(history, 3) == [7, 8, 5]
+    assert ngram_draft(history, 5) == [7, 8, 5, 2, 3]
+    assert ngram_draft(history, 6) == [9, 9, 1, 2, 3, 7]  # the latest match that 6 tokens follow
     assert ngram_draft([4, 5, 6, 4, 5, 6, 4, 5], 3) == [6, 4, 5]
     assert ngram_draft(history, 1, sizes=(3,)) == []     # (5, 2, 3) occurs once: itself
     assert ngram_draft([1, 2, 3], 4) == []
-    assert ngram_draft([7, 7, 7, 7], 4) == [7]            # the match just before the suffix: one token follows
+    assert ngram_draft([7, 7, 7, 7, 7], 4) == [7, 7]     # no match is followed by 4: the earliest, by the most
 
 
 def _sequential_logits(decoder, tokens: list[int], start: int) -> np.ndarray:
