@@ -19,7 +19,7 @@ import click
 from moepass.core import keys
 from moepass.core.choices import (ACTIVATION_MODES, DEVICES, EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT,
                                   GPU_PRESETS, LLAMA_SERVER, PASS_NAMES, PLAN_MODES, PLUGIN_ENV, POLICIES, PROMPT_FORMATS,
-                                  TARGETS, Bandwidths, DEFAULT_DRAFT_TOKENS, Sampling)
+                                  TARGETS, Bandwidths, DEFAULT_DRAFT_TOKENS, KV_CACHE_TYPES, Sampling)
 from moepass.core.errors import MoepassError, expected_failure
 
 
@@ -205,10 +205,16 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
                    "model's converted folder); moepass run/chat/serve take --speculative when they run.")
 @click.option("--draft-tokens", type=click.IntRange(1, 16), default=DEFAULT_DRAFT_TOKENS, show_default=True,
               help="With --genai-speculative: draft tokens per step.")
+@click.option("--kv-cache", type=click.Choice(list(KV_CACHE_TYPES)), default="float32", show_default=True,
+              help="The KV cache's type: float16 halves it, int8 quarters it (per-channel scales calibrated on the "
+                   "model's own keys and values).")
+@click.option("--kv-calibration", type=click.Path(dir_okay=False), default=None,
+              show_default="a built-in English passage", help="With --kv-cache int8: text to calibrate the scales on.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(model: str, output: str, float_experts: str, expert_format: str, exact: bool, threads: int | None,
             activations: str, imatrix: str | None, force: bool, context: int | None, allow_non_finite: bool,
-            print_after: str | None, genai_speculative: str | None, draft_tokens: int, quiet: bool) -> None:
+            print_after: str | None, genai_speculative: str | None, draft_tokens: int, kv_cache: str,
+            kv_calibration: str | None, quiet: bool) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
@@ -219,7 +225,8 @@ def convert(model: str, output: str, float_experts: str, expert_format: str, exa
                              threads=threads, activations=activations, imatrix=imatrix,
                              overwrite=force, progress=progress,
                              print_after=print_after, echo=click.echo, allow_non_finite=allow_non_finite,
-                             context=context, genai_speculative=genai_speculative, draft_tokens=draft_tokens)
+                             context=context, genai_speculative=genai_speculative, draft_tokens=draft_tokens,
+                             kv_cache=kv_cache, kv_calibration=kv_calibration)
     finally:
         progress.close()
     for line in result.summary_lines():

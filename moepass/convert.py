@@ -24,15 +24,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import onnx_ir as ir
 
 from moepass.core.version import __version__
 from moepass.core.architectures import architecture_of
 from moepass.atomic import atomic_directory, check_destination
 from moepass.core.errors import MoepassError
-from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
-                                TOKENIZER_FILE, as_ir_model, save_model)
+from moepass.core.files import (GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
+                                TOKENIZER_FILE, as_ir_model, read_text, save_model)
 from moepass.genai import check_speculation, genai_config, with_speculation
+from moepass.kv_precision import set_kv_cache
 from moepass.core.moe_nodes import moe_nodes
 from moepass.core.imatrix import load_imatrix
 from moepass.core.capabilities import offload_violations
@@ -44,7 +44,7 @@ from moepass.passes.lower import LowerOptions, lower_gguf
 from moepass.core.quants import parse_form, speed_class
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 from moepass.core import keys
-from moepass.core.choices import ACTIVATION_MODES, DEFAULT_DRAFT_TOKENS, FLOAT_EXPERT_CHOICES
+from moepass.core.choices import ACTIVATION_MODES, DEFAULT_DRAFT_TOKENS, FLOAT_EXPERT_CHOICES, KV_CACHE_TYPES
 
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
@@ -74,6 +74,7 @@ class ConvertResult:
     fusion: list[dict[str, Any]] | None = None  # ONNX input: what happened to each candidate MoE layer
     existing_moe: int = 0  # ONNX input: com.microsoft QMoE/MoE nodes it had already (kept as they are)
     activations: str = "int8"  # inside quantized matrix products: "int8" (as llama.cpp) or "float" (exact)
+    kv_cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # its type, and for int8 the calibration
 
     @property
     def model_path(self) -> Path:
@@ -139,6 +140,11 @@ class ConvertResult:
                      + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
         lines.extend("    " + row for row in self.quality_table())
         lines.append(f"  offload       {self.offload}")
+        if self.kv_cache.get("type", "float32") != "float32":
+            calibrated = f"; per-channel scales from {self.kv_cache['calibration']}" if "calibration" in self.kv_cache \
+                else ""
+            lines.append(f"  KV cache      {self.kv_cache['type']}, {self.kv_cache['bytes_per_value']} byte(s) a value"
+                         f"{calibrated}")
         if self.fusion is not None:
             pass  # an ONNX model carries no tokenizer of its own
         elif self.tokenizer.get("reason"):
@@ -157,7 +163,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
             echo: Callable[[str], None] = print, allow_non_finite: bool = False,
             context: int | None = None, exact: bool = False, threads: int | None = None,
-            genai_speculative: str | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> ConvertResult:
+            genai_speculative: str | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+            kv_cache: str = "float32", kv_calibration: str | os.PathLike | None = None) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
     Args:
@@ -185,6 +192,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             context_length, refused when its tables would outweigh the whole model).
         genai_speculative: "ngram" or "draft:PATH" (a converted draft model's folder): speculative
             decoding in genai_config.json, `draft_tokens` per step (see moepass.genai.with_speculation).
+        kv_cache: the KV cache's type, "float32", "float16" or "int8" (per-channel scales calibrated
+            on `kv_calibration`, a text file, else a built-in passage; see moepass.kv_precision).
     """
     if activations not in ACTIVATION_MODES:
         raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")
@@ -192,7 +201,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         given = [option for option, value, default in (
             ("--expert-format", expert_format, "auto"), ("--exact", exact, False), ("--imatrix", imatrix, None),
             ("--print-after", print_after, None), ("--context", context, None),
-            ("--allow-non-finite", allow_non_finite, False), ("--genai-speculative", genai_speculative, None))
+            ("--allow-non-finite", allow_non_finite, False), ("--genai-speculative", genai_speculative, None),
+            ("--kv-cache", kv_cache, "float32"), ("--kv-calibration", kv_calibration, None))
             if value != default]
         if given:  # refused, not ignored
             raise MoepassError(f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
@@ -204,6 +214,11 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # before any work
     if genai_speculative:  # its draft model and numbers checked before the work too
         check_speculation(genai_speculative, draft_tokens)
+    if kv_cache not in KV_CACHE_TYPES:
+        raise MoepassError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache!r}")
+    if kv_calibration is not None and kv_cache != "int8":
+        raise MoepassError("--kv-calibration applies to --kv-cache int8")
+    calibration_text = read_text(Path(kv_calibration)) if kv_calibration is not None else None
     gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
@@ -235,6 +250,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         tokenizer = tokenizer_from_gguf(gguf)
         tokenizer.write(tmp, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
         report["tokenizer"] = tokenizer.info
+        report["kv_cache"] = set_kv_cache(tmp, kv_cache, lowered.hparams.context_length, calibration_text, threads,
+                                          echo)
         genai = genai_config(lowered.hparams, lowered.model, tokenizer.info)
         if genai_speculative:
             genai = with_speculation(genai, genai_speculative, draft_tokens, output_dir)
@@ -245,7 +262,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
                          n_layers=lowered.hparams.n_layers, moe_layers=lowered.moe_layers,
                          bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
                          output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info,
-                         offload=offload, activations=activations)
+                         offload=offload, activations=activations, kv_cache=report["kv_cache"])
 
 
 def _moepass_source(label: str) -> tuple[Path | None, dict[str, Any]]:

@@ -126,18 +126,18 @@ class MemoryModel:
         expert_names = {v.name for m in nodes for v in m.expert_values}
         non_expert = sum(tensor_bytes(v) for v in graph.initializers.values() if v.name not in expert_names)
         groups = [ExpertGroup(m.name, m.experts, m.top_k, m.bytes_per_expert, m.ffn) for m in nodes]
-        kv_per_token, heads, kv_heads, head_dim, act = 0, 0, 0, 0, 4
+        kv_per_token, heads, kv_heads, head_dim = 0, 0, 0, 0
         for value in graph.inputs:
             if value.name.startswith("past_key_values.") and value.shape is not None:
                 kv_heads, head_dim = int(value.shape[1]), int(value.shape[3])
-                act = int(value.dtype.itemsize)
-                kv_per_token += kv_heads * head_dim * act
+                kv_per_token += kv_heads * head_dim * int(value.dtype.itemsize)  # its own type: int8 is 1
+        logits = next(v for v in graph.outputs if v.name == "logits")
+        act = int(logits.dtype.itemsize) if logits.dtype is not None else 4
         for node in graph:
             if node.op_type == "GroupQueryAttention":
                 heads = node.attributes.get_int("num_heads", 0)
                 break
         hidden = nodes[0].hidden
-        logits = next(v for v in graph.outputs if v.name == "logits")
         dims = {"hidden": hidden, "vocab": int(logits.shape[-1]), "heads": heads, "kv_heads": kv_heads,
                 "head_dim": head_dim, "activation_bytes": act}
         return cls(non_expert, groups, kv_per_token, dims)

@@ -18,7 +18,7 @@ import numpy as np
 
 from moepass.core.choices import PROMPT_FORMATS
 from moepass.core.errors import MoepassError
-from moepass.core.files import load_model, model_file
+from moepass.core.files import load_model, model_file, read_text
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.core.moe_nodes import moe_nodes
 from moepass.popularity import Popularity, model_identity
@@ -34,12 +34,7 @@ def read_prompts(path: str | os.PathLike, fmt: str = "text") -> list[Prompt]:
     if fmt not in PROMPT_FORMATS:
         raise MoepassError(f"prompts format must be one of {', '.join(PROMPT_FORMATS)}, not {fmt!r}")
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise MoepassError(f"{path}: not a UTF-8 text file") from None
+    lines = read_text(path).splitlines()
     prompts: list[Prompt] = []
     for number, line in enumerate(lines, 1):
         if fmt == "text":

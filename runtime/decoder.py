@@ -93,7 +93,8 @@ class Decoder:
         self.feeds_mask, self.feeds_positions = "attention_mask" in inputs, "position_ids" in inputs
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
         self._cache_shapes = {n: inputs[n].shape for n in self.past_names}
-        self._cache_dtype = np.float16 if self.past_names and inputs[self.past_names[0]].type == "tensor(float16)" \
+        cache_types = {"tensor(float16)": np.float16, "tensor(int8)": np.int8}  # else float32
+        self.cache_dtype = cache_types.get(inputs[self.past_names[0]].type, np.float32) if self.past_names \
             else np.float32
         # models converted by moepass >= 0.1 compute the logits of the last N positions on request
         self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
@@ -149,7 +150,7 @@ class Decoder:
 
     def empty_cache(self, batch: int = 1, length: int = 0) -> dict[str, np.ndarray]:
         """Zero KV cache tensors of `length` positions (0: an empty cache for `forward`)."""
-        return {n: np.zeros((batch, shape[1], length, shape[3]), dtype=self._cache_dtype)
+        return {n: np.zeros((batch, shape[1], length, shape[3]), dtype=self.cache_dtype)
                 for n, shape in self._cache_shapes.items()}
 
     def forward(self, input_ids: np.ndarray, cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:

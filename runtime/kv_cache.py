@@ -5,7 +5,8 @@ past_key_values.N.* and as present.N.*: GroupQueryAttention sees the same memory
 writes each step's keys and values in place (ONNX Runtime's past/present shared-buffer mode), so a
 step costs the same whatever the context length, instead of copying the whole cache into a new
 present tensor. The attention mask's length tells it how many positions are filled. Only the last
-position's logits are computed (the model's `logits_to_keep` input) and copied back.
+position's logits are computed (the model's `logits_to_keep` input) and copied back, or of the
+last K + 1 when speculative decoding checks K drafts (`run_rows`).
 
 The cache remembers which tokens fill it: `extend(ids)` keeps the longest common prefix of what it
 holds and `ids`, and runs only the rest (a chat's next turn, or a server request that shares a

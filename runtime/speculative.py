@@ -26,7 +26,7 @@ sampler chain's (moepass.runtime.sampling.candidates) at that position.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from moepass.core.errors import MoepassError
 from moepass.runtime.kv_cache import KVCache
 from moepass.runtime.sampling import Sampling, candidates, choose_token, penalized
 
-# `Decoder` in the annotations: moepass.runtime.decoder.Decoder (which imports this module)
+Decoder = Any  # moepass.runtime.decoder.Decoder, which imports this module
 
 NGRAM_SIZES = (3, 2)  # the longest context suffix looked up first; one-token matches guess too often wrong
 

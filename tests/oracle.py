@@ -101,13 +101,18 @@ def kld_ratio(reference_logits, ours, theirs, samples: int = 1000, seed: int = 0
     return float(a.sum() / b.sum()), float(np.percentile(ratios, 5)), float(np.percentile(ratios, 95))
 
 
-def llama_window_logits(gguf_path, windows) -> list[np.ndarray]:
+GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8  # llama.cpp's KV cache types (type_k / type_v)
+
+
+def llama_window_logits(gguf_path, windows, cache_type: int = GGML_F32) -> list[np.ndarray]:
     """llama.cpp's logits for each token window, each its own prefill from an empty cache (one
-    context, reset between windows; F32 KV cache)."""
+    context, reset between windows; K and V caches of `cache_type`, flash attention on for a
+    quantized one, which llama.cpp's quantized V cache needs)."""
     llama_cpp = llama_cpp_module()
     n_ctx = max(64, max(len(ids) for ids in windows))
-    llm = llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, type_k=0, type_v=0,
-                          n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, type_k=cache_type,
+                          type_v=cache_type, flash_attn=cache_type not in (GGML_F32, GGML_F16), n_threads=2,
+                          verbose=False)
     try:
         out = []
         for ids in windows:
@@ -125,6 +130,19 @@ def moepass_window_logits(model_dir, windows) -> list[np.ndarray]:
 
     decoder = load(model_dir)
     return [decoder.forward(np.array([list(ids)]), decoder.empty_cache())[0][0] for ids in windows]
+
+
+def moepass_step_logits(model_dir, windows) -> list[np.ndarray]:
+    """A converted model's logits for each token window decoded one token per step through the KV
+    cache (each position attends to the cache as it is stored: a quantized cache's own values)."""
+    from moepass.runtime import KVCache, load
+
+    decoder = load(model_dir, threads=2)
+    out = []
+    for ids in windows:
+        cache = KVCache(decoder, capacity=len(ids))
+        out.append(np.stack([cache.run([t]) for t in ids]))
+    return out
 
 
 def _tied(scores: np.ndarray, k: int, spread: np.ndarray | None = None) -> np.ndarray:

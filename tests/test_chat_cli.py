@@ -65,6 +65,21 @@ def test_two_turns_reuse_the_cache_and_reset_forgets(converted):
     assert child.exitstatus == 0
 
 
+def test_a_speculative_chat_answers_as_a_plain_one(converted):
+    """chat --speculative ngram, greedy: each turn's answer is the plain chat's, over the kept cache."""
+    model = Path(converted("q4_0"))
+    answers = {}
+    for extra in ((), ("--speculative", "ngram")):
+        child = _spawn(model, "--max-new-tokens", "12", "--temperature", "0", *extra)
+        answers[extra] = [_turn(child, text)[0].replace("\r\n", "\n") for text in ("the other one", "and then")]
+        child.expect_exact("> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+    assert answers[("--speculative", "ngram")] == answers[()]
+
+
 # a longer context than the test fixture's, so that an answer takes seconds to write
 LONG = Dims(n_layers=4, hidden=512, n_heads=8, head_dim=64, expert_ff=512, context_length=2048)
 ANSWER = 1500

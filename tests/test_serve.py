@@ -296,3 +296,17 @@ def test_a_busy_port_is_one_line_before_the_model_loads(model, monkeypatch):
         result = CliRunner().invoke(main, ["serve", str(model), "--port", str(port)])
     assert result.exit_code == 2
     assert result.stderr.strip() == f"moepass: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_a_speculative_server_gives_the_same_greedy_answers(model, tmp_path):
+    """serve --speculative: n-gram drafts checked by the model; greedy answers are the plain ones."""
+    running = Server(model, tmp_path / "server.log", "--speculative", "ngram", "--draft-tokens", "3")
+    try:
+        client = running.client()
+        prompt = "the other one, the other one, the other one"
+        for _ in range(2):  # the second request reuses the cache the first one left
+            answer = client.completions.create(model=model.name, prompt=prompt, max_tokens=24, temperature=0)
+            assert answer.choices[0].text == _run(model, "--prompt", prompt, "--max-new-tokens", "24")
+    finally:
+        assert running.stop() == 0, running.log.read_text()
+    assert "speculative decoding: n-gram lookup, 3 draft tokens per step" in running.log.read_text()

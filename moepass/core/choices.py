@@ -19,6 +19,8 @@ EXPERT_FORMATS = ("auto", "int4", "int8", "offload")  # quantized experts (moepa
 ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}
 # --print-after: "lower", then the passes of moepass.passes.PIPELINE in order (a test keeps them equal)
 PASS_NAMES = ("lower", "fuse-skip-norm", "quantize-activations", "remove-unused", "topological-sort")
+# --kv-cache: GroupQueryAttention's cache type -> bytes per cached value (moepass.kv_precision)
+KV_CACHE_TYPES = {"float32": 4, "float16": 2, "int8": 1}
 MAX_CONTEXT = 1 << 24  # positions: 16M, above every released model's context
 
 # profile

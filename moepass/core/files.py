@@ -103,6 +103,16 @@ def check_external_data(model: "onnx_ir.Model", path: Path) -> None:
             raise MoepassError(f"{where} up to byte {end}, but the file has {sizes[location]} bytes (truncated?)")
 
 
+def read_text(path: Path) -> str:
+    """A UTF-8 text file's contents; an unreadable file is a clear error naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise MoepassError(f"{path}: not a UTF-8 text file") from None
+
+
 def read_json(path: Path, what: str | None = None) -> Any:
     """The JSON value of a file; an unreadable file or invalid JSON is a clear error naming it (and,
     when given, `what` the file should have been)."""

@@ -1,0 +1,108 @@
+"""convert --kv-cache float16 | int8: the GroupQueryAttention cache types and scales written, the
+fidelity beside llama.cpp's own F16 and q8_0 caches on the trained model (KL divergence from each
+side's float32 cache), the runtime's cache over them (in place, or separate buffers for int8),
+and partition's memory model reading the real bytes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+
+import moepass
+from moepass.cli import main
+from moepass.core.files import load_model
+from moepass.placement import MemoryModel
+from moepass.runtime import KVCache, Speculator, load
+from oracle import (GGML_F16, GGML_F32, GGML_Q8_0, llama_quantize, llama_window_logits, moepass_step_logits,
+                    next_token_quality)
+
+
+def _attention(model_dir):
+    return [n for n in load_model(model_dir).graph if n.op_type == "GroupQueryAttention"]
+
+
+@pytest.mark.parametrize("kind, dtype", [("float16", ir.DataType.FLOAT16), ("int8", ir.DataType.INT8)])
+def test_the_cache_type_and_scales_are_written(converted, make_gguf, tmp_path, kind, dtype):
+    out = moepass.convert(make_gguf("q4_0"), tmp_path / kind, kv_cache=kind).output_dir
+    plain = load_model(converted("q4_0"))
+    nodes = _attention(out)
+    assert nodes and all(v.dtype == dtype for n in nodes for v in (n.inputs[3], n.inputs[4], n.outputs[1], n.outputs[2]))
+    report = json.loads((out / "moepass.json").read_text())["kv_cache"]
+    assert report["type"] == kind and report["bytes_per_value"] == {"float16": 2, "int8": 1}[kind]
+    if kind == "int8":
+        assert report["calibration"] == "256 tokens of the model's own text (sampled, seed 0)"
+        for n in nodes:
+            kv_heads, head = n.inputs[3].shape[1], n.inputs[3].shape[3]
+            for scale in (n.inputs[12], n.inputs[13]):
+                values = scale.const_value.numpy()
+                assert values.shape == (kv_heads, 1, head) and (values > 0).all() and np.isfinite(values).all()
+            assert n.attributes["k_quant_type"].value == "PER_CHANNEL" and n.attributes["kv_cache_bit_width"].value == 8
+    # the weights are the same bytes
+    assert (out / "model.onnx.data").read_bytes() == (converted("q4_0") / "model.onnx.data").read_bytes()
+    # partition's memory model: the cache's own bytes, the activations' bytes unchanged
+    ours, theirs = MemoryModel.of(load_model(out)), MemoryModel.of(plain)
+    assert ours.kv_bytes_per_token * {"float16": 2, "int8": 4}[kind] == theirs.kv_bytes_per_token
+    assert ours.dims["activation_bytes"] == theirs.dims["activation_bytes"] == 4
+
+
+def test_an_int8_cache_in_place_and_speculating(make_gguf, tmp_path):
+    out = moepass.convert(make_gguf("q4_0"), tmp_path / "int8", kv_cache="int8").output_dir
+    decoder = load(out, threads=2)
+    assert KVCache(decoder, capacity=64)._in_place and decoder.cache_dtype == np.int8
+    prompt = [5, 17, 33, 2, 90, 41, 5, 17, 33]
+    plain = list(decoder.generate(prompt, 24, stop_ids=()))
+    # in place and in separate buffers (forward): the same prompt logits, to the int8 cache's last bit
+    whole, _ = decoder.forward(np.array([prompt]), decoder.empty_cache())
+    np.testing.assert_array_equal(KVCache(decoder, capacity=64).extend(prompt), whole[0, -1])
+    decoder.speculate(Speculator("ngram", 4))
+    assert list(decoder.generate(prompt, 24, stop_ids=())) == plain
+
+
+def test_fidelity_beside_llama_cpps_caches(trained_gguf, tmp_path):
+    """On the trained model, decoding one token per step, KL divergence from each side's float32
+    cache: a float16 cache adds no more than llama.cpp's F16 cache does (twice it at most); the int8
+    cache (static per-channel scales, calibrated on the model's own text) less than llama.cpp's Q8_0
+    quantization of the weights adds (against the F32 file), keeping the top token where that file
+    does, and at most 3x what llama.cpp's own q8_0 cache adds (dynamic scales per 32 values;
+    measured 1.7x here)."""
+    import train_fixture
+
+    gguf, imatrix = trained_gguf
+    windows = train_fixture.heldout_windows()[:4]
+    ours = {kind: moepass_step_logits(moepass.convert(gguf, tmp_path / kind, kv_cache=kind).output_dir, windows)
+            for kind in ("float32", "float16", "int8")}
+    theirs = {t: llama_window_logits(gguf, windows, t) for t in (GGML_F32, GGML_F16, GGML_Q8_0)}
+    assert llama_quantize(gguf, tmp_path / "q8_0.gguf", "Q8_0", imatrix)
+    q8_0_file = next_token_quality(theirs[GGML_F32], llama_window_logits(tmp_path / "q8_0.gguf", windows), windows)
+    f16 = next_token_quality(ours["float32"], ours["float16"], windows)
+    int8 = next_token_quality(ours["float32"], ours["int8"], windows)
+    their_f16 = next_token_quality(theirs[GGML_F32], theirs[GGML_F16], windows)
+    assert f16.mean_kld <= 2 * max(their_f16.mean_kld, 1e-12), (f16, their_f16)
+    assert f16.top1 >= their_f16.top1 - 0.005
+    their_q8_0 = next_token_quality(theirs[GGML_F32], theirs[GGML_Q8_0], windows)
+    assert int8.mean_kld <= q8_0_file.mean_kld, (int8, q8_0_file)
+    assert int8.mean_kld <= 3 * their_q8_0.mean_kld, (int8, their_q8_0)
+    assert int8.top1 >= q8_0_file.top1 - 0.005, (int8, q8_0_file)
+
+
+def test_kv_cache_refusals(make_gguf, converted, tmp_path):
+    runner = CliRunner()
+    gguf = str(make_gguf("q4_0"))
+    result = runner.invoke(main, ["convert", gguf, "-o", str(tmp_path / "a"), "--kv-calibration", gguf])
+    assert result.exit_code != 0 and "--kv-calibration applies to --kv-cache int8" in result.stderr
+    result = runner.invoke(main, ["convert", str(converted("q4_0")), "-o", str(tmp_path / "b"), "--kv-cache", "int8"])
+    assert result.exit_code != 0 and "--kv-cache applies to GGUF input" in result.stderr
+    result = runner.invoke(main, ["convert", gguf, "-o", str(tmp_path / "c"), "--kv-cache", "int8",
+                                  "--expert-format", "offload"])
+    assert result.exit_code != 0 and "--kv-cache applies to a float32 cache" in result.stderr
+    assert not (tmp_path / "c").exists()
+    text = tmp_path / "calibration.txt"
+    text.write_text("the other one, and then the one before it\n" * 20)
+    result = runner.invoke(main, ["convert", gguf, "-o", str(tmp_path / "d"), "-q", "--kv-cache", "int8",
+                                  "--kv-calibration", str(text)])
+    assert result.exit_code == 0, result.output
+    assert "tokens of the text given" in json.loads((tmp_path / "d" / "moepass.json").read_text())["kv_cache"]["calibration"]
