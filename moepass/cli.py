@@ -631,13 +631,16 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 @click.option("--ignore-kernel-table", is_flag=True,
               help="Plan as if the CUDA EP took every node (for an ONNX Runtime build newer than moepass's table of "
                    "its kernels); by default MoE layers it has no kernel for stay on the CPU.")
+@click.option("--kv-cache", type=click.Choice(["keep", "auto", *KV_CACHE_TYPES]), default="keep", show_default=True,
+              help="The KV cache's type in the placed model: the model's, another (from float32), or auto: float16 "
+                   "where its smaller cache buys resident experts (plan.json says what each type would buy).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress.")
 def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: str | None, profile_path: str | None,
               policy: str | None, mode: str,
               context: int, batch: int, prefill_tokens: int, reserve: str, gpu_bandwidth: float,
               host_bandwidth: float | None, pcie_bandwidth: float | None, report: str | None, force: bool,
               gpu_preset: str | None, cpu_profile: str | None, no_calibrate: bool, threads: int | None,
-              ignore_kernel_table: bool, quiet: bool) -> None:
+              ignore_kernel_table: bool, kv_cache: str, quiet: bool) -> None:
     """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the plan and an
     annotated model."""
     from moepass.partition import partition as run_partition
@@ -660,7 +663,7 @@ def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: 
                                overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
                                target=target, cuda_plugin=cuda_plugin, progress=progress,
                                kernel_table=not ignore_kernel_table, cpu_profile=cpu_profile,
-                               calibrate=not no_calibrate, threads=threads)
+                               calibrate=not no_calibrate, threads=threads, kv_cache=kv_cache)
     finally:
         progress.close()
     for line in result.summary_lines():

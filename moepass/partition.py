@@ -38,10 +38,11 @@ from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTION
                                 TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
                                 read_json_object, save_model)
 from moepass.genai import with_session_entries
+from moepass.kv_precision import AUTO_CHOICES, cache_type_of, set_kv_cache
 from moepass.core.moe_nodes import moe_nodes
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.reorder_experts import ReorderExpertsPass
-from moepass.core.choices import PLUGIN_ENV, TARGETS, Bandwidths
+from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths
 from moepass.placement import (Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
                                parse_bytes, plan_placement)
 from moepass.popularity import Popularity, model_identity
@@ -82,7 +83,9 @@ class PartitionResult:
             f"  VRAM budget      {format_bytes(mem['vram_bytes']):>12}",
             f"  non-expert       {format_bytes(mem['non_expert_bytes']):>12}",
             f"  KV cache         {format_bytes(mem['kv_cache_bytes']):>12}  "
-            f"(context {self.plan['inputs']['context']}, batch {self.plan['inputs']['batch']})",
+            f"(context {self.plan['inputs']['context']}, batch {self.plan['inputs']['batch']}"
+            + (f", {self.plan['kv_cache']['type']}" if "kv_cache" in self.plan else "") + ")"
+            + (f"; {self.plan['kv_cache']['traded']}" if "traded" in self.plan.get("kv_cache", {}) else ""),
             f"  working buffers  {format_bytes(mem['work_bytes']):>12}  (estimate)",
             f"  reserve          {format_bytes(mem['reserve_bytes']):>12}",
             f"  resident experts {format_bytes(mem['resident_expert_bytes']):>12}",
@@ -154,7 +157,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               cuda_plugin: str | os.PathLike | None = None,
               progress: Callable[[int, int], None] | None = None, kernel_table: bool = True,
               cpu_profile: str | os.PathLike | None = None, calibrate: bool = True,
-              threads: int | None = None) -> PartitionResult:
+              threads: int | None = None, kv_cache: str = "keep") -> PartitionResult:
     """Plan expert placement for a GPU budget and write the annotated model, plan and options.
 
     target: "offload" (per expert, for the CUDA plugin EP's expert offload), "layers" (whole MoE
@@ -165,7 +168,10 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     False plans as if it took every node (an ONNX Runtime build whose kernels the table does not
     describe). `calibrate`: time pieces of the model on this CPU (`threads`; moepass.runtime.calibrate)
     for the CPU side of the prediction, or take them from `cpu_profile` (an earlier plan.json);
-    False: the bandwidth model alone."""
+    False: the bandwidth model alone. `kv_cache`: "keep" the model's KV cache type, give a float32
+    one another (float16, int8; moepass.kv_precision), or "auto": the type of AUTO_CHOICES with the
+    fastest predicted decode (a cheaper cache leaves room for more resident experts), the most
+    precise on a tie; plan.json says what each would have bought."""
     if target not in TARGETS:
         raise MoepassError(f"target must be one of {', '.join(TARGETS)}, not {target!r}")
     for name, value in (("context", context), ("batch", batch), ("prefill_tokens", prefill_tokens)):
@@ -180,6 +186,14 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     model = load_model(source)
     identity = model_identity(model)
     memory = MemoryModel.of(model)
+    source_cache = cache_type_of(model)
+    if kv_cache not in ("keep", "auto", *KV_CACHE_TYPES):
+        raise MoepassError(f"--kv-cache must be keep, auto or one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache!r}")
+    kv_kinds = [source_cache] if kv_cache == "keep" or source_cache is None else \
+        [k for k in AUTO_CHOICES if k == source_cache or source_cache == "float32"] if kv_cache == "auto" else [kv_cache]
+    if kv_kinds[0] != source_cache and source_cache != "float32":
+        raise MoepassError(f"{source}: the model's KV cache is {source_cache}; --kv-cache {kv_cache} applies to a "
+                           "float32 cache (convert the GGUF with --kv-cache instead)")
     popularity, profile_info = None, None
     if profile is not None:
         label = str(profile) if not isinstance(profile, Popularity) else "profile"
@@ -217,8 +231,15 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         from moepass.runtime.calibrate import cpu_costs
 
         costs = cpu_costs(source, threads, cpu_profile)
-    plan = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target=target,
-                          cpu_only=frozenset(refused), cpu_costs=costs)
+    plans = {}
+    for kind in kv_kinds:  # one plan per KV cache type, its bytes per token in the memory model
+        kind_memory = memory if kind == source_cache else dataclasses.replace(
+            memory, kv_bytes_per_token=memory.kv_bytes_per_token // KV_CACHE_TYPES[source_cache] * KV_CACHE_TYPES[kind])
+        plans[kind] = kind_memory, plan_placement(kind_memory, budget, popularity, policy, mode, bandwidths,
+                                                  target=target, cpu_only=frozenset(refused), cpu_costs=costs)
+    chosen = min(kv_kinds, key=lambda k: (round(plans[k][1].prediction["decode_ms_per_token"]["cold_experts_on_cpu"],
+                                                6), kv_kinds.index(k)))
+    memory, plan = plans[chosen]
     if inactive and warn is not None:  # first, once the inputs are known to be good
         warn(inactive + "; the plan is written but inactive")
     for message in plan.warnings:
@@ -229,6 +250,8 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               "prefill_tokens": prefill_tokens, "policy": plan.policy, "mode": mode, "profile": profile_info,
               "bandwidths_gbps": dataclasses.asdict(bandwidths)}
     document = _plan_document(plan, memory, inputs, identity, options)
+    if source_cache is not None:
+        document["kv_cache"] = _kv_cache_choice(plans, chosen, source_cache, kv_cache)
     if costs is not None:
         document["cpu_costs"] = costs
     if target == "layers":
@@ -263,12 +286,39 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
                                          source.parent / GENAI_CONFIG_FILE,
                                          provider="cuda" if target == "layers" else None)
             (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
+        if chosen != source_cache:  # the cache retyped after the weights are in place (int8: calibrated on them)
+            info = read_json_object(tmp / REPORT_FILE)
+            hparams = info.get("hparams") if isinstance(info.get("hparams"), dict) else {}
+            context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else 256
+            info["kv_cache"] = set_kv_cache(tmp, chosen, context_length, threads=threads)
+            (tmp / REPORT_FILE).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         if report is not None:
             from moepass.plan_report import draw_plan
 
             with atomic_file(report, overwrite) as picture:
                 draw_plan(document, popularity, picture)
     return PartitionResult(output_dir, document, options, ([inactive] if inactive else []) + plan.warnings, weights)
+
+
+def _kv_cache_choice(plans: dict, chosen: str, source: str, asked: str) -> dict[str, Any]:
+    """plan.json's "kv_cache": the type chosen, why, and what each candidate would have bought."""
+    def summary(kind: str) -> dict[str, Any]:
+        memory, plan = plans[kind]
+        return {"kv_cache_bytes": plan.memory["kv_cache_bytes"], "bytes_per_value": KV_CACHE_TYPES[kind],
+                "resident_experts": sum(len(r) for r in plan.resident.values()),
+                "gpu_hit_rate_by_mass": plan.prediction["gpu_hit_rate_by_mass"],
+                "decode_ms_per_token": plan.prediction["decode_ms_per_token"]["cold_experts_on_cpu"]}
+
+    entry: dict[str, Any] = {"type": chosen, "source": source,
+                             "chosen_by": {"keep": "the model's", "auto": "auto"}.get(asked, "asked"),
+                             "candidates": {k: summary(k) for k in plans}}
+    if chosen != source:
+        was, now = entry["candidates"][source] if source in plans else None, entry["candidates"][chosen]
+        if was is not None:
+            entry["traded"] = (f"{chosen} KV frees {format_bytes(was['kv_cache_bytes'] - now['kv_cache_bytes'])}: "
+                               f"{now['resident_experts'] - was['resident_experts']} more experts resident, predicted "
+                               f"hit rate {was['gpu_hit_rate_by_mass']:.0%} -> {now['gpu_hit_rate_by_mass']:.0%}")
+    return entry
 
 
 def _save(model: ir.Model, source: Path, folder: Path, unchanged: bool,

@@ -106,3 +106,35 @@ def test_kv_cache_refusals(make_gguf, converted, tmp_path):
                                   "--kv-calibration", str(text)])
     assert result.exit_code == 0, result.output
     assert "tokens of the text given" in json.loads((tmp_path / "d" / "moepass.json").read_text())["kv_cache"]["calibration"]
+
+
+def test_partition_kv_cache_auto_buys_experts_at_a_tight_budget(converted, tmp_path):
+    """partition --kv-cache auto: float16 where its smaller cache leaves room for more resident
+    experts (plan.json says what float32 would have kept), float32 where everything fits anyway;
+    an asked type is written into the placed model."""
+    from moepass.partition import partition
+
+    source = converted("q4_0")
+    common = dict(kernel_table=False, context=2048, prefill_tokens=16, reserve=0, target="offload", calibrate=False)
+    roomy = partition(source, tmp_path / "roomy", "1G", kv_cache="auto", **common)
+    assert roomy.plan["kv_cache"]["type"] == "float32" and roomy.plan["kv_cache"]["chosen_by"] == "auto"
+    mem = roomy.plan["memory"]
+    assert mem["host_expert_bytes"] == 0
+    half_kv = mem["kv_cache_bytes"] // 2
+    tight = mem["non_expert_bytes"] + mem["work_bytes"] + half_kv + mem["resident_expert_bytes"] // 2
+    placed = partition(source, tmp_path / "tight", tight, kv_cache="auto", **common)
+    choice = placed.plan["kv_cache"]
+    assert choice["type"] == "float16" and placed.plan["memory"]["kv_cache_bytes"] == half_kv
+    f32, f16 = choice["candidates"]["float32"], choice["candidates"]["float16"]
+    assert f16["resident_experts"] > f32["resident_experts"] and f16["decode_ms_per_token"] < f32["decode_ms_per_token"]
+    assert choice["traded"].startswith("float16 KV frees ") and "more experts resident" in choice["traded"]
+    assert "batch 1, float16); float16 KV frees" in "\n".join(placed.summary_lines())
+    assert all(n.inputs[3].dtype == ir.DataType.FLOAT16 for n in _attention(tmp_path / "tight"))
+    assert json.loads((tmp_path / "tight" / "moepass.json").read_text())["kv_cache"]["type"] == "float16"
+    assert all(n.inputs[3].dtype == ir.DataType.FLOAT for n in _attention(tmp_path / "roomy"))
+    # asked for: int8, calibrated on the placed model, which runs
+    partition(source, tmp_path / "int8", "1G", kv_cache="int8", **common)
+    assert all(n.inputs[3].dtype == ir.DataType.INT8 for n in _attention(tmp_path / "int8"))
+    assert len(list(load(tmp_path / "int8", threads=2).generate([5, 6, 7], 4, stop_ids=()))) == 4
+    with pytest.raises(moepass.MoepassError, match="applies to a float32 cache"):
+        partition(tmp_path / "int8", tmp_path / "again", "1G", kv_cache="float16", **common)
