@@ -9,6 +9,8 @@ Python API (the same capabilities as the CLI):
     new_ids = list(decoder.generate([1, 2, 3], max_new_tokens=8))
     text = "".join(decoder.generate_text("Hi", 32, moepass.Sampling(temperature=0.8, min_p=0.05), stop=["\n"]))
     chat = moepass.Conversation(decoder, system="Be brief.")  # chat.say("Hi", 64): streamed; history cached
+    fast = moepass.load("out/", speculative="ngram", draft_tokens=4)  # or "draft:small/": speculative decoding
+    small = moepass.convert("model.gguf", "out8/", kv_cache="int8")  # or "float16": a smaller KV cache
     popularity = moepass.profile("out/", [[1, 2, 3]])  # Popularity
     placed = moepass.partition("out/", "placed/", "8G", profile=popularity)
 

@@ -91,6 +91,18 @@ def next_token_quality(reference_logits, logits, windows) -> Quality:
                    len(kld))
 
 
+def top_disagreements(reference_logits, ours, theirs) -> tuple[int, int]:
+    """(positions only `ours` ranks the reference's most likely token first, positions only
+    `theirs` does), over every predicting position of every window."""
+    only_ours = only_theirs = 0
+    for ref, o, t in zip(reference_logits, ours, theirs, strict=True):
+        best = np.argmax(ref[:-1], -1)
+        mine, their = np.argmax(o[:-1], -1) == best, np.argmax(t[:-1], -1) == best
+        only_ours += int((mine & ~their).sum())
+        only_theirs += int((their & ~mine).sum())
+    return only_ours, only_theirs
+
+
 def kld_ratio(reference_logits, ours, theirs, samples: int = 1000, seed: int = 0) -> tuple[float, float, float]:
     """Mean KLD of `ours` over that of `theirs` (both against `reference_logits`, lists of windows),
     with a 90 % paired bootstrap interval over windows: (ratio, low, high)."""

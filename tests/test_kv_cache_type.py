@@ -138,3 +138,21 @@ def test_partition_kv_cache_auto_buys_experts_at_a_tight_budget(converted, tmp_p
     assert len(list(load(tmp_path / "int8", threads=2).generate([5, 6, 7], 4, stop_ids=()))) == 4
     with pytest.raises(moepass.MoepassError, match="applies to a float32 cache"):
         partition(tmp_path / "int8", tmp_path / "again", "1G", kv_cache="float16", **common)
+
+
+@pytest.mark.parametrize("kind", ["float16", "int8"])
+def test_onnxruntime_genai_runs_the_typed_cache(make_gguf, tmp_path, kind):
+    """onnxruntime-genai 0.18 takes the cache type from the model: the same greedy tokens as moepass."""
+    import onnxruntime_genai as og
+
+    out = moepass.convert(make_gguf("q4_0"), tmp_path / kind, kv_cache=kind).output_dir
+    config = og.Config(str(out))
+    config.clear_providers()
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=23, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens([5, 77, 200])
+    while not generator.is_done():
+        generator.generate_next_token()
+    assert [int(t) for t in generator.get_sequence(0)][3:] == list(load(out).generate([5, 77, 200], 20, stop_ids=()))
