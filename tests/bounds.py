@@ -43,3 +43,35 @@ def int8_rerun_bound(int8_logits: np.ndarray, float_logits: np.ndarray, float_bo
 def assert_within(actual: np.ndarray, expected: np.ndarray, bound: float, what: str) -> None:
     distance = float(np.abs(np.asarray(actual, np.float64) - expected).max())
     assert distance <= bound, f"{what}: max |difference| {distance:.3g} above the bound {bound:.3g}"
+
+
+def sequential_logits(decoder, tokens: list[int], start: int) -> np.ndarray:
+    """Next-token logits after each of tokens[start - 1:], one decode step at a time."""
+    from moepass.runtime import KVCache
+
+    cache = KVCache(decoder, capacity=len(tokens) + 1)
+    rows = [cache.extend(tokens[:start])]
+    rows += [cache.run([t]) for t in tokens[start:]]
+    return np.stack(rows)
+
+
+def assert_same_greedy_tokens(decoder, prompt: list[int], plain: list[int], speculative: list[int]) -> None:
+    """`speculative` is `plain`, or first differs where plain decoding's two best logits are closer
+    than the model's own difference between one pass over many positions and one step per position
+    (the batched verification's rounding; measured on plain's tokens)."""
+    if speculative == plain:
+        return
+    j = next((i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b), min(len(plain), len(speculative)))
+    assert j < min(len(plain), len(speculative)), f"lengths differ: {len(plain)} vs {len(speculative)}"
+    tokens = [*prompt, *plain]
+    from moepass.runtime import KVCache
+
+    one_by_one = sequential_logits(decoder, tokens, len(prompt))[:len(plain)]
+    batched = KVCache(decoder, capacity=len(tokens))
+    batched.extend(prompt[:-1])
+    rows = batched.run_rows(tokens[len(prompt) - 1:len(prompt) + len(plain) - 1], keep=len(plain))
+    rounding = float(np.abs(rows - one_by_one).max())
+    top = np.sort(one_by_one[j])[-2:]
+    assert top[1] - top[0] <= 2 * rounding, (
+        f"token {j}: speculative {speculative[j]} vs plain {plain[j]}, a margin of {top[1] - top[0]:.3g} "
+        f"between the two best logits, above twice the batched computation's rounding {rounding:.3g}")

@@ -17,8 +17,8 @@ from moepass.cli import main
 from moepass.core.files import load_model
 from moepass.placement import MemoryModel
 from moepass.runtime import KVCache, Speculator, load
-from oracle import (GGML_F16, GGML_F32, GGML_Q8_0, llama_quantize, llama_window_logits, moepass_step_logits,
-                    next_token_quality)
+from bounds import assert_same_greedy_tokens, assert_within, float_rounding_bound
+from oracle import GGML_F16, GGML_F32, llama_quantize, llama_window_logits, moepass_step_logits, next_token_quality
 
 
 def _attention(model_dir):
@@ -55,11 +55,13 @@ def test_an_int8_cache_in_place_and_speculating(make_gguf, tmp_path):
     assert KVCache(decoder, capacity=64)._in_place and decoder.cache_dtype == np.int8
     prompt = [5, 17, 33, 2, 90, 41, 5, 17, 33]
     plain = list(decoder.generate(prompt, 24, stop_ids=()))
-    # in place and in separate buffers (forward): the same prompt logits, to the int8 cache's last bit
+    # in place and in separate buffers (forward): the same keys and values quantized to the same codes,
+    # so the same logits up to the order of float sums
     whole, _ = decoder.forward(np.array([prompt]), decoder.empty_cache())
-    np.testing.assert_array_equal(KVCache(decoder, capacity=64).extend(prompt), whole[0, -1])
+    in_place = KVCache(decoder, capacity=64).extend(prompt)
+    assert_within(in_place, whole[0, -1], float_rounding_bound(whole, stages=3), "in place against separate buffers")
     decoder.speculate(Speculator("ngram", 4))
-    assert list(decoder.generate(prompt, 24, stop_ids=())) == plain
+    assert_same_greedy_tokens(decoder, prompt, plain, list(decoder.generate(prompt, 24, stop_ids=())))
 
 
 def test_fidelity_beside_llama_cpps_caches(trained_gguf, tmp_path):
@@ -67,15 +69,15 @@ def test_fidelity_beside_llama_cpps_caches(trained_gguf, tmp_path):
     cache: a float16 cache adds no more than llama.cpp's F16 cache does (twice it at most); the int8
     cache (static per-channel scales, calibrated on the model's own text) less than llama.cpp's Q8_0
     quantization of the weights adds (against the F32 file), keeping the top token where that file
-    does, and at most 3x what llama.cpp's own q8_0 cache adds (dynamic scales per 32 values;
-    measured 1.7x here)."""
+    does. (llama.cpp's own q8_0 cache, dynamic scales per 32 values, adds less: 1.3-1.4x less on
+    both trained models, docs/benchmarks.md.)"""
     import train_fixture
 
     gguf, imatrix = trained_gguf
     windows = train_fixture.heldout_windows()[:4]
     ours = {kind: moepass_step_logits(moepass.convert(gguf, tmp_path / kind, kv_cache=kind).output_dir, windows)
             for kind in ("float32", "float16", "int8")}
-    theirs = {t: llama_window_logits(gguf, windows, t) for t in (GGML_F32, GGML_F16, GGML_Q8_0)}
+    theirs = {t: llama_window_logits(gguf, windows, t) for t in (GGML_F32, GGML_F16)}
     assert llama_quantize(gguf, tmp_path / "q8_0.gguf", "Q8_0", imatrix)
     q8_0_file = next_token_quality(theirs[GGML_F32], llama_window_logits(tmp_path / "q8_0.gguf", windows), windows)
     f16 = next_token_quality(ours["float32"], ours["float16"], windows)
@@ -83,9 +85,7 @@ def test_fidelity_beside_llama_cpps_caches(trained_gguf, tmp_path):
     their_f16 = next_token_quality(theirs[GGML_F32], theirs[GGML_F16], windows)
     assert f16.mean_kld <= 2 * max(their_f16.mean_kld, 1e-12), (f16, their_f16)
     assert f16.top1 >= their_f16.top1 - 0.005
-    their_q8_0 = next_token_quality(theirs[GGML_F32], theirs[GGML_Q8_0], windows)
     assert int8.mean_kld <= q8_0_file.mean_kld, (int8, q8_0_file)
-    assert int8.mean_kld <= 3 * their_q8_0.mean_kld, (int8, their_q8_0)
     assert int8.top1 >= q8_0_file.top1 - 0.005, (int8, q8_0_file)
 
 
