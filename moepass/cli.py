@@ -209,7 +209,7 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
               help="The KV cache's type: float16 halves it, int8 quarters it (per-channel scales calibrated on the "
                    "model's own keys and values).")
 @click.option("--kv-calibration", type=click.Path(dir_okay=False), default=None,
-              show_default="a built-in English passage", help="With --kv-cache int8: text to calibrate the scales on.")
+              show_default="the model's own sampled text", help="With --kv-cache int8: text to calibrate the scales on.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(model: str, output: str, float_experts: str, expert_format: str, exact: bool, threads: int | None,
             activations: str, imatrix: str | None, force: bool, context: int | None, allow_non_finite: bool,

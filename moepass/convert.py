@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-
 from moepass.core.version import __version__
 from moepass.core.architectures import architecture_of
 from moepass.atomic import atomic_directory, check_destination
@@ -140,7 +139,7 @@ class ConvertResult:
                      + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
         lines.extend("    " + row for row in self.quality_table())
         lines.append(f"  offload       {self.offload}")
-        if self.kv_cache.get("type", "float32") != "float32":
+        if self.kv_cache.get("type") not in (None, "float32"):
             calibrated = f"; per-channel scales from {self.kv_cache['calibration']}" if "calibration" in self.kv_cache \
                 else ""
             lines.append(f"  KV cache      {self.kv_cache['type']}, {self.kv_cache['bytes_per_value']} byte(s) a value"
@@ -193,7 +192,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         genai_speculative: "ngram" or "draft:PATH" (a converted draft model's folder): speculative
             decoding in genai_config.json, `draft_tokens` per step (see moepass.genai.with_speculation).
         kv_cache: the KV cache's type, "float32", "float16" or "int8" (per-channel scales calibrated
-            on `kv_calibration`, a text file, else a built-in passage; see moepass.kv_precision).
+            on `kv_calibration`, a text file, else on the model's own sampled text; see
+            moepass.kv_precision).
     """
     if activations not in ACTIVATION_MODES:
         raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")

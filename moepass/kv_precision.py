@@ -15,7 +15,7 @@ decode step after 2,048 / 8,192 / 32,768 cached tokens: float32 0.87 / 3.8 / 24 
 1.3 / 9.5 / 45 ms (converted back to float32 as it is read), int8 per-channel 0.67 / 3.1 / 12 ms.
 The CUDA EP has no float32 GroupQueryAttention kernel (float16 / bfloat16 activations, caches of
 the same type, int8, int4 or float8; read from its source), so a GPU runs the offload format's
-float16 graph.
+float16 graph. The fidelity beside llama.cpp's caches: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,15 +34,16 @@ from moepass.core.files import MODEL_FILE, load_model
 CALIBRATION_TOKENS = 256
 INT8_MAX = 127
 # the scale's room above the largest magnitude seen: a value past it saturates, which costs more
-# than a coarser step (mean KLD on the trained fixtures' held-out text, markov / text model: room
-# 1.0: 5.2e-6 / 1.3e-5; 1.3: 5.8e-7 / 3.2e-6; 1.6: 1.1e-6 / 3.0e-6; 2.0: 1.6e-6 / 7.5e-6)
+# than a coarser step (mean KLD on 4 held-out windows of the trained fixtures, markov / text model:
+# room 1.0: 5.2e-6 / 1.3e-5; 1.3: 5.8e-7 / 3.2e-6; 1.6: 1.1e-6 / 3.0e-6; 2.0: 1.6e-6 / 7.5e-6)
 HEADROOM = 1.3
 # how the model's own text begins where it has a tokenizer (else: token 0)
 OPENING = "The river rose in the night, and by morning"
 
 
 # what partition --kv-cache auto chooses among: the types whose loss stays within llama.cpp's own
-# q8_0 cache's (float16: none measurable; int8: 1.7x q8_0's on the trained fixture, asked for only)
+# q8_0 cache's (float16: a tenth of its F16 cache's; int8: 1.3-1.4x q8_0's on the trained fixtures,
+# docs/benchmarks.md: used where asked for only)
 AUTO_CHOICES = ("float32", "float16")
 
 
@@ -87,18 +88,20 @@ def set_kv_cache(folder: Path, kind: str, context: int, text: str | None = None,
     the report entry."""
     if kind not in KV_CACHE_TYPES:
         raise MoepassError(f"--kv-cache must be one of {', '.join(KV_CACHE_TYPES)}, not {kind!r}")
-    info: dict = {"type": kind, "bytes_per_value": KV_CACHE_TYPES[kind]}
-    if kind == "float32":
-        return info
     model = load_model(folder)
+    if kind == "float32":  # as converted: float32, or the offload format's float16
+        current = cache_type_of(model)
+        return {"type": current, "bytes_per_value": KV_CACHE_TYPES[current]} if current else {"type": None}
+    info: dict = {"type": kind, "bytes_per_value": KV_CACHE_TYPES[kind]}
     attention = [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
     if not attention:
         raise MoepassError(f"{folder}: the model has no GroupQueryAttention: no KV cache to give another type")
     for node in attention:
         for value in (node.inputs[3], node.inputs[4], node.outputs[1], node.outputs[2]):
             if value is None or value.dtype != ir.DataType.FLOAT:
-                raise MoepassError(f"{folder}: {node.name}'s KV cache is not float32 (already {value.dtype if value else 'absent'}); "
-                                   "--kv-cache applies to a float32 cache")
+                raise MoepassError(f"{folder}: {node.name}'s KV cache is not float32 (it is "
+                                   f"{value.dtype if value is not None else 'absent'}); --kv-cache applies to a "
+                                   "float32 cache")
     scales = {}
     if kind == "int8":
         from moepass.runtime import Decoder

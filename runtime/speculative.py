@@ -84,8 +84,10 @@ class Speculator:
             raise MoepassError(f"speculative decoding '{kind}' is not one of {', '.join(KINDS)}")
         if draft_tokens < 1:
             raise MoepassError(f"--draft-tokens {draft_tokens}: at least 1")
-        if (kind == "draft") != (draft is not None):
+        if kind == "draft" and draft is None:
             raise MoepassError("speculative decoding with a draft model needs the draft model (draft:PATH)")
+        if kind != "draft" and draft is not None:
+            raise MoepassError(f"a draft model drafts for kind 'draft', not '{kind}'")
         self.kind = kind
         self.draft_tokens = draft_tokens
         self.draft = draft
