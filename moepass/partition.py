@@ -274,11 +274,19 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         weights = _save(model, source, tmp, unchanged=target == "layers", progress=progress)
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
-        (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
-                                                    "placement": {"target": target, "mode": mode}}, indent=1) + "\n")
         for name in (REPORT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
             if (source.parent / name).is_file():
                 shutil.copyfile(source.parent / name, tmp / name)
+        # the cache retyped once the weights are in place and before the placement options (int8 is
+        # calibrated on the CPU)
+        if chosen != source_cache:
+            info = read_json_object(tmp / REPORT_FILE)
+            hparams = info.get("hparams") if isinstance(info.get("hparams"), dict) else {}
+            context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else 256
+            info["kv_cache"] = set_kv_cache(tmp, chosen, context_length, threads=threads)
+            (tmp / REPORT_FILE).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+        (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
+                                                    "placement": {"target": target, "mode": mode}}, indent=1) + "\n")
         if (source.parent / GENAI_CONFIG_FILE).is_file():
             # a per-layer plan is for onnxruntime-genai-cuda's in-tree CUDA EP; expert offload needs the
             # plugin EP, which genai is not given here (docs/gpu.md, route (c))
@@ -286,12 +294,6 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
                                          source.parent / GENAI_CONFIG_FILE,
                                          provider="cuda" if target == "layers" else None)
             (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
-        if chosen != source_cache:  # the cache retyped after the weights are in place (int8: calibrated on them)
-            info = read_json_object(tmp / REPORT_FILE)
-            hparams = info.get("hparams") if isinstance(info.get("hparams"), dict) else {}
-            context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else 256
-            info["kv_cache"] = set_kv_cache(tmp, chosen, context_length, threads=threads)
-            (tmp / REPORT_FILE).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         if report is not None:
             from moepass.plan_report import draw_plan
 
@@ -303,7 +305,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
 def _kv_cache_choice(plans: dict, chosen: str, source: str, asked: str) -> dict[str, Any]:
     """plan.json's "kv_cache": the type chosen, why, and what each candidate would have bought."""
     def summary(kind: str) -> dict[str, Any]:
-        memory, plan = plans[kind]
+        _, plan = plans[kind]
         return {"kv_cache_bytes": plan.memory["kv_cache_bytes"], "bytes_per_value": KV_CACHE_TYPES[kind],
                 "resident_experts": sum(len(r) for r in plan.resident.values()),
                 "gpu_hit_rate_by_mass": plan.prediction["gpu_hit_rate_by_mass"],
