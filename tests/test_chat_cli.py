@@ -66,8 +66,9 @@ def test_two_turns_reuse_the_cache_and_reset_forgets(converted):
 
 
 def test_a_speculative_chat_answers_as_a_plain_one(converted):
-    """chat --speculative ngram, greedy: each turn's answer is the plain chat's, over the kept cache."""
-    model = Path(converted("q4_0"))
+    """chat --speculative ngram, greedy: each turn's answer is the plain chat's, over the kept cache
+    (a float model, as in test_serve)."""
+    model = Path(converted("f32"))
     answers = {}
     for extra in ((), ("--speculative", "ngram")):
         child = _spawn(model, "--max-new-tokens", "12", "--temperature", "0", *extra)
