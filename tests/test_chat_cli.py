@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from make_fixtures import Dims
+from make_fixtures import LONG_DIMS
 from moepass.cli import main
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extra")
@@ -81,9 +81,7 @@ def test_a_speculative_chat_answers_as_a_plain_one(converted):
     assert answers[("--speculative", "ngram")] == answers[()]
 
 
-# a longer context than the test fixture's, so that an answer takes seconds to write
-LONG = Dims(n_layers=4, hidden=512, n_heads=8, head_dim=64, expert_ff=512, context_length=2048)
-ANSWER = 1500
+ANSWER = 1500  # tokens: seconds to write on make_fixtures.LONG_DIMS
 
 
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(converted):
@@ -91,7 +89,7 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(converted):
     CPU), so that the answer is still being written when Ctrl-C comes."""
     from moepass.runtime import load
 
-    model = Path(converted("q4_0", dims=LONG))
+    model = Path(converted("q4_0", dims=LONG_DIMS))
     decoder = load(model, threads=1)
     prompt = next((p for p in ("the other one", "tell me more", "a long story", "go on", "and again")
                    if not set(decoder.generate(decoder.encode(decoder.apply_chat_template(p)), ANSWER))

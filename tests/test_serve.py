@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from make_fixtures import LONG_DIMS
 from moepass.cli import main
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
@@ -196,21 +197,39 @@ def test_the_real_client_sees_the_errors(server, model):
     assert client.completions.create(model=model.name, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_a_client_that_leaves_stops_its_generation(server, model):
-    with httpx.stream("POST", f"{server.base}/v1/completions", timeout=60,
-                      json={"prompt": "the other one", "max_tokens": 480, "temperature": 0, "stream": True,
-                            "stop": ["\x00never"]}) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-    # the server noted it, long before the 480 tokens were generated, and serves the next client
-    deadline = time.monotonic() + 30
-    while "went away" not in server.log.read_text():
-        assert time.monotonic() < deadline, server.log.read_text()
-        time.sleep(0.05)
-    said = [line for line in server.log.read_text().splitlines() if "went away" in line][-1]
-    done = int(said.split("after ")[1].split(" ")[0])
-    assert done < 480, said
-    assert server.client().completions.create(model=model.name, prompt="hi", max_tokens=2).choices
+ANSWER = 1500  # tokens: seconds to write on make_fixtures.LONG_DIMS
+
+
+def test_a_client_that_leaves_stops_its_generation(converted, tmp_path):
+    """A greedy answer that meets no stop token (checked first, on this CPU) and takes seconds to
+    write: the client leaves after its first piece, the server notes it long before the end and
+    serves the next client (on the small fixture a 480-token answer could be written whole before
+    the disconnect was seen)."""
+    from moepass.runtime import load
+
+    model = Path(converted("q4_0", dims=LONG_DIMS))
+    decoder = load(model, threads=1)
+    prompt = next((p for p in ("the other one", "tell me more", "a long story", "go on", "and again")
+                   if not set(decoder.generate(decoder.encode(p), ANSWER)) & set(decoder.stop_ids)), None)
+    if prompt is None:
+        pytest.skip(f"every prompt's greedy answer meets a stop token within {ANSWER} tokens on this CPU")
+    server = Server(model, tmp_path / "server.log")
+    try:
+        with httpx.stream("POST", f"{server.base}/v1/completions", timeout=60,
+                          json={"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "stream": True,
+                                "stop": ["\x00never"]}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.monotonic() + 30
+        while "went away" not in server.log.read_text():
+            assert time.monotonic() < deadline, server.log.read_text()
+            time.sleep(0.05)
+        said = [line for line in server.log.read_text().splitlines() if "went away" in line][-1]
+        done = int(said.split("after ")[1].split(" ")[0])
+        assert done < ANSWER, said
+        assert server.client().completions.create(model=model.name, prompt="hi", max_tokens=2).choices
+    finally:
+        assert server.stop() == 0, server.log.read_text()
 
 
 def test_concurrent_clients_get_their_own_answers(server, model):
