@@ -19,10 +19,8 @@ Reported: decode tokens/s after each depth, the prefill's tokens/s to the last d
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,10 +29,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fixtures"))
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import cpu_family  # noqa: E402
 import make_fixtures  # noqa: E402
-from runtime import timed  # noqa: E402
+from runtime import llama_build, qwen3_sized_gguf, timed  # noqa: E402
 
 OURS = r"""
 import json, sys, time
@@ -94,20 +94,15 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="Keep the generated files here (default: a temp dir).")
     ap.add_argument("--llama-python", default=sys.executable)
     args = ap.parse_args()
-    build = subprocess.run([args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__, "
-                            "llama_cpp.llama_print_system_info().decode())"], capture_output=True, text=True,
-                           check=True).stdout.strip()
-    dims = dataclasses.replace(make_fixtures.QWEN3_30B_DIMS, n_layers=args.layers)
-    kv_heads, head, layers = dims.n_kv_heads, dims.head_dim, dims.n_layers
+    build = llama_build(args.llama_python)
+    dims = make_fixtures.QWEN3_30B_DIMS
+    kv_heads, head, layers = dims.n_kv_heads, dims.head_dim, args.layers
     rows = []
     with tempfile.TemporaryDirectory(prefix="moepass-long-bench-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for preset in args.presets:
-            gguf = work / f"qwen3moe-30b-sizes-{preset}-{args.layers}l.gguf"
-            if not gguf.exists():
-                print(f"writing {gguf.name}", file=sys.stderr, flush=True)
-                make_fixtures.write_moe_gguf(gguf, preset, dims, seed=0)
+            gguf = qwen3_sized_gguf(work, preset, args.layers)
             context = max(args.depths) + args.new_tokens + 8
             for kind in args.kv_caches:
                 out = work / f"{gguf.stem}-ctx{context}-kv-{kind}"
@@ -126,11 +121,7 @@ def main() -> None:
                                    json.dumps(args.depths), str(ggml)])
                 rows.append({"preset": preset, "side": "llama.cpp", "cache": label, "rss": rss,
                              **json.loads(text.strip().splitlines()[-1])})
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    isa = "AVX-512" if " avx512f" in flags else "AVX2"
-    print(f"\n{time.strftime('%Y-%m-%d')}, {cpu} ({isa}), {os.cpu_count()} cores, {args.threads} threads, "
+    print(f"\n{time.strftime('%Y-%m-%d')}, {cpu_family.describe()}, {os.cpu_count()} cores, {args.threads} threads, "
           f"{args.layers} layers of Qwen3-30B-A3B's sizes; llama.cpp: {build}\n")
     last = max(args.depths)
     print("| file | side | KV cache | " + " | ".join(f"decode after {d}" for d in args.depths)

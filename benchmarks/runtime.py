@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fixtures"))
+sys.path.insert(0, str(ROOT / "tests"))
 
+import cpu_family  # noqa: E402
 import make_fixtures  # noqa: E402
 
 PRESET_NAMES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M (llama.cpp's layer rule)",
@@ -68,6 +69,24 @@ for n in depths:
     out["decode"][n] = new_tokens / run(prompt(n), new_tokens)[1]
 print(json.dumps(out))
 """
+
+
+def qwen3_sized_gguf(work: Path, preset: str, layers: int) -> Path:
+    """The benchmarks' file: Qwen3-30B-A3B's layer sizes and vocabulary, `layers` layers, `preset`
+    (fixed seed), written into `work` unless it is there already."""
+    gguf = work / f"qwen3moe-30b-sizes-{preset}-{layers}l.gguf"
+    if not gguf.exists():
+        print(f"writing {gguf.name}", file=sys.stderr, flush=True)
+        make_fixtures.write_moe_gguf(gguf, preset, dataclasses.replace(make_fixtures.QWEN3_30B_DIMS, n_layers=layers),
+                                     seed=0)
+    return gguf
+
+
+def llama_build(python: str) -> str:
+    """llama-cpp-python's version and llama.cpp's system info line, from the Python that runs it."""
+    return subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__, "
+                           "llama_cpp.llama_print_system_info().decode())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def timed(cmd: list[str]) -> tuple[str, int]:
@@ -164,20 +183,14 @@ def main() -> None:
                     help="Python whose llama_cpp runs the llama.cpp side (default: this one; the tests' oracle is "
                          "an AVX2 build, a benchmark wants the best build the CPU runs)")
     args = ap.parse_args()
-    args.llama_build = subprocess.run([args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__, "
-                                       "llama_cpp.llama_print_system_info().decode())"],
-                                      capture_output=True, text=True, check=True).stdout.strip()
+    args.llama_build = llama_build(args.llama_python)
     bandwidth = copy_bandwidth()
     rows = []
     with tempfile.TemporaryDirectory(prefix="moepass-runtime-bench-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for preset in args.presets:
-            gguf = work / f"qwen3moe-30b-sizes-{preset}-{args.layers}l.gguf"
-            if not gguf.exists():
-                print(f"writing {gguf.name}", file=sys.stderr, flush=True)
-                make_fixtures.write_moe_gguf(gguf, preset, dataclasses.replace(make_fixtures.QWEN3_30B_DIMS,
-                                                                                n_layers=args.layers), seed=0)
+            gguf = qwen3_sized_gguf(work, preset, args.layers)
             out = work / f"{gguf.stem}-onnx" if args.expert_format == "auto" else \
                 work / f"{gguf.stem}-{args.expert_format}-onnx"
             if not out.exists():
@@ -204,9 +217,7 @@ def main() -> None:
 
 
 def report(rows: list[dict], args, bandwidth: float) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    print(f"\ndate {time.strftime('%Y-%m-%d')}, {cpu}, {os.cpu_count()} cores, {args.threads} threads each, "
+    print(f"\ndate {time.strftime('%Y-%m-%d')}, {cpu_family.describe()}, {os.cpu_count()} cores, {args.threads} threads each, "
           f"{args.layers} layers, vocabulary 151,936, best of {args.rounds} alternating rounds; "
           f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp: {args.llama_build}")
     prompts, depths = args.prompts, args.depths

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -35,9 +34,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "fixtures"))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import make_fixtures  # noqa: E402
+import cpu_family  # noqa: E402
+from runtime import qwen3_sized_gguf  # noqa: E402
 
 DRAFT_LENGTHS = (0, 1, 2, 4, 8)
 
@@ -90,11 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moepass-spec-bench-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        gguf = work / f"qwen3moe-30b-sizes-q4_0-{args.layers}l.gguf"
-        if not gguf.exists():
-            print(f"writing {gguf.name}", file=sys.stderr, flush=True)
-            make_fixtures.write_moe_gguf(gguf, "q4_0", dataclasses.replace(make_fixtures.QWEN3_30B_DIMS,
-                                                                            n_layers=args.layers), seed=0)
+        gguf = qwen3_sized_gguf(work, "q4_0", args.layers)
         out = work / f"{gguf.stem}-onnx"
         if not out.exists():
             print(f"converting {gguf.name}", file=sys.stderr, flush=True)
@@ -128,11 +125,7 @@ def main() -> None:
                              "drafted_per_step": speculator.drafted / max(speculator.steps, 1),  # over both runs
                              "tokens_per_step": 2 * args.new_tokens / max(speculator.steps, 1),
                              "same_tokens": tokens == plain_tokens if sampling.temperature == 0 else None})
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
-    print(f"\n{time.strftime('%Y-%m-%d')}, {cpu} ({isa}), {args.threads} threads, {args.layers} layers of "
+    print(f"\n{time.strftime('%Y-%m-%d')}, {cpu_family.describe()}, {args.threads} threads, {args.layers} layers of "
           f"Qwen3-30B-A3B's sizes, Q4_0, moepass defaults\n")
     print("| draft tokens k | step over 1 + k positions | vs k = 0 |\n|---|---|---|")
     for k, seconds in costs.items():
