@@ -31,7 +31,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import (GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
                                 TOKENIZER_FILE, as_ir_model, read_text, save_model)
 from moepass.genai import check_speculation, genai_config, with_speculation
-from moepass.kv_precision import set_kv_cache
+from moepass.kv_precision import cache_type_of, set_kv_cache
 from moepass.core.moe_nodes import moe_nodes
 from moepass.core.imatrix import load_imatrix
 from moepass.core.capabilities import offload_violations
@@ -250,8 +250,8 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         tokenizer = tokenizer_from_gguf(gguf)
         tokenizer.write(tmp, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
         report["tokenizer"] = tokenizer.info
-        report["kv_cache"] = set_kv_cache(tmp, kv_cache, lowered.hparams.context_length, calibration_text, threads,
-                                          echo)
+        report["kv_cache"] = set_kv_cache(tmp, kv_cache, cache_type_of(onnx_model), lowered.hparams.context_length,
+                                          calibration_text, threads, echo)
         genai = genai_config(lowered.hparams, lowered.model, tokenizer.info)
         if genai_speculative:
             genai = with_speculation(genai, genai_speculative, draft_tokens, output_dir)

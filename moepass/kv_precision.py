@@ -81,34 +81,36 @@ def cache_ranges(decoder, ids: Sequence[int]) -> dict[str, np.ndarray]:
     return {name.replace("past_key_values.", "present."): np.abs(value[0]).max(axis=1) for name, value in cache.items()}
 
 
-def set_kv_cache(folder: Path, kind: str, context: int, text: str | None = None, threads: int | None = None,
-                 echo: Callable[[str], None] = lambda line: None) -> dict:
-    """Give every GroupQueryAttention of the converted model in `folder` (float32 cache, `context`
-    positions) a `kind` cache; rewrites model.onnx (the weights' data file stays as it is). Returns
-    the report entry."""
+def cache_entry(kind: str | None) -> dict:
+    """moepass.json's "kv_cache" for a cache of `kind` (None: the model has no KV cache)."""
+    return {"type": kind, "bytes_per_value": KV_CACHE_TYPES[kind]} if kind else {"type": None}
+
+
+def set_kv_cache(folder: Path, kind: str, current: str | None, context: int | None = None, text: str | None = None,
+                 threads: int | None = None, echo: Callable[[str], None] = lambda line: None) -> dict:
+    """Give every GroupQueryAttention of the converted model in `folder`, whose cache is of type
+    `current` (cache_type_of), a `kind` cache, calibrated on at most `context` tokens (the model's
+    positions); rewrites model.onnx (the weights' data file stays as it is). "float32" keeps the
+    cache as converted (the offload format's is float16). Returns moepass.json's entry."""
     if kind not in KV_CACHE_TYPES:
         raise MoepassError(f"--kv-cache must be one of {', '.join(KV_CACHE_TYPES)}, not {kind!r}")
-    model = load_model(folder)
-    if kind == "float32":  # as converted: float32, or the offload format's float16
-        current = cache_type_of(model)
-        return {"type": current, "bytes_per_value": KV_CACHE_TYPES[current]} if current else {"type": None}
-    info: dict = {"type": kind, "bytes_per_value": KV_CACHE_TYPES[kind]}
-    attention = [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
-    if not attention:
+    if kind == "float32" or kind == current:
+        return cache_entry(current)
+    if current is None:
         raise MoepassError(f"{folder}: the model has no GroupQueryAttention: no KV cache to give another type")
-    for node in attention:
-        for value in (node.inputs[3], node.inputs[4], node.outputs[1], node.outputs[2]):
-            if value is None or value.dtype != ir.DataType.FLOAT:
-                raise MoepassError(f"{folder}: {node.name}'s KV cache is not float32 (it is "
-                                   f"{value.dtype if value is not None else 'absent'}); --kv-cache applies to a "
-                                   "float32 cache")
+    if current != "float32":
+        raise MoepassError(f"{folder}: the model's KV cache is {current}; --kv-cache applies to a float32 cache")
+    model = load_model(folder)
+    attention = [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    info = cache_entry(kind)
     scales = {}
     if kind == "int8":
         from moepass.runtime import Decoder
 
         echo("calibrating the int8 KV cache")
         decoder = Decoder(folder, device="cpu", threads=threads)
-        ids, info["calibration"] = calibration_ids(decoder, text, min(CALIBRATION_TOKENS, context))
+        length = min(CALIBRATION_TOKENS, context or CALIBRATION_TOKENS)
+        ids, info["calibration"] = calibration_ids(decoder, text, length)
         scales = {name: np.maximum(top * HEADROOM, np.finfo(np.float32).tiny) / INT8_MAX
                   for name, top in cache_ranges(decoder, ids).items()}
         del decoder
@@ -118,12 +120,10 @@ def set_kv_cache(folder: Path, kind: str, context: int, text: str | None = None,
             value.type = cache_type
         if kind != "int8":
             continue
-        if len(node.inputs) < 12:
-            node.resize_inputs(12)
-        node.resize_inputs(14)
+        node.resize_inputs(14)  # k_scale, v_scale: inputs 12 and 13, the optional ones before them left empty
         for index, output in ((12, node.outputs[1]), (13, node.outputs[2])):
             scale = scales[output.name].astype(np.float32)[:, None, :]  # [kv_heads, 1, head_size]
-            name = f"{output.name.replace('present.', 'kv_scale.')}"
+            name = output.name.replace("present.", "kv_scale.")
             initializer = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(scale.shape),
                                    const_value=ir.tensor(scale, name=name))
             model.graph.register_initializer(initializer)

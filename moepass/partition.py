@@ -282,8 +282,8 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         if chosen != source_cache:
             info = read_json_object(tmp / REPORT_FILE)
             hparams = info.get("hparams") if isinstance(info.get("hparams"), dict) else {}
-            context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else 256
-            info["kv_cache"] = set_kv_cache(tmp, chosen, context_length, threads=threads)
+            context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else None
+            info["kv_cache"] = set_kv_cache(tmp, chosen, source_cache, context_length, threads=threads)
             (tmp / REPORT_FILE).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
                                                     "placement": {"target": target, "mode": mode}}, indent=1) + "\n")
