@@ -147,14 +147,11 @@ def moepass_window_logits(model_dir, windows) -> list[np.ndarray]:
 def moepass_step_logits(model_dir, windows) -> list[np.ndarray]:
     """A converted model's logits for each token window decoded one token per step through the KV
     cache (each position attends to the cache as it is stored: a quantized cache's own values)."""
-    from moepass.runtime import KVCache, load
+    from bounds import sequential_logits
+    from moepass.runtime import load
 
     decoder = load(model_dir, threads=2)
-    out = []
-    for ids in windows:
-        cache = KVCache(decoder, capacity=len(ids))
-        out.append(np.stack([cache.run([t]) for t in ids]))
-    return out
+    return [sequential_logits(decoder, list(ids), 1) for ids in windows]
 
 
 def _tied(scores: np.ndarray, k: int, spread: np.ndarray | None = None) -> np.ndarray:
