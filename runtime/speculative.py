@@ -93,6 +93,7 @@ class Speculator:
         self.draft = draft
         self.ngram_sizes = tuple(ngram_sizes)  # context suffix lengths looked up, longest first
         self._draft_cache: KVCache | None = None
+        self._checked_for: "Decoder | None" = None  # the target check_target passed
         self.drafted = 0   # draft tokens checked by the target
         self.accepted = 0  # of them, kept
         self.steps = 0     # passes of the target model after the prompt
@@ -108,8 +109,8 @@ class Speculator:
 
     def check_target(self, target: "Decoder") -> None:
         """A draft model must speak the target's vocabulary: the same size and, where both have a
-        tokenizer, the same tokens."""
-        if self.draft is None:
+        tokenizer, the same tokens (checked once per target: bench switches speculation off and on)."""
+        if self.draft is None or self._checked_for is target:
             return
         if self.draft.vocab_size != target.vocab_size:
             raise MoepassError(f"{self.draft.model_dir}: the draft model has {self.draft.vocab_size} tokens, the model "
@@ -118,6 +119,7 @@ class Speculator:
                 and self.draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise MoepassError(f"{self.draft.model_dir}: the draft model's tokenizer has other tokens than the model's; "
                                "a draft model needs the same vocabulary")
+        self._checked_for = target
 
     def propose(self, history: list[int], count: int, sampling: Sampling, rng: np.random.Generator
                 ) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray] | None]]:
