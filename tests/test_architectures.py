@@ -68,14 +68,6 @@ def test_inspect_shows_architecture_parts(arch, expected, make_gguf, converted):
             assert features[key] == (pytest.approx(value) if isinstance(value, dict) else value), (arch, key)
 
 
-def test_readme_lists_every_architecture():
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for name in ARCHITECTURES:
-        assert f"`{name}`" in readme, name
-
-
 @pytest.mark.parametrize("extra,message", [
     # LongRoPE (rope_factors_long/short, rope.scaling.type "longrope") is converted: tests/test_longrope.py
     ({"metadata": {"phimoe.rope.scaling.type": "su"}}, "'phimoe.rope.scaling.type' is 'su'"),
