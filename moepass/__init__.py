@@ -68,5 +68,6 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-__all__ = ["Conversation", "ConvertResult", "MoepassError", "PartitionResult", "Popularity", "Sampling", "__version__", "convert",
+__all__ = ["Conversation", "ConvertResult", "MoepassError", "PartitionResult", "Popularity", "Sampling", "__version__",
+           "convert",
            "inspect", "load", "partition", "profile"]

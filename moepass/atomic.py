@@ -15,12 +15,20 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from moepass.core.errors import WRITE_ERRNOS, MoepassError
-from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
-                                TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
+from moepass.core.files import (
+    DATA_FILE,
+    GENAI_CONFIG_FILE,
+    MODEL_FILE,
+    OPTIONS_FILE,
+    PLAN_FILE,
+    REPORT_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+)
 
 COPY_STEP = 256 << 20  # bytes a copy moves between progress reports
 # what convert and partition write into an output folder: --force replaces a folder of these only

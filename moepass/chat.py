@@ -9,7 +9,7 @@ leaves; Ctrl-C stops the answer being written and returns to the prompt.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import click
 

@@ -17,9 +17,25 @@ import traceback
 import click
 
 from moepass.core import keys
-from moepass.core.choices import (ACTIVATION_MODES, DEVICES, EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT,
-                                  GPU_PRESETS, LLAMA_SERVER, PASS_NAMES, PLAN_MODES, PLUGIN_ENV, POLICIES, PROMPT_FORMATS,
-                                  TARGETS, Bandwidths, DEFAULT_DRAFT_TOKENS, KV_CACHE_TYPES, Sampling)
+from moepass.core.choices import (
+    ACTIVATION_MODES,
+    DEFAULT_DRAFT_TOKENS,
+    DEVICES,
+    EXPERT_FORMATS,
+    FLOAT_EXPERT_CHOICES,
+    GPU_PRESETS,
+    KV_CACHE_TYPES,
+    LLAMA_SERVER,
+    MAX_CONTEXT,
+    PASS_NAMES,
+    PLAN_MODES,
+    PLUGIN_ENV,
+    POLICIES,
+    PROMPT_FORMATS,
+    TARGETS,
+    Bandwidths,
+    Sampling,
+)
 from moepass.core.errors import MoepassError, expected_failure
 
 
@@ -150,7 +166,8 @@ class _Progress:
         what = f"{self._amount(self.done)} of {self._amount(self.total)}" + ("" if self.unit == "bytes" else
                                                                               f" {self.unit}")
         speed = f"{self._amount(rate)}/s" if self.unit == "bytes" else f"{rate:.1f} {self.unit}/s"
-        eta = "done" if self.done >= self.total else f"{left:.0f} s left" if math.isfinite(left) else "time left unknown"
+        eta = ("done" if self.done >= self.total else f"{left:.0f} s left" if math.isfinite(left)
+               else "time left unknown")
         return f"{self.label}: {what} ({self.done / max(self.total, 1):.0%}), {speed}, {eta}"
 
     def close(self) -> None:
@@ -192,7 +209,8 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
                    "accuracy_level 4; fast). float: exact float arithmetic on the weights (slower; for tests).")
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
-@click.option("--force", is_flag=True, help="Replace the output directory if moepass wrote it (never a folder of yours).")
+@click.option("--force", is_flag=True,
+              help="Replace the output directory if moepass wrote it (never a folder of yours).")
 @click.option("-c", "--context", type=click.IntRange(1, MAX_CONTEXT), default=None,
               show_default="the GGUF's context_length",
               help="Positions (tokens) the model is built for: its RoPE tables.")
@@ -209,7 +227,8 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
               help="The KV cache's type: float16 halves it, int8 quarters it (per-channel scales calibrated on the "
                    "model's own keys and values).")
 @click.option("--kv-calibration", type=click.Path(dir_okay=False), default=None,
-              show_default="the model's own sampled text", help="With --kv-cache int8: text to calibrate the scales on.")
+              show_default="the model's own sampled text",
+              help="With --kv-cache int8: text to calibrate the scales on.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def convert(model: str, output: str, float_experts: str, expert_format: str, exact: bool, threads: int | None,
             activations: str, imatrix: str | None, force: bool, context: int | None, allow_non_finite: bool,
@@ -238,7 +257,8 @@ def convert(model: str, output: str, float_experts: str, expert_format: str, exa
 @click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
 def inspect(path: str, as_json: bool) -> None:
     """Describe a GGUF file or a converted ONNX model: architecture, MoE layers, formats, bytes per group."""
-    from moepass.inspection import format_inspection, inspect as run_inspect
+    from moepass.inspection import format_inspection
+    from moepass.inspection import inspect as run_inspect
 
     info = run_inspect(path)
     if as_json:
@@ -258,7 +278,8 @@ def _runtime_options(f):
         click.option("--offload", "mode", type=click.Choice(keys.OFFLOAD_MODES), default=None,
                      help="Expert offload: disabled, auto (fall back with a warning) or required "
                           "(default: what partition wrote)."),
-        click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="ONNX Runtime's: every core",
+        click.option("-t", "--threads", type=click.IntRange(1, None), default=None,
+                     show_default="ONNX Runtime's: every core",
                      help="ONNX Runtime intra-op threads."),
         click.option("--speculative", default=None, metavar="ngram|draft:PATH", show_default="off: one token per step",
                      help="Speculative decoding: drafts from n-gram lookup in the context, or from a smaller "
@@ -295,7 +316,8 @@ def _sampling_options(greedy: bool):
             click.option("--top-k", type=click.IntRange(0, None), default=d.top_k, show_default=True,
                          help="Keep the K likeliest tokens (0 = no limit)."),
             click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=d.top_p, show_default=True,
-                         callback=_finite_option, help="Keep the likeliest tokens up to this probability mass (1 = all)."),
+                         callback=_finite_option,
+                         help="Keep the likeliest tokens up to this probability mass (1 = all)."),
             click.option("--min-p", type=click.FloatRange(0, 1), default=d.min_p, show_default=True,
                          callback=_finite_option, help="Drop tokens less likely than this times the likeliest."),
             click.option("--repeat-penalty", type=click.FloatRange(0, None, min_open=True), default=d.repeat_penalty,
@@ -446,7 +468,8 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
     """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     from pathlib import Path
 
-    from moepass.server import listen, serve as run_server
+    from moepass.server import listen
+    from moepass.server import serve as run_server
 
     _require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
     listener = listen(host, port)  # before the model loads: a busy port says so at once
@@ -543,10 +566,10 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
 def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat: bool, prompt_ids: str | None,
             output: str, merge_with: tuple[str, ...], threads: int | None, force: bool, quiet: bool) -> None:
     """Measure expert popularity: run calibration prompts through a converted model on the CPU."""
-    from moepass.popularity import Popularity
-    from moepass.profile import profile as run_profile, read_prompts
-
     from moepass.atomic import check_destination
+    from moepass.popularity import Popularity
+    from moepass.profile import profile as run_profile
+    from moepass.profile import read_prompts
 
     if (prompts_file is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompts FILE or --prompt-ids 1,2,3")
@@ -616,7 +639,8 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
               show_default=f"{Bandwidths.host:g}", help="Host memory GB/s, where the CPU side is not timed "
                                                         "(--no-calibrate).")
 @click.option("--pcie-bandwidth", type=float, callback=_finite_option, default=None,
-              show_default=f"the --gpu card's link, else {Bandwidths.pcie:g}", help="Host-GPU link GB/s, for the estimate.")
+              show_default=f"the --gpu card's link, else {Bandwidths.pcie:g}",
+              help="Host-GPU link GB/s, for the estimate.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Also draw the plan (heatmap and memory bar) into this PNG file.")
 @click.option("--force", is_flag=True, help="Replace the output directory (and report) if moepass wrote them.")

@@ -21,30 +21,39 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from moepass.core.version import __version__
-from moepass.core.architectures import architecture_of
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
 from moepass.atomic import atomic_directory, check_destination
+from moepass.core import keys
+from moepass.core.architectures import architecture_of
+from moepass.core.capabilities import offload_violations
+from moepass.core.choices import ACTIVATION_MODES, DEFAULT_DRAFT_TOKENS, FLOAT_EXPERT_CHOICES, KV_CACHE_TYPES
 from moepass.core.errors import MoepassError
-from moepass.core.files import (GENAI_CONFIG_FILE, MODEL_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE,
-                                TOKENIZER_FILE, as_ir_model, read_text, save_model)
+from moepass.core.files import (
+    GENAI_CONFIG_FILE,
+    MODEL_FILE,
+    REPORT_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    as_ir_model,
+    read_text,
+    save_model,
+)
+from moepass.core.gguf_reader import GGUFModel, is_gguf
+from moepass.core.imatrix import load_imatrix
+from moepass.core.moe_nodes import moe_nodes
+from moepass.core.quants import parse_form, speed_class
+from moepass.core.version import __version__
 from moepass.genai import check_speculation, genai_config, with_speculation
 from moepass.kv_precision import cache_type_of, set_kv_cache
-from moepass.core.moe_nodes import moe_nodes
-from moepass.core.imatrix import load_imatrix
-from moepass.core.capabilities import offload_violations
-from moepass.tokenizer import tokenizer_from_gguf
-from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.passes import QuantizeActivationsPass, run_pipeline
 from moepass.passes.fuse_moe import FuseMoePass
 from moepass.passes.lower import LowerOptions, lower_gguf
-from moepass.core.quants import parse_form, speed_class
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
-from moepass.core import keys
-from moepass.core.choices import ACTIVATION_MODES, DEFAULT_DRAFT_TOKENS, FLOAT_EXPERT_CHOICES, KV_CACHE_TYPES
-
+from moepass.tokenizer import tokenizer_from_gguf
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
 ACTIVATION_SUMMARY = {
@@ -118,7 +127,8 @@ class ConvertResult:
             lines.extend(f"    {f['anchor']}: -> {f['node']} ({f['form']})" if f["fused"] else
                          f"    not fused: {f['reason']}" for f in self.fusion)
         else:
-            lines.append(f"  layers        {self.n_layers} ({len(self.moe_layers)} MoE, {experts} experts, top-{top_k})")
+            moe = len(self.moe_layers)
+            lines.append(f"  layers        {self.n_layers} ({moe} MoE, {experts} experts, top-{top_k})")
         lines += [
             "  expert form   " + (", ".join(f"{form} in {n} layer{'s' if n > 1 else ''}"
                                                 + (f" ({speed_class(parse_form(form))})" if parse_form(form) else "")
@@ -129,7 +139,8 @@ class ConvertResult:
         requantized8 = any(w["target"].startswith("int8") and not any(w["exact"]) for w in self.weights
                            if ".ffn_experts." in w["onnx_name"])
         if self.fusion is None and requantized8 and self.output_bytes > 1.25 * self.source_bytes:
-            lines.append(f"    {self.output_bytes / self.source_bytes:.2f}x the GGUF: experts requantized into 8 bits keep "
+            ratio = self.output_bytes / self.source_bytes
+            lines.append(f"    {ratio:.2f}x the GGUF: experts requantized into 8 bits keep "
                          "llama.cpp's fidelity; --expert-format int4 is about the GGUF's size, with more error "
                          "(docs/benchmarks.md)")
         for target, nbytes in sorted(self.bytes_by_target.items(), key=lambda kv: -kv[1]):

@@ -14,15 +14,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals
 from moepass.core.errors import MoepassError
 from moepass.core.files import REPORT_FILE, as_ir_model, read_json_object
 from moepass.core.gguf_reader import GGUFModel, is_gguf
-from moepass.passes.fuse_moe import FuseMoePass
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.core.quants import BlockForm
-from moepass.core import keys
+from moepass.passes.fuse_moe import FuseMoePass
 
 
 def _gguf_group(name: str) -> str:
@@ -188,7 +188,8 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
         lines.append(f"CUDA EP       {len(refused)} nodes it has no kernel for (they would run on the CPU):")
         lines.extend(f"  {n} x {why}" for why, n in reasons.most_common())
         if any("float32" in why for why in reasons):
-            lines.append("  (convert --expert-format offload writes a float16 graph whose every node the CUDA EP takes)")
+            lines.append("  (convert --expert-format offload writes a float16 graph whose every node the CUDA EP "
+                         "takes)")
     else:
         lines.append("CUDA EP       takes every node")
     for record in info.get("fusion") or []:

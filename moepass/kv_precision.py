@@ -20,8 +20,8 @@ float16 graph. The fidelity beside llama.cpp's caches: docs/benchmarks.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -64,7 +64,8 @@ def calibration_ids(decoder, text: str | None, length: int) -> tuple[list[int], 
 
     if text is not None:
         if not decoder.has_tokenizer:
-            raise MoepassError(f"{decoder.model_dir}: the model has no tokenizer to encode the KV calibration text with")
+            raise MoepassError(f"{decoder.model_dir}: the model has no tokenizer to encode the KV calibration "
+                               "text with")
         ids = decoder.encode(text)[:length]
         if not ids:
             raise MoepassError("the KV calibration text holds no token")

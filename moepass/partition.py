@@ -25,29 +25,40 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import onnx
 import onnx_ir as ir
 
-from moepass.core.version import __version__
 from moepass.atomic import atomic_directory, atomic_file, check_destination, share_file
+from moepass.core import keys
+from moepass.core.capabilities import cuda_refusals, offload_violations
+from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths
 from moepass.core.errors import MoepassError
-from moepass.core.files import (DATA_FILE, GENAI_CONFIG_FILE, MODEL_FILE, OPTIONS_FILE, PLAN_FILE, REPORT_FILE,
-                                TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_model, model_file,
-                                read_json_object, save_model)
+from moepass.core.files import (
+    DATA_FILE,
+    GENAI_CONFIG_FILE,
+    MODEL_FILE,
+    OPTIONS_FILE,
+    PLAN_FILE,
+    REPORT_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    load_model,
+    model_file,
+    read_json_object,
+    save_model,
+)
+from moepass.core.moe_nodes import moe_nodes
+from moepass.core.version import __version__
 from moepass.genai import with_session_entries
 from moepass.kv_precision import AUTO_CHOICES, cache_type_of, set_kv_cache
-from moepass.core.moe_nodes import moe_nodes
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.reorder_experts import ReorderExpertsPass
-from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths
-from moepass.placement import (Budget, MemoryModel, Plan, format_bytes, onnxruntime_options,
-                               parse_bytes, plan_placement)
+from moepass.placement import Budget, MemoryModel, Plan, format_bytes, onnxruntime_options, parse_bytes, plan_placement
 from moepass.popularity import Popularity, model_identity
-from moepass.core.capabilities import cuda_refusals, offload_violations
-from moepass.core import keys
 
 PLAN_FORMAT = "moepass-plan"
 PLAN_VERSION = 1
@@ -101,7 +112,8 @@ class PartitionResult:
                "(bandwidth model, not a measurement)"),
         ]
         if "cpu_only" in pred["decode_ms_per_token"]:
-            lines.append(f"  CPU only         {pred['decode_ms_per_token']['cpu_only']:.3g} ms/token with every layer on "
+            cpu_only = pred["decode_ms_per_token"]["cpu_only"]
+            lines.append(f"  CPU only         {cpu_only:.3g} ms/token with every layer on "
                          f"this CPU ({pred['cpu']['threads'] or 'default'} threads; MoE layers and the LM head's "
                          "rate timed on this model)")
         lines.append(f"  weights          {self.weights}")
@@ -189,8 +201,12 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     source_cache = cache_type_of(model)
     if kv_cache not in ("keep", "auto", *KV_CACHE_TYPES):
         raise MoepassError(f"--kv-cache must be keep, auto or one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache!r}")
-    kv_kinds = [source_cache] if kv_cache == "keep" or source_cache is None else \
-        [k for k in AUTO_CHOICES if k == source_cache or source_cache == "float32"] if kv_cache == "auto" else [kv_cache]
+    if kv_cache == "keep" or source_cache is None:
+        kv_kinds = [source_cache]
+    elif kv_cache == "auto":
+        kv_kinds = [k for k in AUTO_CHOICES if k == source_cache or source_cache == "float32"]
+    else:
+        kv_kinds = [kv_cache]
     if kv_kinds[0] != source_cache and source_cache != "float32":
         raise MoepassError(f"{source}: the model's KV cache is {source_cache}; --kv-cache {kv_cache} applies to a "
                            "float32 cache (convert the GGUF with --kv-cache instead)")

@@ -43,11 +43,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from moepass.core import keys
+from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths
 from moepass.core.errors import MoepassError
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.popularity import Popularity
-from moepass.core import keys
-from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths
 
 _UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4,
           "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
@@ -118,7 +118,7 @@ class MemoryModel:
                     + batch * d["heads"] * prefill_tokens * context + moe + t * d["vocab"])
 
     @classmethod
-    def of(cls, model: ir.Model) -> "MemoryModel":
+    def of(cls, model: ir.Model) -> MemoryModel:
         graph = model.graph
         nodes = moe_nodes(graph)
         if not nodes:

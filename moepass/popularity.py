@@ -29,10 +29,10 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.atomic import atomic_file
+from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.files import read_json
 from moepass.core.moe_nodes import moe_nodes
-from moepass.core import keys
 
 FORMAT = "moepass-popularity"
 VERSION = 1
@@ -62,7 +62,7 @@ class Popularity:
     weight: dict[str, np.ndarray]     # node -> float64 [experts]
 
     @classmethod
-    def empty(cls, model: dict[str, Any]) -> "Popularity":
+    def empty(cls, model: dict[str, Any]) -> Popularity:
         nodes = model["moe_nodes"]
         return cls(model, 0, 0, {n["node"]: np.zeros(n["experts"], np.int64) for n in nodes},
                    {n["node"]: np.zeros(n["experts"], np.float64) for n in nodes})
@@ -99,7 +99,7 @@ class Popularity:
         return (f"experts never selected in {len(missing)} of {len(self.selected)} MoE layers: {shown}{more}; "
                 "more or more varied prompts would measure them")
 
-    def merge(self, other: "Popularity", other_label: str = "profile") -> "Popularity":
+    def merge(self, other: Popularity, other_label: str = "profile") -> Popularity:
         if other.fingerprint != self.fingerprint:
             raise MoepassError(f"{other_label}: profiles of different models cannot be merged "
                                f"(fingerprint {other.fingerprint[:12]} vs {self.fingerprint[:12]})")
@@ -119,7 +119,7 @@ class Popularity:
         return Path(path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Popularity":
+    def load(cls, path: str | os.PathLike) -> Popularity:
         path = Path(path)
         data = read_json(path, "a popularity file")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -152,7 +152,8 @@ class Popularity:
             raise MoepassError(f"{path}: malformed popularity file ({type(e).__name__}: {e})") from None
 
     def check_fits(self, model_identity_: dict[str, Any], label: str) -> None:
-        if model_identity_["fingerprint"] != self.fingerprint or model_identity_["moe_nodes"] != self.model["moe_nodes"]:
+        if (model_identity_["fingerprint"] != self.fingerprint
+                or model_identity_["moe_nodes"] != self.model["moe_nodes"]):
             mine = [n["node"] for n in self.model["moe_nodes"]]
             theirs = [n["node"] for n in model_identity_["moe_nodes"]]
             detail = "different MoE layers" if mine != theirs else "same layer names, different shapes"

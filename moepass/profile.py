@@ -11,20 +11,19 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence, Union
 
 import numpy as np
 
 from moepass.core.choices import PROMPT_FORMATS
 from moepass.core.errors import MoepassError
 from moepass.core.files import load_model, model_file, read_text
-from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.core.moe_nodes import moe_nodes
+from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.popularity import Popularity, model_identity
 
-
-Prompt = Union[str, Sequence[int]]  # text (tokenized with the model's tokenizer) or token ids
+Prompt = str | Sequence[int]  # text (tokenized with the model's tokenizer) or token ids
 
 
 def read_prompts(path: str | os.PathLike, fmt: str = "text") -> list[Prompt]:

@@ -21,7 +21,8 @@ import json
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from moepass.core.choices import Sampling
 from moepass.core.errors import MoepassError
@@ -168,7 +169,8 @@ class ModelServer:
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
             return self.decoder.encode(prompt)
-        if (isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
             vocab = self.decoder.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
             if bad is not None:

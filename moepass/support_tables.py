@@ -15,10 +15,8 @@ import re
 import sys
 from pathlib import Path
 
-from moepass.core.architectures import (ACTIVATIONS, ARCHITECTURES, ATTENTION_BIASES, QK_NORMS, ROPE_STYLES,
-                                        Architecture)
-from moepass.core.quants import (QUANT_TYPES, BlockForm, QuantType, common_exact_form, expert_form,
-                                 matrix_form)
+from moepass.core.architectures import ACTIVATIONS, ARCHITECTURES, ATTENTION_BIASES, QK_NORMS, ROPE_STYLES, Architecture
+from moepass.core.quants import QUANT_TYPES, BlockForm, QuantType, common_exact_form, expert_form, matrix_form
 
 # Rows of Qwen3-30B-A3B's matrices: hidden 2048 (gate/up, attention), expert ffn 768 (down). The
 # forms below are those of these sizes; other sizes take the largest block dividing their rows.
@@ -109,7 +107,8 @@ def render(text: str) -> str:
         pattern = re.compile(re.escape(BEGIN.format(name)) + r"\n.*?" + re.escape(END), re.S)
         if not pattern.search(text):
             raise SystemExit(f"no generated section '{name}' ({BEGIN.format(name)} ... {END})")
-        text = pattern.sub(lambda _: f"{BEGIN.format(name)}\n{table()}\n{END}", text)
+        section = f"{BEGIN.format(name)}\n{table()}\n{END}"
+        text = pattern.sub(lambda _, section=section: section, text)
     return text
 
 

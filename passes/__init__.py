@@ -9,7 +9,7 @@ converted models.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import onnx_ir as ir
 from onnx_ir.passes import PassBase

@@ -12,9 +12,10 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.moe_nodes import moe_nodes
-from moepass.core import keys
+
 
 class AnnotateLayersPass(InPlacePass):
     """Annotate nodes for `on_gpu` ({MoE node name: runs on the GPU})."""

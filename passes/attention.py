@@ -136,7 +136,8 @@ def latent_qkv(builder: GraphBuilder, h: ir.Value, layer: int) -> tuple[ir.Value
     q = t.op("Reshape", [t.op("Concat", [q_pe, absorbed], {"axis": 3}, name=f"{p}.attn_q.concat"),
                          builder.ints(0, 0, n * (rope + rank))], name=f"{p}.attn_q.merge_heads")
     kv = builder.linear(h, builder.tensor("attn_kv_a_mqa", layer), f"{p}.attn_kv_a_mqa")
-    compressed = t.op("Slice", [kv, builder.ints(0), builder.ints(rank), builder.ints(2)], name=f"{p}.attn_kv.compressed")
+    compressed = t.op("Slice", [kv, builder.ints(0), builder.ints(rank), builder.ints(2)],
+                      name=f"{p}.attn_kv.compressed")
     k_pe = t.op("Slice", [kv, builder.ints(rank), builder.ints(rank + rope), builder.ints(2)], name=f"{p}.attn_kv.k_pe")
     compressed = builder.rms_norm(compressed, builder.tensor("attn_kv_a_norm", layer), f"{p}.attn_kv_a_norm")
     k = t.op("Concat", [k_pe, compressed], {"axis": 2}, name=f"{p}.attn_k")

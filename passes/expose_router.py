@@ -9,8 +9,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from moepass.core.moe_nodes import ROUTER_LOGITS, is_moe
 from moepass.core import keys
+from moepass.core.moe_nodes import ROUTER_LOGITS, is_moe
 
 
 class ExposeRouterLogitsPass(InPlacePass):

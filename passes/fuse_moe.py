@@ -28,7 +28,8 @@ import dataclasses
 import functools
 import os
 from collections import deque
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -412,7 +413,8 @@ class ExpertBranchesRule:
         layer = functools.partial(moe_node, nodes.op, name, match.hidden, match.router, top_k=match.top_k,
                                   normalize=match.normalize)
         if target.form is None:
-            layer(Experts(writer.float_stack(f"{name}.fc1", gates_ups)), Experts(writer.float_stack(f"{name}.fc2", downs)))
+            layer(Experts(writer.float_stack(f"{name}.fc1", gates_ups)),
+                  Experts(writer.float_stack(f"{name}.fc2", downs)))
         else:
             fc1 = writer.packed_stack(f"{name}.fc1", gates_ups, target.form, target.exact)
             fc2 = writer.packed_stack(f"{name}.fc2", downs, target.form, target.exact)
@@ -435,7 +437,8 @@ class ExpertBranchesRule:
                         queue.append(out)
         experts: dict[int, Expert] = {}
         for x in token_values:
-            projections = [lin for lin in map(as_linear, consumers(x)) if lin is not None and lin.node is not router.node]
+            projections = [lin for lin in map(as_linear, consumers(x))
+                           if lin is not None and lin.node is not router.node]
             if not projections:
                 continue
             expert = self._swiglu(projections, where)
@@ -449,7 +452,8 @@ class ExpertBranchesRule:
         """gate, up, down from down(silu(gate(x)) * up(x)), silu written as g * sigmoid(g)."""
         names = ", ".join(f"'{_node_name(p.node)}'" for p in projections)
         if len(projections) != 2:
-            raise Mismatch(f"{where}: {len(projections)} projections ({names}) read one expert's tokens, not gate and up")
+            raise Mismatch(f"{where}: {len(projections)} projections ({names}) read one expert's tokens, "
+                           "not gate and up")
         for gate, up in (projections, projections[::-1]):
             g = gate.node.outputs[0]
             sigmoid = next((n for n in consumers(g) if n.op_type == "Sigmoid"), None)

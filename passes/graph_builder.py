@@ -10,7 +10,8 @@ modules (attention, routing, ffn) are functions of a GraphBuilder.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -206,4 +207,5 @@ class GraphBuilder:
         return self.lazy_initializer(name, self.act, (e, n * len(sources)), make)
 
     def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
-        return self.tape.initializer(float_expert_stack(sources, name, self.report, self.act, self.options.threads), name=name)
+        stack = float_expert_stack(sources, name, self.report, self.act, self.options.threads)
+        return self.tape.initializer(stack, name=name)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -77,7 +78,8 @@ def moe_decoder(builder: GraphBuilder) -> ir.Graph:
                       name=f"{block}.moe.unflatten")
         residual = tape.op("Add", [residual, residual_branch(ffn, f"{block}.moe")], name=f"{block}.moe_residual")
 
-    normed = builder.rms_norm(residual, builder.tensor("output_norm"), "output_norm", builder.optional("output_norm_bias"))
+    normed = builder.rms_norm(residual, builder.tensor("output_norm"), "output_norm",
+                              builder.optional("output_norm_bias"))
     # logits for the last `logits_to_keep` positions only (0, the default: every position). During
     # generation only the last position's logits are used, and the LM head over a large vocabulary
     # is a large share of a prefill: the runtime feeds 1, as llama.cpp computes only what it returns.

@@ -13,16 +13,16 @@ the GPU-resident group. The node records the mapping in metadata_props:
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.moe_nodes import EXPERT_INPUTS, ROUTER_LOGITS, ROUTER_WEIGHTS, moe_nodes
 from moepass.passes.weights import StreamedTensor
-from moepass.core import keys
 
 
 def _permuted(value: ir.Value, order: list[int], axis: int, name: str) -> ir.Value:

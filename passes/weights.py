@@ -16,18 +16,19 @@ import collections
 import dataclasses
 import os
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 from gguf import GGMLQuantizationType
 
+from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFTensor
 from moepass.core.imatrix import importance_rows
-from moepass.cuda_ops.prepack import prepack_sm80
-from moepass.core.errors import MoepassError
 from moepass.core.quants import BlockForm, Packed, QuantType, dequantize, pack, rel_rms, unpack_values
+from moepass.cuda_ops.prepack import prepack_sm80
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
 # allocator instead of being faulted in afresh for every tensor.
@@ -334,7 +335,8 @@ class PackedGroup:
         self.report.measured(self.name, [exact for exact, _, _ in stats],
                              [rel_rms(e, r) for _, e, r in stats])
 
-    def _narrowed(self, scales: np.ndarray, codes: np.ndarray, packs: list[Packed], parts: list[np.ndarray]) -> np.ndarray:
+    def _narrowed(self, scales: np.ndarray, codes: np.ndarray, packs: list[Packed],
+                  parts: list[np.ndarray]) -> np.ndarray:
         """`scales` in the narrower scale type: the rounding joins each source's error; a scale
         beyond its range is refused, naming the tensor."""
         narrow = scales.astype(self.scale_type)

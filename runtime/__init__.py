@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 
-from moepass.core.choices import DEFAULT_DRAFT_TOKENS
-
+from moepass.core.choices import DEFAULT_DRAFT_TOKENS, LLAMA_SERVER
+from moepass.runtime import speculative as speculation
 from moepass.runtime.conversation import Conversation
 from moepass.runtime.decoder import ContextOverflow, Decoder, TextStream, usable_threads
 from moepass.runtime.kv_cache import KVCache
-from moepass.runtime.sampling import LLAMA_SERVER, Sampling, choose_token
-from moepass.runtime import speculative as speculation
+from moepass.runtime.sampling import Sampling, choose_token
 from moepass.runtime.speculative import Speculator
 
 

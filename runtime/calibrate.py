@@ -167,7 +167,8 @@ def measure_cpu_costs(model_dir: str | os.PathLike, threads: int | None = None) 
     non_expert_read = sum(tensor_bytes(v) for v in model.graph.initializers.values()
                           if v.name not in expert and v.name not in embedding)
     return {"format": FORMAT, "version": 1, "machine": machine(), "threads": threads or 0,
-            "moe_ms": forms, "moe_form_of": per_node, "dense_bytes_per_s": _dense_rate(*dense, dtype, path.parent, threads),
+            "moe_ms": forms, "moe_form_of": per_node,
+            "dense_bytes_per_s": _dense_rate(*dense, dtype, path.parent, threads),
             "non_expert_bytes_read": non_expert_read}
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from moepass.core.errors import MoepassError
 

@@ -4,7 +4,8 @@ already hold (the new user message and the template's markup around it)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from moepass.runtime.kv_cache import KVCache
 from moepass.runtime.sampling import Sampling
@@ -17,13 +18,13 @@ class Conversation:
     """`say(text)` streams the assistant's answer and keeps it in the history (what was shown of it,
     when the answer is stopped early)."""
 
-    def __init__(self, decoder: "Decoder", system: str | None = None, **variables: Any):
+    def __init__(self, decoder: Decoder, system: str | None = None, **variables: Any):
         self.decoder = decoder
         self.system = system
         self.variables = variables  # for the template, e.g. enable_thinking=False
         self.messages: list[dict[str, str]] = []
         self.cache: KVCache | None = None
-        self.last: "TextStream | None" = None
+        self.last: TextStream | None = None
 
     def reset(self) -> None:
         """Forget the history (the cache keeps what a new history shares with it: the system prompt)."""

@@ -6,20 +6,29 @@ and generation through a KV cache (`moepass.runtime.kv_cache`) with llama.cpp's 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moepass.core.errors import MoepassError, first_line
-from moepass.core.files import (LOGITS_TO_KEEP, OPTIONS_FILE, REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
-                                load_model, model_file, read_json_object)
-from moepass.runtime.chat_template import ChatTemplate
-from moepass.runtime import speculative
-from moepass.runtime.kv_cache import KVCache
-from moepass.runtime.sampling import Sampling, StopStrings, choose_token
-from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session, provider_in_effect
 from moepass.core import keys
+from moepass.core.errors import MoepassError, first_line
+from moepass.core.files import (
+    LOGITS_TO_KEEP,
+    OPTIONS_FILE,
+    REPORT_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    load_model,
+    model_file,
+    read_json_object,
+)
+from moepass.runtime import speculative
+from moepass.runtime.chat_template import ChatTemplate
+from moepass.runtime.kv_cache import KVCache
+from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session, provider_in_effect
+from moepass.runtime.sampling import Sampling, StopStrings, choose_token
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -39,7 +48,7 @@ class Decoder:
     """An ONNX Runtime session over a converted decoder, with its KV-cache bookkeeping."""
 
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", threads: int | None = None,
-                 graph: "onnx_ir.Model | None" = None, cuda_plugin: str | None = None, mode: str | None = None,
+                 graph: onnx_ir.Model | None = None, cuda_plugin: str | None = None, mode: str | None = None,
                  profile_prefix: str | None = None):
         """`graph`: run this in-memory variant of the model (e.g. a profiling copy) with the weights
         of `model_dir`'s data file instead of `model_dir`'s own model.onnx. `profile_prefix`: record
@@ -57,7 +66,8 @@ class Decoder:
             raise MoepassError(f"{folder / OPTIONS_FILE}: session_config_entries must map strings to strings")
         placement_mode = _json_field(options_file, "placement", dict, folder / OPTIONS_FILE).get("mode")
         if placement_mode not in (None, *keys.OFFLOAD_MODES):
-            raise MoepassError(f"{folder / OPTIONS_FILE}: placement.mode must be one of {', '.join(keys.OFFLOAD_MODES)}")
+            raise MoepassError(f"{folder / OPTIONS_FILE}: placement.mode must be one of "
+                               f"{', '.join(keys.OFFLOAD_MODES)}")
         structure = graph if graph is not None else load_model(model_path)
         self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode,
                                               placement_mode)
@@ -111,9 +121,9 @@ class Decoder:
         self._chat_template: ChatTemplate | None = None
         self._tokenizer_path = folder / TOKENIZER_FILE
         # drafts checked K at a time (moepass.runtime.speculative); None: one token per step
-        self.speculator: "Speculator | None" = None
+        self.speculator: Speculator | None = None
 
-    def speculate(self, speculator: "Speculator | None") -> None:
+    def speculate(self, speculator: Speculator | None) -> None:
         """Generate with speculative decoding from now on (None: plain decoding again)."""
         if speculator is not None:
             speculator.check_target(self)
@@ -133,7 +143,8 @@ class Decoder:
         if self._tokenizer is None:
             if not self._tokenizer_path.is_file():
                 raise MoepassError(f"{self._tokenizer_path}: no tokenizer beside the model; use token ids "
-                                   "(convert writes one for a GGUF whose tokenizer it can rebuild, none for ONNX input)")
+                                   "(convert writes one for a GGUF whose tokenizer it can rebuild, "
+                                   "none for ONNX input)")
             from tokenizers import Tokenizer
 
             try:
@@ -250,7 +261,7 @@ class Decoder:
         return self.chat_template.render([*messages, {"role": "user", "content": user_message}], **variables)
 
     def generate_text(self, prompt: str | Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-                      stop: Sequence[str] = (), cache: KVCache | None = None) -> "TextStream":
+                      stop: Sequence[str] = (), cache: KVCache | None = None) -> TextStream:
         """Text (or token ids) in, text out, streamed: iterating yields pieces of text as tokens
         complete them; a stop string ends the answer and is not shown. Afterwards the stream tells
         its `finish_reason` ("stop" or "length") and token counts."""

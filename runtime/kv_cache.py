@@ -16,7 +16,7 @@ written over. A full cache grows (to twice its size, up to the model's context) 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import onnx_ir as ir
 
-from moepass.core.errors import MoepassError, first_line
 from moepass.core import keys
-from moepass.core.choices import DEVICES, PLUGIN_ENV
-from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
 from moepass.core.capabilities import offload_violations
+from moepass.core.choices import DEVICES, PLUGIN_ENV
+from moepass.core.errors import MoepassError, first_line
+from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
 from moepass.core.moe_nodes import moe_nodes
 
 log = logging.getLogger("moepass")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from moepass.core.choices import LLAMA_SERVER, Sampling
+from moepass.core.choices import Sampling
 
 
 def penalized(logits: np.ndarray, sampling: Sampling, history: Sequence[int]) -> np.ndarray:

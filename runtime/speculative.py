@@ -26,11 +26,13 @@ sampler chain's (moepass.runtime.sampling.candidates) at that position.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from moepass.core.choices import DEFAULT_DRAFT_TOKENS, SPECULATIVE_KINDS as KINDS
+from moepass.core.choices import DEFAULT_DRAFT_TOKENS
+from moepass.core.choices import SPECULATIVE_KINDS as KINDS
 from moepass.core.errors import MoepassError
 from moepass.runtime.kv_cache import KVCache
 from moepass.runtime.sampling import Sampling, candidates, choose_token, penalized
@@ -78,7 +80,7 @@ class Speculator:
     "draft" with a `draft` Decoder), how many per step, and counters of what was drafted and kept
     over its lifetime (`acceptance`)."""
 
-    def __init__(self, kind: str, draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: "Decoder | None" = None,
+    def __init__(self, kind: str, draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Decoder | None = None,
                  ngram_sizes: Sequence[int] = NGRAM_SIZES):
         if kind not in KINDS:
             raise MoepassError(f"speculative decoding '{kind}' is not one of {', '.join(KINDS)}")
@@ -93,7 +95,7 @@ class Speculator:
         self.draft = draft
         self.ngram_sizes = tuple(ngram_sizes)  # context suffix lengths looked up, longest first
         self._draft_cache: KVCache | None = None
-        self._checked_for: "Decoder | None" = None  # the target check_target passed
+        self._checked_for: Decoder | None = None  # the target check_target passed
         self.drafted = 0   # draft tokens checked by the target
         self.accepted = 0  # of them, kept
         self.steps = 0     # passes of the target model after the prompt
@@ -107,7 +109,7 @@ class Speculator:
         what = "n-gram lookup" if self.kind == "ngram" else f"draft model {self.draft.model_dir}"
         return f"speculative decoding: {what}, {self.draft_tokens} draft tokens per step"
 
-    def check_target(self, target: "Decoder") -> None:
+    def check_target(self, target: Decoder) -> None:
         """A draft model must speak the target's vocabulary: the same size and, where both have a
         tokenizer, the same tokens (checked once per target: bench switches speculation off and on)."""
         if self.draft is None or self._checked_for is target:
@@ -117,7 +119,8 @@ class Speculator:
                                f"{target.vocab_size}; a draft model needs the same vocabulary")
         if self.draft.has_tokenizer and target.has_tokenizer \
                 and self.draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-            raise MoepassError(f"{self.draft.model_dir}: the draft model's tokenizer has other tokens than the model's; "
+            raise MoepassError(f"{self.draft.model_dir}: the draft model's tokenizer has other tokens than "
+                               "the model's; "
                                "a draft model needs the same vocabulary")
         self._checked_for = target
 

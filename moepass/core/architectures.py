@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from moepass.core.choices import MAX_CONTEXT
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, GGUFTensor, StackedTensor
-from moepass.core.choices import MAX_CONTEXT
 from moepass.core.moe_nodes import SWIGLU, Activation
 
 _REQUIRED = object()
@@ -261,7 +262,8 @@ def latent_attention_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     n, k_head, v_head, rope, nope = latent_dims(hp)
     h, q_lora, kv_lora = hp.hidden, hp.q_lora_rank, hp.kv_lora_rank
     return {
-        "attn_q": (n * k_head, h), "attn_q_a": (q_lora, h), "attn_q_a_norm": (q_lora,), "attn_q_b": (n * k_head, q_lora),
+        "attn_q": (n * k_head, h), "attn_q_a": (q_lora, h), "attn_q_a_norm": (q_lora,),
+        "attn_q_b": (n * k_head, q_lora),
         "attn_kv_a_mqa": (kv_lora + rope, h), "attn_kv_a_norm": (kv_lora,),
         "attn_k_b": (n, kv_lora, nope), "attn_v_b": (n, v_head, kv_lora), "attn_kv_b": (n * (nope + v_head), kv_lora),
         "attn_output": (h, n * v_head),
@@ -415,7 +417,8 @@ class Architecture:
             gate = " with a sigmoid gate" if f.shared_expert == "sigmoid_gated" else ""
             parts["shared_expert"] = f"ffn {hp.shared_ff}{gate}"
         if f.multipliers:
-            parts["multipliers"] = {k: getattr(hp, f"{k}_scale") for k in ("embedding", "residual", "attention", "logit")}
+            parts["multipliers"] = {k: getattr(hp, f"{k}_scale")
+                                    for k in ("embedding", "residual", "attention", "logit")}
         if hp.expert_weights_scale not in (None, 0.0, 1.0):
             parts["expert_weights_scale"] = hp.expert_weights_scale
         biases = [role for role in (*ATTENTION_BIASES, "attn_norm_bias", "ffn_norm_bias", "output_bias", *EXPERT_BIASES)

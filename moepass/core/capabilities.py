@@ -12,7 +12,7 @@ the file it comes from. It has not been run on a GPU here (docs/gpu.md says what
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import onnx_ir as ir
 

@@ -4,8 +4,9 @@ model given as a directory or a model.onnx path is found and loaded."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from moepass.core.errors import MoepassError, first_line
 
@@ -31,7 +32,8 @@ def model_file(model_dir: str | os.PathLike) -> Path:
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         others = sorted(p.name for p in path.glob("*.onnx"))
         if ggufs:
-            raise MoepassError(f"{path}: a folder of GGUF files ({', '.join(ggufs[:3])}{', ...' if len(ggufs) > 3 else ''}),"
+            shown = ", ".join(ggufs[:3]) + (", ..." if len(ggufs) > 3 else "")
+            raise MoepassError(f"{path}: a folder of GGUF files ({shown}),"
                                f" not a converted model: convert the file, `moepass convert {path / ggufs[0]} -o OUT`")
         if others:
             raise MoepassError(f"{path}: has no {MODEL_FILE}; it holds {', '.join(others[:3])}: give that file's path")
@@ -41,7 +43,7 @@ def model_file(model_dir: str | os.PathLike) -> Path:
     return path
 
 
-def load_model(model_dir: str | os.PathLike) -> "onnx_ir.Model":
+def load_model(model_dir: str | os.PathLike) -> onnx_ir.Model:
     """A model (directory or model.onnx) as onnx-ir, its weights left on disk (read lazily).
 
     The model file is untrusted: it must hold a graph, and every external data reference must name
@@ -60,7 +62,7 @@ def load_model(model_dir: str | os.PathLike) -> "onnx_ir.Model":
     return model
 
 
-def save_model(model: "onnx_ir.Model", path: Path, progress: "Callable[[int, int], None] | None" = None) -> None:
+def save_model(model: onnx_ir.Model, path: Path, progress: Callable[[int, int], None] | None = None) -> None:
     """`model` as model.onnx at `path` with every weight in DATA_FILE beside it, one writer thread;
     `progress(bytes written, total bytes)` as the tensors go out."""
     import onnx_ir
@@ -77,7 +79,7 @@ def save_model(model: "onnx_ir.Model", path: Path, progress: "Callable[[int, int
         progress(total, total)
 
 
-def check_external_data(model: "onnx_ir.Model", path: Path) -> None:
+def check_external_data(model: onnx_ir.Model, path: Path) -> None:
     """Every external tensor of `model` (loaded from `path`) lies inside the model's folder, whole."""
     import onnx_ir
 
@@ -137,7 +139,7 @@ def read_json_object(path: Path) -> dict:
     return data
 
 
-def as_ir_model(source: Any) -> tuple["onnx_ir.Model", str]:
+def as_ir_model(source: Any) -> tuple[onnx_ir.Model, str]:
     """An onnx-ir model and a label for it, from a path (model.onnx or a model directory), an
     onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph (what pipelines hand in)."""
     import onnx

@@ -227,7 +227,8 @@ class _CheckedReader(GGUFReader):
             block, type_size = GGML_QUANT_SIZES[ggml_type]
             if shape[0] % block:
                 raise MoepassError(
-                    f"tensor '{name}' ({ggml_type.name}) has row length {shape[0]}, not a multiple of its block {block}")
+                    f"tensor '{name}' ({ggml_type.name}) has row length {shape[0]}, "
+                    f"not a multiple of its block {block}")
             start = start_offs + int(rel_offset[0])
             if int(rel_offset[0]) % self.alignment:
                 raise MoepassError(f"tensor '{name}' data offset {int(rel_offset[0])} is not a multiple of the "

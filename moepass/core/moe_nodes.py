@@ -11,7 +11,7 @@ its first axis. `moe_node` is the one place that writes this layout; `moe_nodes`
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir

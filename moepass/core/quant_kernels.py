@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as GT
 from gguf import quants as gq
 from numba import njit
 
@@ -115,7 +116,7 @@ def _q8_0(b, out, f16):
     for i in range(b.shape[0]):
         d = _f16(f16, b, i, 0)
         for j in range(32):
-            out[i, j] = np.float32(((np.int32(b[i, 2 + j]) ^ 0x80) - 0x80)) * d
+            out[i, j] = np.float32((np.int32(b[i, 2 + j]) ^ 0x80) - 0x80) * d
 
 
 @njit(cache=True, nogil=True)

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as GT
 from gguf import quants as gguf_quants
 
 from moepass.core.errors import MoepassError
