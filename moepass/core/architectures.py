@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from moepass.core.choices import MAX_CONTEXT
 from moepass.core.errors import MoepassError
@@ -50,43 +51,43 @@ _INT_LIMIT = 1 << 24  # integer hyperparameters (counts, sizes) stay below this
 
 # Hyperparameters of decoder MoE models; an architecture lists the ones it reads.
 HPARAMS: dict[str, HParam] = {
-    "n_layers": HParam("{arch}.block_count"),
-    "hidden": HParam("{arch}.embedding_length"),
-    "context_length": HParam("{arch}.context_length", valid=(lambda v: 0 < v <= MAX_CONTEXT,
+    "n_layers": HParam(Keys.LLM.BLOCK_COUNT),
+    "hidden": HParam(Keys.LLM.EMBEDDING_LENGTH),
+    "context_length": HParam(Keys.LLM.CONTEXT_LENGTH, valid=(lambda v: 0 < v <= MAX_CONTEXT,
                                                              f"between 1 and {MAX_CONTEXT}")),
-    "n_heads": HParam("{arch}.attention.head_count"),
-    "n_kv_heads": HParam("{arch}.attention.head_count_kv", None),
-    "head_dim": HParam("{arch}.attention.key_length", None),
-    "value_dim": HParam("{arch}.attention.value_length", None),
-    "rms_eps": HParam("{arch}.attention.layer_norm_rms_epsilon", kind=float,
+    "n_heads": HParam(Keys.Attention.HEAD_COUNT),
+    "n_kv_heads": HParam(Keys.Attention.HEAD_COUNT_KV, None),
+    "head_dim": HParam(Keys.Attention.KEY_LENGTH, None),
+    "value_dim": HParam(Keys.Attention.VALUE_LENGTH, None),
+    "rms_eps": HParam(Keys.Attention.LAYERNORM_RMS_EPS, kind=float,
                       valid=(lambda v: 0 <= v < 1, "at least 0 and below 1")),
-    "rope_base": HParam("{arch}.rope.freq_base", 10000.0, kind=float, valid=(lambda v: v >= 1, "at least 1")),
-    "n_experts": HParam("{arch}.expert_count"),
-    "n_experts_used": HParam("{arch}.expert_used_count"),
-    "expert_ff": HParam("{arch}.expert_feed_forward_length"),
-    "ffn": HParam("{arch}.feed_forward_length"),
-    "shared_ff": HParam("{arch}.expert_shared_feed_forward_length", 0),
-    "expert_weights_scale": HParam("{arch}.expert_weights_scale", 0.0, kind=float,
+    "rope_base": HParam(Keys.Rope.FREQ_BASE, 10000.0, kind=float, valid=(lambda v: v >= 1, "at least 1")),
+    "n_experts": HParam(Keys.LLM.EXPERT_COUNT),
+    "n_experts_used": HParam(Keys.LLM.EXPERT_USED_COUNT),
+    "expert_ff": HParam(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+    "ffn": HParam(Keys.LLM.FEED_FORWARD_LENGTH),
+    "shared_ff": HParam(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0),
+    "expert_weights_scale": HParam(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0, kind=float,
                                    valid=(lambda v: v >= 0, "at least 0")),
     # granite multipliers (0 = not used, as llama.cpp treats them)
-    "logit_scale": HParam("{arch}.logit_scale", kind=float),
-    "residual_scale": HParam("{arch}.residual_scale", 0.0, kind=float),
-    "embedding_scale": HParam("{arch}.embedding_scale", 0.0, kind=float),
-    "attention_scale": HParam("{arch}.attention.scale", 0.0, kind=float),
-    "sliding_window": HParam("{arch}.attention.sliding_window", 0),
+    "logit_scale": HParam(Keys.LLM.LOGIT_SCALE, kind=float),
+    "residual_scale": HParam(Keys.LLM.RESIDUAL_SCALE, 0.0, kind=float),
+    "embedding_scale": HParam(Keys.LLM.EMBEDDING_SCALE, 0.0, kind=float),
+    "attention_scale": HParam(Keys.Attention.SCALE, 0.0, kind=float),
+    "sliding_window": HParam(Keys.Attention.SLIDING_WINDOW, 0),
     # multi-head latent attention (deepseek2); key/value_length_mla absent: the older kv_b files
-    "q_lora_rank": HParam("{arch}.attention.q_lora_rank", 0),
-    "kv_lora_rank": HParam("{arch}.attention.kv_lora_rank"),
-    "k_head_mla": HParam("{arch}.attention.key_length_mla", 0),
-    "v_head_mla": HParam("{arch}.attention.value_length_mla", 0),
-    "rope_dim": HParam("{arch}.rope.dimension_count"),
-    "leading_dense": HParam("{arch}.leading_dense_block_count", 0),
-    "n_shared_experts": HParam("{arch}.expert_shared_count", 0),
+    "q_lora_rank": HParam(Keys.Attention.Q_LORA_RANK, 0),
+    "kv_lora_rank": HParam(Keys.Attention.KV_LORA_RANK),
+    "k_head_mla": HParam(Keys.Attention.KEY_LENGTH_MLA, 0),
+    "v_head_mla": HParam(Keys.Attention.VALUE_LENGTH_MLA, 0),
+    "rope_dim": HParam(Keys.Rope.DIMENSION_COUNT),
+    "leading_dense": HParam(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+    "n_shared_experts": HParam(Keys.LLM.EXPERT_SHARED_COUNT, 0),
     # deepseek2 routing: 1 softmax, 2 sigmoid (0: absent, softmax as llama.cpp assumes)
-    "gating_func": HParam("{arch}.expert_gating_func", 0),
-    "expert_weights_norm": HParam("{arch}.expert_weights_norm", False, kind=bool),
-    "n_expert_groups": HParam("{arch}.expert_group_count", 0),
-    "n_group_used": HParam("{arch}.expert_group_used_count", 0),
+    "gating_func": HParam(Keys.LLM.EXPERT_GATING_FUNC, 0),
+    "expert_weights_norm": HParam(Keys.LLM.EXPERT_WEIGHTS_NORM, False, kind=bool),
+    "n_expert_groups": HParam(Keys.LLM.EXPERT_GROUP_COUNT, 0),
+    "n_group_used": HParam(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0),
 }
 
 @dataclasses.dataclass(frozen=True)
@@ -141,55 +142,57 @@ class HParams:
 assert set(HPARAMS) <= {f.name for f in dataclasses.fields(HParams)}, "every HPARAMS entry is an HParams field"
 
 
-# Tensor roles -> GGUF names; `{i}` is the block index, `{e}` an expert index.
-TENSORS: dict[str, str] = {
-    "token_embd": "token_embd.weight",
-    "output_norm": "output_norm.weight",
-    "output_norm_bias": "output_norm.bias",
-    "output": "output.weight",
-    "output_bias": "output.bias",
-    "attn_norm": "blk.{i}.attn_norm.weight",
-    "attn_norm_bias": "blk.{i}.attn_norm.bias",
-    "attn_q": "blk.{i}.attn_q.weight",
-    "attn_k": "blk.{i}.attn_k.weight",
-    "attn_v": "blk.{i}.attn_v.weight",
-    "attn_q_bias": "blk.{i}.attn_q.bias",
-    "attn_k_bias": "blk.{i}.attn_k.bias",
-    "attn_v_bias": "blk.{i}.attn_v.bias",
-    "attn_output": "blk.{i}.attn_output.weight",
-    "attn_output_bias": "blk.{i}.attn_output.bias",
-    "attn_q_norm": "blk.{i}.attn_q_norm.weight",
-    "attn_k_norm": "blk.{i}.attn_k_norm.weight",
-    "ffn_norm": "blk.{i}.ffn_norm.weight",
-    "ffn_norm_bias": "blk.{i}.ffn_norm.bias",
-    "ffn_gate_inp": "blk.{i}.ffn_gate_inp.weight",
-    "ffn_gate_exps": "blk.{i}.ffn_gate_exps.weight",
-    "ffn_up_exps": "blk.{i}.ffn_up_exps.weight",
-    "ffn_down_exps": "blk.{i}.ffn_down_exps.weight",
-    "ffn_gate_inp_shexp": "blk.{i}.ffn_gate_inp_shexp.weight",
-    "ffn_gate_shexp": "blk.{i}.ffn_gate_shexp.weight",
-    "ffn_up_shexp": "blk.{i}.ffn_up_shexp.weight",
-    "ffn_down_shexp": "blk.{i}.ffn_down_shexp.weight",
-    "attn_post_norm": "blk.{i}.post_attention_norm.weight",
-    "attn_sinks": "blk.{i}.attn_sinks.weight",
-    "ffn_gate_inp_bias": "blk.{i}.ffn_gate_inp.bias",
-    "ffn_gate_exps_bias": "blk.{i}.ffn_gate_exps.bias",
-    "ffn_up_exps_bias": "blk.{i}.ffn_up_exps.bias",
-    "ffn_down_exps_bias": "blk.{i}.ffn_down_exps.bias",
-    "attn_q_a": "blk.{i}.attn_q_a.weight",
-    "attn_q_a_norm": "blk.{i}.attn_q_a_norm.weight",
-    "attn_q_b": "blk.{i}.attn_q_b.weight",
-    "attn_kv_a_mqa": "blk.{i}.attn_kv_a_mqa.weight",
-    "attn_kv_a_norm": "blk.{i}.attn_kv_a_norm.weight",
-    "attn_k_b": "blk.{i}.attn_k_b.weight",
-    "attn_v_b": "blk.{i}.attn_v_b.weight",
-    "attn_kv_b": "blk.{i}.attn_kv_b.weight",
-    "ffn_gate": "blk.{i}.ffn_gate.weight",
-    "ffn_up": "blk.{i}.ffn_up.weight",
-    "ffn_down": "blk.{i}.ffn_down.weight",
-    "exp_probs_b": "blk.{i}.exp_probs_b.bias",
-}
-# Legacy per-expert names (older Mixtral files) of the stacked expert roles.
+# Tensor roles -> GGUF names, from gguf's own (MODEL_TENSOR, TENSOR_NAMES) and the suffix; `{i}` is
+# the block index
+TENSORS: dict[str, str] = {role: TENSOR_NAMES[tensor].replace("{bid}", "{i}") + "." + suffix
+                           for role, (tensor, suffix) in {
+    "token_embd": (MODEL_TENSOR.TOKEN_EMBD, "weight"),
+    "output_norm": (MODEL_TENSOR.OUTPUT_NORM, "weight"),
+    "output_norm_bias": (MODEL_TENSOR.OUTPUT_NORM, "bias"),
+    "output": (MODEL_TENSOR.OUTPUT, "weight"),
+    "output_bias": (MODEL_TENSOR.OUTPUT, "bias"),
+    "attn_norm": (MODEL_TENSOR.ATTN_NORM, "weight"),
+    "attn_norm_bias": (MODEL_TENSOR.ATTN_NORM, "bias"),
+    "attn_q": (MODEL_TENSOR.ATTN_Q, "weight"),
+    "attn_k": (MODEL_TENSOR.ATTN_K, "weight"),
+    "attn_v": (MODEL_TENSOR.ATTN_V, "weight"),
+    "attn_q_bias": (MODEL_TENSOR.ATTN_Q, "bias"),
+    "attn_k_bias": (MODEL_TENSOR.ATTN_K, "bias"),
+    "attn_v_bias": (MODEL_TENSOR.ATTN_V, "bias"),
+    "attn_output": (MODEL_TENSOR.ATTN_OUT, "weight"),
+    "attn_output_bias": (MODEL_TENSOR.ATTN_OUT, "bias"),
+    "attn_q_norm": (MODEL_TENSOR.ATTN_Q_NORM, "weight"),
+    "attn_k_norm": (MODEL_TENSOR.ATTN_K_NORM, "weight"),
+    "ffn_norm": (MODEL_TENSOR.FFN_NORM, "weight"),
+    "ffn_norm_bias": (MODEL_TENSOR.FFN_NORM, "bias"),
+    "ffn_gate_inp": (MODEL_TENSOR.FFN_GATE_INP, "weight"),
+    "ffn_gate_exps": (MODEL_TENSOR.FFN_GATE_EXP, "weight"),
+    "ffn_up_exps": (MODEL_TENSOR.FFN_UP_EXP, "weight"),
+    "ffn_down_exps": (MODEL_TENSOR.FFN_DOWN_EXP, "weight"),
+    "ffn_gate_inp_shexp": (MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight"),
+    "ffn_gate_shexp": (MODEL_TENSOR.FFN_GATE_SHEXP, "weight"),
+    "ffn_up_shexp": (MODEL_TENSOR.FFN_UP_SHEXP, "weight"),
+    "ffn_down_shexp": (MODEL_TENSOR.FFN_DOWN_SHEXP, "weight"),
+    "attn_post_norm": (MODEL_TENSOR.ATTN_POST_NORM, "weight"),
+    "attn_sinks": (MODEL_TENSOR.ATTN_SINKS, "weight"),
+    "ffn_gate_inp_bias": (MODEL_TENSOR.FFN_GATE_INP, "bias"),
+    "ffn_gate_exps_bias": (MODEL_TENSOR.FFN_GATE_EXP, "bias"),
+    "ffn_up_exps_bias": (MODEL_TENSOR.FFN_UP_EXP, "bias"),
+    "ffn_down_exps_bias": (MODEL_TENSOR.FFN_DOWN_EXP, "bias"),
+    "attn_q_a": (MODEL_TENSOR.ATTN_Q_A, "weight"),
+    "attn_q_a_norm": (MODEL_TENSOR.ATTN_Q_A_NORM, "weight"),
+    "attn_q_b": (MODEL_TENSOR.ATTN_Q_B, "weight"),
+    "attn_kv_a_mqa": (MODEL_TENSOR.ATTN_KV_A_MQA, "weight"),
+    "attn_kv_a_norm": (MODEL_TENSOR.ATTN_KV_A_NORM, "weight"),
+    "attn_k_b": (MODEL_TENSOR.ATTN_K_B, "weight"),
+    "attn_v_b": (MODEL_TENSOR.ATTN_V_B, "weight"),
+    "attn_kv_b": (MODEL_TENSOR.ATTN_KV_B, "weight"),
+    "ffn_gate": (MODEL_TENSOR.FFN_GATE, "weight"),
+    "ffn_up": (MODEL_TENSOR.FFN_UP, "weight"),
+    "ffn_down": (MODEL_TENSOR.FFN_DOWN, "weight"),
+    "exp_probs_b": (MODEL_TENSOR.FFN_EXP_PROBS_B, "bias"),
+}.items()}
+# Legacy per-expert names (older Mixtral files) of the stacked expert roles (gguf has no name for them).
 LEGACY_EXPERT_TENSORS = {"ffn_gate_exps": "blk.{i}.ffn_gate.{e}.weight", "ffn_up_exps": "blk.{i}.ffn_up.{e}.weight",
                          "ffn_down_exps": "blk.{i}.ffn_down.{e}.weight"}
 
@@ -615,11 +618,12 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     # "longrope" (where converted): llama.cpp's LLAMA_ROPE_SCALING_TYPE_LONGROPE, which phimoe's graph
     # treats as "linear" (neither "none" nor YaRN in the llama_context constructor)
     supported = SUPPORTED_ROPE_SCALING + (("longrope",) if arch.features.longrope else ())
-    scaling = gguf.typed(f"{a}.rope.scaling.type", str, "linear")  # llama.cpp's default when absent
+    scaling = gguf.typed(Keys.Rope.SCALING_TYPE.format(arch=a), str, "linear")  # llama.cpp's default when absent
     if scaling not in supported:
         raise MoepassError(f"{gguf.path}: metadata key '{a}.rope.scaling.type' is {scaling!r}; moepass converts "
                            f"RoPE scaling {', '.join(supported)}")
-    factor = gguf.typed(f"{a}.rope.scaling.factor", float, gguf.typed(f"{a}.rope.scale_linear", float, 0.0))
+    legacy = gguf.typed(f"{a}.rope.scale_linear", float, 0.0)  # an older key, not in gguf's Keys
+    factor = gguf.typed(Keys.Rope.SCALING_FACTOR.format(arch=a), float, legacy)
     if factor < 0:
         raise MoepassError(f"{gguf.path}: metadata key '{a}.rope.scaling.factor' is {factor}; it must be at least 0")
     freq_scale = f32(1) if scaling == "none" or factor == 0 else f32(1) / f32(factor)
@@ -627,7 +631,7 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     yarn = scaling == "yarn"
     log_mul = f32(0)
     if arch.features.yarn_log_multiplier:  # the converter stores 0.1 * mscale_all_dim
-        log_mul = f32(gguf.typed(f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0)) / f32(0.1)
+        log_mul = f32(gguf.typed(Keys.Rope.SCALING_YARN_LOG_MUL.format(arch=a), float, 0.0)) / f32(0.1)
     if yarn:
         def mscale(s: np.float32, m: float) -> np.float32:
             return f32(1) if s <= 1 else f32(0.1) * f32(m) * np.log(s) + f32(1)
@@ -638,8 +642,8 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
         else:
             attn_factor = mscale(scale, 1.0)
         attn_factor = attn_factor * (f32(1) / (f32(1) + f32(0.1) * np.log(scale)))
-    attn_factor = attn_factor * f32(gguf.typed(f"{a}.rope.scaling.attn_factor", float, 1.0))
-    n_ctx_orig = gguf.typed(f"{a}.rope.scaling.original_context_length", int, hp.context_length)
+    attn_factor = attn_factor * f32(gguf.typed(Keys.Rope.SCALING_ATTN_FACTOR.format(arch=a), float, 1.0))
+    n_ctx_orig = gguf.typed(Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), int, hp.context_length)
     longrope = read_longrope(gguf, hp) if arch.features.longrope else {}
     return Rope(base=float(f32(hp.rope_base)), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
                 attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul), **longrope)
@@ -652,7 +656,7 @@ def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: HParams) -> t
     n = hp.n_layers
     if not period:
         return (False,) * n
-    key = f"{arch.gguf_arch}.attention.sliding_window_pattern"
+    key = Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch.gguf_arch)
     pattern = gguf.get(key, period)
     if isinstance(pattern, (list, tuple)):
         if len(pattern) != n:
@@ -665,7 +669,7 @@ def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: HParams) -> t
 
 
 def _deepseek_routing_text(hp: HParams) -> str:
-    gating = "sigmoid" if hp.gating_func == 2 else "softmax"
+    gating = "sigmoid" if hp.gating_func == ExpertGatingFuncType.SIGMOID else "softmax"
     groups = f", best {hp.n_group_used} of {hp.n_expert_groups} groups" if hp.n_expert_groups > 1 else ""
     norm = "renormalized" if hp.expert_weights_norm else "not renormalized"
     return f"{gating}, selection bias when present{groups}, top-{hp.n_experts_used}, {norm}"
@@ -694,7 +698,7 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None:
     if arch.features.multipliers and hp.logit_scale == 0:
         raise bad("logit_scale is 0")
     if arch.features.mla:
-        if hp.gating_func not in (0, 1, 2):
+        if hp.gating_func not in (0, *ExpertGatingFuncType):  # 0: absent, softmax
             raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.expert_gating_func' is "
                                f"{hp.gating_func}; moepass converts 1 (softmax) and 2 (sigmoid)")
         groups = hp.n_expert_groups
@@ -702,7 +706,7 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None:
             raise bad(f"{hp.n_experts} experts in {groups} groups, {hp.n_group_used} used")
         if not 0 < hp.rope_dim < latent_dims(hp)[1] or hp.rope_dim % 2:
             raise bad(f"RoPE dimension {hp.rope_dim} does not fit the key head {latent_dims(hp)[1]}")
-    rot = gguf.typed(f"{arch.gguf_arch}.rope.dimension_count", int, None)
+    rot = gguf.typed(Keys.Rope.DIMENSION_COUNT.format(arch=arch.gguf_arch), int, None)
     if rot is not None and rot != hp.head_dim and not arch.features.mla:
         raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
                            f"size {hp.head_dim}; partial rotary embedding is not converted yet")
