@@ -10,6 +10,7 @@ import filecmp
 import numpy as np
 import onnx
 import pytest
+import make_fixtures
 
 import moepass
 from moepass.core.architectures import ARCHITECTURES
@@ -213,24 +214,79 @@ def test_deepseek2_bad_input_is_named(kwargs, message, make_gguf, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_every_feature_switch_is_read():
-    """A Features field that no code reads is a dead switch (as phimoe's norm_bias was): each one is
-    read as an attribute somewhere in the package."""
-    import dataclasses
-    import re
-    from pathlib import Path
+# For each Features field: an architecture that sets it, the file that exercises it (make_gguf's
+# arguments) and the value it is flipped to. A file a switch needs: qwen2moe without its shared
+# width key, sized by its ffn (shared_ff_fallback), per-expert tensors (legacy_experts), LongRoPE
+# factors (longrope).
+_HALF = make_fixtures.TEST_DIMS.head_dim // 2
+SWITCH_CASES = {
+    "rope": ("qwen3moe", {}, "norm"),
+    "routing": ("qwen3moe", {}, "softmax_topk"),
+    "qk_norm": ("olmoe", {}, "head"),
+    "shared_expert": ("qwen2moe", {}, "plain"),
+    "shared_ff_fallback": ("qwen2moe", {"omit_keys": ("qwen2moe.expert_shared_feed_forward_length",),
+                                        "extra_metadata": {"qwen2moe.feed_forward_length": make_fixtures.SHARED_FF}},
+                           None),
+    "multipliers": ("granitemoe", {}, False),
+    "legacy_experts": ("llama", {"legacy_experts": True}, False),
+    "ffn_norm": ("gpt-oss", {}, "ffn_norm"),
+    "attention_sinks": ("gpt-oss", {}, False),
+    "sliding_window": ("gpt-oss", {}, 0),
+    "activation": ("gpt-oss", {}, "swiglu"),
+    "expert_biases": ("gpt-oss", {}, False),
+    "mla": ("deepseek2", {}, False),
+    "yarn_log_multiplier": ("deepseek2", {}, False),
+    "longrope": ("phimoe", {"longrope": make_fixtures.LongRope(300, np.ones(_HALF, np.float32),
+                                                              np.full(_HALF, 4.0, np.float32))}, False),
+}
 
-    import moepass.core
-    import moepass.passes
+
+def _graph_signature(path, arch):
+    """The lowered graph as text: nodes with their attributes and inputs, initializers with their
+    shapes and, where small, values (metadata left out: it describes the switches itself)."""
+    import hashlib
+
+    from moepass.core.gguf_reader import GGUFModel
+    from moepass.passes import lower_gguf
+
+    graph = lower_gguf(GGUFModel(path), arch).model.graph
+    parts = [f"{n.domain}:{n.op_type}({[v.name if v else '' for v in n.inputs]})"
+             f"{sorted((k, repr(a.value)) for k, a in n.attributes.items())}" for n in graph]
+    for name, value in sorted(graph.initializers.items()):
+        tensor = value.const_value
+        digest = hashlib.sha256(tensor.numpy().tobytes()).hexdigest()[:16] if tensor.size < 1 << 16 else ""
+        parts.append(f"{name}{tuple(tensor.shape)}{tensor.dtype}{digest}")
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("field", list(SWITCH_CASES))
+def test_every_feature_switch_changes_the_conversion(field, make_gguf, monkeypatch):
+    """A Features field no code reads is a dead switch (as phimoe's norm_bias was): flipping it on a
+    file that exercises it changes the lowered graph, or makes the conversion refuse the file.
+    (Checked by breaking it: with deepseek2's yarn_log_multiplier read whatever the switch says, this
+    fails for yarn_log_multiplier alone.)"""
+    import dataclasses
+
+    arch_name, gguf_args, flipped = SWITCH_CASES[field]
+    arch = ARCHITECTURES[arch_name]
+    assert getattr(arch.features, field) != flipped, (field, "the case must change the value")
+    path = make_gguf("q8_0" if arch_name in ("deepseek2",) else "q4_0", arch=arch_name, **gguf_args)
+    before = _graph_signature(path, arch)
+    changed = dataclasses.replace(arch, features=dataclasses.replace(arch.features, **{field: flipped}))
+    try:
+        after = _graph_signature(path, changed)
+    except (moepass.MoepassError, ValueError, KeyError):
+        return  # the switch decides what the file must hold: read
+    assert after != before, f"Features.{field} changes nothing in the lowered graph of {arch_name}"
+
+
+def test_every_feature_switch_has_a_case_and_is_set_somewhere():
+    import dataclasses
+
     from moepass.core.architectures import Features
 
-    sources = "\n".join(path.read_text() for package in (moepass.core, moepass.passes)
-                        for path in Path(package.__path__[0]).glob("*.py"))
-    unread = [field.name for field in dataclasses.fields(Features)
-              if not re.search(rf"\b(?:features|feats|f)\.{field.name}\b", sources)]
-    assert not unread, unread
-    used = {name: {getattr(a.features, name) for a in ARCHITECTURES.values()} for name in
-            (f.name for f in dataclasses.fields(Features))}
+    assert set(SWITCH_CASES) == {f.name for f in dataclasses.fields(Features)}
+    used = {name: {getattr(a.features, name) for a in ARCHITECTURES.values()} for name in SWITCH_CASES}
     assert all(len(values) > 1 for values in used.values()), used  # every switch is set by some architecture
 
 
