@@ -27,10 +27,10 @@ from moepass.core.choices import (
     KV_CACHE_TYPES,
     LLAMA_SERVER,
     MAX_CONTEXT,
-    PASS_NAMES,
     PLAN_MODES,
     PLUGIN_ENV,
     POLICIES,
+    PRINT_AFTER_CHOICES,
     PROMPT_FORMATS,
     TARGETS,
     Bandwidths,
@@ -216,8 +216,8 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
               help="Positions (tokens) the model is built for: its RoPE tables.")
 @click.option("--allow-non-finite", is_flag=True,
               help="Convert tensors holding NaN or Inf (refused by default: the model would compute NaN logits).")
-@click.option("--print-after", type=click.Choice(PASS_NAMES), default=None,
-              help="Print the graph after this pass.")
+@click.option("--print-after", type=click.Choice(PRINT_AFTER_CHOICES), default=None,
+              help="Print the graph after this step (GGUF: lower, then its passes; ONNX: read, fuse-moe, ...).")
 @click.option("--genai-speculative", default=None, metavar="ngram|draft:PATH", show_default="off",
               help="Write speculative decoding into genai_config.json for onnxruntime-genai (PATH: the draft "
                    "model's converted folder); moepass run/chat/serve take --speculative when they run.")

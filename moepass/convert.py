@@ -1,12 +1,13 @@
 """`moepass convert`: GGUF -> ONNX decoder with QMoE experts, or an ONNX model's MoE subgraphs
 fused into QMoE; written atomically.
 
-GGUF: read (moepass.core.gguf_reader) -> lower (moepass.passes.lower) -> passes (moepass.passes.PIPELINE)
--> write: model.onnx + model.onnx.data (weights streamed tensor by tensor) + moepass.json
-(hyperparameters, MoE layers and the per-tensor conversion report), tokenizer and genai config.
-ONNX: load (weights stay on disk until written) -> fuse-moe (moepass.passes.fuse_moe) ->
-remove-unused, topological-sort -> write: model.onnx + model.onnx.data + moepass.json (which layers
-were fused and why others were not, and the per-tensor report).
+GGUF: read (moepass.core.gguf_reader) -> lower (moepass.passes.lower) -> the passes of
+moepass.passes.PIPELINES["gguf"] -> write: model.onnx + model.onnx.data (weights streamed tensor by
+tensor) + moepass.json (hyperparameters, MoE layers and the per-tensor conversion report), tokenizer
+and genai config.
+ONNX: read (weights stay on disk until written) -> the passes of PIPELINES["onnx"] (fuse-moe, then
+cleanup and activations) -> write: model.onnx + model.onnx.data + moepass.json (which layers were
+fused and why others were not, and the per-tensor report).
 
 Everything is written into a temporary directory beside the output and renamed at the end, so a
 failure leaves nothing at the output path, and an existing output is replaced only on request.
@@ -25,13 +26,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
-
 from moepass.atomic import atomic_directory, check_destination
 from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import offload_violations
-from moepass.core.choices import ACTIVATION_MODES, DEFAULT_DRAFT_TOKENS, FLOAT_EXPERT_CHOICES, KV_CACHE_TYPES
+from moepass.core.choices import (
+    ACTIVATION_MODES,
+    DEFAULT_DRAFT_TOKENS,
+    FLOAT_EXPERT_CHOICES,
+    KV_CACHE_TYPES,
+    PASS_NAMES,
+)
 from moepass.core.errors import MoepassError
 from moepass.core.files import (
     GENAI_CONFIG_FILE,
@@ -50,8 +55,7 @@ from moepass.core.quants import parse_form, speed_class
 from moepass.core.version import __version__
 from moepass.genai import check_speculation, genai_config, with_speculation
 from moepass.kv_precision import cache_type_of, set_kv_cache
-from moepass.passes import QuantizeActivationsPass, run_pipeline
-from moepass.passes.fuse_moe import FuseMoePass
+from moepass.passes import PipelineRun, run_pipeline
 from moepass.passes.lower import LowerOptions, lower_gguf
 from moepass.tokenizer import tokenizer_from_gguf
 
@@ -180,7 +184,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     Args:
         model: the .gguf file (for split files, the first part); or an ONNX model: a .onnx file, a
             model directory, an onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph
-            (see convert_onnx; `expert_format`, `imatrix` and `print_after` are for GGUF input).
+            (see convert_onnx; `expert_format` and `imatrix` are for GGUF input).
         output_dir: the directory to create (must not exist, or be empty, unless `overwrite`).
         float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
             (quantized into QMoE).
@@ -195,7 +199,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         imatrix: a llama.cpp importance matrix (GGUF or .dat) weighting requantization errors per column.
         overwrite: replace an existing output_dir.
         progress: called as progress(done, total) while weights are written.
-        print_after: print the graph after this pass (see moepass.passes.PASS_NAMES).
+        print_after: print the graph after this step (moepass.core.choices.PASS_NAMES, per input kind).
         allow_non_finite: convert tensors holding NaN or Inf (refused by default: the model would
             compute NaN logits).
         context: the positions the model is built for (its RoPE tables; default: the GGUF's
@@ -208,10 +212,14 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     """
     if activations not in ACTIVATION_MODES:
         raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")
-    if _is_onnx(model):
+    kind = "onnx" if _is_onnx(model) else "gguf"
+    if print_after is not None and print_after not in PASS_NAMES[kind]:
+        raise MoepassError(f"--print-after {print_after}: no such step for {kind.upper()} input; its steps: "
+                           f"{', '.join(PASS_NAMES[kind])}")
+    if kind == "onnx":
         given = [option for option, value, default in (
             ("--expert-format", expert_format, "auto"), ("--exact", exact, False), ("--imatrix", imatrix, None),
-            ("--print-after", print_after, None), ("--context", context, None),
+            ("--context", context, None),
             ("--allow-non-finite", allow_non_finite, False), ("--genai-speculative", genai_speculative, None),
             ("--kv-cache", kv_cache, "float32"), ("--kv-calibration", kv_calibration, None))
             if value != default]
@@ -219,7 +227,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             raise MoepassError(f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
                                "are (--float-experts and --activations apply)")
         return convert_onnx(model, output_dir, float_experts=float_experts, activations=activations,
-                            overwrite=overwrite, progress=progress)
+                            overwrite=overwrite, progress=progress, print_after=print_after, echo=echo)
     start = time.perf_counter()
     source, output_dir = Path(model), Path(output_dir)
     check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # before any work
@@ -235,7 +243,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
                                                        imatrix=load_imatrix(imatrix) if imatrix else None,
                                                        context=context, exact=exact, threads=threads))
-    onnx_model = run_pipeline(lowered.model, print_after=print_after, echo=echo, activations=activations)
+    onnx_model = run_pipeline(lowered.model, "gguf", PipelineRun(activations=activations), print_after, echo)
     violations = offload_violations(onnx_model)
     offload = "eligible (int4 block 32 prepacked, float16)" if not violations else \
         f"not eligible: {violations[0][0]}: {violations[0][1]}" + (" (--expert-format offload makes it eligible)"
@@ -303,15 +311,16 @@ def _is_onnx(model: Any) -> bool:
 
 
 def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
-                 activations: str = "int8", overwrite: bool = False,
-                 progress: ProgressFn | None = None) -> ConvertResult:
+                 activations: str = "int8", overwrite: bool = False, progress: ProgressFn | None = None,
+                 print_after: str | None = None, echo: Callable[[str], None] = print) -> ConvertResult:
     """Fuse the MoE layers of an ONNX model into QMoE (or float MoE) nodes (moepass.passes.fuse_moe).
 
     Per-expert MatMulNBits blobs move bit-exactly when their block geometry fits QMoE; float
     experts become one float com.microsoft::MoE node unless `float_experts` is "int8" or "int4";
     com.microsoft::MoE nodes are quantized into QMoE when `float_experts` asks for it. A layer the
     rules do not match is left as it was, and moepass.json says why. A model with no MoE layer is
-    written unchanged. `activations` sets accuracy_level on every quantized matrix product, as for GGUF.
+    written unchanged. `activations` sets accuracy_level on every quantized matrix product, as for GGUF;
+    `print_after` prints the graph after that step (moepass.core.choices.PASS_NAMES["onnx"]).
     """
     if float_experts not in FLOAT_EXPERT_CHOICES:
         raise MoepassError(f"float_experts must be one of {', '.join(FLOAT_EXPERT_CHOICES)}, not {float_experts!r}")
@@ -321,13 +330,10 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     source_bytes = _model_bytes(source)
     existing = sum(1 for m in moe_nodes(onnx_model.graph)  # those the fusion leaves as they are
                    if m.node.op_type == "QMoE" or float_experts == "keep")
-    fuse = FuseMoePass(float_experts)
-    fuse(onnx_model)
+    run = PipelineRun(activations=activations, float_experts=float_experts)
+    onnx_model = run_pipeline(onnx_model, "onnx", run, print_after, echo)
+    fuse = run.ran["fuse-moe"]
     fused = [r for r in fuse.records if r.fused]
-    if fused:
-        for cleanup in (RemoveUnusedNodesPass(), TopologicalSortPass()):
-            cleanup(onnx_model)
-    QuantizeActivationsPass(activations)(onnx_model)
     onnx_model.metadata_props[keys.VERSION] = __version__
     onnx_model.metadata_props[keys.SOURCE] = source.name
     onnx_model.metadata_props[keys.MOE_LAYERS] = str(len(fused))

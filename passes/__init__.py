@@ -1,7 +1,8 @@
 """Graph passes of moepass, in pipeline order.
 
-`lower` builds the graph from a GGUF model (`passes/lower.py`); the passes in `PIPELINE` then
-rewrite it in place. Each has a name for `--print-after NAME` and is usable alone from Python.
+A conversion makes an onnx-ir graph, from a GGUF model (`lower`, `passes/lower.py`) or from an ONNX
+model (`read`), then runs the passes of `PIPELINES[kind]` over it in place, through `run_pipeline`.
+Each pass has a name for `--print-after NAME` and is usable alone from Python.
 `ExposeRouterLogitsPass` (profiling copies), `ReorderExpertsPass` (per-expert placement) and
 `AnnotateLayersPass` (per-layer placement) are run by `moepass profile` and `moepass partition` on
 converted models.
@@ -9,6 +10,7 @@ converted models.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import onnx_ir as ir
@@ -19,35 +21,72 @@ from moepass.core.choices import PASS_NAMES
 from moepass.passes.activations import QuantizeActivationsPass
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.expose_router import ExposeRouterLogitsPass
+from moepass.passes.fuse_moe import FuseMoePass
 from moepass.passes.fuse_skip_norm import FuseSkipNormPass
 from moepass.passes.lower import LowerOptions, lower_gguf
 from moepass.passes.reorder_experts import ReorderExpertsPass
 
-# name -> factory(activations mode); the order is the pipeline's order.
-PIPELINE: dict[str, Callable[[str], PassBase]] = {
-    "fuse-skip-norm": lambda activations: FuseSkipNormPass(),
-    "quantize-activations": QuantizeActivationsPass,
-    "remove-unused": lambda activations: RemoveUnusedNodesPass(),
-    "topological-sort": lambda activations: TopologicalSortPass(),
+
+@dataclasses.dataclass
+class PipelineRun:
+    """What the passes of one conversion share: its options, and the passes run so far by name
+    (the caller reads their records, e.g. fuse-moe's, afterwards)."""
+
+    activations: str = "int8"    # "int8" (inside the quantized matrix products, as llama.cpp) or "float"
+    float_experts: str = "keep"  # ONNX input: float experts kept (MoE) or quantized into QMoE
+    ran: dict[str, PassBase] = dataclasses.field(default_factory=dict)
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether the graph is new or rewritten: an ONNX model none of whose layers fused is
+        written as it came (no cleanup reorders it)."""
+        fuse = self.ran.get("fuse-moe")
+        return fuse is None or any(r.fused for r in fuse.records)
+
+
+def _cleanup(make: Callable[[], PassBase]) -> Callable[[PipelineRun], PassBase | None]:
+    return lambda run: make() if run.rewritten else None
+
+
+# input kind -> pass name -> factory(run) (None: nothing to do); the order is the pipeline's order.
+PIPELINES: dict[str, dict[str, Callable[[PipelineRun], PassBase | None]]] = {
+    "gguf": {
+        "fuse-skip-norm": lambda run: FuseSkipNormPass(),
+        "quantize-activations": lambda run: QuantizeActivationsPass(run.activations),
+        "remove-unused": _cleanup(RemoveUnusedNodesPass),
+        "topological-sort": _cleanup(TopologicalSortPass),
+    },
+    "onnx": {
+        "fuse-moe": lambda run: FuseMoePass(run.float_experts),
+        "remove-unused": _cleanup(RemoveUnusedNodesPass),
+        "topological-sort": _cleanup(TopologicalSortPass),
+        "quantize-activations": lambda run: QuantizeActivationsPass(run.activations),
+    },
 }
-if PASS_NAMES != ("lower", *PIPELINE):  # --print-after offers these names without importing the passes
-    raise ImportError("moepass.core.choices.PASS_NAMES differs from moepass.passes.PIPELINE")
+if any(PASS_NAMES[kind][1:] != tuple(passes) for kind, passes in PIPELINES.items()):
+    raise ImportError("moepass.core.choices.PASS_NAMES differs from moepass.passes.PIPELINES")
 
 
-def run_pipeline(model: ir.Model, print_after: str | None = None,
-                 echo: Callable[[str], None] = print, activations: str = "int8") -> ir.Model:
-    """Run every pass of PIPELINE; print the graph after the pass named `print_after` (or after `lower`).
-    `activations`: "int8" (quantized inside the quantized matrix products, as llama.cpp) or "float"."""
-    if print_after is not None and print_after not in PASS_NAMES:
-        raise ValueError(f"no pass named {print_after!r}; passes: {', '.join(PASS_NAMES)}")
-    if print_after == "lower":
+def run_pipeline(model: ir.Model, kind: str, run: PipelineRun | None = None, print_after: str | None = None,
+                 echo: Callable[[str], None] = print) -> ir.Model:
+    """Run every pass of PIPELINES[kind] (`kind`: "gguf" or "onnx"); print the graph after the pass
+    named `print_after` (or after the step that made it: "lower" or "read")."""
+    run = run if run is not None else PipelineRun()
+    names = PASS_NAMES[kind]
+    if print_after is not None and print_after not in names:
+        raise ValueError(f"no pass named {print_after!r} for {kind} input; passes: {', '.join(names)}")
+    if print_after == names[0]:
         echo(str(model.graph))
-    for name, factory in PIPELINE.items():
-        model = factory(activations)(model).model
+    for name, factory in PIPELINES[kind].items():
+        graph_pass = factory(run)
+        if graph_pass is not None:
+            model = graph_pass(model).model
+            run.ran[name] = graph_pass
         if print_after == name:
             echo(str(model.graph))
     return model
 
 
-__all__ = ["AnnotateLayersPass", "ExposeRouterLogitsPass", "FuseSkipNormPass", "LowerOptions", "PASS_NAMES", "PIPELINE",
-           "QuantizeActivationsPass", "ReorderExpertsPass", "lower_gguf", "run_pipeline"]
+__all__ = ["AnnotateLayersPass", "ExposeRouterLogitsPass", "FuseMoePass", "FuseSkipNormPass", "LowerOptions",
+           "PASS_NAMES", "PIPELINES", "PipelineRun", "QuantizeActivationsPass", "ReorderExpertsPass", "lower_gguf",
+           "run_pipeline"]

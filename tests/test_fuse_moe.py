@@ -260,3 +260,27 @@ def test_every_matmul_nbits_geometry_fuses(bits, block_size, symmetric, geometry
         errors = [e for w in result.weights for e in w["rel_rms_error"]]
         assert 0 < max(errors) < 0.02
     assert f"-> {result.moe_layers[0]['node']} ({form})" in "\n".join(result.summary_lines())
+
+
+def test_print_after_shows_each_step_of_the_onnx_pipeline(exported, tmp_path):
+    """ONNX input runs the same run_pipeline as GGUF input: --print-after prints the graph as read
+    (per-expert MatMulNBits, no QMoE), after fuse-moe (QMoE) and after quantize-activations
+    (accuracy_level on the QMoE node); a GGUF-only step is refused before any work, by name."""
+    from click.testing import CliRunner
+
+    from moepass.cli import main
+
+    source = exported("qwen3moe", bits=4)
+    shown = {}
+    for step in ("read", "fuse-moe", "quantize-activations"):
+        result = CliRunner().invoke(main, ["convert", str(source), "-o", str(tmp_path / step), "-q",
+                                           "--print-after", step])
+        assert result.exit_code == 0, result.output
+        shown[step] = result.stdout
+    assert "MatMulNBits" in shown["read"] and "QMoE" not in shown["read"]
+    assert "QMoE" in shown["fuse-moe"] and "accuracy_level=4" not in shown["fuse-moe"].split("QMoE", 1)[1][:2000]
+    assert "accuracy_level=4" in shown["quantize-activations"].split("QMoE", 1)[1][:2000]
+    for step, kind in (("lower", "ONNX"), ("fuse-skip-norm", "ONNX")):
+        result = CliRunner().invoke(main, ["convert", str(source), "-o", str(tmp_path / "no"), "--print-after", step])
+        assert result.exit_code == 2 and f"--print-after {step}: no such step for {kind} input" in result.stderr
+        assert not (tmp_path / "no").exists()

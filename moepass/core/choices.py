@@ -17,8 +17,11 @@ EXPERT_FORMATS = ("auto", "int4", "int8", "offload")  # quantized experts (moepa
 # activations mode -> accuracy_level of every quantized matrix product (None: the attribute is absent,
 # ONNX Runtime's float default; 4: int8 activations inside the product, as llama.cpp)
 ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}
-# --print-after: "lower", then the passes of moepass.passes.PIPELINE in order (a test keeps them equal)
-PASS_NAMES = ("lower", "fuse-skip-norm", "quantize-activations", "remove-unused", "topological-sort")
+# --print-after, per input kind: the step that makes the graph ("lower" a GGUF, "read" an ONNX model),
+# then the passes of moepass.passes.PIPELINES[kind] in order (moepass.passes checks them at import)
+PASS_NAMES = {"gguf": ("lower", "fuse-skip-norm", "quantize-activations", "remove-unused", "topological-sort"),
+              "onnx": ("read", "fuse-moe", "remove-unused", "topological-sort", "quantize-activations")}
+PRINT_AFTER_CHOICES = tuple(dict.fromkeys(name for names in PASS_NAMES.values() for name in names))
 # --kv-cache: GroupQueryAttention's cache type -> bytes per cached value (moepass.kv_precision)
 KV_CACHE_TYPES = {"float32": 4, "float16": 2, "int8": 1}
 MAX_CONTEXT = 1 << 24  # positions: 16M, above every released model's context
