@@ -95,8 +95,11 @@ def kld_tables(args: argparse.Namespace) -> None:
                 theirs = llama_window_logits(path, windows)
                 their_quality = next_token_quality(reference, theirs, windows)
                 for fmt in args.expert_formats.split(","):
-                    result = convert(path, work / f"{model}-{file_type}-{fmt}", expert_format=fmt, overwrite=True,
-                                     echo=lambda line: None)
+                    expert_format, _, extra = fmt.partition("+")  # "int4+imatrix": with the model's imatrix
+                    dat = make_fixtures.write_imatrix_dat(work / f"{model}.imatrix.dat", imatrix) \
+                        if extra == "imatrix" else None
+                    result = convert(path, work / f"{model}-{file_type}-{fmt}", expert_format=expert_format,
+                                     imatrix=dat, overwrite=True, echo=lambda line: None)
                     ours = moepass_window_logits(result.output_dir, windows)
                     quality = next_token_quality(reference, ours, windows)
                     ratio, low, high = kld_ratio(reference, ours, theirs)
@@ -140,7 +143,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="markov,text", help="trained models: markov, text")
     ap.add_argument("--file-types", default=",".join(FILE_TYPES), help="llama.cpp file types")
-    ap.add_argument("--expert-formats", default="auto", help="the --expert-format values to convert with")
+    ap.add_argument("--expert-formats", default="auto",
+                    help="the --expert-format values to convert with; FORMAT+imatrix converts with the importance "
+                         "matrix llama.cpp's quantizer used (as published beside quantized models)")
     ap.add_argument("--cache", type=Path, help="where the trained models are kept between runs (default: made anew)")
     ap.add_argument("--random", action="store_true", help="argmax agreement on the random fixtures instead")
     ap.add_argument("--types", default=",".join(t.name for t, qt in QUANT_TYPES.items() if qt.storage != "float"),

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import onnx
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
+from make_fixtures import write_imatrix_dat as write_dat, write_imatrix_gguf as write_gguf
 from moepass.core.imatrix import load_imatrix
 from moepass.core.quants import BlockForm, unpack_values
 
@@ -23,27 +22,6 @@ def _importance(make_gguf):
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     return {name: rng.lognormal(0.0, 2.0, size=(shapes[name][0], shapes[name][-1])).astype(np.float32)
             for name in EXPERT_TENSORS}
-
-
-def write_dat(path, matrices):
-    with open(path, "wb") as f:
-        f.write(struct.pack("<i", len(matrices)))
-        for name, values in sorted(matrices.items()):
-            f.write(struct.pack("<i", len(name)) + name.encode())
-            f.write(struct.pack("<ii", 10, values.size) + values.astype("<f4").tobytes())
-        f.write(struct.pack("<i", 10) + struct.pack("<i", 5) + b"calib")  # last chunk, dataset name
-
-
-def write_gguf(path, matrices, counts=4.0):
-    w = GGUFWriter(str(path), "imatrix")
-    w.add_type("imatrix")
-    for name, values in sorted(matrices.items()):
-        w.add_tensor(f"{name}.in_sum2", (values * counts).astype(np.float32))
-        w.add_tensor(f"{name}.counts", np.full(values.shape[0], counts, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def test_both_formats_read_alike(tmp_path, make_gguf):
