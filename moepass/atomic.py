@@ -28,6 +28,7 @@ from moepass.core.files import (
     REPORT_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    read_report,
 )
 
 COPY_STEP = 256 << 20  # bytes a copy moves between progress reports
@@ -39,7 +40,6 @@ OUTPUT_FILES = frozenset({MODEL_FILE, DATA_FILE, REPORT_FILE, PLAN_FILE, OPTIONS
 def foreign_entry(folder: Path) -> str | None:
     """Why `folder` is not an output of moepass that --force may replace (None: it is one, or empty):
     it must hold moepass's report (moepass.json with its version) and nothing but moepass's files."""
-    import json
 
     entries = sorted(os.listdir(folder))
     if not entries:
@@ -48,11 +48,11 @@ def foreign_entry(folder: Path) -> str | None:
         entry = folder / name
         if name not in OUTPUT_FILES or entry.is_symlink() or not entry.is_file():
             return f"it holds {name!r}, which moepass does not write"
-    try:
-        report = json.loads((folder / REPORT_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    if not (folder / REPORT_FILE).is_file():
         return f"it has no readable {REPORT_FILE} of moepass's"
-    if not isinstance(report, dict) or "moepass_version" not in report:
+    try:
+        read_report(folder)
+    except MoepassError:
         return f"its {REPORT_FILE} is not moepass's"
     return None
 

@@ -41,12 +41,13 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import (
     GENAI_CONFIG_FILE,
     MODEL_FILE,
-    REPORT_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     as_ir_model,
+    read_report,
     read_text,
     save_model,
+    write_report,
 )
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.imatrix import load_imatrix
@@ -259,6 +260,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             bytes_by_target[w["target"]] += w["bytes"]
         report = {
             "moepass_version": __version__,
+            "input": "gguf",
             "source": {"file": source.name, "parts": [p.name for p in gguf.parts], "bytes": gguf.file_bytes},
             "architecture": arch.gguf_arch,
             "activations": activations,
@@ -275,7 +277,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         if genai_speculative:
             genai = with_speculation(genai, genai_speculative, draft_tokens, output_dir)
         (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        write_report(tmp, report)
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
     return ConvertResult(output_dir=output_dir, source=source, architecture=arch.gguf_arch,
                          n_layers=lowered.hparams.n_layers, moe_layers=lowered.moe_layers,
@@ -288,14 +290,13 @@ def _moepass_source(label: str) -> tuple[Path | None, dict[str, Any]]:
     """The folder of an ONNX input that moepass wrote, and its report (None, {} for other input):
     what its conversion knew of the model (tokenizer, hyperparameters) carries over."""
     folder = Path(label).parent if label.endswith(".onnx") else None
-    report = folder / REPORT_FILE if folder is not None else None
-    if report is None or not report.is_file():
+    if folder is None:
         return None, {}
     try:
-        info = json.loads(report.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        info = read_report(folder)
+    except MoepassError:  # another tool's moepass.json: the model converts as any ONNX model
         return None, {}
-    return (folder, info) if isinstance(info, dict) and "moepass_version" in info else (None, {})
+    return (folder, info) if info else (None, {})
 
 
 def _is_onnx(model: Any) -> bool:
@@ -348,7 +349,8 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
         # (moepass.passes.weights), a group's codes written before its scales
         save_model(onnx_model, tmp / MODEL_FILE, progress)
         weights = [r.as_dict() for r in fuse.report.records.values()]
-        report = {"moepass_version": __version__, "source": {"file": source.name, "bytes": source_bytes},
+        report = {"moepass_version": __version__, "input": "onnx",
+                  "source": {"file": source.name, "bytes": source_bytes},
                   "activations": activations,
                   "fusion": [r.as_dict() for r in fuse.records], "moe_layers": moe_layers, "weights": weights}
         earlier, known = _moepass_source(label)
@@ -357,7 +359,7 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
             for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENAI_CONFIG_FILE):
                 if (earlier / name).is_file():
                     shutil.copyfile(earlier / name, tmp / name)
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        write_report(tmp, report)
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
     bytes_by_target: dict[str, int] = collections.Counter()
     for w in weights:

@@ -18,7 +18,7 @@ from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals
 from moepass.core.errors import MoepassError
-from moepass.core.files import REPORT_FILE, as_ir_model, read_json_object
+from moepass.core.files import as_ir_model, read_report
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.core.quants import BlockForm
@@ -105,8 +105,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     ops = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in graph)
     dry_run = FuseMoePass(dry_run=True)
     dry_run(model)
-    report = Path(label).parent / REPORT_FILE
-    fused = read_json_object(report).get("fusion")
+    fused = read_report(Path(label).parent).get("fusion")
     return {
         "kind": "onnx",
         "file": label,

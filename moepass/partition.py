@@ -49,7 +49,9 @@ from moepass.core.files import (
     load_model,
     model_file,
     read_json_object,
+    read_report,
     save_model,
+    write_report,
 )
 from moepass.core.moe_nodes import moe_nodes
 from moepass.core.version import __version__
@@ -192,6 +194,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     if report is not None and Path(report).suffix.lower() != ".png":
         raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
     source = model_file(model_dir)
+    read_report(source.parent)  # copied into the output: one this moepass reads, before any work
     check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # the outputs before any work
     if report is not None:
         check_destination(report, overwrite, is_dir=False, inputs=[source])
@@ -296,11 +299,11 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         # the cache retyped once the weights are in place and before the placement options (int8 is
         # calibrated on the CPU)
         if chosen != source_cache:
-            info = read_json_object(tmp / REPORT_FILE)
+            info = read_report(tmp)
             hparams = info.get("hparams") if isinstance(info.get("hparams"), dict) else {}
             context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else None
             info["kv_cache"] = set_kv_cache(tmp, chosen, source_cache, context_length, threads=threads)
-            (tmp / REPORT_FILE).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+            write_report(tmp, info)
         (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
                                                     "placement": {"target": target, "mode": mode}}, indent=1) + "\n")
         if (source.parent / GENAI_CONFIG_FILE).is_file():

@@ -23,6 +23,7 @@ from moepass.core.files import (
     load_model,
     model_file,
     read_json_object,
+    read_report,
 )
 from moepass.runtime import speculative
 from moepass.runtime.chat_template import ChatTemplate
@@ -59,7 +60,7 @@ class Decoder:
         self.model_dir = Path(model_dir)
         model_path = model_file(self.model_dir)
         folder = model_path.parent
-        self.info = read_json_object(folder / REPORT_FILE)
+        self.info = read_report(folder)
         options_file = read_json_object(folder / OPTIONS_FILE)
         option_entries = _json_field(options_file, "session_config_entries", dict, folder / OPTIONS_FILE)
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in option_entries.items()):

@@ -139,6 +139,41 @@ def read_json_object(path: Path) -> dict:
     return data
 
 
+# moepass.json's schema (docs/design.md, "moepass.json"): 1 since GGUF and ONNX conversions write one
+# schema; a file without the field (written before) reads as schema 0, which differs in nothing read
+REPORT_SCHEMA = 1
+
+
+def read_report(folder: Path, required: bool = False) -> dict:
+    """moepass.json of a model folder, checked to be moepass's and of a schema this moepass reads;
+    {} when absent and not `required`. The one reader: runtime, inspect, partition, convert and the
+    overwrite check all take it from here."""
+    path = folder / REPORT_FILE
+    if not path.is_file():
+        if required:
+            raise MoepassError(f"{folder}: no {REPORT_FILE} (not a folder moepass wrote)")
+        return {}
+    report = read_json_object(path)
+    if "moepass_version" not in report:
+        raise MoepassError(f"{path}: not moepass's (no moepass_version)")
+    schema = report.get("schema", 0)
+    if not isinstance(schema, int) or isinstance(schema, bool) or not 0 <= schema <= REPORT_SCHEMA:
+        raise MoepassError(f"{path}: schema {schema!r}; this moepass reads schemas 0 to {REPORT_SCHEMA} "
+                           "(a newer moepass wrote it?)")
+    return report
+
+
+def write_report(folder: Path, report: dict) -> None:
+    """Write moepass.json in the current schema (sorted keys, one space of indent)."""
+    import json
+
+    from moepass.core.version import __version__
+
+    report = {**report, "schema": REPORT_SCHEMA}
+    report.setdefault("moepass_version", __version__)
+    (folder / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+
+
 def as_ir_model(source: Any) -> tuple[onnx_ir.Model, str]:
     """An onnx-ir model and a label for it, from a path (model.onnx or a model directory), an
     onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph (what pipelines hand in)."""
