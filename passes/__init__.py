@@ -1,6 +1,6 @@
 """Graph passes of moepass, in pipeline order.
 
-A conversion makes an onnx-ir graph, from a GGUF model (`lower`, `passes/lower.py`) or from an ONNX
+A conversion makes an onnx-ir graph, from a GGUF model (`lower`, `passes/lower/`) or from an ONNX
 model (`read`), then runs the passes of `PIPELINES[kind]` over it in place, through `run_pipeline`.
 Each pass has a name for `--print-after NAME` and is usable alone from Python.
 `ExposeRouterLogitsPass` (profiling copies), `ReorderExpertsPass` (per-expert placement) and

@@ -162,7 +162,7 @@ def _tied(scores: np.ndarray, k: int, spread: np.ndarray | None = None) -> np.nd
 
 
 def _deepseek_ties(logits: np.ndarray, hparams: dict, bias: np.ndarray | None, k: int) -> np.ndarray:
-    """Near ties of deepseek2's routing (passes/routing.py deepseek_routing, llama.cpp's
+    """Near ties of deepseek2's routing (passes/lower/routing.py deepseek_routing, llama.cpp's
     build_moe_ffn), whose MoE node gets -inf for every expert not selected: of the selection
     scores (gating probabilities plus the bias exp_probs_b) at the k-th expert within the groups
     used, and with group-limited routing of the group scores (a group's best two) at the last

@@ -131,7 +131,7 @@ def test_yarn_tables_match_the_yarn_formula():
     """cos/sin tables (ggml's angle mixing in float32) against YaRN as published (mixed inverse
     frequencies, float64): gpt-oss-20b's parameters, every position up to 2048."""
     from moepass.core.architectures import Rope
-    from moepass.passes.rope import rope_cache
+    from moepass.passes.lower.rope import rope_cache
 
     d, base, factor, orig = 64, 150000.0, 32.0, 4096
     rope = Rope(base=base, freq_scale=1 / factor, ext_factor=1.0, attn_factor=1.0, n_ctx_orig=orig)

@@ -12,9 +12,10 @@ import moepass
 import moepass.core
 import moepass.cuda_ops
 import moepass.passes
+import moepass.passes.lower
 import moepass.runtime
 
-PACKAGES = (moepass, moepass.core, moepass.cuda_ops, moepass.passes, moepass.runtime)
+PACKAGES = (moepass, moepass.core, moepass.cuda_ops, moepass.passes, moepass.passes.lower, moepass.runtime)
 
 
 def _modules() -> list[str]:

@@ -118,7 +118,7 @@ def test_long_or_short_by_the_context_as_llama_cpp_sizes_it():
 
 
 def test_rope_cache_divides_each_pair_by_its_factor():
-    from moepass.passes.rope import rope_cache
+    from moepass.passes.lower.rope import rope_cache
 
     d, factors = 8, np.array([1.0, 2.0, 4.0, 8.0], np.float32)
     rope = Rope(base=10000.0, attn_factor=1.5)

@@ -573,7 +573,7 @@ def read_longrope(gguf: GGUFModel, hp: HParams) -> dict[str, tuple[float, ...] |
       constructor), in both regimes.
     - How: ggml/src/ggml-cpu/ops.cpp, ggml_rope_cache_init: each pair i0/2 turns by
       rope_yarn(theta / freq_factors[i0/2], ...), whose cos and sin are scaled by mscale =
-      attn_factor (passes/rope.py rope_cache).
+      attn_factor (passes/lower/rope.py rope_cache).
 
     Refused with the tensor named: another type than F32, another shape, factors that are not
     finite and positive (they divide the angle: 0 gives infinite angles, llama.cpp NaN).

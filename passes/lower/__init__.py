@@ -30,9 +30,9 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import LOGITS_TO_KEEP
 from moepass.core.gguf_reader import GGUFModel
 from moepass.core.version import __version__
-from moepass.passes.attention import attention, attention_inputs
-from moepass.passes.ffn import feed_forward
-from moepass.passes.graph_builder import GraphBuilder, LowerOptions
+from moepass.passes.lower.attention import attention, attention_inputs
+from moepass.passes.lower.ffn import feed_forward
+from moepass.passes.lower.graph_builder import GraphBuilder, LowerOptions
 from moepass.passes.weights import WeightReport
 
 OPSETS = {"": 21, "com.microsoft": 1}

@@ -12,8 +12,8 @@ from moepass.core.errors import MoepassError
 from moepass.core.moe_nodes import Experts, moe_node
 from moepass.core.quants import OFFLOAD_FORM, expert_form, quant_type, requantize_form, scales_in_float16
 from moepass.cuda_ops.prepack import prepack_problem
-from moepass.passes.graph_builder import GraphBuilder
-from moepass.passes.routing import renormalizes, route
+from moepass.passes.lower.graph_builder import GraphBuilder
+from moepass.passes.lower.routing import renormalizes, route
 
 
 def feed_forward(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:

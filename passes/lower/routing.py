@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from moepass.core.architectures import Features
 from moepass.core.quants import dequantize
-from moepass.passes.graph_builder import GraphBuilder
+from moepass.passes.lower.graph_builder import GraphBuilder
 
 # the routings whose top-k weights the node renormalizes over the k (deepseek2's scores: see deepseek_routing)
 RENORMALIZING = ("softmax_topk_renorm", "topk_softmax", "deepseek")

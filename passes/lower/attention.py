@@ -13,8 +13,8 @@ import onnx_ir as ir
 from moepass.core.architectures import latent_dims
 from moepass.core.errors import MoepassError
 from moepass.core.quants import dequantize
-from moepass.passes.graph_builder import GraphBuilder
-from moepass.passes.rope import rope_cache
+from moepass.passes.lower.graph_builder import GraphBuilder
+from moepass.passes.lower.rope import rope_cache
 
 
 @dataclasses.dataclass
