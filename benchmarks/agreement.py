@@ -86,6 +86,7 @@ def kld_tables(args: argparse.Namespace) -> None:
         cache = args.cache or work
         for model, (source, imatrix, windows) in trained_models(args.models.split(","), cache).items():
             reference = llama_window_logits(source, windows)
+            imatrix_file = make_fixtures.write_imatrix_dat(work / f"{model}.imatrix.dat", imatrix)
             for file_type in args.file_types.split(","):
                 path = work / f"{model}-{file_type}.gguf"
                 if not llama_quantize(source, path, file_type, imatrix):
@@ -96,10 +97,9 @@ def kld_tables(args: argparse.Namespace) -> None:
                 their_quality = next_token_quality(reference, theirs, windows)
                 for fmt in args.expert_formats.split(","):
                     expert_format, _, extra = fmt.partition("+")  # "int4+imatrix": with the model's imatrix
-                    dat = make_fixtures.write_imatrix_dat(work / f"{model}.imatrix.dat", imatrix) \
-                        if extra == "imatrix" else None
                     result = convert(path, work / f"{model}-{file_type}-{fmt}", expert_format=expert_format,
-                                     imatrix=dat, overwrite=True, echo=lambda line: None)
+                                     imatrix=imatrix_file if extra == "imatrix" else None, overwrite=True,
+                                     echo=lambda line: None)
                     ours = moepass_window_logits(result.output_dir, windows)
                     quality = next_token_quality(reference, ours, windows)
                     ratio, low, high = kld_ratio(reference, ours, theirs)

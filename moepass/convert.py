@@ -259,7 +259,6 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         for w in weights:
             bytes_by_target[w["target"]] += w["bytes"]
         report = {
-            "moepass_version": __version__,
             "input": "gguf",
             "source": {"file": source.name, "parts": [p.name for p in gguf.parts], "bytes": gguf.file_bytes},
             "architecture": arch.gguf_arch,
@@ -349,7 +348,7 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
         # (moepass.passes.weights), a group's codes written before its scales
         save_model(onnx_model, tmp / MODEL_FILE, progress)
         weights = [r.as_dict() for r in fuse.report.records.values()]
-        report = {"moepass_version": __version__, "input": "onnx",
+        report = {"input": "onnx",
                   "source": {"file": source.name, "bytes": source_bytes},
                   "activations": activations,
                   "fusion": [r.as_dict() for r in fuse.records], "moe_layers": moe_layers, "weights": weights}

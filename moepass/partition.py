@@ -194,7 +194,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     if report is not None and Path(report).suffix.lower() != ".png":
         raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
     source = model_file(model_dir)
-    read_report(source.parent)  # copied into the output: one this moepass reads, before any work
+    source_report = read_report(source.parent)  # copied into the output: one this moepass reads, before any work
     check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # the outputs before any work
     if report is not None:
         check_destination(report, overwrite, is_dir=False, inputs=[source])
@@ -299,7 +299,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         # the cache retyped once the weights are in place and before the placement options (int8 is
         # calibrated on the CPU)
         if chosen != source_cache:
-            info = read_report(tmp)
+            info = dict(source_report)
             hparams = info.get("hparams") if isinstance(info.get("hparams"), dict) else {}
             context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else None
             info["kv_cache"] = set_kv_cache(tmp, chosen, source_cache, context_length, threads=threads)

@@ -274,7 +274,14 @@ def latent_attention_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
 
 
 ROPE_STYLES = {"neox": "NeoX (rotate halves)", "norm": "interleaved pairs"}
-ROUTINGS = ("softmax_topk_renorm", "softmax_topk", "topk_softmax", "deepseek")
+# routing -> its words, `{k}` the experts chosen per token (deepseek's: describe() says which gating
+# and groups the file sets)
+ROUTINGS = {
+    "softmax_topk_renorm": "softmax, top-{k}, renormalized",
+    "softmax_topk": "softmax, top-{k}, not renormalized",
+    "topk_softmax": "top-{k}, softmax over the selected",
+    "deepseek": "softmax or sigmoid gating, selection bias, group-limited top-{k}",
+}
 QK_NORMS = {None: "", "head": "RMSNorm per head", "full": "RMSNorm over the full projection"}
 SHARED_EXPERTS = (None, "sigmoid_gated", "plain")
 
@@ -393,10 +400,8 @@ class Architecture:
         f = self.features
         parts: dict[str, Any] = {
             "rope": ROPE_STYLES[f.rope],
-            "routing": {"softmax_topk_renorm": f"softmax, top-{hp.n_experts_used}, renormalized",
-                        "softmax_topk": f"softmax, top-{hp.n_experts_used}, not renormalized",
-                        "topk_softmax": f"top-{hp.n_experts_used}, softmax over the selected",
-                        "deepseek": None}[f.routing] or _deepseek_routing_text(hp),
+            "routing": _deepseek_routing_text(hp) if f.routing == "deepseek" else
+            ROUTINGS[f.routing].format(k=hp.n_experts_used),
         }
         if f.mla:
             n, k_head, v_head, rope, nope = latent_dims(hp)

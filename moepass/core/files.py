@@ -164,7 +164,8 @@ def read_report(folder: Path, required: bool = False) -> dict:
 
 
 def write_report(folder: Path, report: dict) -> None:
-    """Write moepass.json in the current schema (sorted keys, one space of indent)."""
+    """Write moepass.json in the current schema (sorted keys, one space of indent), naming this
+    moepass as its writer unless `report` carries the version of the one that converted it."""
     import json
 
     from moepass.core.version import __version__
