@@ -57,5 +57,7 @@ def chat_loop(decoder, system: str | None, variables: dict, max_new_tokens: int,
         seconds = time.perf_counter() - start
         stream = conversation.last
         click.echo()
+        if stream is None:  # interrupted before the first token
+            continue
         click.echo(f"[{stopped}{stream.completion_tokens} tokens, {stream.completion_tokens / seconds:.1f} tokens/s; "
                    f"prompt {stream.prompt_tokens} tokens, {stream.prefilled_tokens} computed]", err=True)

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import Any
 
 import click
 
@@ -131,7 +132,8 @@ class _Progress:
     LOG_EVERY = 5.0
 
     def __init__(self, label: str, enabled: bool, unit: str = "bytes"):
-        self.label, self.enabled, self.unit, self.bar = label, enabled, unit, None
+        self.label, self.enabled, self.unit = label, enabled, unit
+        self.bar: Any = None  # click's progress bar, made at the first report on a terminal
         self.tty = sys.stderr.isatty()
         self.start = self.last = 0.0  # from the first report: the rate of the work itself
         self.done = self.total = 0
@@ -425,7 +427,7 @@ def run(model_dir: str, prompt: str | None, prompt_file, prompt_ids: str | None,
         if stop:
             raise click.UsageError("--stop applies to text prompts; with --prompt-ids the output is token ids")
         tokens: list[int] = []
-        for token in decoder.generate(_parse_ids(prompt_ids), max_new_tokens, sampling=sampling):
+        for token in decoder.generate(_parse_ids(prompt_ids or ""), max_new_tokens, sampling=sampling):
             click.echo(f"{',' if tokens else ''}{token}", nl=False)  # as they come: an interrupt keeps them
             tokens.append(token)
         click.echo()
@@ -576,7 +578,7 @@ def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat:
     check_destination(output, force, is_dir=False)  # before the work, not after it
     if chat:
         _require("chat", "--chat", "jinja2")
-    prompts = read_prompts(prompts_file, prompts_format) if prompts_file else [_parse_ids(prompt_ids)]
+    prompts = read_prompts(prompts_file, prompts_format) if prompts_file else [_parse_ids(prompt_ids or "")]
     earlier = [Popularity.load(p) for p in merge_with]
     progress = _Progress("profiling prompts", enabled=not quiet, unit="prompts")
     try:
@@ -669,16 +671,16 @@ def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: 
     annotated model."""
     from moepass.partition import partition as run_partition
 
-    card = GPU_PRESETS.get(gpu_preset)
-    vram = vram or (card.vram if card else None)
-    if vram is None:
+    card = GPU_PRESETS.get(gpu_preset) if gpu_preset else None
+    vram = vram or (card.vram if card else "")
+    if not vram:
         raise click.UsageError("give --vram SIZE or --gpu NAME")
     def given(value: float | None, preset: float | None, default: float) -> float:
         return value if value is not None else preset if preset is not None else default
 
-    bandwidths = Bandwidths(given(gpu_bandwidth, card and card.bandwidth, Bandwidths.gpu),
+    bandwidths = Bandwidths(given(gpu_bandwidth, card.bandwidth if card else None, Bandwidths.gpu),
                             given(host_bandwidth, None, Bandwidths.host),
-                            given(pcie_bandwidth, card and card.pcie, Bandwidths.pcie))
+                            given(pcie_bandwidth, card.pcie if card else None, Bandwidths.pcie))
     progress = _Progress("writing the placed model", enabled=not quiet)
     try:
         result = run_partition(model_dir, output, vram, profile=profile_path, context=context, batch=batch,

@@ -136,7 +136,7 @@ class ConvertResult:
             lines.append(f"  layers        {self.n_layers} ({moe} MoE, {experts} experts, top-{top_k})")
         lines += [
             "  expert form   " + (", ".join(f"{form} in {n} layer{'s' if n > 1 else ''}"
-                                                + (f" ({speed_class(parse_form(form))})" if parse_form(form) else "")
+                                                + (f" ({speed_class(block)})" if (block := parse_form(form)) else "")
                                                 for form, n in sorted(forms.items())) or "none"),
             "  activations   " + ACTIVATION_SUMMARY[self.activations],
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
@@ -258,7 +258,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         bytes_by_target: dict[str, int] = collections.Counter()
         for w in weights:
             bytes_by_target[w["target"]] += w["bytes"]
-        report = {
+        report: dict[str, Any] = {
             "input": "gguf",
             "source": {"file": source.name, "parts": [p.name for p in gguf.parts], "bytes": gguf.file_bytes},
             "architecture": arch.gguf_arch,
@@ -332,7 +332,9 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
                    if m.node.op_type == "QMoE" or float_experts == "keep")
     run = PipelineRun(activations=activations, float_experts=float_experts)
     onnx_model = run_pipeline(onnx_model, "onnx", run, print_after, echo)
-    fuse = run.ran["fuse-moe"]
+    fuse = run.fuse_moe
+    if fuse is None:
+        raise RuntimeError("the ONNX pipeline ran without fuse-moe")
     fused = [r for r in fuse.records if r.fused]
     onnx_model.metadata_props[keys.VERSION] = __version__
     onnx_model.metadata_props[keys.SOURCE] = source.name

@@ -19,6 +19,7 @@ from moepass.core import keys
 from moepass.core.architectures import ARCHITECTURES, HParams
 from moepass.core.errors import MoepassError
 from moepass.core.files import GENAI_CONFIG_FILE, MODEL_FILE, read_json_object
+from moepass.core.ir_values import dim
 
 
 def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
@@ -27,6 +28,7 @@ def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
     stop = list(tokenizer.get("stop_token_ids") or [])
     # the KV cache as the graph holds it (deepseek2: one head of the compressed latent per token)
     cache = next(v for v in model.graph.inputs if v.name == "past_key_values.0.key").shape
+    where = "the model's KV cache input past_key_values.0.key"
     return with_session_entries({
         "model": {
             "bos_token_id": tokenizer.get("bos_token_id") if tokenizer.get("bos_token_id") is not None else 0,
@@ -34,7 +36,7 @@ def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
             "decoder": {
                 "session_options": {"log_id": "moepass", "provider_options": []},
                 "filename": MODEL_FILE,
-                "head_size": int(cache[3]),
+                "head_size": dim(cache, 3, where),
                 "hidden_size": hp.hidden,
                 "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
                            "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
@@ -42,7 +44,7 @@ def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
                             "present_value_names": "present.%d.value"},
                 "num_attention_heads": hp.n_heads,
                 "num_hidden_layers": hp.n_layers,
-                "num_key_value_heads": int(cache[1]),
+                "num_key_value_heads": dim(cache, 1, where),
             },
             "eos_token_id": stop if len(stop) != 1 else stop[0],
             "pad_token_id": stop[0] if stop else 0,
@@ -81,7 +83,7 @@ def check_speculation(spec: str, draft_tokens: int) -> tuple[Path | None, dict[s
     if not 1 <= draft_tokens <= GENAI_MAX_DRAFT_TOKENS:
         raise MoepassError(f"--draft-tokens {draft_tokens}: onnxruntime-genai takes 1 to {GENAI_MAX_DRAFT_TOKENS}")
     kind, path = parse(spec)
-    if kind == "ngram":
+    if kind == "ngram" or path is None:
         return None, None
     draft_dir = Path(path)
     draft_config_file = draft_dir / GENAI_CONFIG_FILE
@@ -103,7 +105,7 @@ def with_speculation(config: dict[str, Any], spec: str, draft_tokens: int, folde
     current length" otherwise, at the first rejected draft)."""
     draft_dir, draft = check_speculation(spec, draft_tokens)
     config["speculative"] = {"max_draft_tokens": draft_tokens}
-    if draft_dir is None:
+    if draft_dir is None or draft is None:
         config["speculative"]["ngram_size"] = GENAI_NGRAM_SIZE
         return config
     if draft.get("vocab_size") != config["model"].get("vocab_size"):

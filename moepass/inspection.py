@@ -83,7 +83,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     nodes = []
     for m in found:
         attrs = {k: a.value for k, a in m.node.attributes.items()}
-        bits = attrs.get("expert_weight_bits")
+        bits = attrs.get("expert_weight_bits", 4)  # ONNX Runtime's default
         if m.node.op_type == "QMoE":
             form = str(BlockForm(bits, attrs["block_size"])) if "block_size" in attrs else f"int{bits}/row"
         else:

@@ -30,6 +30,7 @@ import onnx_ir as ir
 from moepass.core.choices import KV_CACHE_TYPES
 from moepass.core.errors import MoepassError
 from moepass.core.files import MODEL_FILE, load_model
+from moepass.core.ir_values import required_input
 
 CALIBRATION_TOKENS = 256
 INT8_MAX = 127
@@ -50,8 +51,8 @@ AUTO_CHOICES = ("float32", "float16")
 def cache_type_of(model: ir.Model) -> str | None:
     """The KV cache type (a KV_CACHE_TYPES name) of a converted model; None without a cache."""
     names = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.INT8: "int8"}
-    past = next((v for v in model.graph.inputs if v.name.startswith("past_key_values.")), None)
-    return None if past is None else names.get(past.dtype)
+    past = next((v for v in model.graph.inputs if (v.name or "").startswith("past_key_values.")), None)
+    return None if past is None or past.dtype is None else names.get(past.dtype)
 
 
 def calibration_ids(decoder, text: str | None, length: int) -> tuple[list[int], str]:
@@ -117,14 +118,16 @@ def set_kv_cache(folder: Path, kind: str, current: str | None, context: int | No
         del decoder
     cache_type = ir.TensorType(ir.DataType.FLOAT16 if kind == "float16" else ir.DataType.INT8)
     for node in attention:
-        for value in (node.inputs[3], node.inputs[4], node.outputs[1], node.outputs[2]):
+        for value in (required_input(node, 3), required_input(node, 4), node.outputs[1], node.outputs[2]):
             value.type = cache_type
         if kind != "int8":
             continue
         node.resize_inputs(14)  # k_scale, v_scale: inputs 12 and 13, the optional ones before them left empty
         for index, output in ((12, node.outputs[1]), (13, node.outputs[2])):
-            scale = scales[output.name].astype(np.float32)[:, None, :]  # [kv_heads, 1, head_size]
-            name = output.name.replace("present.", "kv_scale.")
+            present = output.name or ""
+            scale = scales[present].astype(np.float32)[:, None, :]  # [kv_heads, 1, head_size]
+            name = present.replace("present.", "kv_scale.")
+
             initializer = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(scale.shape),
                                    const_value=ir.tensor(scale, name=name))
             model.graph.register_initializer(initializer)

@@ -204,6 +204,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     source_cache = cache_type_of(model)
     if kv_cache not in ("keep", "auto", *KV_CACHE_TYPES):
         raise MoepassError(f"--kv-cache must be keep, auto or one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache!r}")
+    kv_kinds: list[str | None]
     if kv_cache == "keep" or source_cache is None:
         kv_kinds = [source_cache]
     elif kv_cache == "auto":
@@ -252,7 +253,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         costs = cpu_costs(source, threads, cpu_profile)
     plans = {}
     for kind in kv_kinds:  # one plan per KV cache type, its bytes per token in the memory model
-        kind_memory = memory if kind == source_cache else dataclasses.replace(
+        kind_memory = memory if kind is None or source_cache is None or kind == source_cache else dataclasses.replace(
             memory, kv_bytes_per_token=memory.kv_bytes_per_token // KV_CACHE_TYPES[source_cache] * KV_CACHE_TYPES[kind])
         plans[kind] = kind_memory, plan_placement(kind_memory, budget, popularity, policy, mode, bandwidths,
                                                   target=target, cpu_only=frozenset(refused), cpu_costs=costs)
@@ -269,7 +270,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
               "prefill_tokens": prefill_tokens, "policy": plan.policy, "mode": mode, "profile": profile_info,
               "bandwidths_gbps": dataclasses.asdict(bandwidths)}
     document = _plan_document(plan, memory, inputs, identity, options)
-    if source_cache is not None:
+    if source_cache is not None and chosen is not None:
         document["kv_cache"] = _kv_cache_choice(plans, chosen, source_cache, kv_cache)
     if costs is not None:
         document["cpu_costs"] = costs
@@ -298,9 +299,11 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
                 shutil.copyfile(source.parent / name, tmp / name)
         # the cache retyped once the weights are in place and before the placement options (int8 is
         # calibrated on the CPU)
-        if chosen != source_cache:
+        if chosen is not None and chosen != source_cache:
             info = dict(source_report)
-            hparams = info.get("hparams") if isinstance(info.get("hparams"), dict) else {}
+            hparams = info.get("hparams")
+            if not isinstance(hparams, dict):
+                hparams = {}
             context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else None
             info["kv_cache"] = set_kv_cache(tmp, chosen, source_cache, context_length, threads=threads)
             write_report(tmp, info)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths
 from moepass.core.errors import MoepassError
+from moepass.core.ir_values import dim, dtype_of
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.popularity import Popularity
 
@@ -128,9 +130,9 @@ class MemoryModel:
         groups = [ExpertGroup(m.name, m.experts, m.top_k, m.bytes_per_expert, m.ffn) for m in nodes]
         kv_per_token, heads, kv_heads, head_dim = 0, 0, 0, 0
         for value in graph.inputs:
-            if value.name.startswith("past_key_values.") and value.shape is not None:
-                kv_heads, head_dim = int(value.shape[1]), int(value.shape[3])
-                kv_per_token += kv_heads * head_dim * int(value.dtype.itemsize)  # its own type: int8 is 1
+            if (value.name or "").startswith("past_key_values.") and value.shape is not None:
+                kv_heads, head_dim = dim(value.shape, 1, f"{value.name}"), dim(value.shape, 3, f"{value.name}")
+                kv_per_token += kv_heads * head_dim * int(dtype_of(value).itemsize)  # its own type: int8 is 1
         logits = next(v for v in graph.outputs if v.name == "logits")
         act = int(logits.dtype.itemsize) if logits.dtype is not None else 4
         for node in graph:
@@ -138,7 +140,7 @@ class MemoryModel:
                 heads = node.attributes.get_int("num_heads", 0)
                 break
         hidden = nodes[0].hidden
-        dims = {"hidden": hidden, "vocab": int(logits.shape[-1]), "heads": heads, "kv_heads": kv_heads,
+        dims = {"hidden": hidden, "vocab": dim(logits.shape, -1, "logits"), "heads": heads, "kv_heads": kv_heads,
                 "head_dim": head_dim, "activation_bytes": act}
         return cls(non_expert, groups, kv_per_token, dims)
 
@@ -171,6 +173,11 @@ class Plan:
         return self.memory["resident_expert_bytes"]
 
 
+def by_popularity(experts: Iterable[int], mass: np.ndarray) -> list[int]:
+    """Expert ids, the most popular first (ties: the lower id)."""
+    return sorted(experts, key=lambda e: (-mass[e], e))
+
+
 def _ranking(groups: list[ExpertGroup], mass: list[np.ndarray]) -> list[tuple[int, int]]:
     """(group index, expert) by mass per byte, ties by layer then expert id."""
     items = [(-(m[e] / g.bytes_per_expert), gi, e) for gi, (g, m) in enumerate(zip(groups, mass))
@@ -195,7 +202,7 @@ def choose_resident(groups: list[ExpertGroup], mass: list[np.ndarray], budget: i
                 chosen[gi].append(e)
                 left -= groups[gi].bytes_per_expert
     # most popular first within each layer (the order the annotated model stores them in)
-    return [sorted(c, key=lambda e, m=m: (-m[e], e)) for c, m in zip(chosen, mass)]
+    return [by_popularity(c, m) for c, m in zip(chosen, mass)]
 
 
 def choose_layers(groups: list[ExpertGroup], budget: int) -> list[bool]:
@@ -258,7 +265,7 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
     expert_budget = max(0, budget.vram_bytes - fixed)
     if target == "layers":
         on_gpu = choose_layers(groups, expert_budget)
-        resident = [sorted(range(g.experts), key=lambda e, m=m: (-m[e], e)) if gpu else []
+        resident = [by_popularity(range(g.experts), m) if gpu else []
                     for g, m, gpu in zip(groups, mass, on_gpu)]
     else:
         resident = choose_resident(groups, mass, expert_budget, policy)
@@ -278,7 +285,7 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
                             f"{format_bytes(memory.expert_bytes - resident_bytes)} of experts stay in host memory")
     order, mass_hit, sel_hit = {}, {}, {}
     for g, r, m, s in zip(groups, resident, mass, selection):
-        rest = sorted(set(range(g.experts)) - set(r), key=lambda e, m=m: (-m[e], e))
+        rest = by_popularity(set(range(g.experts)) - set(r), m)
         order[g.node] = list(r) + rest
         mass_hit[g.node] = float(m[r].sum()) if r else 0.0
         sel_hit[g.node] = float(s[r].sum()) if r else 0.0

@@ -21,11 +21,14 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 from moepass.core.choices import Sampling
 from moepass.core.errors import MoepassError
+
+if TYPE_CHECKING:
+    from moepass.runtime import KVCache
 
 # a request's sampling fields bear moepass.Sampling's names (OpenAI's, and llama-server's for the rest)
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
@@ -123,7 +126,7 @@ class ModelServer:
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moepass-model")
         self._turn = asyncio.Lock()
         self._waiting = 0
-        self._cache = None
+        self._cache: KVCache | None = None
 
     def check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -178,7 +181,7 @@ class ModelServer:
             return list(prompt)
         raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", "prompt")
 
-    async def answer(self, prompt_ids: list[int], body: dict, disconnected: Callable) -> AsyncIterator[tuple]:
+    async def answer(self, prompt_ids: list[int], body: dict, disconnected: Callable) -> AsyncGenerator[tuple, None]:
         """Yields ("piece", text) as the answer comes, then ("end", stream). Waits its turn in the
         queue (503 when it is full); stops when `disconnected()` says the client went away."""
         from moepass.runtime import KVCache
@@ -200,13 +203,13 @@ class ModelServer:
         finally:
             self._waiting -= 1
         loop = asyncio.get_running_loop()
-        pieces: Iterator[str] | None = None
+        pieces: Generator[str, None, None] | None = None
         stream = None
         finished = False
         try:
             if self._cache is None or not reuse:
-                self._cache = await loop.run_in_executor(self._worker, KVCache, self.decoder,
-                                                         len(prompt_ids) + max_new)
+                capacity = len(prompt_ids) + max_new
+                self._cache = await loop.run_in_executor(self._worker, lambda: KVCache(self.decoder, capacity))
             stream = self.decoder.generate_text(prompt_ids, max_new, sampling, stops, cache=self._cache)
             pieces = iter(stream)
             end = object()

@@ -107,10 +107,10 @@ def render(text: str) -> str:
     """`text` with every generated section replaced by what the tables say now."""
     for name, table in TABLES.items():
         pattern = re.compile(re.escape(BEGIN.format(name)) + r"\n.*?" + re.escape(END), re.S)
-        if not pattern.search(text):
+        match = pattern.search(text)
+        if match is None:
             raise SystemExit(f"no generated section '{name}' ({BEGIN.format(name)} ... {END})")
-        section = f"{BEGIN.format(name)}\n{table()}\n{END}"
-        text = pattern.sub(lambda _, section=section: section, text)
+        text = f"{text[:match.start()]}{BEGIN.format(name)}\n{table()}\n{END}{text[match.end():]}"
     return text
 
 

@@ -37,11 +37,16 @@ class PipelineRun:
     ran: dict[str, PassBase] = dataclasses.field(default_factory=dict)
 
     @property
+    def fuse_moe(self) -> FuseMoePass | None:
+        """The fuse-moe pass this conversion ran (ONNX input), with its records."""
+        fuse = self.ran.get("fuse-moe")
+        return fuse if isinstance(fuse, FuseMoePass) else None
+
+    @property
     def rewritten(self) -> bool:
         """Whether the graph is new or rewritten: an ONNX model none of whose layers fused is
         written as it came (no cleanup reorders it)."""
-        fuse = self.ran.get("fuse-moe")
-        return fuse is None or any(r.fused for r in fuse.records)
+        return self.fuse_moe is None or any(r.fused for r in self.fuse_moe.records)
 
 
 def _cleanup(make: Callable[[], PassBase]) -> Callable[[PipelineRun], PassBase | None]:

@@ -14,7 +14,8 @@ Rules:
   and a ScatterElements + Add into the output. MatMulNBits blobs `[N, k_blocks, blob]` are QMoE's
   raw rows already (element 2j in the low nibble), so they move bit-exactly when every expert
   matrix shares bits and block size and the block divides K; otherwise they are dequantized and
-  requantized into int8 block 32 with the error measured.
+  requantized (`requantize_form`: the largest block that divides every K, else one scale per row;
+  8 bits, or 4 for `float_experts` int4) with the error measured.
 - `MoeNodeRule`: com.microsoft::MoE nodes (float experts) are quantized into QMoE when the user asks
   for it (`float_experts` int8 / int4), with the error measured.
 
@@ -28,7 +29,7 @@ import dataclasses
 import functools
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,7 +38,8 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
-from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node
+from moepass.core.ir_values import input_at, producer, required_input, tensor_dims, tensor_of
+from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node, tensor_bytes
 from moepass.core.quants import BlockForm, qmoe_takes, quantize_values, rel_rms, requantize_form, unpack_values
 from moepass.passes.weights import PackOnce, StreamedTensor, WeightRecord, WeightReport
 
@@ -76,10 +78,12 @@ def consumers(value: ir.Value) -> list[ir.Node]:
     return [use.node for use in value.uses()]
 
 
-def _through(value: ir.Value, ops: tuple[str, ...]) -> ir.Value:
+def _through(value: ir.Value | None, ops: tuple[str, ...]) -> ir.Value | None:
     """Walk up from `value` while it is produced by one of `ops` (their first input)."""
-    while value.producer() is not None and value.producer().op_type in ops:
-        value = value.producer().inputs[0]
+    node = producer(value)
+    while node is not None and node.op_type in ops:
+        value = input_at(node, 0)
+        node = producer(value)
     return value
 
 
@@ -91,7 +95,7 @@ def read(tensor: ir.TensorProtocol, first: int = 0, count: int | None = None) ->
     """Rows [first, first + count) along axis 0 of a tensor (all by default). External data is read
     with pread, as the GGUF path reads: pages read that way stay in the page cache and out of this
     process's RSS, where onnx-ir's memory map of the whole file would count every page touched."""
-    shape = tuple(int(d) for d in tensor.shape)
+    shape = tensor_dims(tensor)
     count = shape[0] - first if count is None else count
     if not isinstance(tensor, ir.ExternalTensor) or tensor.dtype.itemsize != int(tensor.dtype.itemsize):
         return tensor.numpy()[first:first + count]
@@ -112,11 +116,15 @@ class Linear:
     tensors are held (not read) here, so that they stay reachable once the node is removed."""
 
     node: ir.Node
-    tensors: list[ir.TensorProtocol | None] = dataclasses.field(init=False)
+    weight: ir.TensorProtocol = dataclasses.field(init=False)               # B, or MatMulNBits' codes
+    scales: ir.TensorProtocol | None = dataclasses.field(init=False)        # MatMulNBits only
+    zero_points: ir.TensorProtocol | None = dataclasses.field(init=False)   # MatMulNBits only, optional
 
     def __post_init__(self) -> None:
-        inputs = list(self.node.inputs[1:4]) + [None] * 3
-        self.tensors = [v.const_value if v is not None else None for v in inputs[:3]]
+        self.weight = tensor_of(input_at(self.node, 1))
+        self.scales = tensor_of(input_at(self.node, 2)) if self.quantized else None
+        zeros = input_at(self.node, 3) if self.quantized else None
+        self.zero_points = None if zeros is None else tensor_of(zeros)
 
     @property
     def quantized(self) -> bool:
@@ -124,14 +132,14 @@ class Linear:
 
     @property
     def name(self) -> str:
-        return self.tensors[0].name
+        return self.weight.name or _node_name(self.node)
 
     @property
     def shape(self) -> tuple[int, int]:
         if self.quantized:
             return self.node.attributes.get_int("N"), self.node.attributes.get_int("K")
-        k, n = self.tensors[0].shape
-        return int(n), int(k)
+        k, n = tensor_dims(self.weight)
+        return n, k
 
     @property
     def form(self) -> BlockForm | None:
@@ -141,8 +149,8 @@ class Linear:
 
     def float_weight(self) -> np.ndarray:
         """W [N, K] as float32 (dequantized for MatMulNBits)."""
-        if not self.quantized:
-            return np.ascontiguousarray(read(self.tensors[0]).T, dtype=np.float32)
+        if self.form is None:
+            return np.ascontiguousarray(read(self.weight).T, dtype=np.float32)
         codes, scales, zeros = self.blobs()
         _, k = self.shape
         return unpack_values(codes, scales, self.form, zeros)[:, :k]
@@ -151,9 +159,10 @@ class Linear:
         """MatMulNBits codes [N, k_blocks * blob] (QMoE's raw row layout), scales [N, k_blocks] and
         packed zero points [N, ceil(k_blocks * bits / 8)] (None: the default)."""
         n, _ = self.shape
-        codes, scales, zeros = self.tensors
-        return (read(codes).reshape(n, -1), read(scales).reshape(n, -1).astype(np.float32),
-                None if zeros is None else read(zeros).reshape(n, -1))
+        if self.scales is None:
+            raise MoepassError(f"{_node_name(self.node)}: a MatMul has no quantized blobs")
+        return (read(self.weight).reshape(n, -1), read(self.scales).reshape(n, -1).astype(np.float32),
+                None if self.zero_points is None else read(self.zero_points).reshape(n, -1))
 
 
 @dataclasses.dataclass
@@ -172,7 +181,8 @@ class ExpertMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.tensor.shape[1]), int(self.tensor.shape[2])
+        _, n, k = tensor_dims(self.tensor)
+        return n, k
 
     def float_weight(self) -> np.ndarray:
         return np.asarray(read(self.tensor, self.expert, 1)[0], dtype=np.float32)
@@ -182,14 +192,16 @@ def as_linear(node: ir.Node | None) -> Linear | None:
     """The node as a Linear if it is one with constant weights (and no bias / g_idx for MatMulNBits)."""
     if node is None:
         return None
+    def constant_at(index: int) -> bool:
+        value = input_at(node, index)
+        return value is not None and value.const_value is not None
+
     if node.op_type == "MatMul" and node.domain == "":
-        b = node.inputs[1]
-        if b is not None and b.const_value is not None and len(b.const_value.shape) == 2:
+        if constant_at(1) and len(tensor_of(input_at(node, 1)).shape) == 2:
             return Linear(node)
     if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
         extra = [v for v in node.inputs[4:] if v is not None]
-        if not extra and all(v is not None and v.const_value is not None for v in node.inputs[1:3]) and \
-                (len(node.inputs) < 4 or node.inputs[3] is None or node.inputs[3].const_value is not None):
+        if not extra and constant_at(1) and constant_at(2) and (input_at(node, 3) is None or constant_at(3)):
             return Linear(node)
     return None
 
@@ -217,7 +229,9 @@ class ExpertWriter:
     def replace(self, nodes: list[ir.Node], old: ir.Value, anchor: ir.Node, form: str) -> ir.Node:
         """Put `nodes` (the MoE node last) after the layer's last node and make the MoE node's
         output take the place of `old`; returns the MoE node."""
-        node = nodes[-1]
+        node, last = nodes[-1], old.producer()
+        if last is None:
+            raise MoepassError(f"{_node_name(anchor)}: the layer's output {old.name!r} is not computed by a node")
         out = node.outputs[0]
         if old.is_graph_output():  # the model's interface keeps its names
             out.name, old.name = old.name, f"{old.name}.unfused"
@@ -225,16 +239,17 @@ class ExpertWriter:
             out.name = f"{node.name}.output"
         out.type, out.shape = old.type, old.shape
         node.metadata_props.update({keys.FUSED_FROM: _node_name(anchor), keys.EXPERT_FORM: form})
-        self.graph.insert_after(old.producer(), nodes)
+        self.graph.insert_after(last, nodes)
         old.replace_all_uses_with(out, replace_graph_outputs=True)
         return node
 
     def _initializer(self, tensor: ir.TensorProtocol) -> ir.Value:
-        value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
+        value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor_dims(tensor)),
+                         const_value=tensor)
         self.graph.register_initializer(value)
         return value
 
-    def float_stack(self, name: str, groups: list[tuple[Linear, ...]]) -> ir.Value:
+    def float_stack(self, name: str, groups: Sequence[tuple[Linear, ...]]) -> ir.Value:
         """[E, N * len(group), K] float32, the group's rows interleaved (gate/up)."""
         n, k = groups[0][0].shape
         shape = (len(groups), n * len(groups[0]), k)
@@ -248,7 +263,8 @@ class ExpertWriter:
 
         return self._initializer(StreamedTensor(chunks, ir.DataType.FLOAT, shape, name))
 
-    def packed_stack(self, name: str, groups: list[tuple[Linear, ...]], form: BlockForm, exact: bool) -> Experts:
+    def packed_stack(self, name: str, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], form: BlockForm,
+                     exact: bool) -> Experts:
         """QMoE codes, scales (and zero points) of the groups' matrices, rows interleaved: the blobs
         moved unchanged when `exact`, else requantized from their values (error measured)."""
         e, per = len(groups), len(groups[0])
@@ -258,18 +274,18 @@ class ExpertWriter:
         k_blocks = 1 if per_row else k // form.block_size
         blocks = BlockForm(form.bits, k) if per_row else form
         zero_cols = -(-k_blocks * form.bits // 8)
-        with_zeros = exact and any(lin.tensors[2] is not None for g in groups for lin in g)
+        with_zeros = exact and any(isinstance(lin, Linear) and lin.zero_points is not None for g in groups for lin in g)
         sources = [lin.name for group in groups for lin in group]
-        types = [f"MatMulNBits{lin.form.bits}/b{lin.form.block_size}" if lin.quantized else "float32"
+        types = [f"MatMulNBits{lin.form.bits}/b{lin.form.block_size}" if lin.form is not None else "float32"
                  for group in groups for lin in group]
         record = self.report.add(WeightRecord(name, sources, types, str(form), 0, float(form.bits)))
         default_zeros = 0x88 if form.bits == 4 else form.zero_point
 
-        def packed(group: tuple[Linear, ...]) -> tuple[list[np.ndarray], ...]:
+        def packed(group: tuple[Linear | ExpertMatrix, ...]) -> tuple[list, ...]:
             """Codes, scales and zero points of one group's matrices, and (error, reference) sums."""
             parts: tuple[list, ...] = ([], [], [], [])
             for lin in group:
-                if exact:
+                if exact and isinstance(lin, Linear):
                     codes, scales, zeros = lin.blobs()
                     zeros = np.full((n, zero_cols), default_zeros, np.uint8) if zeros is None else zeros[:, :zero_cols]
                     sums = (0.0, 0.0)
@@ -286,7 +302,8 @@ class ExpertWriter:
             for group in groups:
                 codes, scales, zeros, sums = packed(group)
                 errors += sums
-                extras = (np.stack(scales, axis=1).reshape(rows, k_blocks).astype(np.float32, copy=False),)
+                extras: tuple[np.ndarray, ...] = (
+                    np.stack(scales, axis=1).reshape(rows, k_blocks).astype(np.float32, copy=False),)
                 if with_zeros:
                     extras += (np.stack(zeros, axis=1).reshape(rows, zero_cols).astype(np.uint8, copy=False),)
                 yield np.stack(codes, axis=1).reshape(rows, form.packed_bytes(k)), extras
@@ -300,8 +317,8 @@ class ExpertWriter:
                                                   (e, rows) if per_row else (e, rows, k_blocks), f"{name}.scales"))
         zeros = self._initializer(StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, (e, rows, zero_cols),
                                                  f"{name}.zero_points")) if with_zeros else None
-        record.bytes = sum(int(np.prod(v.const_value.shape.numpy())) * int(v.const_value.dtype.itemsize)
-                           for v in (codes, scales, zeros) if v is not None)
+        record.bytes = sum(tensor_bytes(v) for v in (codes, scales, zeros) if v is not None)
+
         return Experts(codes, scales, zeros)
 
 
@@ -348,25 +365,23 @@ class ExpertBranchesRule:
 
     def check(self, topk: ir.Node) -> BranchesMatch:
         where = f"TopK node '{_node_name(topk)}'"
-        k = constant(topk.inputs[1])
+        k = constant(input_at(topk, 1))
         if k is None:
             raise Mismatch(f"{where}: K is not a constant")
-        probs = _through(topk.inputs[0], ("Cast",))
-        softmax = probs.producer()
+        softmax = producer(_through(input_at(topk, 0), ("Cast",)))
         if softmax is None or softmax.op_type != "Softmax":
             raise Mismatch(f"{where}: does not select from a Softmax over router logits")
-        router = as_linear(softmax.inputs[0].producer())
-        if router is None:
+        logits = input_at(softmax, 0)
+        router = as_linear(producer(logits))
+        hidden = None if router is None else input_at(router.node, 0)
+        if router is None or logits is None or hidden is None:
             raise Mismatch(f"{where}: the softmax's input is not a MatMul with a constant weight or a MatMulNBits")
         n_experts, hidden_size = router.shape
         axis = softmax.attributes.get_int("axis", -1)
         if axis not in (-1, 1):
             raise Mismatch(f"{where}: softmax over axis {axis}, not over the experts")
-        hidden = router.node.inputs[0]
-        normalize = any(
-            n.op_type == "Div" and n.inputs[0] is topk.outputs[0] and n.inputs[1].producer() is not None
-            and n.inputs[1].producer().op_type == "ReduceSum" and n.inputs[1].producer().inputs[0] is topk.outputs[0]
-            for n in consumers(topk.outputs[0]))
+        normalize = any(n.op_type == "Div" and input_at(n, 0) is topk.outputs[0] and _is_sum_of(input_at(n, 1), topk)
+                        for n in consumers(topk.outputs[0]))
         experts_by_slot = self._experts(topk, hidden, router, where)
         if sorted(experts_by_slot) != list(range(n_experts)):
             raise Mismatch(f"{where}: the graph has branches for {len(experts_by_slot)} of the router's {n_experts} "
@@ -383,7 +398,7 @@ class ExpertBranchesRule:
         weights = next((n.outputs[0] for n in consumers(topk.outputs[0]) if normalize and n.op_type == "Div"),
                        topk.outputs[0])
         output = self._output(experts, weights, where)
-        return BranchesMatch(topk, hidden, softmax.inputs[0], softmax.outputs[0], int(np.asarray(k).reshape(-1)[0]),
+        return BranchesMatch(topk, hidden, logits, softmax.outputs[0], int(np.asarray(k).reshape(-1)[0]),
                              normalize, experts, output)
 
     def target(self, match: BranchesMatch) -> Target:
@@ -395,7 +410,7 @@ class ExpertBranchesRule:
         found = ", ".join(sorted(f"{f.bits}-bit blocks of {f.block_size}" for f in forms if f is not None))
         if None in forms:
             found = ", ".join(filter(None, [found, "float"]))
-        zeros = " with zero points" if any(lin.quantized and lin.tensors[2] is not None for lin in linears) else ""
+        zeros = " with zero points" if any(lin.zero_points is not None for lin in linears) else ""
         form = next(iter(forms)) if len(forms) == 1 else None
         exact = qmoe_takes(form, [lin.shape[1] for lin in linears])
         if not exact:
@@ -482,24 +497,24 @@ class ExpertBranchesRule:
             if node is None or id(node) in seen:
                 continue
             seen.add(id(node))
-            if node.op_type == "Gather" and self._is_routing_mask(node.inputs[0], topk):
-                index = node.inputs[1]
+            if node.op_type == "Gather" and self._is_routing_mask(input_at(node, 0), topk):
+                index = input_at(node, 1)
                 fixed = constant(index)
                 if fixed is not None:
                     return int(np.asarray(fixed).reshape(-1)[0])
                 source = _through(index, ("Squeeze", "Unsqueeze", "Cast", "Reshape"))
-                split = source.producer()
-                if split is not None and split.op_type == "Split":
+                split = producer(source)
+                if split is not None and split.op_type == "Split" and source is not None:
                     return list(split.outputs).index(source)
                 raise Mismatch(f"{where}: cannot tell which expert the branch at Gather '{_node_name(node)}' serves")
             queue.extend(v for v in node.inputs if v is not None)
         raise Mismatch(f"{where}: no routing mask found above the expert tokens '{tokens.name}'")
 
     @staticmethod
-    def _is_routing_mask(value: ir.Value, topk: ir.Node) -> bool:
-        value = _through(value, ("Transpose", "Cast"))
-        node = value.producer()
-        return node is not None and node.op_type == "OneHot" and _through(node.inputs[0], ("Cast",)) is topk.outputs[1]
+    def _is_routing_mask(value: ir.Value | None, topk: ir.Node) -> bool:
+        node = producer(_through(value, ("Transpose", "Cast")))
+        return node is not None and node.op_type == "OneHot" and \
+            _through(input_at(node, 0), ("Cast",)) is topk.outputs[1]
 
     def _output(self, experts: list[Expert], weights: ir.Value, where: str) -> ir.Value:
         """The value every expert's contribution accumulates into: each branch's output, times its
@@ -537,14 +552,14 @@ class ExpertBranchesRule:
                 if id(node) in seen:
                     continue
                 seen.add(id(node))
-                if _is_scatter(node) and node.inputs[2] is current:
+                if _is_scatter(node) and input_at(node, 2) is current:
                     found.append(node)
                 elif node.op_type in _WEIGHT_OPS:
                     if node.op_type == "Mul":
-                        other = node.inputs[1] if node.inputs[0] is current else node.inputs[0]
-                        if _through(other, _GATHER_OPS) is not weights:
-                            raise Mismatch(f"{where}: expert output '{value.name}' is multiplied by '{other.name}', "
-                                           "not by the router's top-k weights")
+                        other = input_at(node, 1) if input_at(node, 0) is current else input_at(node, 0)
+                        if other is None or _through(other, _GATHER_OPS) is not weights:
+                            raise Mismatch(f"{where}: expert output '{value.name}' is multiplied by "
+                                           f"'{other.name if other else None}', not by the router's top-k weights")
                         factors += 1
                     queue.extend(node.outputs)
         if len(found) != 1 or factors != 1:
@@ -555,6 +570,12 @@ class ExpertBranchesRule:
 
 def _is_scatter(node: ir.Node | None) -> bool:
     return node is not None and node.op_type in ("ScatterElements", "ScatterND") and node.domain == ""
+
+
+def _is_sum_of(value: ir.Value | None, topk: ir.Node) -> bool:
+    """`value` is ReduceSum(topk's values): the divisor that renormalizes the top-k weights."""
+    node = producer(value)
+    return node is not None and node.op_type == "ReduceSum" and input_at(node, 0) is topk.outputs[0]
 
 
 # ---- com.microsoft::MoE nodes ---------------------------------------------------------------------
@@ -588,8 +609,12 @@ class MoeNodeRule:
         inputs = list(node.inputs) + [None] * (8 - len(node.inputs))
         if any(inputs[slot] is not None for slot in MOE_SLOTS["fc3"]):
             raise Mismatch(f"{where}: has separate fc3 weights, which ONNX Runtime's CPU QMoE does not take")
+        for index in (0, ROUTER_LOGITS, MOE_SLOTS["fc1"][0], MOE_SLOTS["fc2"][0]):
+            if input_at(node, index) is None:
+                raise Mismatch(f"{where}: input {index} is missing")
         for index in (MOE_SLOTS["fc1"][0], MOE_SLOTS["fc2"][0]):
-            if inputs[index] is None or inputs[index].const_value is None:
+            value = input_at(node, index)
+            if value is None or value.const_value is None:
                 raise Mismatch(f"{where}: input {index} is not a constant initializer")
         attributes = node.attributes
         if attributes.get_int("use_sparse_mixer", 0):
@@ -607,7 +632,7 @@ class MoeNodeRule:
                                              None if limit is None else limit.as_float()))
 
     def target(self, match: MoeNodeMatch) -> Target:
-        ks = [int(match.anchor.inputs[MOE_SLOTS[fc][0]].const_value.shape[2]) for fc in ("fc1", "fc2")]
+        ks = [tensor_dims(tensor_of(input_at(match.anchor, MOE_SLOTS[fc][0])))[2] for fc in ("fc1", "fc2")]
         form = requantize_form(8 if self.float_experts == "int8" else 4, ks)
         return Target(str(form), form, False, f"float com.microsoft::MoE, K {ks[0]}/{ks[1]} -> {form}, quantized")
 
@@ -616,21 +641,23 @@ class MoeNodeRule:
         moe = match.anchor
         target = self.target(match)
         name = moe.name or f"moe.{index}"
-        inputs = list(moe.inputs) + [None] * (8 - len(moe.inputs))
-        stacks = []
+        form = target.form
+        if form is None:
+            raise MoepassError(f"{_node_name(moe)}: no QMoE form to quantize into")
+        stacks, experts = [], 0
         for fc in ("fc1", "fc2"):
-            weights, bias = (inputs[slot] for slot in MOE_SLOTS[fc])
-            groups = [(ExpertMatrix(weights.const_value, e),) for e in range(int(weights.const_value.shape[0]))]
-            stacks.append(writer.packed_stack(f"{name}.{fc}", groups, target.form, False))
+            weights, bias = (input_at(moe, slot) for slot in MOE_SLOTS[fc])
+            experts = tensor_dims(tensor_of(weights))[0]
+            groups = [(ExpertMatrix(tensor_of(weights), e),) for e in range(experts)]
+            stacks.append(writer.packed_stack(f"{name}.{fc}", groups, form, False))
             stacks[-1].bias = bias
         nodes = NodeList()
-        moe_node(nodes.op, f"{name}.quantized", inputs[0], inputs[ROUTER_LOGITS], stacks[0], stacks[1],
-                 top_k=moe.attributes.get_int("k", 1),
+        moe_node(nodes.op, f"{name}.quantized", required_input(moe, 0), required_input(moe, ROUTER_LOGITS),
+                 stacks[0], stacks[1], top_k=moe.attributes.get_int("k", 1),
                  normalize=bool(moe.attributes.get_int("normalize_routing_weights", 0)),
-                 activation=match.activation, bits=target.form.bits, block_size=target.form.block_size)
+                 activation=match.activation, bits=form.bits, block_size=form.block_size)
         node = writer.replace(nodes.nodes, moe.outputs[0], moe, target.name)
-        return FusionRecord(self.name, _node_name(moe), True, node=node.name,
-                            experts=int(inputs[MOE_SLOTS["fc1"][0]].const_value.shape[0]),
+        return FusionRecord(self.name, _node_name(moe), True, node=_node_name(node), experts=experts,
                             top_k=moe.attributes.get_int("k", 1),
                             form=target.name, geometry=target.geometry)
 

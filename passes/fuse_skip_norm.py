@@ -11,6 +11,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
+from moepass.core.ir_values import input_at, producer
 
 
 def _why_not(add: ir.Node | None, norm: ir.Node) -> str | None:
@@ -40,11 +41,12 @@ class FuseSkipNormPass(InPlacePass):
         for norm in list(graph):
             if norm.op_type != "SimplifiedLayerNormalization" or norm.domain != "":
                 continue
-            add = norm.inputs[0].producer()
+            add = producer(input_at(norm, 0))
             reason = _why_not(add, norm)
-            if reason:
-                self.skipped.append((norm.name or "", reason))
+            if reason or add is None:
+                self.skipped.append((norm.name or "", reason or "no Add before it"))
                 continue
+
             summed = add.outputs[0]
             fused = ir.node(
                 "SkipSimplifiedLayerNormalization", [add.inputs[0], add.inputs[1], norm.inputs[1]],

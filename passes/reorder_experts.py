@@ -21,14 +21,21 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
+from moepass.core.ir_values import input_at, required_input, tensor_dims, tensor_of
 from moepass.core.moe_nodes import EXPERT_INPUTS, ROUTER_LOGITS, ROUTER_WEIGHTS, moe_nodes
 from moepass.passes.weights import StreamedTensor
 
 
-def _permuted(value: ir.Value, order: list[int], axis: int, name: str) -> ir.Value:
+def _is_constant(value: ir.Value | None) -> bool:
+    """An initializer with its tensor (what this pass can permute)."""
+    return value is not None and value.is_initializer() and value.const_value is not None
+
+
+def _permuted(
+value: ir.Value, order: list[int], axis: int, name: str) -> ir.Value:
     """A new initializer: `value` permuted along `axis`, streamed one slice at a time when saved."""
-    source = value.const_value
-    shape = tuple(int(d) for d in source.shape)
+    source = tensor_of(value)
+    shape = tensor_dims(source)
 
     def chunks() -> Iterator[np.ndarray]:
         array = source.numpy()  # external data: a memory map, read slice by slice
@@ -52,12 +59,13 @@ class ReorderExpertsPass(InPlacePass):
     def _replace(self, graph: ir.Graph, node: ir.Node, index: int, order: list[int], axis: int) -> None:
         """Feed `node` a permuted copy of its input `index`; the copy takes the original's name
         unless something else still uses the original."""
-        old = node.inputs[index]
+        old = required_input(node, index)
+        name = old.name or f"{node.name}.input{index}"
         shared = len(old.uses()) > 1 or old.is_graph_output()
-        new = _permuted(old, order, axis, f"{old.name}.reordered" if shared else old.name)
+        new = _permuted(old, order, axis, f"{name}.reordered" if shared else name)
         node.replace_input_with(index, new)
         if not shared:
-            graph.initializers.pop(old.name)
+            graph.initializers.pop(name)
         graph.register_initializer(new)
 
     def call(self, model: ir.Model) -> PassResult:
@@ -74,7 +82,7 @@ class ReorderExpertsPass(InPlacePass):
                 raise MoepassError(f"node {name}: the expert order is not a permutation of 0..{moe.experts - 1}")
             node = moe.node
             for index in EXPERT_INPUTS[node.op_type]:
-                value = node.inputs[index] if index < len(node.inputs) else None
+                value = input_at(node, index)
                 if value is not None and value not in moe.expert_values:
                     raise MoepassError(f"node {name}: expert input {index} ('{value.name}') is computed, not an "
                                        "initializer, so its experts cannot be reordered")
@@ -96,39 +104,41 @@ class ReorderExpertsPass(InPlacePass):
     def _router_edits(self, moe: ir.Node, experts: int) -> list[tuple[ir.Node, int, int]] | None:
         """The router inputs to permute (node, input, axis), or None for a router computed by a
         subgraph, whose result is gathered instead; MoepassError for a router that cannot be reordered."""
-        router = moe.inputs[ROUTER_LOGITS].producer()
+        logits = required_input(moe, ROUTER_LOGITS)
+        router = logits.producer()
         if router is None:
             raise MoepassError(f"node {moe.name}: its router logits are a graph input, which cannot be reordered")
         if (router.domain, router.op_type) not in (("", "MatMul"), ("", "Add"), ("com.microsoft", "MatMulNBits")):
             return None
         edits = []
-        for use in moe.inputs[ROUTER_LOGITS].uses():
+        for use in logits.uses():
             # the node itself, or a Softmax over the experts that feeds only it (router_weights)
             ok = use.node is moe or (use.node.op_type == "Softmax" and use.node.attributes.get_int("axis", -1) == -1
                                      and all(u.node is moe for u in use.node.outputs[0].uses()))
             if not ok:
                 raise MoepassError(f"node {moe.name}: its router logits also feed {use.node.op_type} node "
                                    f"{use.node.name!r}; reordering the experts would change what that node computes")
-        if router.op_type == "Add" and router.domain == "" and router.inputs[1].is_initializer() \
-                and router.inputs[1].const_value.shape.rank() == 1:
+        if router.op_type == "Add" and router.domain == "" and _is_constant(input_at(router, 1)) \
+                and tensor_of(input_at(router, 1)).shape.rank() == 1:
             # MatMul + Add(bias [experts]): the bias, then the MatMul feeding only this Add
             edits.append((router, 1, 0))
-            logits = router.inputs[0]
-            if len(logits.uses()) != 1 or logits.producer() is None:
+            product = required_input(router, 0)
+            matmul = product.producer()
+            if len(product.uses()) != 1 or matmul is None:
                 raise MoepassError(f"node {moe.name}: its router's MatMul output feeds more than the bias Add")
-            router = logits.producer()
+            router = matmul
         if router.op_type == "MatMulNBits" and router.domain == "com.microsoft":
             # B [N=experts, k_blocks, blob], scales [N, k_blocks] (or [N*k_blocks]), zero points [N, ...], bias [N]
             for index in (1, 2, 3, 5):
-                if index < len(router.inputs) and router.inputs[index] is not None:
-                    value = router.inputs[index]
-                    if not value.is_initializer():
+                value = input_at(router, index)
+                if value is not None:
+                    if not _is_constant(value):
                         raise MoepassError(f"node {moe.name}: router input {value.name} is not a constant")
-                    if value.const_value.shape.rank() == 1 and index == 2 and \
-                            value.const_value.shape[0] != experts:
+                    shape = tensor_dims(tensor_of(value))
+                    if len(shape) == 1 and index == 2 and shape[0] != experts:
                         raise MoepassError(f"node {moe.name}: flat router scales are not supported")
                     edits.append((router, index, 0))
-        elif router.op_type == "MatMul" and router.domain == "" and router.inputs[1].is_initializer():
+        elif router.op_type == "MatMul" and router.domain == "" and _is_constant(input_at(router, 1)):
             edits.append((router, 1, -1))  # W^T [hidden, experts]
         else:
             raise MoepassError(f"node {moe.name}: its router is a {router.domain or 'ai.onnx'}::{router.op_type} "
@@ -144,9 +154,10 @@ class ReorderExpertsPass(InPlacePass):
                            const_value=ir.Tensor(np.array(order, np.int64), name=f"{moe.name}.expert_order"))
         graph.register_initializer(indices)
         for index in (ROUTER_LOGITS, ROUTER_WEIGHTS):  # router scores, router_weights
-            if index >= len(moe.inputs) or moe.inputs[index] is None:
+            source = input_at(moe, index)
+            if source is None:
                 continue
-            source = moe.inputs[index]
+
             gather = ir.Node("", "Gather", [source, indices], attributes=[ir.AttrInt64("axis", -1)],
                              name=f"{moe.name}.reorder_routing_{index}")
             graph.insert_before(moe, gather)

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from gguf import GGMLQuantizationType
 
 from moepass.core.errors import MoepassError
-from moepass.core.gguf_reader import GGUFTensor
+from moepass.core.gguf_reader import SourceTensor
 from moepass.core.imatrix import importance_rows
 from moepass.core.quants import BlockForm, Packed, QuantType, dequantize, pack, rel_rms, unpack_values
 from moepass.cuda_ops.prepack import prepack_sm80
@@ -100,10 +100,10 @@ class StreamedTensor(ir.LazyTensor):
 
     def tofile(self, file) -> None:
         for chunk in self._chunks():
-            file.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+            file.write(np.ascontiguousarray(chunk).data.cast("B"))
 
 
-def row_chunks(src: GGUFTensor, multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+def row_chunks(src: SourceTensor, multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
     """(first row, raw rows) over a tensor's flattened rows, about CHUNK_BYTES at a time, in
     multiples of `multiple` rows (whole experts, for layouts packed per expert)."""
     n_rows = src.nbytes // src.row_bytes
@@ -128,7 +128,7 @@ def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int | 
             yield pending.popleft().result()
 
 
-def _source_rows(sources: list[GGUFTensor], multiple: int = 1) -> Iterator[tuple[int, list[np.ndarray]]]:
+def _source_rows(sources: list[SourceTensor], multiple: int = 1) -> Iterator[tuple[int, list[np.ndarray]]]:
     """(first row, [raw rows per source]), chunk by chunk, the sources walked together (gate and up
     of the same experts)."""
     for parts in zip(*(row_chunks(s, multiple) for s in sources)):
@@ -144,7 +144,7 @@ def _rounding_sums(values: np.ndarray, cast: np.ndarray) -> tuple[float, float]:
 FLOAT_TYPES = {ir.DataType.FLOAT: (np.float32, "float32", 32.0), ir.DataType.FLOAT16: (np.float16, "float16", 16.0)}
 
 
-def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport,
+def float_tensor(src: SourceTensor, qt: QuantType, name: str, report: WeightReport,
                  transpose: bool = False, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.TensorProtocol:
     """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them) or float16."""
     np_type, label, bits = FLOAT_TYPES[dtype]
@@ -184,7 +184,7 @@ def float_tensor(src: GGUFTensor, qt: QuantType, name: str, report: WeightReport
     return ir.LazyTensor(whole, dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
-def float_expert_stack(sources: list[GGUFTensor], name: str, report: WeightReport,
+def float_expert_stack(sources: list[SourceTensor], name: str, report: WeightReport,
                        dtype: ir.DataType = ir.DataType.FLOAT, workers: int | None = None) -> ir.TensorProtocol:
     """Float expert stacks [E, N, K] as [E, N * len(sources), K] float32 (or float16; gate/up rows
     interleaved)."""
@@ -263,7 +263,7 @@ class PackedGroup:
     The sources are packed once for all initializers (PackOnce).
     """
 
-    def __init__(self, sources: list[GGUFTensor], types: list[QuantType], form: BlockForm, name: str,
+    def __init__(self, sources: list[SourceTensor], types: list[QuantType], form: BlockForm, name: str,
                  report: WeightReport, blob_layout: bool = False, importance: dict[str, np.ndarray] | None = None,
                  scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False, workers: int | None = None):
         self.sources, self.types, self.form, self.name, self.report = sources, types, form, name, report
@@ -301,7 +301,7 @@ class PackedGroup:
         n_src, form = len(self.sources), self.form
         k = self.sources[0].shape[-1]
         k_blocks = k // (form.block_size or k)
-        stats = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
+        stats: list[list[Any]] = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
 
         def pack_chunk(item: tuple[int, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
                                                                        list[Packed]]:

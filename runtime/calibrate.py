@@ -28,6 +28,7 @@ from moepass.core import keys
 from moepass.core.capabilities import activation_dtype
 from moepass.core.errors import MoepassError
 from moepass.core.files import load_model, model_file
+from moepass.core.ir_values import dims, required_input
 from moepass.core.moe_nodes import MoeNode, moe_nodes, tensor_bytes
 
 FORMAT = "moepass-cpu-costs"
@@ -112,7 +113,8 @@ def _largest_dense(model: ir.Model) -> tuple[ir.Node, int] | None:
 
 def _dense_rate(node: ir.Node, size: int, dtype: ir.DataType, folder: Path, threads: int | None) -> float:
     """Bytes per second a one-token step of `node` reads its `size` bytes of weights at."""
-    k = node.attributes.get_int("K", 0) if node.op_type == "MatMulNBits" else int(node.inputs[1].shape[0])
+    k = node.attributes.get_int("K", 0) if node.op_type == "MatMulNBits" else \
+        dims(required_input(node, 1).shape, f"{node.name}'s weight")[0]
     np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
     a = ir.Value(name="a", shape=ir.Shape([1, k]), type=ir.TensorType(dtype))
     inputs = [a] + [None if v is None else _constant(v) if v.const_value is not None else None

@@ -6,7 +6,7 @@ and generation through a KV cache (`moepass.runtime.kv_cache`) with llama.cpp's 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -296,7 +296,7 @@ class TextStream:
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Generator[str, None, None]:
         d = self._decoder
         shown = ""
         for token in d.generate(*self._args):

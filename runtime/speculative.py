@@ -106,7 +106,7 @@ class Speculator:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def describe(self) -> str:
-        what = "n-gram lookup" if self.kind == "ngram" else f"draft model {self.draft.model_dir}"
+        what = "n-gram lookup" if self.draft is None else f"draft model {self.draft.model_dir}"
         return f"speculative decoding: {what}, {self.draft_tokens} draft tokens per step"
 
     def check_target(self, target: Decoder) -> None:
@@ -129,10 +129,10 @@ class Speculator:
         """Up to `count` draft tokens after `history`, each with the draft's distribution
         (candidate ids, probabilities) where it sampled, None where the draft is certain (n-gram,
         greedy)."""
-        if self.kind == "ngram":
-            tokens = ngram_draft(history, count, self.ngram_sizes)
-            return tokens, [None] * len(tokens)
         draft = self.draft
+        if draft is None:  # n-gram lookup
+            looked_up = ngram_draft(history, count, self.ngram_sizes)
+            return looked_up, [None] * len(looked_up)
         if self._draft_cache is None:
             self._draft_cache = KVCache(draft, capacity=len(history) + count)
         logits = self._draft_cache.extend(history)  # computes only what it does not hold yet
@@ -166,7 +166,8 @@ def verify(rows: np.ndarray, drafts: Sequence[int], dists: Sequence[tuple[np.nda
         else:
             ids, probs = candidates(rows[i], sampling, context)
             p = dict(zip(ids.tolist(), probs.tolist()))
-            q = {token: 1.0} if dists[i] is None else dict(zip(dists[i][0].tolist(), dists[i][1].tolist()))
+            drafted = dists[i]
+            q = {token: 1.0} if drafted is None else dict(zip(drafted[0].tolist(), drafted[1].tolist()))
             if rng.random() >= min(1.0, p.get(token, 0.0) / q[token]):
                 return i, _draw_residual(p, q, rng)
         context.append(token)

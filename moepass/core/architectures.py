@@ -22,7 +22,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, Keys
 
 from moepass.core.choices import MAX_CONTEXT
 from moepass.core.errors import MoepassError
-from moepass.core.gguf_reader import GGUFModel, GGUFTensor, StackedTensor
+from moepass.core.gguf_reader import GGUFModel, SourceTensor
 from moepass.core.moe_nodes import SWIGLU, Activation
 
 _REQUIRED = object()
@@ -380,7 +380,7 @@ class Architecture:
     def tensor_name(self, role: str, layer: int | None = None) -> str:
         return TENSORS[role].format(i=layer)
 
-    def tensor(self, gguf: GGUFModel, role: str, layer: int | None, hp: HParams) -> GGUFTensor | StackedTensor:
+    def tensor(self, gguf: GGUFModel, role: str, layer: int | None, hp: HParams) -> SourceTensor:
         """The tensor of `role`, with the shape the metadata implies where llama.cpp reads it as that
         (llama_cpp_accepts); for legacy files, per-expert tensors stacked into the expert role."""
         name = self.tensor_name(role, layer)
@@ -409,7 +409,7 @@ class Architecture:
                                   f"q rank {hp.q_lora_rank or 'full'}, key {nope}+{rope} (RoPE), value {v_head}")
             if hp.leading_dense:
                 parts["dense_blocks"] = f"the first {hp.leading_dense} (ffn {hp.ffn})"
-        scaling = hp.rope.describe(hp.context_length)  # the converted model's context (--context)
+        scaling = hp.rope.describe(hp.context_length) if hp.rope else ""  # the converted model's context
         if scaling:
             parts["rope_scaling"] = scaling
         if hp.sliding_window_layers:
@@ -638,7 +638,7 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     if arch.features.yarn_log_multiplier:  # the converter stores 0.1 * mscale_all_dim
         log_mul = f32(gguf.typed(Keys.Rope.SCALING_YARN_LOG_MUL.format(arch=a), float, 0.0)) / f32(0.1)
     if yarn:
-        def mscale(s: np.float32, m: float) -> np.float32:
+        def mscale(s: np.float32, m: float | np.float32) -> np.float32:
             return f32(1) if s <= 1 else f32(0.1) * f32(m) * np.log(s) + f32(1)
 
         scale = f32(1) / freq_scale
@@ -651,7 +651,8 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     n_ctx_orig = gguf.typed(Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), int, hp.context_length)
     longrope = read_longrope(gguf, hp) if arch.features.longrope else {}
     return Rope(base=float(f32(hp.rope_base)), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
-                attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul), **longrope)
+                attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul),
+                factors_short=longrope.get("factors_short"), factors_long=longrope.get("factors_long"))
 
 
 def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: HParams) -> tuple[bool, ...]:

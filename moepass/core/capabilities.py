@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
+from moepass.core.ir_values import input_at, required_input, tensor_dims
 from moepass.core.moe_nodes import QMOE_SLOTS, moe_nodes
 
 CONTRIB = "onnxruntime/contrib_ops/cuda/"
@@ -44,7 +45,8 @@ def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
             found.append((moe.name, "int2 experts need weights_prepacked=1"))
         elif bits == 8:
             found.append((moe.name, "int8 experts are not offloaded (int4 prepacked block 32, int3 or int2 are)"))
-        dtype = node.inputs[0].dtype or node.outputs[0].dtype  # the activations' type, as the node declares it
+        hidden = input_at(node, 0)  # the activations' type, as the node declares it
+        dtype = (hidden.dtype if hidden is not None else None) or node.outputs[0].dtype
         if dtype not in HALF:
             found.append((moe.name, f"activations must be float16 or bfloat16 (are {dtype.name if dtype else '?'})"))
         if attrs.get_string("activation_type", "") == "swiglu" and attrs.get_int("swiglu_fusion", 0) != 1:
@@ -60,10 +62,10 @@ def activation_dtype(model: ir.Model) -> ir.DataType:
     """The type the graph computes in: its KV cache's (GroupQueryAttention's past and present, the
     type of the attention and MoE inputs in moepass's graphs), else its logits', else float32."""
     for value in (*model.graph.inputs, *model.graph.outputs):
-        if value.name.startswith("past_key_values.") and value.dtype is not None:
+        if (value.name or "").startswith("past_key_values.") and value.dtype is not None:
             return value.dtype
-    logits = next((v for v in model.graph.outputs if v.name == "logits" and v.dtype is not None), None)
-    return logits.dtype if logits is not None else ir.DataType.FLOAT
+    logits = next((v.dtype for v in model.graph.outputs if v.name == "logits" and v.dtype is not None), None)
+    return logits or ir.DataType.FLOAT
 
 
 def _activations(node: ir.Node, graph_dtype: ir.DataType) -> ir.DataType:
@@ -99,12 +101,13 @@ def _qmoe(node: ir.Node) -> str | None:
         return "zero points with row-wise scales (block_size <= 0) are refused"
     if zero_points and block < 32:
         return f"zero points need block_size >= 32 (has {block})"
-    if QMOE_SLOTS["fc3"][0] < len(node.inputs) and node.inputs[QMOE_SLOTS["fc3"][0]] is not None:
+    if input_at(node, QMOE_SLOTS["fc3"][0]) is not None:
         return "separate fc3 expert weights are refused"
-    scales = node.inputs[QMOE_SLOTS["fc2"][1]].const_value
-    fc1 = node.inputs[QMOE_SLOTS["fc1"][1]].const_value
+    fc2_scales, fc1_scales = (input_at(node, QMOE_SLOTS[fc][1]) for fc in ("fc2", "fc1"))
+    scales = None if fc2_scales is None else fc2_scales.const_value
+    fc1 = None if fc1_scales is None else fc1_scales.const_value
     if scales is not None and fc1 is not None:
-        hidden, rows = int(scales.shape[1]), int(fc1.shape[1])
+        hidden, rows = tensor_dims(scales)[1], tensor_dims(fc1)[1]
         inter = rows // 2 if attrs.get_string("activation_type", "") == "swiglu" else rows
         if hidden % 64 or inter % 64:
             return f"hidden {hidden} and expert size {inter} must be multiples of 64 (the int kernel's K tile)"
@@ -126,7 +129,7 @@ def _matmul_nbits(node: ir.Node) -> str | None:
 
 def _gather_block_quantized(node: ir.Node) -> str | None:
     block = node.attributes.get_int("block_size", 128)
-    data = node.inputs[0]
+    data = required_input(node, 0)
     if data.dtype is not None and data.dtype not in (ir.DataType.UINT8, ir.DataType.UINT4, ir.DataType.INT4):
         return f"data in {_name(data.dtype)}: uint8, uint4 or int4"
     rank = len(data.shape) if data.shape is not None else None

@@ -89,7 +89,7 @@ def check_external_data(model: onnx_ir.Model, path: Path) -> None:
         tensor = value.const_value
         if not isinstance(tensor, onnx_ir.ExternalTensor):
             continue
-        location = tensor.location
+        location = os.fspath(tensor.location)
         where = f"{path}: initializer '{value.name}' keeps its data in '{location}'"
         if not location or os.path.isabs(location) or ".." in Path(location).parts:
             raise MoepassError(f"{where}, outside the model's folder; refused")

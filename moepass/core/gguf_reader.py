@@ -74,7 +74,7 @@ class GGUFTensor:
         n_rows = self.nbytes // self.row_bytes
         count = n_rows - first if count is None else count
         out = np.empty((count, self.row_bytes), dtype=np.uint8)
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         position = self.offset + first * self.row_bytes
         done = 0
         with open(self.path, "rb", buffering=0) as f:
@@ -143,6 +143,10 @@ class StackedTensor:
         return self.read_rows().reshape(*self.shape[:-1], self.row_bytes)
 
 
+# a tensor to read: one of the file's, or equal ones stacked (legacy per-expert tensors)
+SourceTensor = GGUFTensor | StackedTensor
+
+
 class _CheckedReader(GGUFReader):
     """GGUFReader that validates the alignment and each tensor's name, type, shape, extent and
     placement (aligned, inside the file, overlapping no other tensor) before indexing it."""
@@ -163,7 +167,7 @@ class _CheckedReader(GGUFReader):
             item_type = int(self._get(orig_offs, np.uint32)[0])
             count = int(self._get(orig_offs + 4, np.uint64)[0])
             # the smallest an item can be: a string is at least its 8-byte length, an array 12 bytes
-            smallest = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}.get(item_type, 1)
+            smallest: int = {int(GGUFValueType.STRING): 8, int(GGUFValueType.ARRAY): 12}.get(item_type, 1)
             if count > MAX_ARRAY or count * smallest > len(self.data) - orig_offs - 12:
                 raise MoepassError(f"a metadata array at byte {orig_offs} announces {count:,} items, more than the "
                                    "file holds (corrupt array length)")
@@ -181,7 +185,7 @@ class _CheckedReader(GGUFReader):
         its lengths read with struct and its parts sliced from a plain ndarray view of the file: the
         gguf reader's item-by-item memmap slicing takes seconds for a 150,000-token vocabulary."""
         plain = self.data.view(np.ndarray)
-        view, size = memoryview(plain), len(plain)
+        view, size = plain.data, len(plain)
         parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
         offs = orig_offs + 12
         for _ in range(count):

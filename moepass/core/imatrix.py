@@ -12,6 +12,7 @@ by it (only the ratios inside a block matter, so the two formats' scalings need 
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.quants import dequantize
 
 
-def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
+def load_imatrix(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise MoepassError(f"{path}: no such importance matrix file")

@@ -16,13 +16,17 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from moepass.core.errors import MoepassError
+from moepass.core.ir_values import input_at, tensor_dims, tensor_of
+
 MOE_OPS = ("QMoE", "MoE")
 # Inputs that carry per-expert tensors (first axis = experts); router_weights (14) and the
 # global FP4/FP8 scales (15..) are per token or per tensor.
 EXPERT_INPUTS = {"QMoE": range(2, 14), "MoE": range(2, 8)}
 ROUTER_LOGITS = 1
-QMOE_SLOTS = {"fc1": (2, 3, 4, 11), "fc2": (5, 6, 7, 12), "fc3": (8, 9, 10, 13)}  # weights, scales, bias, zero points
-MOE_SLOTS = {"fc1": (2, 3), "fc2": (4, 5), "fc3": (6, 7)}  # weights, bias
+# weights, scales, bias, zero points
+QMOE_SLOTS: dict[str, tuple[int, ...]] = {"fc1": (2, 3, 4, 11), "fc2": (5, 6, 7, 12), "fc3": (8, 9, 10, 13)}
+MOE_SLOTS: dict[str, tuple[int, ...]] = {"fc1": (2, 3), "fc2": (4, 5), "fc3": (6, 7)}  # weights, bias
 ROUTER_WEIGHTS = 14  # QMoE only
 
 
@@ -126,14 +130,13 @@ class MoeNode:
 
     @property
     def name(self) -> str:
-        return self.node.name
+        return self.node.name or ""
 
     def _rows(self, projection: str) -> int:
         """Output rows of fc1 or fc2: axis 1 of QMoE's scales ([E, N, blocks] in the raw and the
         prepacked layout alike, whose codes are [E, N, K/2] and [E, K, N/2]) or of MoE's weights."""
-        if self.node.op_type == "QMoE":
-            return int(self.node.inputs[QMOE_SLOTS[projection][1]].const_value.shape[1])
-        return int(self.node.inputs[MOE_SLOTS[projection][0]].const_value.shape[1])
+        slot = QMOE_SLOTS[projection][1] if self.node.op_type == "QMoE" else MOE_SLOTS[projection][0]
+        return tensor_dims(tensor_of(input_at(self.node, slot)))[1]
 
     @property
     def hidden(self) -> int:
@@ -165,9 +168,11 @@ def moe_nodes(graph: ir.Graph) -> list[MoeNode]:
             continue
         inputs = [node.inputs[i] for i in EXPERT_INPUTS[node.op_type] if i < len(node.inputs)]
         values = [v for v in inputs if v is not None and v.is_initializer()]
-        experts = int(values[0].const_value.shape[0])
-        if any(int(v.const_value.shape[0]) != experts for v in values):
-            raise ValueError(f"MoE node {node.name}: expert tensors disagree on the number of experts")
+        if not values:
+            raise MoepassError(f"MoE node {node.name}: no expert tensor is an initializer")
+        experts = tensor_dims(tensor_of(values[0]))[0]
+        if any(tensor_dims(tensor_of(v))[0] != experts for v in values):
+            raise MoepassError(f"MoE node {node.name}: expert tensors disagree on the number of experts")
         found.append(MoeNode(node, experts, node.attributes.get_int("k", 1),
                              bool(node.attributes.get_int("normalize_routing_weights", 0)), values))
     return found

@@ -29,6 +29,7 @@ specialization whatever the caller's array (a read-only memory map or a writable
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -419,7 +420,7 @@ def _iq1_m(b, out, f16, grid):
 
 
 # Each type's kernel and the tables passed after (blocks, out).
-KERNELS = {
+KERNELS: dict[GT, tuple[Callable[..., None], tuple[np.ndarray, ...]]] = {
     GT.Q8_0: (_q8_0, (F16,)),
     GT.Q4_0: (_fp16_nibbles, (F16, Q4_0_VALUES)),
     GT.Q5_0: (_q5_0, (F16,)),

@@ -465,9 +465,11 @@ def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndar
     if form.bits in qt.direct:
         qt.direct[form.bits](raw, codes)
         native_scales = _fp16_field(_blocks(raw, qt.ggml_type), 0)
-    else:
+    elif qt.decode is not None:
         centered, native_scales = qt.decode(raw)
         codes[...] = pack_codes(centered, form)
+    else:
+        raise ValueError(f"{qt.name} has no exact {form}")
     np.copyto(scales.reshape(native_scales.shape + (repeat,)), native_scales[..., None])
 
 
@@ -493,6 +495,8 @@ def pack_with_offsets(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np
     keeping the file's own codes u, scales s and minimums: stored u with scale s is s (u - 8) at
     the default zero point, and the offset 8 s - o makes it s u - o. Only the float32 rounding of
     the offset and of the sum can differ from the gguf package's values: measured, and recorded."""
+    if qt.own_codes is None:
+        raise ValueError(f"{qt.name} has no codes of its own to keep")
     u, scale, offset = qt.own_codes(raw)
     codes[...] = _pack_unsigned(u.astype(np.uint8, copy=False), form)
     scales[...] = scale

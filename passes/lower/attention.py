@@ -49,6 +49,8 @@ def attention_inputs(builder: GraphBuilder, mask: ir.Value) -> AttentionInputs:
         raise MoepassError(f"{builder.gguf.path}: value head size {hparams.value_dim} differs from key head size "
                            f"{head_size}; GroupQueryAttention needs them equal")
     rope = hparams.rope
+    if rope is None:
+        raise ValueError("hyperparameters without their RoPE (architectures.read_rope)")
     # LongRoPE: the factors llama.cpp takes for a context of `positions` (Rope.long_factors)
     factors = rope.freq_factors(positions)
     tables = functools.cache(lambda: rope_cache(positions, rotary, rope, factors))  # cos and sin from one pass
@@ -80,10 +82,13 @@ def attention(builder: GraphBuilder, normed: ir.Value, layer: int, shared: Atten
     elif features.qk_norm == "full":
         query = builder.rms_norm(query, builder.tensor("attn_q_norm", layer), f"{prefix}.attn_q_norm")
         key = builder.rms_norm(key, builder.tensor("attn_k_norm", layer), f"{prefix}.attn_k_norm")
-    past = tuple(ir.Value(name=f"past_key_values.{layer}.{kind}", type=cache_type,
-                          shape=ir.Shape(["batch_size", shared.kv_heads, "past_sequence_length", shared.head_size]))
-                 for kind in ("key", "value"))
-    inputs = [query, key, value, past[0], past[1], shared.seqlens_k, shared.total_length, shared.cos, shared.sin]
+    past_key, past_value = (ir.Value(name=f"past_key_values.{layer}.{kind}", type=cache_type,
+                                     shape=ir.Shape(["batch_size", shared.kv_heads, "past_sequence_length",
+                                                     shared.head_size]))
+                            for kind in ("key", "value"))
+    past = past_key, past_value
+    inputs: list[ir.Value | None] = [query, key, value, past_key, past_value, shared.seqlens_k, shared.total_length,
+                                     shared.cos, shared.sin]
     attributes = {"num_heads": hparams.n_heads, "kv_num_heads": shared.kv_heads, "do_rotary": 1,
                   "rotary_interleaved": int(features.rope == "norm"), "scale": shared.scale}
     if features.attention_sinks:  # head_sink (input 11): one logit per head in every softmax

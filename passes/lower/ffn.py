@@ -87,7 +87,10 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     out.name = f"{name}.output"
     out.dtype = builder.act
     out.shape = ir.Shape(["tokens", hidden_out])
-    out.producer().metadata_props.update({
+    moe = out.producer()
+    if moe is None:
+        raise ValueError(f"{name}: the MoE output has no node")
+    moe.metadata_props.update({
         keys.LAYER: str(layer),
         keys.EXPERT_FORM: form_name,
         keys.SOURCE_TYPES: ",".join(qt.name for qt in types),

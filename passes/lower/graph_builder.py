@@ -19,7 +19,7 @@ from onnx_ir import tape as ir_tape
 
 from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
-from moepass.core.gguf_reader import GGUFModel, GGUFTensor
+from moepass.core.gguf_reader import GGUFModel, SourceTensor
 from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type
 from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
 
@@ -84,10 +84,10 @@ class GraphBuilder:
         name = "const.i64." + "_".join(str(v).replace("-", "m") for v in values)
         return self.const(name, np.array(values, dtype=np.int64))
 
-    def tensor(self, role: str, layer: int | None = None) -> GGUFTensor:
+    def tensor(self, role: str, layer: int | None = None) -> SourceTensor:
         return self.arch.tensor(self.gguf, role, layer, self.hp)
 
-    def optional(self, role: str, layer: int | None = None) -> GGUFTensor | None:
+    def optional(self, role: str, layer: int | None = None) -> SourceTensor | None:
         """The tensor of `role` if the file has it (biases, shared experts, an untied LM head)."""
         return self.tensor(role, layer) if self.arch.has_tensor(self.gguf, role, layer) else None
 
@@ -96,12 +96,12 @@ class GraphBuilder:
         value = self.const(f"const.{self.act.name.lower()}.{factor!r}", np.array(factor, dtype=self.np_act))
         return self.tape.op("Mul", [x, value], name=name)
 
-    def float_weight(self, name: str, src: GGUFTensor, transpose: bool = False) -> ir.Value:
+    def float_weight(self, name: str, src: SourceTensor, transpose: bool = False) -> ir.Value:
         """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them)."""
         qt = quant_type(src.ggml_type, src.name, src.path)
         return self.tape.initializer(float_tensor(src, qt, name, self.report, transpose, self.act), name=name)
 
-    def packed_weights(self, name: str, sources: list[GGUFTensor], form: BlockForm, blob_layout: bool = False,
+    def packed_weights(self, name: str, sources: list[SourceTensor], form: BlockForm, blob_layout: bool = False,
                        prepack: bool = False, scale_dtype: ir.DataType | None = None
                        ) -> tuple[ir.Value, ir.Value, ir.Value | None]:
         """Codes, scales (in `scale_dtype`, default the activation type) and, for a form with
@@ -117,13 +117,13 @@ class GraphBuilder:
                                        f"for {per}")
         group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix,
                             scale_dtype=scale_dtype or self.act, prepack=prepack, workers=self.options.threads)
-        offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if form.offsets else None
+        offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if group.offsets is not None else None
         return (self.tape.initializer(group.codes, name=group.codes.name),
                 self.tape.initializer(group.scales, name=group.scales.name), offsets)
 
     # ---- layers ---------------------------------------------------------------------------------
-    def linear(self, x: ir.Value, src: GGUFTensor, name: str, weight_name: str | None = None,
-               bias: GGUFTensor | None = None) -> ir.Value:
+    def linear(self, x: ir.Value, src: SourceTensor, name: str, weight_name: str | None = None,
+               bias: SourceTensor | None = None) -> ir.Value:
         """y = x @ W^T (+ b) for a GGUF matrix W [N, K]: MatMulNBits for quantized W (quants.matrix_form),
         plus the block offsets' product with the input's block sums for a form with offsets; float32
         MatMul (+ Add) for float W.
@@ -158,12 +158,12 @@ class GraphBuilder:
                                                  name=name)
         return self._block_sums[key]
 
-    def matrix_form(self, src: GGUFTensor, offsets: bool = True) -> BlockForm | None:
+    def matrix_form(self, src: SourceTensor, offsets: bool = True) -> BlockForm | None:
         """The block form of a non-expert matrix (quants.matrix_form); None for float."""
         qt = quant_type(src.ggml_type, src.name, src.path)
         return matrix_form(qt, src.shape[-1], self.options.exact, offsets)
 
-    def rms_norm(self, x: ir.Value, src: GGUFTensor, name: str, bias: GGUFTensor | None = None) -> ir.Value:
+    def rms_norm(self, x: ir.Value, src: SourceTensor, name: str, bias: SourceTensor | None = None) -> ir.Value:
         """RMSNorm(x) * gamma (+ beta: phimoe's norms add a bias after normalizing, as llama.cpp does)."""
         gamma = self.float_weight(src.name, src)
         y = self.tape.op("SimplifiedLayerNormalization", [x, gamma],
@@ -172,7 +172,7 @@ class GraphBuilder:
             return y
         return self.tape.op("Add", [y, self.float_weight(bias.name, bias)], name=f"{name}.bias")
 
-    def per_head_rms_norm(self, x: ir.Value, src: GGUFTensor, n_heads: int, name: str) -> ir.Value:
+    def per_head_rms_norm(self, x: ir.Value, src: SourceTensor, n_heads: int, name: str) -> ir.Value:
         d = self.hp.head_dim
         heads = self.tape.op("Reshape", [x, self.ints(0, 0, n_heads, d)], name=f"{name}.split_heads")
         normed = self.rms_norm(heads, src, name)
@@ -195,7 +195,7 @@ class GraphBuilder:
                             {"gather_axis": 0, "quantize_axis": 1, "block_size": form.block_size, "bits": form.bits},
                             domain="com.microsoft", name="embed_tokens")
 
-    def expert_bias(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
+    def expert_bias(self, name: str, sources: list[SourceTensor]) -> ir.Value:
         """Per-expert biases [E, N] of one or two sources as [E, N * len(sources)] (gate and up
         interleaved, as the fc1 rows are), in the activation type."""
         e, n = sources[0].shape
@@ -206,6 +206,6 @@ class GraphBuilder:
 
         return self.lazy_initializer(name, self.act, (e, n * len(sources)), make)
 
-    def float_experts(self, name: str, sources: list[GGUFTensor]) -> ir.Value:
+    def float_experts(self, name: str, sources: list[SourceTensor]) -> ir.Value:
         stack = float_expert_stack(sources, name, self.report, self.act, self.options.threads)
         return self.tape.initializer(stack, name=name)

@@ -1,0 +1,68 @@
+"""Reading an onnx-ir graph whose optional parts are checked where they are read.
+
+onnx-ir types what a model may leave out as optional: a node's input (omitted, or past the end),
+a value's producer, its constant tensor, its type and shape, a shape's dimensions (symbolic). A
+model is untrusted input, so each of these is read through one function here that either returns
+what the caller needs or raises a one-line MoepassError naming the node or value at fault.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from moepass.core.errors import MoepassError
+
+
+def input_at(node: ir.Node, index: int) -> ir.Value | None:
+    """Input `index` of `node`; None where it is omitted or past the node's last input."""
+    return node.inputs[index] if index < len(node.inputs) else None
+
+
+def required_input(node: ir.Node, index: int) -> ir.Value:
+    value = input_at(node, index)
+    if value is None:
+        raise MoepassError(f"{node.op_type} node {node.name!r}: input {index} is missing")
+    return value
+
+
+def producer(value: ir.Value | None) -> ir.Node | None:
+    """The node that computes `value`; None for a graph input, an initializer or an absent input."""
+    return None if value is None else value.producer()
+
+
+def tensor_of(value: ir.Value | None) -> ir.TensorProtocol:
+    """The constant tensor `value` holds (an initializer's or a Constant's)."""
+    tensor = None if value is None else value.const_value
+    if tensor is None:
+        what = "an omitted input" if value is None else f"value {value.name!r}"
+        raise MoepassError(f"{what} is not a constant tensor")
+    return tensor
+
+
+def dims(shape: ir.ShapeProtocol | None, of: str = "a value") -> tuple[int, ...]:
+    """A shape's dimensions as integers; MoepassError for an unknown shape or a symbolic dimension."""
+    if shape is None:
+        raise MoepassError(f"{of}: its shape is unknown")
+    if not all(isinstance(d, int) for d in shape):
+        raise MoepassError(f"{of}: shape {shape} has symbolic dimensions where a fixed size is needed")
+    return tuple(int(d) for d in shape.numpy())
+
+
+def tensor_dims(tensor: ir.TensorProtocol) -> tuple[int, ...]:
+    return dims(tensor.shape, f"tensor {tensor.name!r}")
+
+
+def dtype_of(value: ir.Value) -> ir.DataType:
+    if value.dtype is None:
+        raise MoepassError(f"value {value.name!r}: its element type is unknown")
+    return value.dtype
+
+
+def dim(shape: ir.ShapeProtocol | None, axis: int, of: str = "a value") -> int:
+    """One fixed dimension of a shape whose others may be symbolic (batch, sequence)."""
+    if shape is None or not -len(shape) <= axis < len(shape):
+        raise MoepassError(f"{of}: its shape {shape} has no axis {axis}")
+    size = shape[axis]
+    if not isinstance(size, int):
+        raise MoepassError(f"{of}: axis {axis} of its shape {shape} is symbolic where a fixed size is needed")
+    return int(size)
