@@ -1,4 +1,5 @@
-"""The package passes ruff with the rules and line length of pyproject.toml's [tool.ruff]."""
+"""The package passes ruff (pyproject.toml's [tool.ruff]: rules, line length) and mypy ([tool.mypy]),
+the latter on the package as it is installed: passes/, runtime/ and cuda_ops/ as moepass.passes, ..."""
 
 import shutil
 import subprocess
@@ -27,3 +28,40 @@ def test_the_check_finds_a_long_line(tmp_path):
     result = subprocess.run([*_ruff(), "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(bad)],
                             capture_output=True, text=True)
     assert result.returncode == 1 and "E501" in result.stdout and "I001" in result.stdout, result.stdout
+
+
+def _installed_layout(where: Path, package: Path, subpackages: tuple[str, ...] = tuple(PACKAGE[1:])) -> Path:
+    """A tree of links laid out as pip installs the package (setuptools package-dir), for mypy,
+    which reads a package from one folder: moepass/ with passes/, runtime/ and cuda_ops/ inside."""
+    top = where / "moepass"
+    top.mkdir()
+    for entry in package.iterdir():
+        (top / entry.name).symlink_to(entry)
+    for sub in subpackages:
+        (top / sub).symlink_to(ROOT / sub)
+    return where
+
+
+def _mypy(where: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+                           "--cache-dir", str(ROOT / ".mypy_cache"), "-p", "moepass"],
+                          cwd=where, capture_output=True, text=True)
+
+
+def test_package_is_mypy_clean(tmp_path):
+    result = _mypy(_installed_layout(tmp_path, ROOT / "moepass"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_type_check_finds_a_none_dereference(tmp_path):
+    """The same configuration fails code that reads an attribute of an onnx-ir value that may be
+    None (the mistake the package's ir_values helpers exist for)."""
+    package = tmp_path / "src"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "bad.py").write_text("import onnx_ir as ir\n\n\ndef first_input_name(node: ir.Node) -> str:\n"
+                                    "    return node.inputs[0].name or ''\n")
+    (tmp_path / "layout").mkdir()
+    result = _mypy(_installed_layout(tmp_path / "layout", package, subpackages=()))
+    assert result.returncode == 1 and 'Item "None" of "Value | None" has no attribute "name"' in result.stdout, \
+        result.stdout + result.stderr
