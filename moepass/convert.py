@@ -36,6 +36,7 @@ from moepass.core.choices import (
     FLOAT_EXPERT_CHOICES,
     KV_CACHE_TYPES,
     PASS_NAMES,
+    one_of,
 )
 from moepass.core.errors import MoepassError
 from moepass.core.files import (
@@ -211,8 +212,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
             on `kv_calibration`, a text file, else on the model's own sampled text; see
             moepass.kv_precision).
     """
-    if activations not in ACTIVATION_MODES:
-        raise MoepassError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {activations!r}")
+    one_of(activations, ACTIVATION_MODES, "activations")
     kind = "onnx" if _is_onnx(model) else "gguf"
     if print_after is not None and print_after not in PASS_NAMES[kind]:
         raise MoepassError(f"--print-after {print_after}: no such step for {kind.upper()} input; its steps: "
@@ -234,8 +234,7 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # before any work
     if genai_speculative:  # its draft model and numbers checked before the work too
         check_speculation(genai_speculative, draft_tokens)
-    if kv_cache not in KV_CACHE_TYPES:
-        raise MoepassError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache!r}")
+    one_of(kv_cache, KV_CACHE_TYPES, "kv_cache")
     if kv_calibration is not None and kv_cache != "int8":
         raise MoepassError("--kv-calibration applies to --kv-cache int8")
     calibration_text = read_text(Path(kv_calibration)) if kv_calibration is not None else None
@@ -322,8 +321,7 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     written unchanged. `activations` sets accuracy_level on every quantized matrix product, as for GGUF;
     `print_after` prints the graph after that step (moepass.core.choices.PASS_NAMES["onnx"]).
     """
-    if float_experts not in FLOAT_EXPERT_CHOICES:
-        raise MoepassError(f"float_experts must be one of {', '.join(FLOAT_EXPERT_CHOICES)}, not {float_experts!r}")
+    one_of(float_experts, FLOAT_EXPERT_CHOICES, "float_experts")
     start = time.perf_counter()
     onnx_model, label = as_ir_model(model)
     source = Path(label)

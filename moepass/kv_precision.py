@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from moepass.core.choices import KV_CACHE_TYPES
+from moepass.core.choices import KV_CACHE_TYPES, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import MODEL_FILE, load_model
 from moepass.core.ir_values import required_input
@@ -94,8 +94,7 @@ def set_kv_cache(folder: Path, kind: str, current: str | None, context: int | No
     `current` (cache_type_of), a `kind` cache, calibrated on at most `context` tokens (the model's
     positions); rewrites model.onnx (the weights' data file stays as it is). "float32" keeps the
     cache as converted (the offload format's is float16). Returns moepass.json's entry."""
-    if kind not in KV_CACHE_TYPES:
-        raise MoepassError(f"--kv-cache must be one of {', '.join(KV_CACHE_TYPES)}, not {kind!r}")
+    one_of(kind, KV_CACHE_TYPES, "--kv-cache")
     if kind == "float32" or kind == current:
         return cache_entry(current)
     if current is None:

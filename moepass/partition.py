@@ -35,7 +35,7 @@ import onnx_ir as ir
 from moepass.atomic import atomic_directory, atomic_file, check_destination, share_file
 from moepass.core import keys
 from moepass.core.capabilities import cuda_refusals, offload_violations
-from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths
+from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import (
     DATA_FILE,
@@ -186,8 +186,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     one another (float16, int8; moepass.kv_precision), or "auto": the type of AUTO_CHOICES with the
     fastest predicted decode (a cheaper cache leaves room for more resident experts), the most
     precise on a tie; plan.json says what each would have bought."""
-    if target not in TARGETS:
-        raise MoepassError(f"target must be one of {', '.join(TARGETS)}, not {target!r}")
+    one_of(target, TARGETS, "target")
     for name, value in (("context", context), ("batch", batch), ("prefill_tokens", prefill_tokens)):
         if not isinstance(value, int) or value < 1:
             raise MoepassError(f"{name} must be a positive integer, not {value!r}")
@@ -202,8 +201,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     identity = model_identity(model)
     memory = MemoryModel.of(model)
     source_cache = cache_type_of(model)
-    if kv_cache not in ("keep", "auto", *KV_CACHE_TYPES):
-        raise MoepassError(f"--kv-cache must be keep, auto or one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache!r}")
+    one_of(kv_cache, ("keep", "auto", *KV_CACHE_TYPES), "--kv-cache")
     kv_kinds: list[str | None]
     if kv_cache == "keep" or source_cache is None:
         kv_kinds = [source_cache]

@@ -45,7 +45,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.core import keys
-from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths
+from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import dim, dtype_of
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
@@ -229,13 +229,11 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
     none of their experts is placed on the GPU (the budget they would have had stays free).
     `cpu_costs`: a decode step's pieces timed on this CPU (moepass.runtime.calibrate): the
     prediction then times the cold experts by them and adds `cpu_only`, every layer on the CPU."""
-    if mode not in PLAN_MODES:
-        raise MoepassError(f"mode must be one of {', '.join(PLAN_MODES)}, not {mode!r}")
+    one_of(mode, PLAN_MODES, "mode")
     if target not in ("offload", "layers"):
         raise MoepassError(f"target must be offload or layers here, not {target!r}")
     policy = policy or ("global" if popularity is not None else "uniform")
-    if policy not in POLICIES:
-        raise MoepassError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    one_of(policy, POLICIES, "policy")
     if popularity is None and policy != "uniform":
         raise MoepassError(f"policy {policy!r} needs a popularity profile (moepass profile); "
                            "without one, placement is uniform")

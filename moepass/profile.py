@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moepass.core.choices import PROMPT_FORMATS
+from moepass.core.choices import PROMPT_FORMATS, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import load_model, model_file, read_text
 from moepass.core.moe_nodes import moe_nodes
@@ -30,8 +30,7 @@ def read_prompts(path: str | os.PathLike, fmt: str = "text") -> list[Prompt]:
     """A prompts file. "text": one prompt per line (blank lines skipped); "ids": one prompt per line
     as token ids separated by commas or spaces, '#' comments; "jsonl": one JSON value per line, a
     string (text), a list of token ids, or an object with "text" or "ids"."""
-    if fmt not in PROMPT_FORMATS:
-        raise MoepassError(f"prompts format must be one of {', '.join(PROMPT_FORMATS)}, not {fmt!r}")
+    one_of(fmt, PROMPT_FORMATS, "prompts format")
     path = Path(path)
     lines = read_text(path).splitlines()
     prompts: list[Prompt] = []

@@ -20,7 +20,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
-from moepass.core.choices import ACTIVATION_MODES
+from moepass.core.choices import ACTIVATION_MODES, one_of
 
 QUANTIZED_MATMULS = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "QMoE"))
 
@@ -30,8 +30,7 @@ class QuantizeActivationsPass(InPlacePass):
 
     def __init__(self, mode: str = "int8") -> None:
         super().__init__()
-        if mode not in ACTIVATION_MODES:
-            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {mode!r}")
+        one_of(mode, ACTIVATION_MODES, "activations")
         self.mode = mode
 
     def call(self, model: ir.Model) -> PassResult:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moepass.core import keys
+from moepass.core.choices import one_of
 from moepass.core.errors import MoepassError, first_line
 from moepass.core.files import (
     LOGITS_TO_KEEP,
@@ -66,9 +67,8 @@ class Decoder:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in option_entries.items()):
             raise MoepassError(f"{folder / OPTIONS_FILE}: session_config_entries must map strings to strings")
         placement_mode = _json_field(options_file, "placement", dict, folder / OPTIONS_FILE).get("mode")
-        if placement_mode not in (None, *keys.OFFLOAD_MODES):
-            raise MoepassError(f"{folder / OPTIONS_FILE}: placement.mode must be one of "
-                               f"{', '.join(keys.OFFLOAD_MODES)}")
+        if placement_mode is not None:
+            one_of(placement_mode, keys.OFFLOAD_MODES, f"{folder / OPTIONS_FILE}: placement.mode")
         structure = graph if graph is not None else load_model(model_path)
         self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode,
                                               placement_mode)

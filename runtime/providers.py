@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.capabilities import offload_violations
-from moepass.core.choices import DEVICES, PLUGIN_ENV
+from moepass.core.choices import DEVICES, PLUGIN_ENV, one_of
 from moepass.core.errors import MoepassError, first_line
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
 from moepass.core.moe_nodes import moe_nodes
@@ -81,10 +81,9 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
                  placement_mode: str | None = None) -> SessionPlan:
     """`mode`: what the user asked for (--offload), applied to the placement the model carries;
     `placement_mode`: what partition wrote for a per-layer plan."""
-    if device not in DEVICES:
-        raise MoepassError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
-    if mode is not None and mode not in keys.OFFLOAD_MODES:
-        raise MoepassError(f"mode must be one of {', '.join(keys.OFFLOAD_MODES)}, not {mode!r}")
+    one_of(device, DEVICES, "device")
+    if mode is not None:
+        one_of(mode, keys.OFFLOAD_MODES, "mode")
     entries = dict(options_file_entries)
     layered = LAYER_SETTINGS_KEY in entries
     layer_mode = (mode or placement_mode or "auto") if layered else "disabled"

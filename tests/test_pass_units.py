@@ -739,7 +739,7 @@ def test_quantize_activations_sets_and_clears_accuracy_level_on_quantized_produc
     for result, reference in zip(_run(model, {"x": built.x}), references):
         _assert_within(result, reference)
 
-    with pytest.raises(ValueError, match="activations must be one of"):
+    with pytest.raises(MoepassError, match="activations must be one of"):
         QuantizeActivationsPass("int4")
 
 

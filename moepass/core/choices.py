@@ -7,9 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
+
+
+def one_of(value: str, choices: Iterable[str], what: str) -> str:
+    """`value`, if it is one of `choices`; else the one line every option says: "<what> must be one
+    of a, b, c, not 'x'"."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise MoepassError(f"{what} must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
 
 # convert
 FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")   # F32/F16/BF16 experts: kept float (MoE) or quantized (QMoE)

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.architectures import Architecture, HParams
-from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT
+from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import LOGITS_TO_KEEP
 from moepass.core.gguf_reader import GGUFModel
@@ -128,11 +128,8 @@ class Lowered:
 
 def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = LowerOptions()) -> Lowered:
     """Build the ONNX decoder (as an onnx-ir model with lazy weights) for a GGUF model."""
-    if options.float_experts not in FLOAT_EXPERT_CHOICES:
-        raise MoepassError(f"float_experts must be one of {', '.join(FLOAT_EXPERT_CHOICES)}, "
-                           f"not {options.float_experts!r}")
-    if options.expert_format not in EXPERT_FORMATS:
-        raise MoepassError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, not {options.expert_format!r}")
+    one_of(options.float_experts, FLOAT_EXPERT_CHOICES, "float_experts")
+    one_of(options.expert_format, EXPERT_FORMATS, "expert_format")
     b = GraphBuilder(gguf, arch, options)
     arch.check_tensors(gguf, b.hp)  # every tensor present and of the right shape, before any work is done
     if options.context is not None:  # the RoPE tables' length; RoPE itself keeps the GGUF's parameters
