@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -38,7 +37,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
-from moepass.core.ir_values import input_at, producer, required_input, tensor_dims, tensor_of
+from moepass.core.ir_values import input_at, producer, read_rows, required_input, tensor_dims, tensor_of
 from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node, tensor_bytes
 from moepass.core.quants import BlockForm, qmoe_takes, quantize_values, rel_rms, requantize_form, unpack_values
 from moepass.passes.weights import PackOnce, StreamedTensor, WeightRecord, WeightReport
@@ -91,23 +90,6 @@ def _node_name(node: ir.Node) -> str:
     return node.name or f"<{node.op_type}>"
 
 
-def read(tensor: ir.TensorProtocol, first: int = 0, count: int | None = None) -> np.ndarray:
-    """Rows [first, first + count) along axis 0 of a tensor (all by default). External data is read
-    with pread, as the GGUF path reads: pages read that way stay in the page cache and out of this
-    process's RSS, where onnx-ir's memory map of the whole file would count every page touched."""
-    shape = tensor_dims(tensor)
-    count = shape[0] - first if count is None else count
-    if not isinstance(tensor, ir.ExternalTensor) or tensor.dtype.itemsize != int(tensor.dtype.itemsize):
-        return tensor.numpy()[first:first + count]
-    dtype = tensor.dtype.numpy()
-    row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-    with open(tensor.path, "rb", buffering=0) as f:
-        data = os.pread(f.fileno(), row * count, (tensor.offset or 0) + row * first)
-    if len(data) != row * count:
-        raise MoepassError(f"{tensor.path}: external data of tensor '{tensor.name}' ends early")
-    return np.frombuffer(data, dtype=dtype).reshape((count, *shape[1:]))
-
-
 # ---- linear layers: MatMul with a constant weight, or MatMulNBits --------------------------------
 
 @dataclasses.dataclass
@@ -150,7 +132,7 @@ class Linear:
     def float_weight(self) -> np.ndarray:
         """W [N, K] as float32 (dequantized for MatMulNBits)."""
         if self.form is None:
-            return np.ascontiguousarray(read(self.weight).T, dtype=np.float32)
+            return np.ascontiguousarray(read_rows(self.weight).T, dtype=np.float32)
         codes, scales, zeros = self.blobs()
         _, k = self.shape
         return unpack_values(codes, scales, self.form, zeros)[:, :k]
@@ -161,8 +143,8 @@ class Linear:
         n, _ = self.shape
         if self.scales is None:
             raise MoepassError(f"{_node_name(self.node)}: a MatMul has no quantized blobs")
-        return (read(self.weight).reshape(n, -1), read(self.scales).reshape(n, -1).astype(np.float32),
-                None if self.zero_points is None else read(self.zero_points).reshape(n, -1))
+        return (read_rows(self.weight).reshape(n, -1), read_rows(self.scales).reshape(n, -1).astype(np.float32),
+                None if self.zero_points is None else read_rows(self.zero_points).reshape(n, -1))
 
 
 @dataclasses.dataclass
@@ -185,7 +167,7 @@ class ExpertMatrix:
         return n, k
 
     def float_weight(self) -> np.ndarray:
-        return np.asarray(read(self.tensor, self.expert, 1)[0], dtype=np.float32)
+        return np.asarray(read_rows(self.tensor, self.expert, 1)[0], dtype=np.float32)
 
 
 def as_linear(node: ir.Node | None) -> Linear | None:

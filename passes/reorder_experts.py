@@ -21,7 +21,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
-from moepass.core.ir_values import input_at, required_input, tensor_dims, tensor_of
+from moepass.core.ir_values import input_at, read_rows, required_input, tensor_dims, tensor_of
 from moepass.core.moe_nodes import EXPERT_INPUTS, ROUTER_LOGITS, ROUTER_WEIGHTS, moe_nodes
 from moepass.passes.weights import StreamedTensor
 
@@ -38,12 +38,11 @@ value: ir.Value, order: list[int], axis: int, name: str) -> ir.Value:
     shape = tensor_dims(source)
 
     def chunks() -> Iterator[np.ndarray]:
-        array = source.numpy()  # external data: a memory map, read slice by slice
-        if axis == 0:
+        if axis == 0:  # an expert at a time, read as fuse-moe reads (out of this process's RSS)
             for e in order:
-                yield np.ascontiguousarray(array[e])
-        else:
-            yield np.ascontiguousarray(np.take(array, order, axis=axis))
+                yield np.ascontiguousarray(read_rows(source, e, 1)[0])
+        else:  # a router's columns: one small matrix
+            yield np.ascontiguousarray(np.take(source.numpy(), order, axis=axis))
 
     tensor = StreamedTensor(chunks, source.dtype, shape, name)
     return ir.Value(name=name, type=value.type, shape=ir.Shape(shape), const_value=tensor)

@@ -8,6 +8,9 @@ what the caller needs or raises a one-line MoepassError naming the node or value
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import onnx_ir as ir
 
 from moepass.core.errors import MoepassError
@@ -66,3 +69,20 @@ def dim(shape: ir.ShapeProtocol | None, axis: int, of: str = "a value") -> int:
     if not isinstance(size, int):
         raise MoepassError(f"{of}: axis {axis} of its shape {shape} is symbolic where a fixed size is needed")
     return int(size)
+
+
+def read_rows(tensor: ir.TensorProtocol, first: int = 0, count: int | None = None) -> np.ndarray:
+    """Rows [first, first + count) along axis 0 of a tensor (all by default). External data is read
+    with pread, as the GGUF path reads: pages read that way stay in the page cache and out of this
+    process's RSS, where onnx-ir's memory map of the whole file would count every page touched."""
+    shape = tensor_dims(tensor)
+    count = shape[0] - first if count is None else count
+    if not isinstance(tensor, ir.ExternalTensor) or tensor.dtype.itemsize != int(tensor.dtype.itemsize):
+        return tensor.numpy()[first:first + count]
+    dtype = tensor.dtype.numpy()
+    row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    with open(tensor.path, "rb", buffering=0) as f:
+        data = os.pread(f.fileno(), row * count, (tensor.offset or 0) + row * first)
+    if len(data) != row * count:
+        raise MoepassError(f"{tensor.path}: external data of tensor '{tensor.name}' ends early")
+    return np.frombuffer(data, dtype=dtype).reshape((count, *shape[1:]))
