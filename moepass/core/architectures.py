@@ -273,14 +273,25 @@ def latent_attention_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     }
 
 
-ROPE_STYLES = {"neox": "NeoX (rotate halves)", "norm": "interleaved pairs"}
-# routing -> its words, `{k}` the experts chosen per token (deepseek's: describe() says which gating
-# and groups the file sets)
+@dataclasses.dataclass(frozen=True)
+class RopeStyle:
+    words: str
+    interleaved: bool  # rotates consecutive pairs (GroupQueryAttention's rotary_interleaved), else halves
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    words: str          # `{k}`: the experts chosen per token (deepseek's: describe() says which gating and groups)
+    renormalizes: bool  # the MoE node renormalizes the top-k weights over the k (deepseek2's scores: deepseek_routing)
+
+
+# Features.rope and Features.routing name one of these
+ROPE_STYLES = {"neox": RopeStyle("NeoX (rotate halves)", False), "norm": RopeStyle("interleaved pairs", True)}
 ROUTINGS = {
-    "softmax_topk_renorm": "softmax, top-{k}, renormalized",
-    "softmax_topk": "softmax, top-{k}, not renormalized",
-    "topk_softmax": "top-{k}, softmax over the selected",
-    "deepseek": "softmax or sigmoid gating, selection bias, group-limited top-{k}",
+    "softmax_topk_renorm": Routing("softmax, top-{k}, renormalized", True),
+    "softmax_topk": Routing("softmax, top-{k}, not renormalized", False),
+    "topk_softmax": Routing("top-{k}, softmax over the selected", True),
+    "deepseek": Routing("softmax or sigmoid gating, selection bias, group-limited top-{k}", True),
 }
 QK_NORMS = {None: "", "head": "RMSNorm per head", "full": "RMSNorm over the full projection"}
 SHARED_EXPERTS = (None, "sigmoid_gated", "plain")
@@ -399,9 +410,9 @@ class Architecture:
         """The architecture-specific parts of a model, in words and numbers (for inspect and metadata)."""
         f = self.features
         parts: dict[str, Any] = {
-            "rope": ROPE_STYLES[f.rope],
+            "rope": ROPE_STYLES[f.rope].words,
             "routing": _deepseek_routing_text(hp) if f.routing == "deepseek" else
-            ROUTINGS[f.routing].format(k=hp.n_experts_used),
+            ROUTINGS[f.routing].words.format(k=hp.n_experts_used),
         }
         if f.mla:
             n, k_head, v_head, rope, nope = latent_dims(hp)

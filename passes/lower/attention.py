@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from moepass.core.architectures import latent_dims
+from moepass.core.architectures import ROPE_STYLES, latent_dims
 from moepass.core.errors import MoepassError
 from moepass.core.quants import dequantize
 from moepass.passes.lower.graph_builder import GraphBuilder
@@ -90,7 +90,7 @@ def attention(builder: GraphBuilder, normed: ir.Value, layer: int, shared: Atten
     inputs: list[ir.Value | None] = [query, key, value, past_key, past_value, shared.seqlens_k, shared.total_length,
                                      shared.cos, shared.sin]
     attributes = {"num_heads": hparams.n_heads, "kv_num_heads": shared.kv_heads, "do_rotary": 1,
-                  "rotary_interleaved": int(features.rope == "norm"), "scale": shared.scale}
+                  "rotary_interleaved": int(ROPE_STYLES[features.rope].interleaved), "scale": shared.scale}
     if features.attention_sinks:  # head_sink (input 11): one logit per head in every softmax
         inputs += [None, None, builder.float_weight(builder.arch.tensor_name("attn_sinks", layer),
                                                     builder.tensor("attn_sinks", layer))]

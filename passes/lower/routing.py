@@ -11,16 +11,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from moepass.core.architectures import Features
+from moepass.core.architectures import ROUTINGS, Features
 from moepass.core.quants import dequantize
 from moepass.passes.lower.graph_builder import GraphBuilder
 
-# the routings whose top-k weights the node renormalizes over the k (deepseek2's scores: see deepseek_routing)
-RENORMALIZING = ("softmax_topk_renorm", "topk_softmax", "deepseek")
-
 
 def renormalizes(features: Features) -> bool:
-    return features.routing in RENORMALIZING
+    return ROUTINGS[features.routing].renormalizes
 
 
 def route(builder: GraphBuilder, x2d: ir.Value, layer: int) -> tuple[ir.Value, ir.Value | None]:
