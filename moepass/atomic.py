@@ -126,6 +126,20 @@ def _sweep_stale(destination: Path) -> None:
                 entry.unlink()
 
 
+def _sweep_own(destination: Path) -> None:
+    """Remove this process's temporaries of this destination: one an interrupt (SIGINT, SIGTERM)
+    caught after the file system made it and before its name came back to be cleaned up."""
+    prefix = _prefix(destination, "tmp")
+    with contextlib.suppress(OSError):
+        for entry in destination.parent.iterdir():
+            if entry.name.startswith(prefix):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        entry.unlink()
+
+
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -176,8 +190,15 @@ def _replace(tmp: Path, destination: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def _writing(destination: Path, tmp: Path, overwrite: bool) -> Iterator[Path]:
+def _writing(destination: Path, make: Callable[[str], Path], overwrite: bool) -> Iterator[Path]:
+    """The temporary `make` creates beside `destination` (given its name prefix), removed whatever
+    ends the block, from the moment the file system holds it."""
+    tmp = None
     try:
+        try:
+            tmp = make(_prefix(destination, "tmp"))
+        except OSError as e:
+            raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
         yield tmp
         _replace(tmp, destination, overwrite)
     except OSError as e:
@@ -185,7 +206,9 @@ def _writing(destination: Path, tmp: Path, overwrite: bool) -> Iterator[Path]:
             raise MoepassError(f"{destination}: {e.strerror}; nothing was written") from None
         raise
     finally:
-        if tmp.is_dir() and not tmp.is_symlink():
+        if tmp is None:  # interrupted while it was being made
+            _sweep_own(destination)
+        elif tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
         elif os.path.lexists(tmp):
             tmp.unlink()
@@ -247,14 +270,14 @@ def atomic_directory(destination: str | os.PathLike, overwrite: bool = False,
     `inputs`: files the block reads, which the output must never replace."""
     destination = Path(destination)
     check_destination(destination, overwrite, is_dir=True, inputs=inputs)
+    def make(prefix: str) -> Path:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=destination.parent))
+        _ordinary_permissions(tmp, 0o777)
+        return tmp
+
     with _parents(destination):
         _sweep_stale(destination)
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix=_prefix(destination, "tmp"), dir=destination.parent))
-        except OSError as e:
-            raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
-        _ordinary_permissions(tmp, 0o777)
-        with _writing(destination, tmp, overwrite) as path:
+        with _writing(destination, make, overwrite) as path:
             yield path
 
 
@@ -264,14 +287,13 @@ def atomic_file(destination: str | os.PathLike, overwrite: bool = False,
     """Yield a temporary file path beside `destination`; it becomes `destination` if the block succeeds."""
     destination = Path(destination)
     check_destination(destination, overwrite, is_dir=False, inputs=inputs)
+    def make(prefix: str) -> Path:
+        fd, name = tempfile.mkstemp(prefix=prefix, dir=destination.parent)
+        os.close(fd)
+        _ordinary_permissions(Path(name), 0o666)
+        return Path(name)
+
     with _parents(destination):
         _sweep_stale(destination)
-        try:
-            fd, name = tempfile.mkstemp(prefix=_prefix(destination, "tmp"), dir=destination.parent)
-        except OSError as e:
-            raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
-        os.close(fd)
-        tmp = Path(name)
-        _ordinary_permissions(tmp, 0o666)
-        with _writing(destination, tmp, overwrite) as path:
+        with _writing(destination, make, overwrite) as path:
             yield path

@@ -649,6 +649,27 @@ def _wait_for_temporary(folder: Path, process, name: str = "out") -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_an_interrupt_as_the_temporary_is_made_leaves_nothing(tmp_path, monkeypatch, kind):
+    """The window the signal test can hit under load: the file system has made the temporary and
+    the interrupt lands before its name is returned to the code that removes it."""
+    import tempfile
+
+    from moepass import atomic
+
+    make = tempfile.mkdtemp if kind == "directory" else tempfile.mkstemp
+
+    def made_then_interrupted(*args, **kwargs):
+        make(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tempfile, "mkdtemp" if kind == "directory" else "mkstemp", made_then_interrupted)
+    writer = atomic.atomic_directory if kind == "directory" else atomic.atomic_file
+    with pytest.raises(KeyboardInterrupt), writer(tmp_path / "out"):
+        pass
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("signal_name,code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_interrupted_conversion_leaves_nothing(slow_gguf, tmp_path, signal_name, code):
     import signal
