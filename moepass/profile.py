@@ -72,7 +72,7 @@ def _json_prompt(line: str, where: str) -> Prompt:
     raise MoepassError(f"{where}: expected a string, a list of token ids, or an object with \"text\" or \"ids\"")
 
 
-def route(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+def selected_experts(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
     """QMoE's routing of router logits [T, E]: chosen experts [T, k] and their weights [T, k]."""
     z = logits.astype(np.float64)
     probs = np.exp(z - z.max(axis=-1, keepdims=True))
@@ -120,7 +120,7 @@ def profile(model_dir: str | os.PathLike, prompts: Sequence[Prompt], threads: in
         _, _, routers = decoder.forward_with(np.array([prompt]), decoder.empty_cache(), list(expose.outputs.values()))
         for name, output in expose.outputs.items():
             node = nodes[name]
-            chosen, weights = route(routers[output].reshape(-1, node.experts), node.top_k, node.normalize)
+            chosen, weights = selected_experts(routers[output].reshape(-1, node.experts), node.top_k, node.normalize)
             result.selected[name] += np.bincount(chosen.ravel(), minlength=node.experts)
             result.weight[name] += np.bincount(chosen.ravel(), weights.ravel(), minlength=node.experts)
         result.tokens += len(prompt)

@@ -13,7 +13,7 @@ from moepass.core.moe_nodes import Experts, moe_node
 from moepass.core.quants import OFFLOAD_FORM, expert_form, quant_type, requantize_form, scales_in_float16
 from moepass.cuda_ops.prepack import prepack_problem
 from moepass.passes.lower.graph_builder import GraphBuilder
-from moepass.passes.lower.routing import renormalizes, route
+from moepass.passes.lower.routing import renormalizes, router_input
 
 
 def feed_forward(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:
@@ -39,7 +39,7 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     normalize_routing_weights=0 by itself. Expert biases go to fc1_bias (gate and up
     interleaved like the weights) and fc2_bias."""
     hp, feats = builder.hp, builder.arch.features
-    router, weight_sum = route(builder, x2d, layer)
+    router, weight_sum = router_input(builder, x2d, layer)
     gate, up, down = (builder.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
     name = f"blk.{layer}.moe"

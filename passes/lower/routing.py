@@ -20,7 +20,7 @@ def renormalizes(features: Features) -> bool:
     return ROUTINGS[features.routing].renormalizes
 
 
-def route(builder: GraphBuilder, x2d: ir.Value, layer: int) -> tuple[ir.Value, ir.Value | None]:
+def router_input(builder: GraphBuilder, x2d: ir.Value, layer: int) -> tuple[ir.Value, ir.Value | None]:
     """(the MoE node's router input, and for deepseek2 without renormalization the sum of the
     selected weights to multiply the node's output by, else None)."""
     logits = builder.linear(x2d, builder.tensor("ffn_gate_inp", layer), f"blk.{layer}.router",
