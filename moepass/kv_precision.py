@@ -126,7 +126,6 @@ def set_kv_cache(folder: Path, kind: str, current: str | None, context: int | No
             present = output.name or ""
             scale = scales[present].astype(np.float32)[:, None, :]  # [kv_heads, 1, head_size]
             name = present.replace("present.", "kv_scale.")
-
             initializer = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(scale.shape),
                                    const_value=ir.tensor(scale, name=name))
             model.graph.register_initializer(initializer)

@@ -174,6 +174,7 @@ def as_linear(node: ir.Node | None) -> Linear | None:
     """The node as a Linear if it is one with constant weights (and no bias / g_idx for MatMulNBits)."""
     if node is None:
         return None
+
     def constant_at(index: int) -> bool:
         value = input_at(node, index)
         return value is not None and value.const_value is not None
@@ -300,7 +301,6 @@ class ExpertWriter:
         zeros = self._initializer(StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, (e, rows, zero_cols),
                                                  f"{name}.zero_points")) if with_zeros else None
         record.bytes = sum(tensor_bytes(v) for v in (codes, scales, zeros) if v is not None)
-
         return Experts(codes, scales, zeros)
 
 
@@ -626,11 +626,11 @@ class MoeNodeRule:
         form = target.form
         if form is None:
             raise MoepassError(f"{_node_name(moe)}: no QMoE form to quantize into")
-        stacks, experts = [], 0
+        stacks = []
+        experts = tensor_dims(tensor_of(input_at(moe, MOE_SLOTS["fc1"][0])))[0]
         for fc in ("fc1", "fc2"):
             weights, bias = (input_at(moe, slot) for slot in MOE_SLOTS[fc])
-            experts = tensor_dims(tensor_of(weights))[0]
-            groups = [(ExpertMatrix(tensor_of(weights), e),) for e in range(experts)]
+            groups = [(ExpertMatrix(tensor_of(weights), e),) for e in range(tensor_dims(tensor_of(weights))[0])]
             stacks.append(writer.packed_stack(f"{name}.{fc}", groups, form, False))
             stacks[-1].bias = bias
         nodes = NodeList()

@@ -46,7 +46,6 @@ class FuseSkipNormPass(InPlacePass):
             if reason or add is None:
                 self.skipped.append((norm.name or "", reason or "no Add before it"))
                 continue
-
             summed = add.outputs[0]
             fused = ir.node(
                 "SkipSimplifiedLayerNormalization", [add.inputs[0], add.inputs[1], norm.inputs[1]],

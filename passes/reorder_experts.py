@@ -31,8 +31,7 @@ def _is_constant(value: ir.Value | None) -> bool:
     return value is not None and value.is_initializer() and value.const_value is not None
 
 
-def _permuted(
-value: ir.Value, order: list[int], axis: int, name: str) -> ir.Value:
+def _permuted(value: ir.Value, order: list[int], axis: int, name: str) -> ir.Value:
     """A new initializer: `value` permuted along `axis`, streamed one slice at a time when saved."""
     source = tensor_of(value)
     shape = tensor_dims(source)

@@ -52,7 +52,8 @@ def moe_decoder(builder: GraphBuilder) -> ir.Graph:
                          shape=ir.Shape(["batch_size", "sequence_length"]))
     mask = ir.Value(name="attention_mask", type=ir.TensorType(ir.DataType.INT64),
                     shape=ir.Shape(["batch_size", "total_sequence_length"]))
-    inputs, outputs = [input_ids, mask], list[ir.Value]()
+    inputs = [input_ids, mask]
+    outputs: list[ir.Value] = []
     shared = attention_inputs(builder, mask)
     residual_scale = hparams.residual_scale if features.multipliers else 0.0
 
