@@ -521,11 +521,11 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
                      progress=None if as_json else lambda text: click.echo(text, err=True), prompt=prompt)
     threads = load_options["threads"]
     result.update(model=str(model_dir), backend=decoder.plan.provider, threads=threads or 0,
-                  activations=decoder.info.get("activations", "float"),
+                  activations=decoder.report.activations,
                   size_bytes=sum(f.stat().st_size for f in decoder.model_dir.iterdir() if f.is_file())
                   if decoder.model_dir.is_dir() else 0,
                   n_params=sum(round(w["bytes"] * 8 / w["bits_per_weight"])
-                               for w in decoder.info.get("weights", []) if w.get("bits_per_weight")))
+                               for w in decoder.report.weights if w.get("bits_per_weight")))
     if profile:
         del load_options["speculative"], load_options["draft_tokens"]
         result["decode_operator_shares"] = operator_shares(model_dir, depth=depth or prompt_tokens, **load_options)

@@ -291,10 +291,10 @@ def _moepass_source(label: str) -> tuple[Path | None, dict[str, Any]]:
     if folder is None:
         return None, {}
     try:
-        info = read_report(folder)
+        report = read_report(folder)
     except MoepassError:  # another tool's moepass.json: the model converts as any ONNX model
         return None, {}
-    return (folder, info) if info else (None, {})
+    return (folder, report.document) if report.document else (None, {})
 
 
 def _is_onnx(model: Any) -> bool:

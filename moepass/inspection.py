@@ -105,7 +105,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     ops = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in graph)
     dry_run = FuseMoePass(dry_run=True)
     dry_run(model)
-    fused = read_report(Path(label).parent).get("fusion")
+    fused = list(read_report(Path(label).parent).fusion) or None
     return {
         "kind": "onnx",
         "file": label,

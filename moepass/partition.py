@@ -298,13 +298,8 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         # the cache retyped once the weights are in place and before the placement options (int8 is
         # calibrated on the CPU)
         if chosen is not None and chosen != source_cache:
-            info = dict(source_report)
-            hparams = info.get("hparams")
-            if not isinstance(hparams, dict):
-                hparams = {}
-            context_length = hparams.get("context_length") if isinstance(hparams.get("context_length"), int) else None
-            info["kv_cache"] = set_kv_cache(tmp, chosen, source_cache, context_length, threads=threads)
-            write_report(tmp, info)
+            kv_cache_entry = set_kv_cache(tmp, chosen, source_cache, source_report.context_length, threads=threads)
+            write_report(tmp, {**source_report.document, "kv_cache": kv_cache_entry})
         (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
                                                     "placement": {"target": target, "mode": mode}}, indent=1) + "\n")
         if (source.parent / GENAI_CONFIG_FILE).is_file():

@@ -18,9 +18,9 @@ from moepass.core.errors import MoepassError, first_line
 from moepass.core.files import (
     LOGITS_TO_KEEP,
     OPTIONS_FILE,
-    REPORT_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    json_field,
     load_model,
     model_file,
     read_json_object,
@@ -61,12 +61,12 @@ class Decoder:
         self.model_dir = Path(model_dir)
         model_path = model_file(self.model_dir)
         folder = model_path.parent
-        self.info = read_report(folder)
+        self.report = read_report(folder)
         options_file = read_json_object(folder / OPTIONS_FILE)
-        option_entries = _json_field(options_file, "session_config_entries", dict, folder / OPTIONS_FILE)
+        option_entries = json_field(options_file, "session_config_entries", dict, folder / OPTIONS_FILE)
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in option_entries.items()):
             raise MoepassError(f"{folder / OPTIONS_FILE}: session_config_entries must map strings to strings")
-        placement_mode = _json_field(options_file, "placement", dict, folder / OPTIONS_FILE).get("mode")
+        placement_mode = json_field(options_file, "placement", dict, folder / OPTIONS_FILE).get("mode")
         if placement_mode is not None:
             one_of(placement_mode, keys.OFFLOAD_MODES, f"{folder / OPTIONS_FILE}: placement.mode")
         structure = graph if graph is not None else load_model(model_path)
@@ -109,15 +109,9 @@ class Decoder:
             else np.float32
         # models converted by moepass >= 0.1 compute the logits of the last N positions on request
         self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
-        report = folder / REPORT_FILE
-        self.stop_ids = tuple(_json_field(_json_field(self.info, "tokenizer", dict, report), "stop_token_ids", list,
-                                          report))
-        if not all(isinstance(t, int) for t in self.stop_ids):
-            raise MoepassError(f"{report}: tokenizer.stop_token_ids must be integers")
+        self.stop_ids = self.report.stop_token_ids
         # positions the model has RoPE tables for (GGUF conversions; None where unknown)
-        self.context_length = _json_field(self.info, "hparams", dict, report).get("context_length")
-        if self.context_length is not None and (not isinstance(self.context_length, int) or self.context_length < 1):
-            raise MoepassError(f"{report}: hparams.context_length must be a positive integer")
+        self.context_length = self.report.context_length
         self._tokenizer = None
         self._chat_template: ChatTemplate | None = None
         self._tokenizer_path = folder / TOKENIZER_FILE
@@ -344,15 +338,6 @@ def _check_inputs(model_path: Path, inputs: dict, past_names: list[str]) -> None
         raise MoepassError(f"{model_path}: input_ids has the fixed shape {list(shape)} and the model has no KV cache: "
                            f"it computes exactly {shape[1]} tokens and cannot generate; export it with a dynamic "
                            "sequence axis (torch.onnx.export dynamic_axes / dynamic_shapes)")
-
-
-def _json_field(data: dict, key: str, kind: type, path: Path):
-    """data[key] when it is a `kind` (an empty one when absent); another type is a clear error."""
-    value = data.get(key, kind())
-    if not isinstance(value, kind):
-        raise MoepassError(f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'array'}, "
-                           f"found {type(value).__name__}")
-    return value
 
 
 def usable_threads(requested: int | None) -> int | None:

@@ -3,6 +3,7 @@ model given as a directory or a model.onnx path is found and loaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -144,23 +145,77 @@ def read_json_object(path: Path) -> dict:
 REPORT_SCHEMA = 1
 
 
-def read_report(folder: Path, required: bool = False) -> dict:
-    """moepass.json of a model folder, checked to be moepass's and of a schema this moepass reads;
-    {} when absent and not `required`. The one reader: runtime, inspect, partition, convert and the
-    overwrite check all take it from here."""
+@dataclasses.dataclass(frozen=True)
+class ModelReport:
+    """moepass.json as its readers take it: each field read back is checked once, here, naming the
+    file; `document` is the whole JSON object ({} where a folder has none), for what is carried over
+    as it is (partition copies it, a re-conversion of moepass's ONNX output keeps its tokenizer)."""
+
+    document: dict[str, Any]
+    schema: int = REPORT_SCHEMA
+    input: str | None = None                # "gguf" or "onnx" (None before schema 1)
+    activations: str = "float"              # "int8": inside the quantized products (absent before: float)
+    stop_token_ids: tuple[int, ...] = ()
+    context_length: int | None = None       # positions the model has RoPE tables for (GGUF conversions)
+    weights: tuple[dict[str, Any], ...] = ()  # per initializer group: sources, target form, bytes, error
+    fusion: tuple[dict[str, Any], ...] = ()   # ONNX input: what fuse-moe did with each candidate
+
+    @classmethod
+    def from_json(cls, document: dict[str, Any], path: Path) -> ModelReport:
+        """The report of a moepass.json object read from `path`."""
+        if "moepass_version" not in document:
+            raise MoepassError(f"{path}: not moepass's (no moepass_version)")
+        schema = document.get("schema", 0)
+        if not isinstance(schema, int) or isinstance(schema, bool) or not 0 <= schema <= REPORT_SCHEMA:
+            raise MoepassError(f"{path}: schema {schema!r}; this moepass reads schemas 0 to {REPORT_SCHEMA} "
+                               "(a newer moepass wrote it?)")
+        tokenizer, hparams = (json_field(document, key, dict, path) for key in ("tokenizer", "hparams"))
+        stop = json_field(tokenizer, "stop_token_ids", list, path)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+            raise MoepassError(f"{path}: tokenizer.stop_token_ids must be integers")
+        context = hparams.get("context_length")
+        if context is not None and (not isinstance(context, int) or isinstance(context, bool) or context < 1):
+            raise MoepassError(f"{path}: hparams.context_length must be a positive integer")
+        records = {key: json_field(document, key, list, path) for key in ("weights", "fusion")}
+        for key, items in records.items():
+            if not all(isinstance(r, dict) for r in items):
+                raise MoepassError(f"{path}: every entry of '{key}' must be a JSON object")
+        activations = document.get("activations", "float")
+        if activations not in ("int8", "float"):
+            raise MoepassError(f"{path}: activations {activations!r} is not int8 or float")
+        kind = document.get("input")
+        if kind not in (None, "gguf", "onnx"):
+            raise MoepassError(f"{path}: input {kind!r} is not gguf or onnx")
+        return cls(document, schema, kind, activations, tuple(stop), context, tuple(records["weights"]),
+                   tuple(records["fusion"]))
+
+    def to_json(self) -> dict[str, Any]:
+        """The document in the current schema, naming this moepass as its writer unless it carries
+        the version of the one that converted it."""
+        from moepass.core.version import __version__
+
+        return {"moepass_version": __version__, **self.document, "schema": REPORT_SCHEMA}
+
+
+def json_field(data: dict[str, Any], key: str, kind: type, path: Path) -> Any:
+    """data[key] when it is a `kind` (an empty one when absent); another type is a clear error."""
+    value = data.get(key, kind())
+    if not isinstance(value, kind):
+        raise MoepassError(f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'array'}, "
+                           f"found {type(value).__name__}")
+    return value
+
+
+def read_report(folder: Path, required: bool = False) -> ModelReport:
+    """moepass.json of a model folder, checked to be moepass's and of a schema this moepass reads
+    (an empty report when absent and not `required`). The one reader: runtime, inspect, partition,
+    convert and the overwrite check all take it from here."""
     path = folder / REPORT_FILE
     if not path.is_file():
         if required:
             raise MoepassError(f"{folder}: no {REPORT_FILE} (not a folder moepass wrote)")
-        return {}
-    report = read_json_object(path)
-    if "moepass_version" not in report:
-        raise MoepassError(f"{path}: not moepass's (no moepass_version)")
-    schema = report.get("schema", 0)
-    if not isinstance(schema, int) or isinstance(schema, bool) or not 0 <= schema <= REPORT_SCHEMA:
-        raise MoepassError(f"{path}: schema {schema!r}; this moepass reads schemas 0 to {REPORT_SCHEMA} "
-                           "(a newer moepass wrote it?)")
-    return report
+        return ModelReport({})
+    return ModelReport.from_json(read_json_object(path), path)
 
 
 def write_report(folder: Path, report: dict) -> None:
@@ -168,11 +223,8 @@ def write_report(folder: Path, report: dict) -> None:
     moepass as its writer unless `report` carries the version of the one that converted it."""
     import json
 
-    from moepass.core.version import __version__
-
-    report = {**report, "schema": REPORT_SCHEMA}
-    report.setdefault("moepass_version", __version__)
-    (folder / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    document = ModelReport(report).to_json()
+    (folder / REPORT_FILE).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
 
 
 def as_ir_model(source: Any) -> tuple[onnx_ir.Model, str]:
