@@ -103,13 +103,19 @@ class StreamedTensor(ir.LazyTensor):
             file.write(np.ascontiguousarray(chunk).data.cast("B"))
 
 
-def row_chunks(src: SourceTensor, multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
-    """(first row, raw rows) over a tensor's flattened rows, about CHUNK_BYTES at a time, in
-    multiples of `multiple` rows (whole experts, for layouts packed per expert)."""
+def row_spans(src: SourceTensor, multiple: int = 1) -> Iterator[tuple[int, int]]:
+    """(first row, rows) over a tensor's flattened rows, about CHUNK_BYTES at a time, in multiples
+    of `multiple` rows (whole experts, for layouts packed per expert)."""
     n_rows = src.nbytes // src.row_bytes
     step = max(1, CHUNK_BYTES // (src.row_bytes * multiple)) * multiple
     for first in range(0, n_rows, step):
-        yield first, src.read_rows(first, min(step, n_rows - first))
+        yield first, min(step, n_rows - first)
+
+
+def row_chunks(src: SourceTensor, multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, raw rows) over the spans of row_spans, read in order."""
+    for first, count in row_spans(src, multiple):
+        yield first, src.read_rows(first, count)
 
 
 def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int | None) -> Iterator[Any]:
@@ -128,11 +134,12 @@ def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int | 
             yield pending.popleft().result()
 
 
-def _source_rows(sources: list[SourceTensor], multiple: int = 1) -> Iterator[tuple[int, list[np.ndarray]]]:
-    """(first row, [raw rows per source]), chunk by chunk, the sources walked together (gate and up
-    of the same experts)."""
-    for parts in zip(*(row_chunks(s, multiple) for s in sources)):
-        yield parts[0][0], [raw for _, raw in parts]
+def _read_together(sources: list[SourceTensor], span: tuple[int, int]) -> list[np.ndarray]:
+    """The raw rows of one span of every source (gate and up of the same experts), read on the
+    worker thread that converts them: reading, and the check for non-finite values that comes with
+    it, run in parallel instead of ahead of the workers on the writing thread."""
+    first, count = span
+    return [s.read_rows(first, count) for s in sources]
 
 
 def _rounding_sums(values: np.ndarray, cast: np.ndarray) -> tuple[float, float]:
@@ -196,7 +203,8 @@ def float_expert_stack(sources: list[SourceTensor], name: str, report: WeightRep
                             int(np.prod(shape)) * int(bits) // 8, bits, exact=[exact] * len(sources) if exact else None,
                             rel_rms_error=[0.0] * len(sources) if exact else None))
 
-    def dequantize_chunk(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def dequantize_chunk(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        parts = _read_together(sources, span)
         out = np.empty((len(parts[0]), len(sources), k), dtype=np_type)  # row 2i gate_i, 2i+1 up_i
         sums = np.zeros((len(sources), 2))  # per source: squared rounding error, squared values
         for j, (raw, src) in enumerate(zip(parts, sources)):
@@ -208,7 +216,7 @@ def float_expert_stack(sources: list[SourceTensor], name: str, report: WeightRep
 
     def chunks() -> Iterator[np.ndarray]:
         totals = np.zeros((len(sources), 2))
-        for out, sums in _ordered_map(dequantize_chunk, (parts for _, parts in _source_rows(sources)), workers):
+        for out, sums in _ordered_map(dequantize_chunk, row_spans(sources[0]), workers):
             totals += sums
             yield out
         if not exact:
@@ -303,9 +311,8 @@ class PackedGroup:
         k_blocks = k // (form.block_size or k)
         stats: list[list[Any]] = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
 
-        def pack_chunk(item: tuple[int, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
-                                                                       list[Packed]]:
-            first, parts = item
+        def pack_chunk(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, list[Packed]]:
+            first, parts = span[0], _read_together(self.sources, span)
             rows = len(parts[0])
             # Each source is packed straight into its interleaved slot: nothing is copied to interleave.
             codes = np.empty((rows, n_src, form.packed_bytes(k)), dtype=np.uint8)
@@ -325,8 +332,8 @@ class PackedGroup:
                 codes = np.stack([prepack_sm80(e, n, k, form.bits) for e in experts])
             return codes, scales, offsets, packs
 
-        chunks = _source_rows(self.sources, max(1, self.prepack_rows))
-        for codes, scales, offsets, packs in _ordered_map(pack_chunk, chunks, self.workers):
+        spans = row_spans(self.sources[0], max(1, self.prepack_rows))
+        for codes, scales, offsets, packs in _ordered_map(pack_chunk, spans, self.workers):
             for stat, p in zip(stats, packs):
                 stat[0] &= p.exact
                 stat[1] += p.error_sq
