@@ -482,6 +482,27 @@ def _any_non_finite_fp16(blocks, fields):
     return False
 
 
+@njit(cache=True, nogil=True)
+def _q4_0_int4(blocks, out):
+    """Q4_0 blocks [R, B, 18] -> the int4 form's bytes [R, B, 16] (`out` may be a strided view)."""
+    for r in range(blocks.shape[0]):
+        for b in range(blocks.shape[1]):
+            for j in range(8):
+                first, second = blocks[r, b, 2 + 2 * j], blocks[r, b, 3 + 2 * j]
+                out[r, b, j] = (first & 0x0F) | ((second & 0x0F) << 4)
+                out[r, b, 8 + j] = (first >> 4) | (second & 0xF0)
+
+
+def q4_0_int4(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q4_0 blocks [..., B, 18] into the int4 form's bytes `out` [..., B, 16] in one pass: Q4_0 byte
+    i holds elements i (low nibble) and i+16 (high), the form's byte j elements 2j and 2j+1, so
+    byte j < 8 is low(q[2j]) | low(q[2j+1]) << 4 and byte 8+j high(q[2j]) | high(q[2j+1]) << 4."""
+    if blocks.ndim == 2:
+        blocks, out = blocks[None], out[None]
+    for lead in np.ndindex(*blocks.shape[:-3]):
+        _q4_0_int4(_readonly(blocks[lead]), out[lead])
+
+
 def any_non_finite_fp16(blocks: np.ndarray, fields: tuple[int, ...]) -> bool:
     """Whether any float16 field at these byte offsets of the blocks (uint8 [n, block bytes]) is NaN
     or Inf, in one pass over the blocks."""

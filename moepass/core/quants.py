@@ -234,30 +234,16 @@ def direct_q8_0_int8(raw: np.ndarray, out: np.ndarray) -> None:
     np.bitwise_xor(blocks[..., 2:], np.uint8(0x80), out=out.reshape(blocks.shape[:-1] + (32,)))
 
 
-def _q4_0_pair_table() -> np.ndarray:
-    """Two Q4_0 bytes (q[2j], q[2j+1]) as a little-endian uint16 -> the int4 form's bytes j (low
-    byte of the result) and 8+j (high byte)."""
-    pair = np.arange(1 << 16, dtype=np.uint32)
-    first, second = pair & 0xFF, pair >> 8
-    low = (first & 0x0F) | ((second & 0x0F) << 4)
-    high = (first >> 4) | (second & 0xF0)
-    return (low | (high << 8)).astype(np.uint16)
-
-
-_Q4_0_PAIRS = _q4_0_pair_table()
-
-
 def direct_q4_0_int4(raw: np.ndarray, out: np.ndarray) -> None:
-    """Q4_0 nibbles straight into int4 form bytes (same zero point 8), without unpacking them.
+    """Q4_0 nibbles straight into int4 form bytes (same zero point 8), without unpacking them
+    (compiled: quant_kernels.q4_0_int4)."""
+    from moepass.core import quant_kernels
 
-    Q4_0 byte i holds elements i (low) and i+16 (high); the int4 form's byte j holds elements 2j
-    (low) and 2j+1 (high). So for j < 8 byte j = low(q[2j]) | low(q[2j+1]) << 4, and byte 8+j =
-    high(q[2j]) | high(q[2j+1]) << 4: one table look-up per pair of bytes gives both.
-    """
     blocks = _blocks(raw, GT.Q4_0)
-    pairs = _Q4_0_PAIRS[blocks[..., 2:].view("<u2")]                 # [..., n_blocks, 8]
-    shuffled = pairs.view(np.uint8).reshape(pairs.shape + (2,))       # [..., n_blocks, j, low/high]
-    np.copyto(out.reshape(blocks.shape[:-1] + (2, 8)), np.swapaxes(shuffled, -1, -2))
+    target = out.reshape(blocks.shape[:-1] + (16,))
+    if not np.may_share_memory(target, out):
+        raise ValueError("the int4 codes must be a view that reshapes into blocks")
+    quant_kernels.q4_0_int4(blocks, target)
 
 
 @dataclasses.dataclass(frozen=True)
