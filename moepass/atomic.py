@@ -119,11 +119,16 @@ def _sweep_stale(destination: Path) -> None:
         match = pattern.match(entry.name)
         if not match or _alive(int(match[1])):
             continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                entry.unlink()
+        with contextlib.suppress(OSError):
+            _remove(entry)
+
+
+def _remove(temporary: Path) -> None:
+    """Remove a temporary: a folder with all it holds, else the file (or link) itself."""
+    if temporary.is_dir() and not temporary.is_symlink():
+        shutil.rmtree(temporary, ignore_errors=True)
+    elif os.path.lexists(temporary):
+        temporary.unlink()
 
 
 def _sweep_own(destination: Path) -> None:
@@ -133,11 +138,8 @@ def _sweep_own(destination: Path) -> None:
     with contextlib.suppress(OSError):
         for entry in destination.parent.iterdir():
             if entry.name.startswith(prefix):
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        entry.unlink()
+                with contextlib.suppress(OSError):
+                    _remove(entry)
 
 
 def _alive(pid: int) -> bool:
@@ -208,10 +210,8 @@ def _writing(destination: Path, make: Callable[[str], Path], overwrite: bool) ->
     finally:
         if tmp is None:  # interrupted while it was being made
             _sweep_own(destination)
-        elif tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif os.path.lexists(tmp):
-            tmp.unlink()
+        else:
+            _remove(tmp)
 
 
 def share_file(source: Path, destination: Path, progress: Callable[[int, int], None] | None = None) -> str:
