@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moepass.core.choices import ACTIVATION_MODES, PASS_NAMES
 from moepass.core.errors import MoepassError, first_line
 
 if TYPE_CHECKING:
@@ -181,20 +182,13 @@ class ModelReport:
             if not all(isinstance(r, dict) for r in items):
                 raise MoepassError(f"{path}: every entry of '{key}' must be a JSON object")
         activations = document.get("activations", "float")
-        if activations not in ("int8", "float"):
-            raise MoepassError(f"{path}: activations {activations!r} is not int8 or float")
+        if activations not in ACTIVATION_MODES:
+            raise MoepassError(f"{path}: activations {activations!r} is not {' or '.join(ACTIVATION_MODES)}")
         kind = document.get("input")
-        if kind not in (None, "gguf", "onnx"):
-            raise MoepassError(f"{path}: input {kind!r} is not gguf or onnx")
+        if kind is not None and kind not in PASS_NAMES:  # the input kinds, each with its pipeline
+            raise MoepassError(f"{path}: input {kind!r} is not {' or '.join(PASS_NAMES)}")
         return cls(document, schema, kind, activations, tuple(stop), context, tuple(records["weights"]),
                    tuple(records["fusion"]))
-
-    def to_json(self) -> dict[str, Any]:
-        """The document in the current schema, naming this moepass as its writer unless it carries
-        the version of the one that converted it."""
-        from moepass.core.version import __version__
-
-        return {"moepass_version": __version__, **self.document, "schema": REPORT_SCHEMA}
 
 
 def json_field(data: dict[str, Any], key: str, kind: type, path: Path) -> Any:
@@ -223,7 +217,9 @@ def write_report(folder: Path, report: dict) -> None:
     moepass as its writer unless `report` carries the version of the one that converted it."""
     import json
 
-    document = ModelReport(report).to_json()
+    from moepass.core.version import __version__
+
+    document = {"moepass_version": __version__, **report, "schema": REPORT_SCHEMA}
     (folder / REPORT_FILE).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
 
 
