@@ -301,6 +301,7 @@ class ExpertWriter:
         zeros = self._initializer(StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, (e, rows, zero_cols),
                                                  f"{name}.zero_points")) if with_zeros else None
         record.bytes = sum(tensor_bytes(v) for v in (codes, scales, zeros) if v is not None)
+        record.bits_per_weight = round(record.bytes * 8 / (e * rows * k), 4)  # scales and zero points counted
         return Experts(codes, scales, zeros)
 
 
