@@ -38,9 +38,9 @@ from onnx_ir.passes import InPlacePass, PassResult
 from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import input_at, producer, read_rows, required_input, tensor_dims, tensor_of
-from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node, tensor_bytes
-from moepass.core.quants import BlockForm, qmoe_takes, quantize_values, rel_rms, requantize_form, unpack_values
-from moepass.passes.weights import PackOnce, StreamedTensor, WeightRecord, WeightReport
+from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node
+from moepass.core.quants import BlockForm, Packed, qmoe_takes, quantize_values, requantize_form, unpack_values
+from moepass.passes.weights import PackedGroup, StreamedTensor, WeightRecord, WeightReport
 
 
 @dataclasses.dataclass
@@ -248,61 +248,55 @@ class ExpertWriter:
 
     def packed_stack(self, name: str, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], form: BlockForm,
                      exact: bool) -> Experts:
-        """QMoE codes, scales (and zero points) of the groups' matrices, rows interleaved: the blobs
-        moved unchanged when `exact`, else requantized from their values (error measured)."""
-        e, per = len(groups), len(groups[0])
-        n, k = groups[0][0].shape
-        rows = n * per
-        per_row = form.block_size == 0  # one scale per output row: [E, rows] scales
-        k_blocks = 1 if per_row else k // form.block_size
-        blocks = BlockForm(form.bits, k) if per_row else form
-        zero_cols = -(-k_blocks * form.bits // 8)
+        """QMoE codes, scales (and zero points) of the groups' matrices (one group per expert), rows
+        interleaved: the blobs moved unchanged when `exact`, else requantized from their values (error
+        measured)."""
         with_zeros = exact and any(isinstance(lin, Linear) and lin.zero_points is not None for g in groups for lin in g)
-        sources = [lin.name for group in groups for lin in group]
-        types = [f"MatMulNBits{lin.form.bits}/b{lin.form.block_size}" if lin.form is not None else "float32"
-                 for group in groups for lin in group]
-        record = self.report.add(WeightRecord(name, sources, types, str(form), 0, float(form.bits)))
-        default_zeros = 0x88 if form.bits == 4 else form.zero_point
+        sources = [ExpertRows([group[j] for group in groups], exact) for j in range(len(groups[0]))]
+        packed = PackedGroup(sources, form, name, self.report, zero_points=with_zeros, codes_name="weight")
+        codes, scales = self._initializer(packed.codes), self._initializer(packed.scales)  # in the file's order
+        return Experts(codes, scales, None if packed.zero_points is None else self._initializer(packed.zero_points))
 
-        def packed(group: tuple[Linear | ExpertMatrix, ...]) -> tuple[list, ...]:
-            """Codes, scales and zero points of one group's matrices, and (error, reference) sums."""
-            parts: tuple[list, ...] = ([], [], [], [])
-            for lin in group:
-                if exact and isinstance(lin, Linear):
-                    codes, scales, zeros = lin.blobs()
-                    zeros = np.full((n, zero_cols), default_zeros, np.uint8) if zeros is None else zeros[:, :zero_cols]
-                    sums = (0.0, 0.0)
-                else:
-                    result = quantize_values(lin.float_weight(), blocks)
-                    codes, scales, zeros, sums = result.weights, result.scales, None, (result.error_sq,
-                                                                                        result.reference_sq)
-                for part, value in zip(parts, (codes, scales, zeros, sums)):
-                    part.append(value)
-            return parts
 
-        def pack_all() -> Iterator[tuple[np.ndarray, tuple[np.ndarray, ...]]]:
-            errors = []
-            for group in groups:
-                codes, scales, zeros, sums = packed(group)
-                errors += sums
-                extras: tuple[np.ndarray, ...] = (
-                    np.stack(scales, axis=1).reshape(rows, k_blocks).astype(np.float32, copy=False),)
-                if with_zeros:
-                    extras += (np.stack(zeros, axis=1).reshape(rows, zero_cols).astype(np.uint8, copy=False),)
-                yield np.stack(codes, axis=1).reshape(rows, form.packed_bytes(k)), extras
-            record.exact = [exact] * len(sources)
-            record.rel_rms_error = [0.0 if exact else rel_rms(*sums) for sums in errors]
+class ExpertRows:
+    """One matrix (gate, up or down) of every expert of a layer, as weights.PackedGroup's row source:
+    a span is one expert's matrix. MatMulNBits blobs move unchanged when `exact` (with their zero
+    points, or ONNX Runtime's default ones where the group has zero points and this matrix has none),
+    else the matrix's values are quantized."""
 
-        once = PackOnce(pack_all, 2 if with_zeros else 1)
-        codes = self._initializer(StreamedTensor(once.codes, ir.DataType.UINT8, (e, rows, form.packed_bytes(k)),
-                                                 f"{name}.weight"))
-        scales = self._initializer(StreamedTensor(lambda: once.extra(0), ir.DataType.FLOAT,
-                                                  (e, rows) if per_row else (e, rows, k_blocks), f"{name}.scales"))
-        zeros = self._initializer(StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, (e, rows, zero_cols),
-                                                 f"{name}.zero_points")) if with_zeros else None
-        record.bytes = sum(tensor_bytes(v) for v in (codes, scales, zeros) if v is not None)
-        record.bits_per_weight = round(record.bytes * 8 / (e * rows * k), 4)  # scales and zero points counted
-        return Experts(codes, scales, zeros)
+    def __init__(self, matrices: list[Linear | ExpertMatrix], exact: bool):
+        self.matrices, self.exact = matrices, exact
+        self.rows, self.k = matrices[0].shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return len(self.matrices), self.rows, self.k
+
+    @property
+    def parts(self) -> list[tuple[str, str]]:
+        return [(m.name, "float32" if m.form is None else f"MatMulNBits{m.form.bits}/b{m.form.block_size}")
+                for m in self.matrices]
+
+    def spans(self, multiple: int) -> Iterator[tuple[int, int]]:
+        return ((e * self.rows, self.rows) for e in range(len(self.matrices)))
+
+    def part_of(self, first: int) -> int:
+        return first // self.rows
+
+    def pack(self, span: tuple[int, int], form: BlockForm, codes: np.ndarray, scales: np.ndarray,
+             extra: np.ndarray | None, scale_type: type) -> Packed:
+        matrix = self.matrices[self.part_of(span[0])]
+        if self.exact and isinstance(matrix, Linear):
+            blob, blob_scales, zeros = matrix.blobs()
+            codes[...], scales[...] = blob, blob_scales
+            if extra is not None:
+                extra[...] = (0x88 if form.bits == 4 else form.zero_point) if zeros is None else \
+                    zeros[:, :extra.shape[-1]]
+            return Packed(form, codes, scales, True)
+        # one scale per output row: quantized as one block of K
+        done = quantize_values(matrix.float_weight(), form if form.block_size else BlockForm(form.bits, self.k))
+        codes[...], scales[...] = done.weights, done.scales
+        return Packed(form, codes, scales, False, done.error_sq, done.reference_sq)
 
 
 # ---- the per-expert branches rule ---------------------------------------------------------------

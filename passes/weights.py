@@ -16,9 +16,9 @@ import collections
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -258,108 +258,171 @@ class PackOnce:
             yield extras[which]
 
 
+class RowSource(Protocol):
+    """The rows of one matrix of a PackedGroup ([.., N, K]: gate, up or down of every expert, or one
+    matrix), and how a span of them is packed into a BlockForm.
+
+    `parts` names what the rows come from, (name, type) each, for the WeightRecord: one GGUF tensor,
+    or one ONNX matrix per expert. A span lies within one part (`part_of`), and `pack` writes its
+    codes, scales and extra (block offsets or zero points, when the group has them) into the slots
+    it is given (strided views into the interleaved chunk) and says whether they are exact and their
+    error sums."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def parts(self) -> list[tuple[str, str]]: ...
+
+    def spans(self, multiple: int) -> Iterator[tuple[int, int]]: ...
+
+    def part_of(self, first: int) -> int: ...
+
+    def pack(self, span: tuple[int, int], form: BlockForm, codes: np.ndarray, scales: np.ndarray,
+             extra: np.ndarray | None, scale_type: type) -> Packed: ...
+
+
+class GgufRows:
+    """A GGUF tensor as a RowSource: read on the worker thread that packs it (with the check for
+    non-finite values that comes with the read), exact where the formats allow, else requantized
+    (weighed by its importance matrix entry, when given). Scales bound for float16 are rounded here,
+    the rounding added to the error; a scale beyond float16's range is refused, naming the tensor."""
+
+    def __init__(self, src: SourceTensor, qt: QuantType, importance: np.ndarray | None = None):
+        self.src, self.qt, self.importance = src, qt, importance
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    @property
+    def parts(self) -> list[tuple[str, str]]:
+        return [(self.src.name, self.qt.name)]
+
+    def spans(self, multiple: int) -> Iterator[tuple[int, int]]:
+        return row_spans(self.src, multiple)
+
+    def part_of(self, first: int) -> int:
+        return 0
+
+    def pack(self, span: tuple[int, int], form: BlockForm, codes: np.ndarray, scales: np.ndarray,
+             extra: np.ndarray | None, scale_type: type) -> Packed:
+        first, rows = span
+        raw = self.src.read_rows(first, rows)
+        weights = None if self.importance is None else importance_rows(self.importance, self.src.shape, first, rows)
+        packed = pack(raw, self.qt, form, codes, scales, weights, extra, half_scales=scale_type == np.float16)
+        if scale_type != np.float32:
+            self._narrow(scales, packed, raw, scale_type)
+        return packed
+
+    def _narrow(self, scales: np.ndarray, packed: Packed, raw: np.ndarray, scale_type: type) -> None:
+        narrow: np.ndarray = scales.astype(scale_type)
+        if not np.isfinite(narrow).all():
+            raise MoepassError(f"{self.src.path}: tensor '{self.src.name}' has a block scale of "
+                               f"{float(np.abs(scales).max()):.3g}, beyond float16's range (65504): its "
+                               f"weights are too large for any real model")
+        shift = narrow.astype(np.float32) - scales
+        if shift.any():
+            codes = unpack_values(packed.weights, np.ones_like(scales), packed.form)
+            packed.exact = False
+            block = packed.form.block_size or codes.shape[-1]
+            packed.error_sq += float(np.sum(np.square(codes * np.repeat(shift, block, axis=-1)), dtype=np.float64))
+            if not packed.reference_sq:
+                packed.reference_sq = float(np.sum(np.square(dequantize(raw, self.qt.ggml_type)), dtype=np.float64))
+        scales[...] = narrow
+
+
 class PackedGroup:
-    """Codes and scales (and block offsets) initializers of GGUF matrices [.., N, K] in one BlockForm.
+    """Codes and scales (and block offsets or zero points) initializers of matrices [.., N, K] in one
+    BlockForm, from RowSources: GGUF tensors (GgufRows) or an ONNX model's matrices (fuse-moe).
 
-    Two sources (gate, up) are interleaved into [.., 2N, K], QMoE's fused SwiGLU layout. With
-    `blob_layout` the codes are shaped [N, k_blocks, blob] as MatMulNBits wants them (same bytes);
-    with `prepack` each expert's codes are in ONNX Runtime's SM80 layout [K, N*bits/8]. Scales are
-    float32, or float16 (`scale_dtype`), the rounding added to the reported error. A form with
-    offsets (one matrix [N, K]) also gives `offsets`, transposed [k_blocks, N] for the product with
-    the input's block sums.
-
-    The sources are packed once for all initializers (PackOnce).
+    Two sources (gate, up) are interleaved into [.., 2N, K], QMoE's fused SwiGLU layout: each is
+    packed straight into its interleaved slot, nothing is copied to interleave. With `blob_layout`
+    the codes are shaped [N, k_blocks, blob] as MatMulNBits wants them (same bytes); with `prepack`
+    each expert's codes are in ONNX Runtime's SM80 layout [K, N*bits/8]. Scales are [.., N, k_blocks]
+    ([.., N] for one scale per row, QMoE's per-row layout), float32 or float16 (`scale_dtype`). A form
+    with offsets (one matrix [N, K]) also gives `extra`, the offsets transposed [k_blocks, N] for the
+    product with the input's block sums; `zero_points` gives uint8 zero points [.., N, k_blocks *
+    bits / 8] instead. The sources are packed once for all initializers (PackOnce), on `workers`
+    threads, and the record of each part (exact?, relative RMS error) is filled in once all rows are
+    written.
     """
 
-    def __init__(self, sources: list[SourceTensor], types: list[QuantType], form: BlockForm, name: str,
-                 report: WeightReport, blob_layout: bool = False, importance: dict[str, np.ndarray] | None = None,
-                 scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False, workers: int | None = None):
-        self.sources, self.types, self.form, self.name, self.report = sources, types, form, name, report
+    def __init__(self, sources: Sequence[RowSource], form: BlockForm, name: str, report: WeightReport,
+                 blob_layout: bool = False, scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False,
+                 zero_points: bool = False, workers: int | None = None, codes_name: str = "q"):
+        self.sources, self.form, self.name, self.report = list(sources), form, name, report
         self.workers = workers
-        self.importance = importance or {}
         self.scale_type = FLOAT_TYPES[scale_dtype][0]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
         rows = (*lead[:-1], lead[-1] * len(sources))
-        k_blocks = k // (form.block_size or k)
+        self.k_blocks = k // (form.block_size or k)
         # prepack: per expert the SM80 mixed-GEMM layout [K, N*bits/8] (moepass.cuda_ops.prepack)
         self.prepack_rows = lead[-1] if prepack else 0
         if prepack:
-            self.codes_shape = (*rows[:-1], k, form.packed_bytes(rows[-1]))
+            codes_shape = (*rows[:-1], k, form.packed_bytes(rows[-1]))
         elif blob_layout:
-            self.codes_shape = (*rows, k_blocks, form.packed_bytes(form.block_size))
+            codes_shape = (*rows, self.k_blocks, form.packed_bytes(form.block_size))
         else:
-            self.codes_shape = (*rows, form.packed_bytes(k))
-        self.scales_shape = (*rows, k_blocks)
+            codes_shape = (*rows, form.packed_bytes(k))
+        scales_shape = (*rows, self.k_blocks) if form.block_size else rows
         if form.offsets and len(rows) != 1:
             raise ValueError(f"{name}: block offsets are for one matrix, not a stack {rows}")
-        nbytes = int(np.prod(self.codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(self.scales_shape)) \
-            + (4 * int(np.prod(self.scales_shape)) if form.offsets else 0)
+        # the extra per block, if any, (columns, type): float32 offsets, or zero points packed to bytes
+        zero_cols = -(-self.k_blocks * form.bits // 8)
+        self.extra: tuple[int, np.dtype] | None = None
+        if form.offsets:
+            self.extra = self.k_blocks, np.dtype(np.float32)
+        elif zero_points:
+            self.extra = zero_cols, np.dtype(np.uint8)
+        nbytes = int(np.prod(codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(scales_shape))
+        if self.extra is not None:
+            nbytes += self.extra[1].itemsize * int(np.prod(rows)) * self.extra[0]
         elements = sum(int(np.prod(s.shape)) for s in sources)
-        report.add(WeightRecord(name, [s.name for s in sources], [t.name for t in types], str(form), nbytes,
+        # the record's order: part by part, each source's (gate_0, up_0, gate_1, up_1, ...)
+        self.order = [(p, j) for p in range(len(sources[0].parts)) for j in range(len(sources))]
+        report.add(WeightRecord(name, [self.sources[j].parts[p][0] for p, j in self.order],
+                                [self.sources[j].parts[p][1] for p, j in self.order], str(form), nbytes,
                                 round(nbytes * 8 / elements, 4)))
-        once = PackOnce(self._packed_chunks, 2 if form.offsets else 1)
-        self.codes = StreamedTensor(once.codes, ir.DataType.UINT8, self.codes_shape, f"{name}.q")
-        self.scales = StreamedTensor(lambda: once.extra(0), scale_dtype, self.scales_shape, f"{name}.scales")
-        self.offsets = StreamedTensor(lambda: iter([np.concatenate(list(once.extra(1))).T]), ir.DataType.FLOAT,
-                                      (k_blocks, rows[0]), f"{name}.offsets") if form.offsets else None
+        once = PackOnce(self._packed_chunks, 1 if self.extra is None else 2)
+        self.codes = StreamedTensor(once.codes, ir.DataType.UINT8, codes_shape, f"{name}.{codes_name}")
+        self.scales = StreamedTensor(lambda: once.extra(0), scale_dtype, scales_shape, f"{name}.scales")
+        self.offsets = self.zero_points = None
+        if form.offsets:
+            self.offsets = StreamedTensor(lambda: iter([np.concatenate(list(once.extra(1))).reshape(-1, self.k_blocks)
+                                                        .T]), ir.DataType.FLOAT, (self.k_blocks, rows[0]),
+                                          f"{name}.offsets")
+        elif zero_points:
+            self.zero_points = StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, (*rows, zero_cols),
+                                              f"{name}.zero_points")
 
-    def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None]]]:
-        """(codes, (scales, offsets)) per chunk of rows, as stored; records exactness and error once
+    def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, ...]]]:
+        """(codes, (scales[, extra])) per chunk of rows, as stored; records exactness and error once
         all rows are done."""
         n_src, form = len(self.sources), self.form
         k = self.sources[0].shape[-1]
-        k_blocks = k // (form.block_size or k)
-        stats: list[list[Any]] = [[True, 0.0, 0.0] for _ in self.sources]  # exact, error_sq, reference_sq per source
+        stats: dict[tuple[int, int], list[Any]] = {o: [True, 0.0, 0.0] for o in self.order}  # exact, error², ref²
 
-        def pack_chunk(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, list[Packed]]:
-            first, parts = span[0], _read_together(self.sources, span)
-            rows = len(parts[0])
-            # Each source is packed straight into its interleaved slot: nothing is copied to interleave.
+        def pack_chunk(span: tuple[int, int]) -> tuple[int, np.ndarray, tuple[np.ndarray, ...], list[Packed]]:
+            rows = span[1]
             codes = np.empty((rows, n_src, form.packed_bytes(k)), dtype=np.uint8)
-            scales = np.empty((rows, n_src, k_blocks), dtype=np.float32)
-            offsets = np.empty((rows, k_blocks), dtype=np.float32) if form.offsets else None
-            packs = []
-            for j, (raw, qt, src) in enumerate(zip(parts, self.types, self.sources)):
-                imp = self.importance.get(src.name)
-                weights = None if imp is None else importance_rows(imp, src.shape, first, rows)
-                packs.append(pack(raw, qt, form, codes[:, j], scales[:, j], weights, offsets,
-                                  half_scales=self.scale_type == np.float16))
-            if self.scale_type != np.float32:
-                scales = self._narrowed(scales, codes, packs, parts)
+            scales = np.empty((rows, n_src, self.k_blocks), dtype=np.float32)
+            extra = None if self.extra is None else np.empty((rows, n_src, self.extra[0]), self.extra[1])
+            packs = [src.pack(span, form, codes[:, j], scales[:, j], None if extra is None else extra[:, j],
+                              self.scale_type) for j, src in enumerate(self.sources)]
             if self.prepack_rows:
                 n = self.prepack_rows * n_src
                 experts = codes.reshape(-1, n, form.packed_bytes(k))
                 codes = np.stack([prepack_sm80(e, n, k, form.bits) for e in experts])
-            return codes, scales, offsets, packs
+            stored = scales.astype(self.scale_type, copy=False)
+            return span[0], codes, (stored,) if extra is None else (stored, extra), packs
 
-        spans = row_spans(self.sources[0], max(1, self.prepack_rows))
-        for codes, scales, offsets, packs in _ordered_map(pack_chunk, spans, self.workers):
-            for stat, p in zip(stats, packs):
+        spans = self.sources[0].spans(max(1, self.prepack_rows))
+        for first, codes, extras, packs in _ordered_map(pack_chunk, spans, self.workers):
+            for j, (src, p) in enumerate(zip(self.sources, packs)):
+                stat = stats[src.part_of(first), j]
                 stat[0] &= p.exact
                 stat[1] += p.error_sq
                 stat[2] += p.reference_sq
-            yield codes, (scales, offsets)
-        self.report.measured(self.name, [exact for exact, _, _ in stats],
-                             [rel_rms(e, r) for _, e, r in stats])
-
-    def _narrowed(self, scales: np.ndarray, codes: np.ndarray, packs: list[Packed],
-                  parts: list[np.ndarray]) -> np.ndarray:
-        """`scales` in the narrower scale type: the rounding joins each source's error; a scale
-        beyond its range is refused, naming the tensor."""
-        narrow = scales.astype(self.scale_type)
-        if not np.isfinite(narrow).all():
-            j = int(np.argwhere(~np.isfinite(narrow))[0][1])
-            raise MoepassError(f"{self.sources[j].path}: tensor '{self.sources[j].name}' has a block scale of "
-                               f"{float(np.abs(scales[:, j]).max()):.3g}, beyond float16's range (65504): its "
-                               f"weights are too large for any real model")
-        for j, p in enumerate(packs):
-            shift = narrow[:, j].astype(np.float32) - scales[:, j]
-            if shift.any():
-                codes_j = unpack_values(codes[:, j], np.ones_like(scales[:, j]), self.form)
-                p.exact = False
-                block = self.form.block_size or codes_j.shape[-1]
-                p.error_sq += float(np.sum(np.square(codes_j * np.repeat(shift, block, axis=-1)), dtype=np.float64))
-                if not p.reference_sq:
-                    p.reference_sq = float(np.sum(np.square(dequantize(parts[j], self.types[j].ggml_type)),
-                                                  dtype=np.float64))
-        return narrow
+            yield codes, extras
+        self.report.measured(self.name, [stats[o][0] for o in self.order], [rel_rms(*stats[o][1:]) for o in self.order])

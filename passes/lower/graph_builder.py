@@ -21,7 +21,7 @@ from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, SourceTensor
 from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type
-from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack, float_tensor
+from moepass.passes.weights import GgufRows, PackedGroup, WeightReport, float_expert_stack, float_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +115,10 @@ class GraphBuilder:
                     per = f"one matrix or {n_mat} (one per expert)" if n_mat > 1 else "one matrix"
                     raise MoepassError(f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns "
                                        f"for {per}")
-        group = PackedGroup(sources, types, form, name, self.report, blob_layout, self.options.imatrix,
-                            scale_dtype=scale_dtype or self.act, prepack=prepack, workers=self.options.threads)
+        importance = self.options.imatrix or {}
+        rows = [GgufRows(s, t, importance.get(s.name)) for s, t in zip(sources, types)]
+        group = PackedGroup(rows, form, name, self.report, blob_layout, scale_dtype=scale_dtype or self.act,
+                            prepack=prepack, workers=self.options.threads)
         offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if group.offsets is not None else None
         return (self.tape.initializer(group.codes, name=group.codes.name),
                 self.tape.initializer(group.scales, name=group.scales.name), offsets)
