@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT / "fixtures"))
 
 import make_fixtures  # noqa: E402
 
+from moepass.core.files import read_plan  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,15 +51,15 @@ def main() -> None:
             subprocess.run([*moepass, "partition", str(work / "out"), "--vram", "8G", "--target", "layers", "-o",
                             str(work / "placed"), "-q", "-t", str(args.threads), "--ignore-kernel-table"],
                            check=True, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            plan = json.loads((work / "placed" / "plan.json").read_text())
+            plan = read_plan(work / "placed")
             shutil.rmtree(work / "placed")
-            estimate = plan["prediction"]["decode_ms_per_token"]["cpu_only"]
-            cpu = plan["prediction"]["cpu"]
+            estimate, cpu = plan.prediction.decode_ms_per_token.cpu_only, plan.prediction.cpu
+            assert estimate is not None and cpu is not None, "partition did not time the CPU"
             bench = json.loads(subprocess.run([*moepass, "bench", str(work / "out"), "--json", "-t", str(args.threads),
                                                "--device", "cpu"], check=True, cwd=work, capture_output=True,
                                               text=True).stdout)
             measured = 1e3 / bench["decode"]["tokens_per_s"]
-            print(f"{n:>6} {estimate:>12.2f} {cpu['moe_ms']:>7.2f} + {cpu['non_expert_ms']:>6.2f} {measured:>9.2f} "
+            print(f"{n:>6} {estimate:>12.2f} {cpu.moe_ms:>7.2f} + {cpu.non_expert_ms:>6.2f} {measured:>9.2f} "
                   f"{estimate / measured:>14.2f}x", flush=True)
 
 

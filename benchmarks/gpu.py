@@ -125,15 +125,15 @@ def main() -> None:
             decoder = load(out, device="cuda", cuda_plugin=args.cuda_plugin, mode="required")
             tokens, logits = greedy_run(decoder, prompt, 16)
             speed = measure(decoder, args.prompt_tokens, args.new_tokens, args.repeats)
-            on_gpu = sum(1 for n in result.plan["nodes"] if n["device"] == "gpu")
+            on_gpu = sum(1 for n in result.plan.nodes if n.device == "gpu")
             row = {"target": target, "budget_share": share, "vram_bytes": vram,
-                   "moe_layers_on_gpu": on_gpu, "moe_layers": len(result.plan["nodes"]),
+                   "moe_layers_on_gpu": on_gpu, "moe_layers": len(result.plan.nodes),
                    "placement": decoder.moe_placement, "tokens_equal_cpu": tokens == cpu_tokens,
                    "max_abs_logit_difference": float(np.abs(logits - cpu_logits).max()),
                    "prefill_tokens_per_s": speed["prefill_tokens_per_s"],
                    "decode_tokens_per_s": speed["decode_tokens_per_s"]}
             if target == "layers":
-                row["llama_cpp_n_cpu_moe"] = llama_cpp_row(gguf, len(result.plan["nodes"]) - on_gpu, args)
+                row["llama_cpp_n_cpu_moe"] = llama_cpp_row(gguf, len(result.plan.nodes) - on_gpu, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()}, ONNX Runtime {ort.__version__}")

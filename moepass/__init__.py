@@ -12,7 +12,8 @@ Python API (the same capabilities as the CLI):
     fast = moepass.load("out/", speculative="ngram", draft_tokens=4)  # or "draft:small/": speculative decoding
     small = moepass.convert("model.gguf", "out8/", kv_cache="int8")  # or "float16": a smaller KV cache
     popularity = moepass.profile("out/", [[1, 2, 3]])  # Popularity
-    placed = moepass.partition("out/", "placed/", "8G", profile=popularity)
+    placed = moepass.partition("out/", "placed/", "8G", profile=popularity)  # .plan: a PlanReport
+    plan = moepass.read_plan("placed/")                # the same, from its plan.json: plan.memory.free_bytes
 
 Each name is imported when first used: `import moepass` (and `moepass --help`) loads none of the
 compiler or ONNX Runtime.
@@ -31,11 +32,13 @@ from moepass.core.version import __version__
 # name -> the module that defines it
 _API = {"ConvertResult": "moepass.convert", "convert": "moepass.convert", "inspect": "moepass.inspection",
         "PartitionResult": "moepass.partition", "partition": "moepass.partition",
+        "PlanReport": "moepass.core.files", "read_plan": "moepass.core.files",
         "Popularity": "moepass.popularity", "profile": "moepass.profile",
         "Sampling": "moepass.runtime", "Conversation": "moepass.runtime", "load": "moepass.runtime"}
 
 if TYPE_CHECKING:
     from moepass.convert import ConvertResult, convert
+    from moepass.core.files import PlanReport, read_plan
     from moepass.inspection import inspect
     from moepass.partition import PartitionResult, partition
     from moepass.popularity import Popularity
@@ -68,6 +71,5 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-__all__ = ["Conversation", "ConvertResult", "MoepassError", "PartitionResult", "Popularity", "Sampling", "__version__",
-           "convert",
-           "inspect", "load", "partition", "profile"]
+__all__ = ["Conversation", "ConvertResult", "MoepassError", "PartitionResult", "PlanReport", "Popularity", "Sampling",
+           "__version__", "convert", "inspect", "load", "partition", "profile", "read_plan"]

@@ -43,9 +43,12 @@ from moepass.core.files import (
     MODEL_FILE,
     OPTIONS_FILE,
     PLAN_FILE,
+    PLAN_FORMAT,
+    PLAN_VERSION,
     REPORT_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    PlanReport,
     load_model,
     model_file,
     read_json_object,
@@ -62,67 +65,63 @@ from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.placement import Budget, MemoryModel, Plan, format_bytes, onnxruntime_options, parse_bytes, plan_placement
 from moepass.popularity import Popularity, model_identity
 
-PLAN_FORMAT = "moepass-plan"
-PLAN_VERSION = 1
-
 
 @dataclasses.dataclass
 class PartitionResult:
     output_dir: Path
-    plan: dict[str, Any]
+    plan: PlanReport
     options: dict[str, str]
     warnings: list[str]
     weights: str = "rewritten"  # how model.onnx.data came to be: rewritten, or the source's shared (hard link, ...)
 
     def summary_lines(self) -> list[str]:
-        mem, pred = self.plan["memory"], self.plan["prediction"]
-        nodes = self.plan["nodes"]
-        resident = sum(n["resident_count"] for n in nodes)
-        total = sum(n["experts"] for n in nodes)
-        offload = self.plan.get("offload", {"active": True})
-        if self.plan["target"] == "layers":
-            on_gpu = len([n for n in nodes if n["device"] == "gpu"])
+        plan = self.plan
+        mem, pred, nodes = plan.memory, plan.prediction, plan.nodes
+        resident = sum(n.resident_count for n in nodes)
+        total = sum(n.experts for n in nodes)
+        decode = pred.decode_ms_per_token
+        if plan.target == "layers":
+            on_gpu = len([n for n in nodes if n.device == "gpu"])
             rest = len(nodes) - on_gpu
             where = ("every MoE layer runs on the CPU" if not on_gpu else "all of them" if not rest else
                      f"the experts of the other {rest} run on the CPU")
             head = (f"placed {on_gpu} of {len(nodes)} MoE layers on the GPU whole (per-layer placement: {where}) "
                     f"-> {self.output_dir}")
         else:
-            head = (f"placed {resident} of {total} experts on the GPU ({self.plan['inputs']['policy']} policy) -> "
-                    f"{self.output_dir}" + ("" if offload["active"] else
+            head = (f"placed {resident} of {total} experts on the GPU ({plan.inputs.policy} policy) -> "
+                    f"{self.output_dir}" + ("" if plan.offload_active else
                                             " (inactive: ONNX Runtime will not offload this model)"))
+        kv = plan.kv_cache
         lines = [
             head,
-            f"  VRAM budget      {format_bytes(mem['vram_bytes']):>12}",
-            f"  non-expert       {format_bytes(mem['non_expert_bytes']):>12}",
-            f"  KV cache         {format_bytes(mem['kv_cache_bytes']):>12}  "
-            f"(context {self.plan['inputs']['context']}, batch {self.plan['inputs']['batch']}"
-            + (f", {self.plan['kv_cache']['type']}" if "kv_cache" in self.plan else "") + ")"
-            + (f"; {self.plan['kv_cache']['traded']}" if "traded" in self.plan.get("kv_cache", {}) else ""),
-            f"  working buffers  {format_bytes(mem['work_bytes']):>12}  (estimate)",
-            f"  reserve          {format_bytes(mem['reserve_bytes']):>12}",
-            f"  resident experts {format_bytes(mem['resident_expert_bytes']):>12}",
-            f"  host experts     {format_bytes(mem['host_expert_bytes']):>12}",
-            f"  free             {format_bytes(mem['free_bytes']):>12}" + (
-                "  (nothing fits beside the non-expert part)" if not mem["resident_expert_bytes"]
-                and not mem["free_bytes"] else ""),
-            f"  GPU hit rate     {pred['gpu_hit_rate_by_mass']:.1%} of routing mass, "
-            f"{pred['gpu_hit_rate_by_selection']:.1%} of selections ({pred['based_on']})",
-            f"  decode estimate  {pred['decode_ms_per_token']['cold_experts_on_cpu']:.3g} ms/token with cold "
-            f"experts on the CPU, {pred['decode_ms_per_token']['cold_experts_over_pcie']:.3g} ms/token over PCIe "
-            + ("(GPU side from the bandwidths, CPU side timed here)" if "cpu" in pred else
+            f"  VRAM budget      {format_bytes(mem.vram_bytes):>12}",
+            f"  non-expert       {format_bytes(mem.non_expert_bytes):>12}",
+            f"  KV cache         {format_bytes(mem.kv_cache_bytes):>12}  "
+            f"(context {plan.inputs.context}, batch {plan.inputs.batch}" + (f", {kv.type}" if kv else "") + ")"
+            + (f"; {kv.traded}" if kv and kv.traded else ""),
+            f"  working buffers  {format_bytes(mem.work_bytes):>12}  (estimate)",
+            f"  reserve          {format_bytes(mem.reserve_bytes):>12}",
+            f"  resident experts {format_bytes(mem.resident_expert_bytes):>12}",
+            f"  host experts     {format_bytes(mem.host_expert_bytes):>12}",
+            f"  free             {format_bytes(mem.free_bytes):>12}" + (
+                "  (nothing fits beside the non-expert part)" if not mem.resident_expert_bytes
+                and not mem.free_bytes else ""),
+            f"  GPU hit rate     {pred.gpu_hit_rate_by_mass:.1%} of routing mass, "
+            f"{pred.gpu_hit_rate_by_selection:.1%} of selections ({pred.based_on})",
+            f"  decode estimate  {decode.cold_experts_on_cpu:.3g} ms/token with cold "
+            f"experts on the CPU, {decode.cold_experts_over_pcie:.3g} ms/token over PCIe "
+            + ("(GPU side from the bandwidths, CPU side timed here)" if pred.cpu else
                "(bandwidth model, not a measurement)"),
         ]
-        if "cpu_only" in pred["decode_ms_per_token"]:
-            cpu_only = pred["decode_ms_per_token"]["cpu_only"]
-            lines.append(f"  CPU only         {cpu_only:.3g} ms/token with every layer on "
-                         f"this CPU ({pred['cpu']['threads'] or 'default'} threads; MoE layers and the LM head's "
+        if decode.cpu_only is not None and pred.cpu is not None:
+            lines.append(f"  CPU only         {decode.cpu_only:.3g} ms/token with every layer on "
+                         f"this CPU ({pred.cpu.threads or 'default'} threads; MoE layers and the LM head's "
                          "rate timed on this model)")
         lines.append(f"  weights          {self.weights}")
-        other = pred.get("per_expert_alternative")
+        other = pred.per_expert_alternative
         if other:
-            lines.append(f"  per expert       {other['gpu_hit_rate_by_mass']:.1%} of routing mass, "
-                         f"{other['decode_ms_per_token']['cold_experts_on_cpu']:.3g} ms/token at the same budget "
+            lines.append(f"  per expert       {other.gpu_hit_rate_by_mass:.1%} of routing mass, "
+                         f"{other.decode_ms_per_token.cold_experts_on_cpu:.3g} ms/token at the same budget "
                          "(what the CUDA plugin EP's expert offload would add: --target offload)")
         return lines
 
@@ -292,6 +291,7 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         weights = _save(model, source, tmp, unchanged=target == "layers", progress=progress)
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
+        placed = PlanReport.from_json(document, output_dir / PLAN_FILE)  # what readers of the file will take
         for name in (REPORT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
             if (source.parent / name).is_file():
                 shutil.copyfile(source.parent / name, tmp / name)
@@ -313,8 +313,8 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
             from moepass.plan_report import draw_plan
 
             with atomic_file(report, overwrite) as picture:
-                draw_plan(document, popularity, picture)
-    return PartitionResult(output_dir, document, options, ([inactive] if inactive else []) + plan.warnings, weights)
+                draw_plan(placed, popularity, picture)
+    return PartitionResult(output_dir, placed, options, ([inactive] if inactive else []) + plan.warnings, weights)
 
 
 def _kv_cache_choice(plans: dict, chosen: str, source: str, asked: str) -> dict[str, Any]:

@@ -4,11 +4,11 @@ and a bar of the GPU memory budget. Needs matplotlib (`pip install 'moepass[repo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from moepass.core.errors import MoepassError
+from moepass.core.files import PlanReport
 from moepass.popularity import Popularity
 
 
@@ -19,7 +19,7 @@ def _unit(nbytes: int) -> tuple[str, float]:
     return "B", 1.0
 
 
-def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -> None:
+def draw_plan(plan: PlanReport, popularity: Popularity | None, path: Path) -> None:
     """Write the plan's picture as a PNG file."""
     import matplotlib.pyplot as plt
 
@@ -28,7 +28,7 @@ def draw_plan(plan: dict[str, Any], popularity: Popularity | None, path: Path) -
     plt.close(fig)
 
 
-def plan_figure(plan: dict[str, Any], popularity: Popularity | None):
+def plan_figure(plan: PlanReport, popularity: Popularity | None):
     """The plan as a matplotlib figure: the heatmap (axes 0) and the memory bar (axes 2)."""
     try:
         import matplotlib
@@ -37,14 +37,14 @@ def plan_figure(plan: dict[str, Any], popularity: Popularity | None):
         import matplotlib.pyplot as plt
     except ImportError:
         raise MoepassError("--report needs matplotlib: pip install 'moepass[report]'") from None
-    nodes = plan["nodes"]
-    n_experts = max(n["experts"] for n in nodes)
+    nodes = plan.nodes
+    n_experts = max(n.experts for n in nodes)
     heat = np.full((len(nodes), n_experts), np.nan)
     resident = np.zeros_like(heat, dtype=bool)
     for i, n in enumerate(nodes):
-        mass = popularity.mass(n["node"]) if popularity is not None else np.full(n["experts"], 1.0 / n["experts"])
-        heat[i, : n["experts"]] = mass * n["experts"]  # 1.0 = average popularity
-        resident[i, n["resident"]] = True
+        mass = popularity.mass(n.node) if popularity is not None else np.full(n.experts, 1.0 / n.experts)
+        heat[i, : n.experts] = mass * n.experts  # 1.0 = average popularity
+        resident[i, list(n.resident)] = True
 
     fig = plt.figure(figsize=(max(8, n_experts * 0.12 + 3), max(4, len(nodes) * 0.22 + 3)))
     grid = fig.add_gridspec(2, 1, height_ratios=[max(3, len(nodes) * 0.22), 0.6], hspace=0.5)
@@ -55,46 +55,45 @@ def plan_figure(plan: dict[str, Any], popularity: Popularity | None):
     floor = 1e-2
     image = ax.imshow(np.clip(heat, floor, None), aspect="auto", cmap="viridis", interpolation="nearest",
                       norm=LogNorm(vmin=floor, vmax=max(float(np.nanmax(heat)), 1.0)))
-    offload = plan.get("offload", {"active": True})
+    active = plan.offload_active
     ys, xs = np.nonzero(resident)
     ax.scatter(xs, ys, marker="s", s=max(4, 400 / max(n_experts, len(nodes))), facecolors="none",
                edgecolors="white", linewidths=0.8)
     ax.set_xlabel("expert id")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(len(nodes)))
-    layers = plan.get("target") == "layers"  # whole MoE layers run on the GPU or the CPU: say which, per row
-    ax.set_yticklabels([f"{n['node']} ({n['device'].upper()})" if layers else n["node"] for n in nodes],
+    layers = plan.target == "layers"  # whole MoE layers run on the GPU or the CPU: say which, per row
+    ax.set_yticklabels([f"{n.node} ({n.device.upper()})" if layers else n.node for n in nodes],
                        fontsize=7 if len(nodes) > 24 else 9)
-    based = plan["prediction"]["based_on"]
-    hit = plan["prediction"]["gpu_hit_rate_by_mass"]
-    residency = (f"{hit:.1%} of routing mass on the GPU" if offload["active"] else
+    based, hit = plan.prediction.based_on, plan.prediction.gpu_hit_rate_by_mass
+    residency = (f"{hit:.1%} of routing mass on the GPU" if active else
                  f"INACTIVE plan: ONNX Runtime will not offload this model, every expert runs on the CPU\n"
                  f"(as planned, {hit:.1%} of routing mass would be on the GPU)")
     ax.set_title(f"{'Per-layer placement. ' if layers else ''}Expert popularity ({based}; 1.0 = average) "
                  f"and GPU residency:\n{residency}", pad=20, fontsize=10,
-                 color="black" if offload["active"] else "#b00000")
+                 color="black" if active else "#b00000")
     # above the heatmap, not on it (no cell hidden); a black square stands for the white ones
     from matplotlib.lines import Line2D
 
     marker = Line2D([], [], marker="s", markerfacecolor="none", markeredgecolor="black", linestyle="none",
-                    label="on the GPU" if offload["active"] else "planned for the GPU (inactive)")
+                    label="on the GPU" if active else "planned for the GPU (inactive)")
     ax.legend(handles=[marker], loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, frameon=False,
               borderaxespad=0.2)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="routing mass x experts (log)")
 
     bar = fig.add_subplot(grid[1])
-    mem = plan["memory"]
-    unit, scale = _unit(mem["vram_bytes"])
-    parts = [("non-expert", mem["non_expert_bytes"], "#4c72b0"), ("KV cache", mem["kv_cache_bytes"], "#55a868"),
-             ("buffers (est.)", mem["work_bytes"], "#c44e52"), ("reserve", mem["reserve_bytes"], "#8172b2"),
-             ("resident experts", mem["resident_expert_bytes"], "#ccb974"), ("free", mem["free_bytes"], "#dddddd")]
+    mem = plan.memory
+    unit, scale = _unit(mem.vram_bytes)
+    parts = [("non-expert", mem.non_expert_bytes, "#4c72b0"), ("KV cache", mem.kv_cache_bytes, "#55a868"),
+             ("buffers (est.)", mem.work_bytes, "#c44e52"), ("reserve", mem.reserve_bytes, "#8172b2"),
+             ("resident experts", mem.resident_expert_bytes, "#ccb974"), ("free", mem.free_bytes, "#dddddd")]
     left = 0.0
     for label, size, color in parts:
         bar.barh(0, size / scale, left=left, color=color, label=f"{label} {size / scale:.2f} {unit}")
         left += size / scale
-    bar.axvline(mem["vram_bytes"] / scale, color="black", linestyle="--", linewidth=1)
+    bar.axvline(mem.vram_bytes / scale, color="black", linestyle="--", linewidth=1)
     bar.set_yticks([])
-    bar.set_xlabel(f"{unit} of the {mem['vram_bytes'] / scale:.2f} {unit} budget (dashed); "
-                   f"{mem['host_expert_bytes'] / scale:.2f} {unit} of experts stay in host memory")
+    bar.set_xlabel(f"{unit} of the {mem.vram_bytes / scale:.2f} {unit} budget (dashed); "
+                   f"{mem.host_expert_bytes / scale:.2f} {unit} of experts stay in host memory")
     bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=3, fontsize=8, frameon=False)
     return fig

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 import moepass
 from moepass.cli import main
 from moepass.core.choices import GPU_PRESETS
+from moepass.core.files import read_plan
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.runtime import calibrate
 
@@ -37,19 +38,20 @@ def test_the_pieces_are_the_models_own(converted):
 def test_partition_predicts_every_layer_on_this_cpu_and_keeps_the_costs(converted, tmp_path, monkeypatch):
     source = converted("q4_0", expert_format="offload")
     placed = moepass.partition(source, tmp_path / "a", "8G", target="layers", threads=1)
-    prediction = placed.plan["prediction"]
-    step = calibrate.cpu_step_ms(placed.plan["cpu_costs"])
-    assert prediction["decode_ms_per_token"]["cpu_only"] == pytest.approx(step["moe"] + step["dense"])
-    assert prediction["cpu"]["threads"] == 1 and any(line.startswith("  CPU only ") for line in placed.summary_lines())
+    prediction = placed.plan.prediction
+    step = calibrate.cpu_step_ms(placed.plan.cpu_costs)
+    assert prediction.decode_ms_per_token.cpu_only == pytest.approx(step["moe"] + step["dense"])
+    assert prediction.cpu is not None and prediction.cpu.threads == 1 and any(line.startswith("  CPU only ") for line in placed.summary_lines())
     # an earlier plan's costs are taken instead of timing again; another model's are refused
     monkeypatch.setattr(calibrate, "measure_cpu_costs", lambda *a, **k: pytest.fail("measured again"))
     again = moepass.partition(source, tmp_path / "b", "8G", target="layers", cpu_profile=tmp_path / "a" / "plan.json")
-    assert again.plan["cpu_costs"] == placed.plan["cpu_costs"]
+    assert again.plan.cpu_costs == placed.plan.cpu_costs
     with pytest.raises(moepass.MoepassError, match="its costs are of another model"):
         moepass.partition(converted("q8_0"), tmp_path / "c", "8G", target="layers",  # int8 experts: another form
                           cpu_profile=tmp_path / "a" / "plan.json")
     bare = moepass.partition(source, tmp_path / "d", "8G", target="layers", calibrate=False)
-    assert "cpu_only" not in bare.plan["prediction"]["decode_ms_per_token"] and "cpu_costs" not in bare.plan
+    assert bare.plan.prediction.decode_ms_per_token.cpu_only is None and bare.plan.cpu_costs is None
+    assert "cpu_only" not in bare.plan.document["prediction"]["decode_ms_per_token"]
     (tmp_path / "bad.json").write_text(json.dumps({"format": "moepass-cpu-costs", "moe_ms": {"x": -1}}))
     with pytest.raises(moepass.MoepassError, match="bad.json: a CPU cost file whose fields are missing"):
         moepass.partition(source, tmp_path / "e", "8G", target="layers", cpu_profile=tmp_path / "bad.json")
@@ -62,9 +64,9 @@ def test_a_gpu_preset_gives_the_cards_numbers(converted, tmp_path):
     result = CliRunner().invoke(main, ["partition", str(converted("q4_0", expert_format="offload")), "--gpu",
                                        "rtx4060-8g", "-o", str(out), "--no-calibrate", "-q", "--target", "layers"])
     assert result.exit_code == 0, result.output
-    plan = json.loads((out / "plan.json").read_text())
-    assert plan["memory"]["vram_bytes"] == 8 << 30
-    assert plan["inputs"]["bandwidths_gbps"] == {"gpu": 272.0, "host": 60.0, "pcie": 15.8}
+    plan = read_plan(out)
+    assert plan.memory.vram_bytes == 8 << 30
+    assert plan.inputs.bandwidths_gbps == {"gpu": 272.0, "host": 60.0, "pcie": 15.8}
     result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "-o", str(tmp_path / "q")])
     assert result.exit_code == 2 and "give --vram SIZE or --gpu NAME" in result.stderr
     assert all(p.source.startswith("https://www.nvidia.com/") for p in GPU_PRESETS.values())

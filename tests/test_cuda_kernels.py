@@ -43,13 +43,13 @@ def test_a_default_conversion_planned_for_the_gpu_says_which_form_to_convert_to(
                                 "GGUF with --expert-format offload for a float16 graph whose every node the CUDA EP "
                                 "takes")
     assert len(warnings) == 1  # not also "0 of 2 layers fit"
-    assert {n["device"] for n in plan.plan["nodes"]} == {"cpu"} and plan.plan["memory"]["resident_expert_bytes"] == 0
+    assert {n.device for n in plan.plan.nodes} == {"cpu"} and plan.plan.memory.resident_expert_bytes == 0
     with pytest.raises(moepass.MoepassError, match="CUDA EP has no kernel for 2 of 2 MoE layers"):
         moepass.partition(converted("q4_0"), tmp_path / "r", "8G", target="layers", mode="required")
     placed = moepass.partition(converted("q4_0", expert_format="offload"), tmp_path / "o", "8G", target="layers")
-    assert {n["device"] for n in placed.plan["nodes"]} == {"gpu"}
+    assert {n.device for n in placed.plan.nodes} == {"gpu"}
     forced = moepass.partition(converted("q4_0"), tmp_path / "f", "8G", target="layers", kernel_table=False)
-    assert {n["device"] for n in forced.plan["nodes"]} == {"gpu"}
+    assert {n.device for n in forced.plan.nodes} == {"gpu"}
 
 
 def _node(op: str, domain: str = "com.microsoft", dtype=ir.DataType.FLOAT16, **attributes) -> ir.Node:

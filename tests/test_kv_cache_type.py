@@ -117,17 +117,19 @@ def test_partition_kv_cache_auto_buys_experts_at_a_tight_budget(converted, tmp_p
     source = converted("q4_0")
     common = dict(kernel_table=False, context=2048, prefill_tokens=16, reserve=0, target="offload", calibrate=False)
     roomy = partition(source, tmp_path / "roomy", "1G", kv_cache="auto", **common)
-    assert roomy.plan["kv_cache"]["type"] == "float32" and roomy.plan["kv_cache"]["chosen_by"] == "auto"
-    mem = roomy.plan["memory"]
-    assert mem["host_expert_bytes"] == 0
-    half_kv = mem["kv_cache_bytes"] // 2
-    tight = mem["non_expert_bytes"] + mem["work_bytes"] + half_kv + mem["resident_expert_bytes"] // 2
+    assert roomy.plan.kv_cache is not None
+    assert roomy.plan.kv_cache.type == "float32" and roomy.plan.kv_cache.chosen_by == "auto"
+    mem = roomy.plan.memory
+    assert mem.host_expert_bytes == 0
+    half_kv = mem.kv_cache_bytes // 2
+    tight = mem.non_expert_bytes + mem.work_bytes + half_kv + mem.resident_expert_bytes // 2
     placed = partition(source, tmp_path / "tight", tight, kv_cache="auto", **common)
-    choice = placed.plan["kv_cache"]
-    assert choice["type"] == "float16" and placed.plan["memory"]["kv_cache_bytes"] == half_kv
-    f32, f16 = choice["candidates"]["float32"], choice["candidates"]["float16"]
-    assert f16["resident_experts"] > f32["resident_experts"] and f16["decode_ms_per_token"] < f32["decode_ms_per_token"]
-    assert choice["traded"].startswith("float16 KV frees ") and "more experts resident" in choice["traded"]
+    choice = placed.plan.kv_cache
+    assert choice is not None and choice.type == "float16" and placed.plan.memory.kv_cache_bytes == half_kv
+    f32, f16 = choice.candidates["float32"], choice.candidates["float16"]
+    assert f16.resident_experts > f32.resident_experts and f16.decode_ms_per_token < f32.decode_ms_per_token
+    assert choice.traded is not None
+    assert choice.traded.startswith("float16 KV frees ") and "more experts resident" in choice.traded
     assert "batch 1, float16); float16 KV frees" in "\n".join(placed.summary_lines())
     assert all(n.inputs[3].dtype == ir.DataType.FLOAT16 for n in _attention(tmp_path / "tight"))
     assert json.loads((tmp_path / "tight" / "moepass.json").read_text())["kv_cache"]["type"] == "float16"

@@ -58,14 +58,13 @@ def test_layers_at_several_budgets(arch, tmp_path, converted):
         vram = _fixed_bytes(memory) + sum(sizes[len(sizes) - n_gpu:]) + 100  # the last n_gpu layers, just
         out = tmp_path / f"{arch}-{n_gpu}"
         result = partition(source, out, vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers")
-        nodes = result.plan["nodes"]
-        on_gpu = [n["node"] for n in nodes if n["device"] == "gpu"]
-        assert len(on_gpu) == n_gpu and {n["device"] for n in nodes} <= {"gpu", "cpu"}
+        nodes = result.plan.nodes
+        on_gpu = [n.node for n in nodes if n.device == "gpu"]
+        assert len(on_gpu) == n_gpu and {n.device for n in nodes} <= {"gpu", "cpu"}
         assert on_gpu == [g.node for g in memory.groups][len(sizes) - n_gpu:]  # llama.cpp's --n-cpu-moe order
         assert len(on_gpu) >= placed_before
         placed_before = len(on_gpu)
-        mem = result.plan["memory"]
-        assert _fixed_bytes(memory) + mem["resident_expert_bytes"] <= vram
+        assert _fixed_bytes(memory) + result.plan.memory.resident_expert_bytes <= vram
         assert result.options == {LAYER_SETTINGS_KEY: LAYER_SETTINGS}
 
         proto = onnx.load(out / "model.onnx", load_external_data=False)
@@ -73,8 +72,8 @@ def test_layers_at_several_budgets(arch, tmp_path, converted):
                       for n in proto.graph.node}
         assert None not in annotation.values(), "a node without layer_ann"
         for n in nodes:
-            assert annotation[n["node"]] == f"{n['device']}/{n['node']}"
-        assert set(annotation.values()) - {f"{n['device']}/{n['node']}" for n in nodes} == {"gpu"}
+            assert annotation[n.node] == f"{n.device}/{n.node}"
+        assert set(annotation.values()) - {f"{n.device}/{n.node}" for n in nodes} == {"gpu"}
         genai = json.loads((out / "genai_config.json").read_text())
         assert genai["model"]["decoder"]["session_options"][LAYER_SETTINGS_KEY] == LAYER_SETTINGS
 
@@ -101,7 +100,7 @@ def test_fused_onnx_models_partition_by_layer(family, exported, tmp_path):
     memory = MemoryModel.of(load_model(fused))
     vram = _fixed_bytes(memory) + _layer_bytes(memory)[-1] + 100
     result = partition(fused, tmp_path / "placed", vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers")
-    assert [n["device"] for n in result.plan["nodes"]] == ["cpu", "gpu"]
+    assert [n.device for n in result.plan.nodes] == ["cpu", "gpu"]
     ids = {"input_ids": (np.arange(64, dtype=np.int64)[None] * 7) % 50}
     before = ort.InferenceSession(str(fused / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, ids)
     placed = ort.InferenceSession(str(tmp_path / "placed" / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -130,11 +129,11 @@ def test_profile_compares_with_per_expert_placement(tmp_path, converted):
     pop = profile(source, PROMPTS)
     result = partition(source, tmp_path / "out", vram, kernel_table=False, profile=pop, reserve=0, context=64, prefill_tokens=16,
                        target="layers")
-    prediction = result.plan["prediction"]
-    other = prediction["per_expert_alternative"]
+    prediction = result.plan.prediction
+    other = prediction.per_expert_alternative
     # the same bytes chosen expert by expert serve at least the routing mass of whole layers
-    assert other["gpu_hit_rate_by_mass"] >= prediction["gpu_hit_rate_by_mass"] - 1e-12
-    assert prediction["gpu_hit_rate_by_mass"] == pytest.approx(0.5)
+    assert other is not None and other.gpu_hit_rate_by_mass >= prediction.gpu_hit_rate_by_mass - 1e-12
+    assert prediction.gpu_hit_rate_by_mass == pytest.approx(0.5)
     assert any("per expert" in line for line in result.summary_lines())
 
 

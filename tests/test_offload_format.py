@@ -99,4 +99,4 @@ def test_a_profile_applies_to_every_form_of_the_same_model(offload_pair, convert
     assert work[0] <= work[1]
     profile = moepass.profile(default, [[1, 2, 3, 4, 5]])
     placed = moepass.partition(offload.output_dir, tmp_path / "placed", "8G", profile=profile, target="offload")
-    assert placed.plan["inputs"]["profile"]["tokens"] == 5
+    assert (placed.plan.inputs.profile or {})["tokens"] == 5

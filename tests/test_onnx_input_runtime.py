@@ -74,7 +74,7 @@ def test_a_traced_export_is_refused_at_load_naming_its_fixed_input(exported, tmp
                     ["profile", str(out), "--prompt-ids", "1,2", "-o", str(tmp_path / "p.json")]):
         result = CliRunner().invoke(main, command)
         assert result.exit_code == 2 and says in result.stderr and "Traceback" not in result.stderr, result.output
-    assert moepass.partition(out, tmp_path / "placed", "8G").plan["nodes"]  # planning needs no session
+    assert moepass.partition(out, tmp_path / "placed", "8G").plan.nodes  # planning needs no session
 
 
 def test_an_input_moepass_does_not_feed_is_named_at_load(tmp_path):

@@ -16,7 +16,7 @@ import moepass
 from moepass.cli import main
 from moepass.partition import partition
 from moepass.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, parse_bytes, plan_placement)
-from moepass.core.files import load_model
+from moepass.core.files import OffloadState, load_model, read_plan
 from moepass.profile import profile
 from moepass.runtime import load
 from bounds import assert_within, float_rounding_bound, int8_rerun_bound
@@ -80,7 +80,7 @@ def _five_resident(source, out):
         5 * memory.groups[0].bytes_per_expert
     result = partition(source, out, vram, kernel_table=False, profile=profile(source, PROMPTS), reserve=0, context=64,
                        prefill_tokens=16, target="offload")
-    assert sum(n["resident_count"] for n in result.plan["nodes"]) == 5
+    assert sum(n.resident_count for n in result.plan.nodes) == 5
     return out
 
 
@@ -152,28 +152,28 @@ def test_outputs_plan_and_options_accepted_by_onnxruntime(tmp_path, converted, p
                                                       "moepass.json", "onnxruntime_options.json", "plan.json",
                                                       "tokenizer.json", "tokenizer_config.json"]
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    plan = json.loads((out / "plan.json").read_text())
-    assert plan["format"] == "moepass-plan" and plan["version"] == 1
-    mem = plan["memory"]
-    used = mem["non_expert_bytes"] + mem["kv_cache_bytes"] + mem["work_bytes"] + mem["reserve_bytes"] + \
-        mem["resident_expert_bytes"]
-    assert used + mem["free_bytes"] == mem["vram_bytes"] == 2 << 20
-    assert plan["prediction"]["label"].startswith("estimate")
+    plan = read_plan(out)
+    assert plan.document["format"] == "moepass-plan" and plan.version == 1 and plan == result.plan
+    mem = plan.memory
+    used = mem.non_expert_bytes + mem.kv_cache_bytes + mem.work_bytes + mem.reserve_bytes + mem.resident_expert_bytes
+    assert used + mem.free_bytes == mem.vram_bytes == 2 << 20
+    assert plan.prediction.label.startswith("estimate")
     model = onnx.load(out / "model.onnx", load_external_data=False)
     meta = {p.key: p.value for p in model.metadata_props}
     assert json.loads(meta["moepass.placement"])["plan"] == "plan.json"
-    for node in plan["nodes"]:
-        onnx_node = next(n for n in model.graph.node if n.name == node["node"])
+    for node in plan.nodes:
+        onnx_node = next(n for n in model.graph.node if n.name == node.node)
         node_meta = {p.key: p.value for p in onnx_node.metadata_props}
-        assert node_meta["moepass.placement.expert_ids"] == ",".join(map(str, node["order"]))
-        assert node_meta["moepass.placement.resident"] == str(node["resident_count"])
-        assert node["order"][: node["resident_count"]] == node["resident"]
-        assert node["mass_hit_rate"] == pytest.approx(popularity.mass(node["node"])[node["resident"]].sum())
+        assert node_meta["moepass.placement.expert_ids"] == ",".join(map(str, node.order))
+        assert node_meta["moepass.placement.resident"] == str(node.resident_count)
+        assert node.order[: node.resident_count] == node.resident
+        assert node.mass_hit_rate == pytest.approx(popularity.mass(node.node)[list(node.resident)].sum())
     data_size = (out / "model.onnx.data").stat().st_size
-    for region in plan["expert_regions"]:
-        assert region["offset"] + region["length"] <= data_size
-        count = next(n["resident_count"] for n in plan["nodes"] if n["node"] == region["node"])
-        assert region["resident_bytes"] == region["length"] * count // 8
+    assert plan.expert_regions
+    for region in plan.expert_regions:
+        assert region.offset + region.length <= data_size
+        count = next(n.resident_count for n in plan.nodes if n.node == region.node)
+        assert region.resident_bytes == region.length * count // 8
 
     entries = json.loads((out / "onnxruntime_options.json").read_text())["session_config_entries"]
     assert entries == result.options and entries["session.moe.offload.placement"] == "static"
@@ -204,15 +204,15 @@ def test_required_mode_fails_with_missing_bytes(tmp_path, converted):
     result = partition(converted("q4_0"), out, 1000, kernel_table=False, mode="auto", context=64, prefill_tokens=16, reserve=0,
                        warn=warnings.append, target="offload")
     assert f"{need - 1000:,} bytes" in warnings[1] and "missing; no expert is placed on the GPU" in warnings[1]
-    assert result.plan["fits"] is False
-    assert all(n["resident_count"] == 0 for n in result.plan["nodes"])
+    assert result.plan.fits is False
+    assert all(n.resident_count == 0 for n in result.plan.nodes)
 
 
 def test_everything_fits(tmp_path, converted):
     offloadable = converted("q4_0", expert_format="offload")
     result = partition(offloadable, tmp_path / "all", "1G", profile=profile(offloadable, PROMPTS), target="offload")
-    assert all(n["resident_count"] == 8 for n in result.plan["nodes"]) and not result.warnings
-    assert result.plan["offload"] == {"active": True, "reason": None}
+    assert all(n.resident_count == 8 for n in result.plan.nodes) and not result.warnings
+    assert result.plan.offload == OffloadState(True, None) and result.plan.offload_active
 
 
 def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, converted, popularity):
@@ -223,14 +223,13 @@ def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, c
                        target="offload")
     assert "ONNX Runtime will not offload this model's experts (blk.0.moe: int4 experts need weights_prepacked=1" \
         in warnings[0] and "--expert-format offload" in warnings[0] and warnings[0].endswith("inactive")
-    assert result.plan["offload"]["active"] is False and "blk.0.moe" in result.plan["offload"]["reason"]
-    plan = json.loads((tmp_path / "placed" / "plan.json").read_text())
-    assert plan["offload"]["active"] is False
+    assert result.plan.offload is not None and "blk.0.moe" in (result.plan.offload.reason or "")
+    assert read_plan(tmp_path / "placed").offload_active is False
     assert "(inactive: ONNX Runtime will not offload this model)" in result.summary_lines()[0]
     with pytest.raises(moepass.MoepassError, match="will not offload this model's experts"):
         partition(converted("q4_0"), tmp_path / "required", "1G", kernel_table=False, profile=popularity, mode="required", target="offload")
     assert not (tmp_path / "required").exists()
-    assert result.plan["prediction"]["gpu_hit_rate_by_mass"] == pytest.approx(1.0)
+    assert result.plan.prediction.gpu_hit_rate_by_mass == pytest.approx(1.0)
 
 
 def test_policies(converted, popularity):
@@ -369,7 +368,7 @@ def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, conv
     from moepass.plan_report import plan_figure
 
     inactive = partition(converted("q4_0"), tmp_path / "placed", "8G", kernel_table=False, profile=popularity, target="offload")
-    assert inactive.plan["offload"]["active"] is False
+    assert inactive.plan.offload_active is False
     figure = plan_figure(inactive.plan, popularity)
     heatmap = figure.axes[0]
     assert "INACTIVE plan: ONNX Runtime will not offload this model, every expert runs on the CPU" in heatmap.get_title()

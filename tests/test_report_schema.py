@@ -2,11 +2,12 @@
 what it cannot read."""
 
 import json
+import re
 
 import pytest
 
 import moepass
-from moepass.core.files import REPORT_FILE, REPORT_SCHEMA, read_report
+from moepass.core.files import PLAN_FILE, PLAN_VERSION, REPORT_FILE, REPORT_SCHEMA, read_plan, read_report
 
 
 def test_both_inputs_write_the_same_schema(converted, tmp_path):
@@ -67,3 +68,44 @@ def test_a_bad_field_is_refused_by_every_reader_naming_it(converted, tmp_path, c
                  lambda: moepass.inspect(bad)):
         with pytest.raises(moepass.MoepassError, match=f"{REPORT_FILE}: .*{message}"):
             read()
+
+
+@pytest.fixture(scope="module")
+def placed(converted, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "placed"
+    moepass.partition(converted("q4_0", expert_format="offload"), out, "8G", target="offload", calibrate=False,
+                      kv_cache="auto")
+    return out
+
+
+def test_plan_json_reads_back_as_the_plan_partition_returned(converted, placed, tmp_path):
+    plan = moepass.read_plan(str(placed))  # the API takes a str path as well
+    assert plan == moepass.partition(converted("q4_0", expert_format="offload"), tmp_path / "again", "8G",
+                                     target="offload", calibrate=False, kv_cache="auto").plan
+    assert plan.version == PLAN_VERSION and plan.target == "offload" and plan.offload_active
+    assert plan.kv_cache is not None and plan.kv_cache.type in plan.kv_cache.candidates
+    assert sum(n.resident_count for n in plan.nodes) == sum(n.experts for n in plan.nodes) > 0
+    assert all(isinstance(n.resident, tuple) for n in plan.nodes)
+    assert plan.memory.resident_expert_bytes == sum(n.resident_count * n.bytes_per_expert for n in plan.nodes)
+    assert plan.prediction.decode_ms_per_token.cpu_only is None and plan.prediction.cpu is None
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.update(version=PLAN_VERSION + 1), f"plan version {PLAN_VERSION + 1}; this moepass reads versions"),
+    (lambda p: p.update(format="other"), "not a moepass plan"),
+    (lambda p: p["memory"].update(free_bytes="many"), "'memory.free_bytes' must be an integer, found str"),
+    (lambda p: p["nodes"][0].update(resident=7), "'nodes[0].resident' must be a JSON array, found int"),
+    (lambda p: p["nodes"][1].update(mass_hit_rate=True), "'nodes[1].mass_hit_rate' must be a number, found bool"),
+    (lambda p: p["prediction"].pop("decode_ms_per_token"), "has no 'prediction.decode_ms_per_token'"),
+    (lambda p: p["kv_cache"]["candidates"].update(float16=[]), "'kv_cache.candidates.float16' must be a JSON object"),
+])
+def test_a_bad_plan_field_is_refused_naming_it(placed, tmp_path, change, message):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(placed, bad)
+    plan = json.loads((bad / PLAN_FILE).read_text())
+    change(plan)
+    (bad / PLAN_FILE).write_text(json.dumps(plan))
+    with pytest.raises(moepass.MoepassError, match=f"^{bad / PLAN_FILE}: .*{re.escape(message)}"):
+        read_plan(bad)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -221,6 +223,239 @@ def write_report(folder: Path, report: dict) -> None:
 
     document = {"moepass_version": __version__, **report, "schema": REPORT_SCHEMA}
     (folder / REPORT_FILE).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+
+
+PLAN_FORMAT = "moepass-plan"   # plan.json's "format"
+PLAN_VERSION = 1                # and the newest "version" this moepass reads and writes
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What a plan was made from: partition's arguments as given, and the profile's size (None:
+    uniform popularity)."""
+
+    model: str
+    target: str
+    vram: str
+    context: int
+    batch: int
+    prefill_tokens: int
+    policy: str
+    mode: str
+    profile: dict[str, Any] | None
+    bandwidths_gbps: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanMemory:
+    """Where the VRAM budget goes, in bytes (free_bytes 0 when the fixed part does not fit)."""
+
+    vram_bytes: int
+    non_expert_bytes: int
+    kv_cache_bytes: int
+    work_bytes: int
+    reserve_bytes: int
+    expert_budget_bytes: int
+    resident_expert_bytes: int
+    host_expert_bytes: int
+    total_expert_bytes: int
+    free_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanNode:
+    """One MoE layer's placement: its resident experts (most popular first), every expert in the
+    order the reordered model holds them, and the share of routing it serves from the GPU."""
+
+    node: str
+    experts: int
+    top_k: int
+    bytes_per_expert: int
+    device: str                 # gpu (every expert resident), cpu (none) or split
+    resident_count: int
+    resident: tuple[int, ...]
+    order: tuple[int, ...]
+    mass_hit_rate: float
+    selection_hit_rate: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEstimate:
+    """Predicted milliseconds per decoded token."""
+
+    cold_experts_on_cpu: float
+    cold_experts_over_pcie: float
+    cpu_only: float | None = None    # every layer on this CPU: with CPU costs measured here
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuTiming:
+    """The CPU side of an estimate, timed on this model (runtime.calibrate)."""
+
+    machine: str
+    threads: int                # 0: ONNX Runtime's default
+    moe_ms: float
+    non_expert_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementAlternative:
+    """What per-expert placement would serve at the same budget (beside a per-layer plan)."""
+
+    gpu_hit_rate_by_mass: float
+    gpu_hit_rate_by_selection: float
+    decode_ms_per_token: DecodeEstimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The plan's estimate: GPU hit rates, bytes a token reads, decode time, and how it was made."""
+
+    label: str
+    based_on: str
+    gpu_hit_rate_by_mass: float
+    gpu_hit_rate_by_selection: float
+    bytes_per_token: dict[str, int]
+    bandwidths_gbps: dict[str, float]
+    decode_ms_per_token: DecodeEstimate
+    formula: str
+    cpu: CpuTiming | None = None
+    per_expert_alternative: PlacementAlternative | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheCandidate:
+    """What a KV cache type would have bought at the plan's budget."""
+
+    kv_cache_bytes: int
+    bytes_per_value: float
+    resident_experts: int
+    gpu_hit_rate_by_mass: float
+    decode_ms_per_token: float
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheChoice:
+    """The KV cache type a plan chose, the model's own, who chose (the model's, auto, asked), each
+    candidate, and what the choice traded."""
+
+    type: str
+    source: str
+    chosen_by: str
+    candidates: dict[str, KvCacheCandidate]
+    traded: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadState:
+    """Whether ONNX Runtime will offload this model's experts as planned, and why not."""
+
+    active: bool
+    reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRegion:
+    """Where one expert tensor lies in the placed model's data file, and its resident prefix."""
+
+    node: str
+    tensor: str
+    file: str
+    offset: int
+    length: int
+    resident_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """plan.json as its readers take it: every field checked once, here, against its type, naming
+    the file and the key; `document` is the whole JSON object as partition wrote it."""
+
+    document: dict[str, Any]
+    version: int
+    moepass_version: str
+    target: str                 # offload (per expert) or layers (whole MoE layers)
+    model: dict[str, Any]       # the model's identity (popularity.model_identity)
+    inputs: PlanInputs
+    fits: bool
+    memory: PlanMemory
+    nodes: tuple[PlanNode, ...]
+    prediction: Prediction
+    warnings: tuple[str, ...]
+    onnxruntime_options: dict[str, str]
+    kv_cache: KvCacheChoice | None = None
+    offload: OffloadState | None = None     # per-expert plans only
+    cpu_costs: dict[str, Any] | None = None  # runtime.calibrate's document, when timed
+    expert_regions: tuple[ExpertRegion, ...] = ()
+
+    @property
+    def offload_active(self) -> bool:
+        """False for a per-expert plan ONNX Runtime will not carry out (written, but inactive)."""
+        return self.offload is None or self.offload.active
+
+    @classmethod
+    def from_json(cls, document: Any, path: Path) -> PlanReport:
+        """The plan of a plan.json object read from `path`."""
+        if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
+            raise MoepassError(f"{path}: not a moepass plan (format {PLAN_FORMAT!r})")
+        version = document.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= PLAN_VERSION:
+            raise MoepassError(f"{path}: plan version {version!r}; this moepass reads versions 1 to {PLAN_VERSION} "
+                               "(a newer moepass wrote it?)")
+        return _typed(cls, document, path, "", document=document)
+
+
+def read_plan(folder: str | os.PathLike) -> PlanReport:
+    """plan.json of a folder partition wrote, checked (the one reader of plan files)."""
+    folder = Path(folder)
+    path = folder / PLAN_FILE
+    if not path.is_file():
+        raise MoepassError(f"{folder}: no {PLAN_FILE} (not a folder `moepass partition` wrote)")
+    return PlanReport.from_json(read_json_object(path), path)
+
+
+def _typed(cls: type, data: Any, path: Path, where: str, **given: Any) -> Any:
+    """An instance of the dataclass `cls` from the JSON object `data`, each field checked against its
+    annotation (nested dataclasses, tuples from arrays, optional fields); `given` fields are set as
+    they are. A field of the wrong type, or a required one missing, is one error naming the key."""
+    if not isinstance(data, dict):
+        raise MoepassError(f"{path}: '{where}' must be a JSON object, found {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    values = dict(given)
+    for field in dataclasses.fields(cls):
+        if field.name in given:
+            continue
+        key = f"{where}.{field.name}" if where else field.name
+        if field.name in data:
+            values[field.name] = _checked(hints[field.name], data[field.name], path, key)
+        elif field.default is dataclasses.MISSING:
+            raise MoepassError(f"{path}: has no '{key}'")
+    return cls(**values)
+
+
+def _checked(kind: Any, value: Any, path: Path, key: str) -> Any:
+    """`value` as the annotation `kind` says (see _typed)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        kind = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        return _typed(kind, value, path, key)
+    if origin is tuple and isinstance(value, list):
+        return tuple(_checked(args[0], item, path, f"{key}[{i}]") for i, item in enumerate(value))
+    if origin is dict and isinstance(value, dict):
+        return {k: _checked(args[1], v, path, f"{key}.{k}") for k, v in value.items()}
+    if kind is Any:
+        return value
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, str, bool) and isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    words = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        kind, "a JSON array" if origin is tuple else "a JSON object")
+    raise MoepassError(f"{path}: '{key}' must be {words}, found {type(value).__name__}")
 
 
 def as_ir_model(source: Any) -> tuple[onnx_ir.Model, str]:
