@@ -22,6 +22,7 @@ from moepass.core.architectures import (
     QK_NORMS,
     ROPE_STYLES,
     ROUTINGS,
+    SHARED_EXPERTS,
     Architecture,
 )
 from moepass.core.quants import QUANT_TYPES, BlockForm, QuantType, common_exact_form, expert_form, matrix_form
@@ -38,11 +39,9 @@ def architecture_notes(arch: Architecture) -> str:
     f = arch.features
     notes = [f"RoPE: {ROPE_STYLES[f.rope].words}", ROUTINGS[f.routing].words.format(k="k")]
     if f.qk_norm:
-        notes.append(f"q/k {QK_NORMS[f.qk_norm]}")
-    if f.shared_expert == "sigmoid_gated":
-        notes.append("sigmoid-gated shared expert")
-    elif f.shared_expert:
-        notes.append("shared experts where the file has them")
+        notes.append(f"q/k {QK_NORMS[f.qk_norm].words}")
+    if f.shared_expert:
+        notes.append(SHARED_EXPERTS[f.shared_expert].words)
     if f.multipliers:
         notes.append("embedding, residual, attention and logit multipliers")
     if f.legacy_experts:

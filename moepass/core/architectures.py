@@ -219,7 +219,7 @@ def expected_shapes(hp: HParams, features: Features) -> dict[str, tuple[int, ...
     """Tensor role -> shape (numpy order) implied by the hyperparameters."""
     h, v, e, ff, sff = hp.hidden, hp.vocab, hp.n_experts, hp.expert_ff, hp.shared_ff
     q, kv, vd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim, hp.n_kv_heads * hp.value_dim
-    full = features.qk_norm == "full"
+    full = features.qk_norm is not None and not QK_NORMS[features.qk_norm].per_head
     return {
         "token_embd": (v, h), "output_norm": (h,), "output_norm_bias": (h,), "output": (v, h), "output_bias": (v,),
         "attn_norm": (h,), "attn_norm_bias": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (vd, h),
@@ -293,8 +293,24 @@ ROUTINGS = {
     "topk_softmax": Routing("top-{k}, softmax over the selected", True),
     "deepseek": Routing("softmax or sigmoid gating, selection bias, group-limited top-{k}", True),
 }
-QK_NORMS = {None: "", "head": "RMSNorm per head", "full": "RMSNorm over the full projection"}
-SHARED_EXPERTS = (None, "sigmoid_gated", "plain")
+
+
+@dataclasses.dataclass(frozen=True)
+class QkNorm:
+    words: str
+    per_head: bool      # RMSNorm over each head (weights [head_dim]), else over the whole projection
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedExpert:
+    words: str
+    sigmoid_gated: bool  # its output times sigmoid(x . ffn_gate_inp_shexp) (qwen2moe)
+
+
+# Features.qk_norm and Features.shared_expert name one of these (or None: the architecture has none)
+QK_NORMS = {"head": QkNorm("RMSNorm per head", True), "full": QkNorm("RMSNorm over the full projection", False)}
+SHARED_EXPERTS = {"sigmoid_gated": SharedExpert("sigmoid-gated shared expert", True),
+                  "plain": SharedExpert("shared experts where the file has them", False)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,13 +318,12 @@ class Features:
     """What differs between architectures, as the recipe's switches (tests/test_architectures.py
     checks that every one is read)."""
 
-    rope: str                           # "neox" (rotate halves) or "norm" (rotate consecutive pairs)
-    # "softmax_topk_renorm"; "softmax_topk" (weights not renormalized over the k); "topk_softmax"
-    # (softmax over the selected logits); "deepseek": softmax or sigmoid gating (expert_gating_func),
-    # selection bias exp_probs_b, group-limited top-k, optional renormalization
+    rope: str                           # a key of ROPE_STYLES
+    # a key of ROUTINGS ("deepseek": softmax or sigmoid gating (expert_gating_func), selection bias
+    # exp_probs_b, group-limited top-k, optional renormalization)
     routing: str
-    qk_norm: str | None = None          # None, "head" (RMSNorm per head) or "full" (over the whole projection)
-    shared_expert: str | None = None    # None, "sigmoid_gated" (qwen2moe) or "plain" (granite, when shared_ff > 0)
+    qk_norm: str | None = None          # a key of QK_NORMS, or None
+    shared_expert: str | None = None    # a key of SHARED_EXPERTS (used when shared_ff > 0), or None
     shared_ff_fallback: str | None = None  # the hyperparameter sizing the shared expert when its own key is absent
     multipliers: bool = False           # granite's embedding / residual / attention / logit multipliers
     legacy_experts: bool = False        # per-expert tensors accepted in place of stacked ones
@@ -328,8 +343,8 @@ class Features:
     longrope: bool = False
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rope", ROPE_STYLES), ("routing", ROUTINGS), ("qk_norm", QK_NORMS),
-                              ("shared_expert", SHARED_EXPERTS), ("activation", ACTIVATIONS),
+        for name, allowed in (("rope", ROPE_STYLES), ("routing", ROUTINGS), ("qk_norm", (None, *QK_NORMS)),
+                              ("shared_expert", (None, *SHARED_EXPERTS)), ("activation", ACTIVATIONS),
                               ("ffn_norm", TENSORS), ("shared_ff_fallback", (None, *HPARAMS))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"feature {name}={getattr(self, name)!r} is not one of {', '.join(map(str, allowed))}")
@@ -431,9 +446,9 @@ class Architecture:
         if f.activation != "swiglu":
             parts["activation"] = ACTIVATIONS[f.activation].text
         if f.qk_norm:
-            parts["qk_norm"] = QK_NORMS[f.qk_norm]
+            parts["qk_norm"] = QK_NORMS[f.qk_norm].words
         if f.shared_expert and hp.shared_ff:
-            gate = " with a sigmoid gate" if f.shared_expert == "sigmoid_gated" else ""
+            gate = " with a sigmoid gate" if SHARED_EXPERTS[f.shared_expert].sigmoid_gated else ""
             parts["shared_expert"] = f"ffn {hp.shared_ff}{gate}"
         if f.multipliers:
             parts["multipliers"] = {k: getattr(hp, f"{k}_scale")

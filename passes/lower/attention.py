@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from moepass.core.architectures import ROPE_STYLES, latent_dims
+from moepass.core.architectures import QK_NORMS, ROPE_STYLES, latent_dims
 from moepass.core.errors import MoepassError
 from moepass.core.quants import dequantize
 from moepass.passes.lower.graph_builder import GraphBuilder
@@ -74,12 +74,13 @@ def attention(builder: GraphBuilder, normed: ir.Value, layer: int, shared: Atten
     else:
         query, key, value = (builder.linear(normed, builder.tensor(f"attn_{p}", layer), f"{prefix}.attn_{p}",
                                             bias=builder.optional(f"attn_{p}_bias", layer)) for p in "qkv")
-    if features.qk_norm == "head":
+    qk_norm = None if features.qk_norm is None else QK_NORMS[features.qk_norm]
+    if qk_norm is not None and qk_norm.per_head:
         query = builder.per_head_rms_norm(query, builder.tensor("attn_q_norm", layer), hparams.n_heads,
                                           f"{prefix}.attn_q_norm")
         key = builder.per_head_rms_norm(key, builder.tensor("attn_k_norm", layer), shared.kv_heads,
                                         f"{prefix}.attn_k_norm")
-    elif features.qk_norm == "full":
+    elif qk_norm is not None:
         query = builder.rms_norm(query, builder.tensor("attn_q_norm", layer), f"{prefix}.attn_q_norm")
         key = builder.rms_norm(key, builder.tensor("attn_k_norm", layer), f"{prefix}.attn_k_norm")
     past_key, past_value = (ir.Value(name=f"past_key_values.{layer}.{kind}", type=cache_type,
