@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from moepass.core.choices import DEFAULT_DRAFT_TOKENS
+from moepass.core.choices import DEFAULT_DRAFT_TOKENS, one_of
 from moepass.core.choices import SPECULATIVE_KINDS as KINDS
 from moepass.core.errors import MoepassError
 from moepass.runtime.kv_cache import KVCache
@@ -82,8 +82,7 @@ class Speculator:
 
     def __init__(self, kind: str, draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Decoder | None = None,
                  ngram_sizes: Sequence[int] = NGRAM_SIZES):
-        if kind not in KINDS:
-            raise MoepassError(f"speculative decoding '{kind}' is not one of {', '.join(KINDS)}")
+        one_of(kind, KINDS, "speculative decoding")
         if draft_tokens < 1:
             raise MoepassError(f"--draft-tokens {draft_tokens}: at least 1")
         if kind == "draft" and draft is None:

@@ -195,6 +195,11 @@ def test_bad_speculative_values_are_one_line(converted, spec, message):
     assert "Traceback" not in result.output
 
 
+def test_an_unknown_kind_is_refused_as_every_option_value_is():
+    with pytest.raises(MoepassError, match="^speculative decoding must be one of ngram, draft, not 'beam'$"):
+        Speculator("beam")
+
+
 def test_draft_model_with_another_vocabulary_is_refused(converted):
     import make_fixtures
 
