@@ -40,7 +40,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.ir_values import input_at, producer, read_rows, required_input, tensor_dims, tensor_of
 from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node
 from moepass.core.quants import BlockForm, Packed, qmoe_takes, quantize_values, requantize_form, unpack_values
-from moepass.passes.weights import PackedGroup, StreamedTensor, WeightRecord, WeightReport
+from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack
 
 
 @dataclasses.dataclass
@@ -233,18 +233,9 @@ class ExpertWriter:
         return value
 
     def float_stack(self, name: str, groups: Sequence[tuple[Linear, ...]]) -> ir.Value:
-        """[E, N * len(group), K] float32, the group's rows interleaved (gate/up)."""
-        n, k = groups[0][0].shape
-        shape = (len(groups), n * len(groups[0]), k)
-        sources = [lin.name for group in groups for lin in group]
-        self.report.add(WeightRecord(name, sources, ["float32"] * len(sources), "float32",
-                                     int(np.prod(shape)) * 4, 32.0, [True] * len(sources), [0.0] * len(sources)))
-
-        def chunks() -> Iterator[np.ndarray]:
-            for group in groups:
-                yield np.stack([lin.float_weight() for lin in group], axis=1).reshape(shape[1:])
-
-        return self._initializer(StreamedTensor(chunks, ir.DataType.FLOAT, shape, name))
+        """[E, N * len(group), K] float32 of the groups' matrices (one group per expert), rows interleaved
+        (gate/up)."""
+        return self._initializer(float_expert_stack(ExpertRows.of(groups, exact=True), name, self.report))
 
     def packed_stack(self, name: str, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], form: BlockForm,
                      exact: bool) -> Experts:
@@ -252,14 +243,14 @@ class ExpertWriter:
         interleaved: the blobs moved unchanged when `exact`, else requantized from their values (error
         measured)."""
         with_zeros = exact and any(isinstance(lin, Linear) and lin.zero_points is not None for g in groups for lin in g)
-        sources = [ExpertRows([group[j] for group in groups], exact) for j in range(len(groups[0]))]
-        packed = PackedGroup(sources, form, name, self.report, zero_points=with_zeros, codes_name="weight")
+        packed = PackedGroup(ExpertRows.of(groups, exact), form, name, self.report, zero_points=with_zeros,
+                             codes_name="weight")
         codes, scales = self._initializer(packed.codes), self._initializer(packed.scales)  # in the file's order
         return Experts(codes, scales, None if packed.zero_points is None else self._initializer(packed.zero_points))
 
 
 class ExpertRows:
-    """One matrix (gate, up or down) of every expert of a layer, as weights.PackedGroup's row source:
+    """One matrix (gate, up or down) of every expert of a layer, as a weights.RowSource (packed or float):
     a span is one expert's matrix. MatMulNBits blobs move unchanged when `exact` (with their zero
     points, or ONNX Runtime's default ones where the group has zero points and this matrix has none),
     else the matrix's values are quantized."""
@@ -267,6 +258,11 @@ class ExpertRows:
     def __init__(self, matrices: list[Linear | ExpertMatrix], exact: bool):
         self.matrices, self.exact = matrices, exact
         self.rows, self.k = matrices[0].shape
+
+    @classmethod
+    def of(cls, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], exact: bool) -> list[ExpertRows]:
+        """One source per matrix of the groups (gate, up; or down), each over every expert."""
+        return [cls([group[j] for group in groups], exact) for j in range(len(groups[0]))]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -297,6 +293,9 @@ class ExpertRows:
         done = quantize_values(matrix.float_weight(), form if form.block_size else BlockForm(form.bits, self.k))
         codes[...], scales[...] = done.weights, done.scales
         return Packed(form, codes, scales, False, done.error_sq, done.reference_sq)
+
+    def values(self, span: tuple[int, int]) -> np.ndarray:
+        return self.matrices[self.part_of(span[0])].float_weight()
 
 
 # ---- the per-expert branches rule ---------------------------------------------------------------

@@ -134,14 +134,6 @@ def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int | 
             yield pending.popleft().result()
 
 
-def _read_together(sources: list[SourceTensor], span: tuple[int, int]) -> list[np.ndarray]:
-    """The raw rows of one span of every source (gate and up of the same experts), read on the
-    worker thread that converts them: reading, and the check for non-finite values that comes with
-    it, run in parallel instead of ahead of the workers on the writing thread."""
-    first, count = span
-    return [s.read_rows(first, count) for s in sources]
-
-
 def _rounding_sums(values: np.ndarray, cast: np.ndarray) -> tuple[float, float]:
     """Squared error of a narrowing cast of `values`, and the squared values (sums, float64)."""
     return (float(np.sum(np.square(cast.astype(np.float32) - values), dtype=np.float64)),
@@ -191,76 +183,10 @@ def float_tensor(src: SourceTensor, qt: QuantType, name: str, report: WeightRepo
     return ir.LazyTensor(whole, dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
-def float_expert_stack(sources: list[SourceTensor], name: str, report: WeightReport,
-                       dtype: ir.DataType = ir.DataType.FLOAT, workers: int | None = None) -> ir.TensorProtocol:
-    """Float expert stacks [E, N, K] as [E, N * len(sources), K] float32 (or float16; gate/up rows
-    interleaved)."""
-    np_type, label, bits = FLOAT_TYPES[dtype]
-    e, n, k = sources[0].shape
-    shape = (e, n * len(sources), k)
-    exact = dtype == ir.DataType.FLOAT
-    report.add(WeightRecord(name, [s.name for s in sources], [s.type_name for s in sources], label,
-                            int(np.prod(shape)) * int(bits) // 8, bits, exact=[exact] * len(sources) if exact else None,
-                            rel_rms_error=[0.0] * len(sources) if exact else None))
-
-    def dequantize_chunk(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        parts = _read_together(sources, span)
-        out = np.empty((len(parts[0]), len(sources), k), dtype=np_type)  # row 2i gate_i, 2i+1 up_i
-        sums = np.zeros((len(sources), 2))  # per source: squared rounding error, squared values
-        for j, (raw, src) in enumerate(zip(parts, sources)):
-            values = dequantize(raw, src.ggml_type)
-            out[:, j] = values
-            if not exact:
-                sums[j] = _rounding_sums(values, out[:, j])
-        return out, sums
-
-    def chunks() -> Iterator[np.ndarray]:
-        totals = np.zeros((len(sources), 2))
-        for out, sums in _ordered_map(dequantize_chunk, row_spans(sources[0]), workers):
-            totals += sums
-            yield out
-        if not exact:
-            report.measured(name, [bool(e == 0) for e, _ in totals],
-                            [rel_rms(e, r) for e, r in totals])
-
-    return StreamedTensor(chunks, dtype, shape, name)
-
-
-class PackOnce:
-    """Several initializers from one packing pass, streamed without packing twice.
-
-    `pack()` yields per chunk of rows (codes, (extra_0, extra_1, ...)): the codes are streamed as
-    they come, and the extras (scales, zero points: 4-8x smaller) are kept for their own
-    initializers, which the writer saves next (the model is saved in initializer order). An extra
-    asked for before the codes, or again, is packed anew. Safe from several writer threads."""
-
-    def __init__(self, pack: Callable[[], Iterator[tuple[np.ndarray, tuple[Any, ...]]]], extras: int):
-        self._pack, self._extras = pack, extras
-        self._lock = threading.Lock()
-        self._kept: list[tuple[Any, ...]] | None = None
-        self._waiting: set[int] = set()  # extras still to be streamed from what is kept
-
-    def codes(self) -> Iterator[np.ndarray]:
-        kept = []
-        for codes, extras in self._pack():
-            kept.append(extras)
-            yield codes
-        with self._lock:
-            self._kept, self._waiting = kept, set(range(self._extras))
-
-    def extra(self, which: int) -> Iterator[np.ndarray]:
-        with self._lock:
-            kept = self._kept if which in self._waiting else None
-            self._waiting.discard(which)
-            if not self._waiting:
-                self._kept = None
-        for extras in kept if kept is not None else (extras for _, extras in self._pack()):
-            yield extras[which]
-
-
 class RowSource(Protocol):
     """The rows of one matrix of a PackedGroup ([.., N, K]: gate, up or down of every expert, or one
-    matrix), and how a span of them is packed into a BlockForm.
+    matrix, or of a float expert stack), and how a span of them is packed into a BlockForm (`pack`)
+    or read as float32 values (`values`).
 
     `parts` names what the rows come from, (name, type) each, for the WeightRecord: one GGUF tensor,
     or one ONNX matrix per expert. A span lies within one part (`part_of`), and `pack` writes its
@@ -280,6 +206,8 @@ class RowSource(Protocol):
 
     def pack(self, span: tuple[int, int], form: BlockForm, codes: np.ndarray, scales: np.ndarray,
              extra: np.ndarray | None, scale_type: type) -> Packed: ...
+
+    def values(self, span: tuple[int, int]) -> np.ndarray: ...
 
 
 class GgufRows:
@@ -315,6 +243,10 @@ class GgufRows:
             self._narrow(scales, packed, raw, scale_type)
         return packed
 
+    def values(self, span: tuple[int, int]) -> np.ndarray:
+        """The span's rows as float32, exactly as the gguf package dequantizes them."""
+        return dequantize(self.src.read_rows(*span), self.qt.ggml_type)
+
     def _narrow(self, scales: np.ndarray, packed: Packed, raw: np.ndarray, scale_type: type) -> None:
         narrow: np.ndarray = scales.astype(scale_type)
         if not np.isfinite(narrow).all():
@@ -330,6 +262,79 @@ class GgufRows:
             if not packed.reference_sq:
                 packed.reference_sq = float(np.sum(np.square(dequantize(raw, self.qt.ggml_type)), dtype=np.float64))
         scales[...] = narrow
+
+
+def float_expert_stack(sources: Sequence[RowSource], name: str, report: WeightReport,
+                       dtype: ir.DataType = ir.DataType.FLOAT, workers: int | None = None) -> ir.TensorProtocol:
+    """Float expert stacks [E, N, K] as [E, N * len(sources), K] float32 (or float16; gate/up rows
+    interleaved), from RowSources' values; float16's rounding is measured per part."""
+    np_type, label, bits = FLOAT_TYPES[dtype]
+    e, n, k = sources[0].shape
+    shape = (e, n * len(sources), k)
+    exact = dtype == ir.DataType.FLOAT
+    order = _record_order(sources)
+    report.add(WeightRecord(name, [sources[j].parts[p][0] for p, j in order],
+                            [sources[j].parts[p][1] for p, j in order], label, int(np.prod(shape)) * int(bits) // 8,
+                            bits, exact=[True] * len(order) if exact else None,
+                            rel_rms_error=[0.0] * len(order) if exact else None))
+
+    def dequantize_chunk(span: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray]:
+        out = np.empty((span[1], len(sources), k), dtype=np_type)  # row 2i gate_i, 2i+1 up_i
+        sums = np.zeros((len(sources), 2))  # per source: squared rounding error, squared values
+        for j, src in enumerate(sources):
+            values = src.values(span)
+            out[:, j] = values
+            if not exact:
+                sums[j] = _rounding_sums(values, out[:, j])
+        return span[0], out, sums
+
+    def chunks() -> Iterator[np.ndarray]:
+        totals = {o: np.zeros(2) for o in order}
+        for first, out, sums in _ordered_map(dequantize_chunk, sources[0].spans(1), workers):
+            for j, src in enumerate(sources):
+                totals[src.part_of(first), j] += sums[j]
+            yield out
+        if not exact:
+            report.measured(name, [bool(totals[o][0] == 0) for o in order], [rel_rms(*totals[o]) for o in order])
+
+    return StreamedTensor(chunks, dtype, shape, name)
+
+
+def _record_order(sources: Sequence[RowSource]) -> list[tuple[int, int]]:
+    """(part, source) in a record's order: part by part, each source's (gate_0, up_0, gate_1, ...)."""
+    return [(p, j) for p in range(len(sources[0].parts)) for j in range(len(sources))]
+
+
+class PackOnce:
+    """Several initializers from one packing pass, streamed without packing twice.
+
+    `pack()` yields per chunk of rows (codes, (extra_0, extra_1, ...)): the codes are streamed as
+    they come, and the extras (scales, zero points: 4-8x smaller) are kept for their own
+    initializers, which the writer saves next (the model is saved in initializer order). An extra
+    asked for before the codes, or again, is packed anew. Safe from several writer threads."""
+
+    def __init__(self, pack: Callable[[], Iterator[tuple[np.ndarray, tuple[Any, ...]]]], extras: int):
+        self._pack, self._extras = pack, extras
+        self._lock = threading.Lock()
+        self._kept: list[tuple[Any, ...]] | None = None
+        self._waiting: set[int] = set()  # extras still to be streamed from what is kept
+
+    def codes(self) -> Iterator[np.ndarray]:
+        kept = []
+        for codes, extras in self._pack():
+            kept.append(extras)
+            yield codes
+        with self._lock:
+            self._kept, self._waiting = kept, set(range(self._extras))
+
+    def extra(self, which: int) -> Iterator[np.ndarray]:
+        with self._lock:
+            kept = self._kept if which in self._waiting else None
+            self._waiting.discard(which)
+            if not self._waiting:
+                self._kept = None
+        for extras in kept if kept is not None else (extras for _, extras in self._pack()):
+            yield extras[which]
 
 
 class PackedGroup:
@@ -379,8 +384,7 @@ class PackedGroup:
         if self.extra is not None:
             nbytes += self.extra[1].itemsize * int(np.prod(rows)) * self.extra[0]
         elements = sum(int(np.prod(s.shape)) for s in sources)
-        # the record's order: part by part, each source's (gate_0, up_0, gate_1, up_1, ...)
-        self.order = [(p, j) for p in range(len(sources[0].parts)) for j in range(len(sources))]
+        self.order = _record_order(sources)
         report.add(WeightRecord(name, [self.sources[j].parts[p][0] for p, j in self.order],
                                 [self.sources[j].parts[p][1] for p, j in self.order], str(form), nbytes,
                                 round(nbytes * 8 / elements, 4)))

@@ -209,5 +209,6 @@ class GraphBuilder:
         return self.lazy_initializer(name, self.act, (e, n * len(sources)), make)
 
     def float_experts(self, name: str, sources: list[SourceTensor]) -> ir.Value:
-        stack = float_expert_stack(sources, name, self.report, self.act, self.options.threads)
+        rows = [GgufRows(s, quant_type(s.ggml_type, s.name, s.path)) for s in sources]
+        stack = float_expert_stack(rows, name, self.report, self.act, self.options.threads)
         return self.tape.initializer(stack, name=name)
