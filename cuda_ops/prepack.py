@@ -19,8 +19,42 @@ import numpy as np
 
 _ROW_PERMUTATION = {
     8: np.array([0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]),
-    4: np.array([0, 1, 8, 9, 16, 17, 24, 25, 2, 3, 10, 11, 18, 19, 26, 27,
-                 4, 5, 12, 13, 20, 21, 28, 29, 6, 7, 14, 15, 22, 23, 30, 31]),
+    4: np.array(
+        [
+            0,
+            1,
+            8,
+            9,
+            16,
+            17,
+            24,
+            25,
+            2,
+            3,
+            10,
+            11,
+            18,
+            19,
+            26,
+            27,
+            4,
+            5,
+            12,
+            13,
+            20,
+            21,
+            28,
+            29,
+            6,
+            7,
+            14,
+            15,
+            22,
+            23,
+            30,
+            31,
+        ]
+    ),
 }
 _ACTIVATION_BITS = 16  # fp16 / bf16 activations
 
@@ -50,7 +84,7 @@ def prepack_sm80(codes: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
         low, high = _nibbles(codes.reshape(n, k // 2))
         unsigned = np.empty((n, k), dtype=np.uint8)
         unsigned[:, 0::2], unsigned[:, 1::2] = low, high
-        signed_t = (unsigned.astype(np.int16) - 8).T                              # [K, N]
+        signed_t = (unsigned.astype(np.int16) - 8).T  # [K, N]
         tensor = ((signed_t[:, 0::2] & 0x0F) | ((signed_t[:, 1::2] & 0x0F) << 4)).astype(np.uint8)
     else:
         tensor = np.ascontiguousarray((codes.reshape(n, k).astype(np.int16) - 128).T).astype(np.int8).view(np.uint8)
@@ -64,7 +98,7 @@ def prepack_sm80(codes: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
     # 2. sub-byte transpose: the [rows, cols] grid of codes becomes [cols', rows] and is re-packed
     if bits == 4:
         low, high = _nibbles(tensor)
-        merged = np.stack([low.T, high.T], axis=1).reshape(2 * cols, rows)      # code rows: low then high
+        merged = np.stack([low.T, high.T], axis=1).reshape(2 * cols, rows)  # code rows: low then high
         tensor = (merged[:, 0::2] + merged[:, 1::2] * 16).astype(np.uint8).reshape(rows, cols)
     else:
         tensor = np.ascontiguousarray(tensor.T).reshape(rows, cols)

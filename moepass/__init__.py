@@ -30,11 +30,20 @@ from moepass.core.errors import MoepassError
 from moepass.core.version import __version__
 
 # name -> the module that defines it
-_API = {"ConvertResult": "moepass.convert", "convert": "moepass.convert", "inspect": "moepass.inspection",
-        "PartitionResult": "moepass.partition", "partition": "moepass.partition",
-        "PlanReport": "moepass.core.files", "read_plan": "moepass.core.files",
-        "Popularity": "moepass.popularity", "profile": "moepass.profile",
-        "Sampling": "moepass.runtime", "Conversation": "moepass.runtime", "load": "moepass.runtime"}
+_API = {
+    "ConvertResult": "moepass.convert",
+    "convert": "moepass.convert",
+    "inspect": "moepass.inspection",
+    "PartitionResult": "moepass.partition",
+    "partition": "moepass.partition",
+    "PlanReport": "moepass.core.files",
+    "read_plan": "moepass.core.files",
+    "Popularity": "moepass.popularity",
+    "profile": "moepass.profile",
+    "Sampling": "moepass.runtime",
+    "Conversation": "moepass.runtime",
+    "load": "moepass.runtime",
+}
 
 if TYPE_CHECKING:
     from moepass.convert import ConvertResult, convert
@@ -71,5 +80,19 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-__all__ = ["Conversation", "ConvertResult", "MoepassError", "PartitionResult", "PlanReport", "Popularity", "Sampling",
-           "__version__", "convert", "inspect", "load", "partition", "profile", "read_plan"]
+__all__ = [
+    "Conversation",
+    "ConvertResult",
+    "MoepassError",
+    "PartitionResult",
+    "PlanReport",
+    "Popularity",
+    "Sampling",
+    "__version__",
+    "convert",
+    "inspect",
+    "load",
+    "partition",
+    "profile",
+    "read_plan",
+]

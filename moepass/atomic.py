@@ -33,8 +33,18 @@ from moepass.core.files import (
 
 COPY_STEP = 256 << 20  # bytes a copy moves between progress reports
 # what convert and partition write into an output folder: --force replaces a folder of these only
-OUTPUT_FILES = frozenset({MODEL_FILE, DATA_FILE, REPORT_FILE, PLAN_FILE, OPTIONS_FILE, TOKENIZER_FILE,
-                          TOKENIZER_CONFIG_FILE, GENAI_CONFIG_FILE})
+OUTPUT_FILES = frozenset(
+    {
+        MODEL_FILE,
+        DATA_FILE,
+        REPORT_FILE,
+        PLAN_FILE,
+        OPTIONS_FILE,
+        TOKENIZER_FILE,
+        TOKENIZER_CONFIG_FILE,
+        GENAI_CONFIG_FILE,
+    }
+)
 
 
 def foreign_entry(folder: Path) -> str | None:
@@ -57,8 +67,9 @@ def foreign_entry(folder: Path) -> str | None:
     return None
 
 
-def check_destination(path: str | os.PathLike, overwrite: bool, is_dir: bool,
-                      inputs: Iterable[str | os.PathLike] = ()) -> None:
+def check_destination(
+    path: str | os.PathLike, overwrite: bool, is_dir: bool, inputs: Iterable[str | os.PathLike] = ()
+) -> None:
     """Refuse an output path before any work (atomic_directory / atomic_file check it again when
     they start writing): one that would replace an input, what is there without `overwrite`, a
     folder not of moepass's with it."""
@@ -100,8 +111,10 @@ def check_destination(path: str | os.PathLike, overwrite: bool, is_dir: bool,
 def _refuse_foreign(folder: Path) -> None:
     why = foreign_entry(folder)
     if why:
-        raise MoepassError(f"{folder}: --force replaces only a folder that moepass wrote, and {why}; "
-                           "remove it yourself or name another output")
+        raise MoepassError(
+            f"{folder}: --force replaces only a folder that moepass wrote, and {why}; "
+            "remove it yourself or name another output"
+        )
 
 
 def _prefix(destination: Path, kind: str) -> str:
@@ -162,8 +175,10 @@ def _ordinary_permissions(path: Path, mode: int) -> None:
 
 
 def _appeared(destination: Path) -> MoepassError:
-    return MoepassError(f"{destination}: appeared while this run was writing (another run?); it was left as it is "
-                        "and nothing was written; pass --force to replace it")
+    return MoepassError(
+        f"{destination}: appeared while this run was writing (another run?); it was left as it is "
+        "and nothing was written; pass --force to replace it"
+    )
 
 
 def _replace(tmp: Path, destination: Path, overwrite: bool) -> None:
@@ -264,12 +279,14 @@ def _parents(destination: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_directory(destination: str | os.PathLike, overwrite: bool = False,
-                     inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
+def atomic_directory(
+    destination: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
+) -> Iterator[Path]:
     """Yield a temporary directory beside `destination`; it becomes `destination` if the block succeeds.
     `inputs`: files the block reads, which the output must never replace."""
     destination = Path(destination)
     check_destination(destination, overwrite, is_dir=True, inputs=inputs)
+
     def make(prefix: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=destination.parent))
         _ordinary_permissions(tmp, 0o777)
@@ -282,11 +299,13 @@ def atomic_directory(destination: str | os.PathLike, overwrite: bool = False,
 
 
 @contextlib.contextmanager
-def atomic_file(destination: str | os.PathLike, overwrite: bool = False,
-                inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
+def atomic_file(
+    destination: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
+) -> Iterator[Path]:
     """Yield a temporary file path beside `destination`; it becomes `destination` if the block succeeds."""
     destination = Path(destination)
     check_destination(destination, overwrite, is_dir=False, inputs=inputs)
+
     def make(prefix: str) -> Path:
         fd, name = tempfile.mkstemp(prefix=prefix, dir=destination.parent)
         os.close(fd)

@@ -16,8 +16,15 @@ import click
 COMMANDS = {"/reset": "forget the conversation", "/exit": "leave (or Ctrl-D)", "/help": "this list"}
 
 
-def chat_loop(decoder, system: str | None, variables: dict, max_new_tokens: int, sampling, stop,
-              read: Callable[[str], str] = input) -> None:
+def chat_loop(
+    decoder,
+    system: str | None,
+    variables: dict,
+    max_new_tokens: int,
+    sampling,
+    stop,
+    read: Callable[[str], str] = input,
+) -> None:
     """Turns until /exit or end of input; `variables` reach the template (e.g. enable_thinking)."""
     from moepass.runtime.conversation import Conversation
 
@@ -27,8 +34,9 @@ def chat_loop(decoder, system: str | None, variables: dict, max_new_tokens: int,
     except ImportError:
         pass
     conversation = Conversation(decoder, system=system, **variables)
-    click.echo("type a message; /reset forgets the conversation, /exit or Ctrl-D leaves, "
-               "Ctrl-C stops an answer", err=True)
+    click.echo(
+        "type a message; /reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops an answer", err=True
+    )
     while True:
         try:
             line = read("> ")
@@ -59,5 +67,8 @@ def chat_loop(decoder, system: str | None, variables: dict, max_new_tokens: int,
         click.echo()
         if stream is None:  # interrupted before the first token
             continue
-        click.echo(f"[{stopped}{stream.completion_tokens} tokens, {stream.completion_tokens / seconds:.1f} tokens/s; "
-                   f"prompt {stream.prompt_tokens} tokens, {stream.prefilled_tokens} computed]", err=True)
+        click.echo(
+            f"[{stopped}{stream.completion_tokens} tokens, {stream.completion_tokens / seconds:.1f} tokens/s; "
+            f"prompt {stream.prompt_tokens} tokens, {stream.prefilled_tokens} computed]",
+            err=True,
+        )

@@ -74,8 +74,11 @@ class _Group(click.Group):
             message = expected_failure(e)
             if message is None:
                 traceback.print_exc()
-                click.echo(f"moepass: this is a bug in moepass {_version()} ({type(e).__name__}); please report it "
-                           "with the traceback above", err=True)
+                click.echo(
+                    f"moepass: this is a bug in moepass {_version()} ({type(e).__name__}); please report it "
+                    "with the traceback above",
+                    err=True,
+                )
                 sys.exit(1)
             click.echo(f"moepass: error: {message}", err=True)
             sys.exit(2)
@@ -112,6 +115,7 @@ def _terminated(signum, frame):
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("moepass")
     except PackageNotFoundError:
@@ -151,8 +155,9 @@ class _Progress:
         self.done, self.total = done, total
         if self.tty:
             if self.bar is None:
-                self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr,
-                                             show_pos=self.unit != "bytes")
+                self.bar = click.progressbar(
+                    length=total, label=self.label, file=sys.stderr, show_pos=self.unit != "bytes"
+                )
                 self.bar.__enter__()
             self.bar.update(done - self.bar.pos)
             return
@@ -165,11 +170,13 @@ class _Progress:
         elapsed = max(now - self.start, 1e-9)
         rate = self.done / elapsed
         left = (self.total - self.done) / rate if rate else float("inf")
-        what = f"{self._amount(self.done)} of {self._amount(self.total)}" + ("" if self.unit == "bytes" else
-                                                                              f" {self.unit}")
+        what = f"{self._amount(self.done)} of {self._amount(self.total)}" + (
+            "" if self.unit == "bytes" else f" {self.unit}"
+        )
         speed = f"{self._amount(rate)}/s" if self.unit == "bytes" else f"{rate:.1f} {self.unit}/s"
-        eta = ("done" if self.done >= self.total else f"{left:.0f} s left" if math.isfinite(left)
-               else "time left unknown")
+        eta = (
+            "done" if self.done >= self.total else f"{left:.0f} s left" if math.isfinite(left) else "time left unknown"
+        )
         return f"{self.label}: {what} ({self.done / max(self.total, 1):.0%}), {speed}, {eta}"
 
     def close(self) -> None:
@@ -192,62 +199,157 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
 
 @main.command()
 @click.argument("model", type=click.Path())
-@click.option("-o", "--output", "output", required=True, type=click.Path(file_okay=True),
-              help="Directory to create for model.onnx, model.onnx.data and moepass.json.")
-@click.option("--float-experts", type=click.Choice(FLOAT_EXPERT_CHOICES), default="keep", show_default=True,
-              help="F32/F16/BF16 experts: keep as float (com.microsoft::MoE) or quantize into QMoE.")
-@click.option("--expert-format", type=click.Choice(EXPERT_FORMATS), default="auto", show_default=True,
-              help="auto: the exact form when the experts move bit-exactly (Q4_0, Q8_0, IQ4_XS, MXFP4, ...), "
-                   "else 8 bits at the largest block (keeps llama.cpp's fidelity); int4: 4 bits (half the bytes, "
-                   "more error), int8: 8 bits; offload: what ONNX Runtime's expert offload takes "
-                   "(int4 block 32 prepacked, float16 graph).")
-@click.option("--exact", is_flag=True,
-              help="Keep every tensor whose blocks move bit-exactly exact, even where a requantized form is "
-                   "faster (Q6_K: int8 block 16 instead of block 128).")
-@click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="every core",
-              help="Threads converting weights.")
-@click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default="int8", show_default=True,
-              help="int8: quantized to 8 bits inside each quantized matmul, as llama.cpp does (ONNX Runtime "
-                   "accuracy_level 4; fast). float: exact float arithmetic on the weights (slower; for tests).")
-@click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
-              help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.")
-@click.option("--force", is_flag=True,
-              help="Replace the output directory if moepass wrote it (never a folder of yours).")
-@click.option("-c", "--context", type=click.IntRange(1, MAX_CONTEXT), default=None,
-              show_default="the GGUF's context_length",
-              help="Positions (tokens) the model is built for: its RoPE tables.")
-@click.option("--allow-non-finite", is_flag=True,
-              help="Convert tensors holding NaN or Inf (refused by default: the model would compute NaN logits).")
-@click.option("--print-after", type=click.Choice(PRINT_AFTER_CHOICES), default=None,
-              help="Print the graph after this step (GGUF: lower, then its passes; ONNX: read, fuse-moe, ...).")
-@click.option("--genai-speculative", default=None, metavar="ngram|draft:PATH", show_default="off",
-              help="Write speculative decoding into genai_config.json for onnxruntime-genai (PATH: the draft "
-                   "model's converted folder); moepass run/chat/serve take --speculative when they run.")
-@click.option("--draft-tokens", type=click.IntRange(1, 16), default=DEFAULT_DRAFT_TOKENS, show_default=True,
-              help="With --genai-speculative: draft tokens per step.")
-@click.option("--kv-cache", type=click.Choice(list(KV_CACHE_TYPES)), default="float32", show_default=True,
-              help="The KV cache's type: float16 halves it, int8 quarters it (per-channel scales calibrated on the "
-                   "model's own keys and values).")
-@click.option("--kv-calibration", type=click.Path(dir_okay=False), default=None,
-              show_default="the model's own sampled text",
-              help="With --kv-cache int8: text to calibrate the scales on.")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    required=True,
+    type=click.Path(file_okay=True),
+    help="Directory to create for model.onnx, model.onnx.data and moepass.json.",
+)
+@click.option(
+    "--float-experts",
+    type=click.Choice(FLOAT_EXPERT_CHOICES),
+    default="keep",
+    show_default=True,
+    help="F32/F16/BF16 experts: keep as float (com.microsoft::MoE) or quantize into QMoE.",
+)
+@click.option(
+    "--expert-format",
+    type=click.Choice(EXPERT_FORMATS),
+    default="auto",
+    show_default=True,
+    help="auto: the exact form when the experts move bit-exactly (Q4_0, Q8_0, IQ4_XS, MXFP4, ...), "
+    "else 8 bits at the largest block (keeps llama.cpp's fidelity); int4: 4 bits (half the bytes, "
+    "more error), int8: 8 bits; offload: what ONNX Runtime's expert offload takes "
+    "(int4 block 32 prepacked, float16 graph).",
+)
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="Keep every tensor whose blocks move bit-exactly exact, even where a requantized form is "
+    "faster (Q6_K: int8 block 16 instead of block 128).",
+)
+@click.option(
+    "-t",
+    "--threads",
+    type=click.IntRange(1, None),
+    default=None,
+    show_default="every core",
+    help="Threads converting weights.",
+)
+@click.option(
+    "--activations",
+    type=click.Choice(list(ACTIVATION_MODES)),
+    default="int8",
+    show_default=True,
+    help="int8: quantized to 8 bits inside each quantized matmul, as llama.cpp does (ONNX Runtime "
+    "accuracy_level 4; fast). float: exact float arithmetic on the weights (slower; for tests).",
+)
+@click.option(
+    "--imatrix",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="llama.cpp importance matrix (GGUF or .dat): weighs requantization errors per input column.",
+)
+@click.option(
+    "--force", is_flag=True, help="Replace the output directory if moepass wrote it (never a folder of yours)."
+)
+@click.option(
+    "-c",
+    "--context",
+    type=click.IntRange(1, MAX_CONTEXT),
+    default=None,
+    show_default="the GGUF's context_length",
+    help="Positions (tokens) the model is built for: its RoPE tables.",
+)
+@click.option(
+    "--allow-non-finite",
+    is_flag=True,
+    help="Convert tensors holding NaN or Inf (refused by default: the model would compute NaN logits).",
+)
+@click.option(
+    "--print-after",
+    type=click.Choice(PRINT_AFTER_CHOICES),
+    default=None,
+    help="Print the graph after this step (GGUF: lower, then its passes; ONNX: read, fuse-moe, ...).",
+)
+@click.option(
+    "--genai-speculative",
+    default=None,
+    metavar="ngram|draft:PATH",
+    show_default="off",
+    help="Write speculative decoding into genai_config.json for onnxruntime-genai (PATH: the draft "
+    "model's converted folder); moepass run/chat/serve take --speculative when they run.",
+)
+@click.option(
+    "--draft-tokens",
+    type=click.IntRange(1, 16),
+    default=DEFAULT_DRAFT_TOKENS,
+    show_default=True,
+    help="With --genai-speculative: draft tokens per step.",
+)
+@click.option(
+    "--kv-cache",
+    type=click.Choice(list(KV_CACHE_TYPES)),
+    default="float32",
+    show_default=True,
+    help="The KV cache's type: float16 halves it, int8 quarters it (per-channel scales calibrated on the "
+    "model's own keys and values).",
+)
+@click.option(
+    "--kv-calibration",
+    type=click.Path(dir_okay=False),
+    default=None,
+    show_default="the model's own sampled text",
+    help="With --kv-cache int8: text to calibrate the scales on.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(model: str, output: str, float_experts: str, expert_format: str, exact: bool, threads: int | None,
-            activations: str, imatrix: str | None, force: bool, context: int | None, allow_non_finite: bool,
-            print_after: str | None, genai_speculative: str | None, draft_tokens: int, kv_cache: str,
-            kv_calibration: str | None, quiet: bool) -> None:
+def convert(
+    model: str,
+    output: str,
+    float_experts: str,
+    expert_format: str,
+    exact: bool,
+    threads: int | None,
+    activations: str,
+    imatrix: str | None,
+    force: bool,
+    context: int | None,
+    allow_non_finite: bool,
+    print_after: str | None,
+    genai_speculative: str | None,
+    draft_tokens: int,
+    kv_cache: str,
+    kv_calibration: str | None,
+    quiet: bool,
+) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
 
     progress = _Progress("writing weights", enabled=not quiet)
     try:
-        result = run_convert(model, output, float_experts=float_experts, expert_format=expert_format, exact=exact,
-                             threads=threads, activations=activations, imatrix=imatrix,
-                             overwrite=force, progress=progress,
-                             print_after=print_after, echo=click.echo, allow_non_finite=allow_non_finite,
-                             context=context, genai_speculative=genai_speculative, draft_tokens=draft_tokens,
-                             kv_cache=kv_cache, kv_calibration=kv_calibration)
+        result = run_convert(
+            model,
+            output,
+            float_experts=float_experts,
+            expert_format=expert_format,
+            exact=exact,
+            threads=threads,
+            activations=activations,
+            imatrix=imatrix,
+            overwrite=force,
+            progress=progress,
+            print_after=print_after,
+            echo=click.echo,
+            allow_non_finite=allow_non_finite,
+            context=context,
+            genai_speculative=genai_speculative,
+            draft_tokens=draft_tokens,
+            kv_cache=kv_cache,
+            kv_calibration=kv_calibration,
+        )
     finally:
         progress.close()
     for line in result.summary_lines():
@@ -272,23 +374,54 @@ def inspect(path: str, as_json: bool) -> None:
 
 def _runtime_options(f):
     """Options shared by run, chat, serve and bench: where and how the model is loaded."""
-    for option in reversed([
-        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
-                     help="auto: the best EP available; cuda: fail unless a CUDA EP is there."),
-        click.option("--cuda-plugin", type=click.Path(dir_okay=False), default=None,
-                     help=f"ONNX Runtime CUDA plugin EP library (default: ${PLUGIN_ENV})."),
-        click.option("--offload", "mode", type=click.Choice(keys.OFFLOAD_MODES), default=None,
-                     help="Expert offload: disabled, auto (fall back with a warning) or required "
-                          "(default: what partition wrote)."),
-        click.option("-t", "--threads", type=click.IntRange(1, None), default=None,
-                     show_default="ONNX Runtime's: every core",
-                     help="ONNX Runtime intra-op threads."),
-        click.option("--speculative", default=None, metavar="ngram|draft:PATH", show_default="off: one token per step",
-                     help="Speculative decoding: drafts from n-gram lookup in the context, or from a smaller "
-                          "converted model with the same vocabulary; the output is the model's own."),
-        click.option("--draft-tokens", type=click.IntRange(1, 64), default=DEFAULT_DRAFT_TOKENS, show_default=True,
-                     help="With --speculative: draft tokens checked per step."),
-    ]):
+    for option in reversed(
+        [
+            click.option(
+                "--device",
+                type=click.Choice(DEVICES),
+                default="auto",
+                show_default=True,
+                help="auto: the best EP available; cuda: fail unless a CUDA EP is there.",
+            ),
+            click.option(
+                "--cuda-plugin",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help=f"ONNX Runtime CUDA plugin EP library (default: ${PLUGIN_ENV}).",
+            ),
+            click.option(
+                "--offload",
+                "mode",
+                type=click.Choice(keys.OFFLOAD_MODES),
+                default=None,
+                help="Expert offload: disabled, auto (fall back with a warning) or required "
+                "(default: what partition wrote).",
+            ),
+            click.option(
+                "-t",
+                "--threads",
+                type=click.IntRange(1, None),
+                default=None,
+                show_default="ONNX Runtime's: every core",
+                help="ONNX Runtime intra-op threads.",
+            ),
+            click.option(
+                "--speculative",
+                default=None,
+                metavar="ngram|draft:PATH",
+                show_default="off: one token per step",
+                help="Speculative decoding: drafts from n-gram lookup in the context, or from a smaller "
+                "converted model with the same vocabulary; the output is the model's own.",
+            ),
+            click.option(
+                "--draft-tokens",
+                type=click.IntRange(1, 64),
+                default=DEFAULT_DRAFT_TOKENS,
+                show_default=True,
+                help="With --speculative: draft tokens checked per step.",
+            ),
+        ]
+    ):
         f = option(f)
     return f
 
@@ -312,36 +445,98 @@ def _sampling_options(greedy: bool):
     d = Sampling() if greedy else LLAMA_SERVER
 
     def decorate(f):
-        for option in reversed([
-            click.option("--temperature", type=click.FloatRange(0, None), default=d.temperature, show_default=True,
-                         callback=_finite_option, help="0 = greedy."),
-            click.option("--top-k", type=click.IntRange(0, None), default=d.top_k, show_default=True,
-                         help="Keep the K likeliest tokens (0 = no limit)."),
-            click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=d.top_p, show_default=True,
-                         callback=_finite_option,
-                         help="Keep the likeliest tokens up to this probability mass (1 = all)."),
-            click.option("--min-p", type=click.FloatRange(0, 1), default=d.min_p, show_default=True,
-                         callback=_finite_option, help="Drop tokens less likely than this times the likeliest."),
-            click.option("--repeat-penalty", type=click.FloatRange(0, None, min_open=True), default=d.repeat_penalty,
-                         show_default=True, callback=_finite_option,
-                         help="Divide the logits of tokens among the last --repeat-last-n (1 = off)."),
-            click.option("--repeat-last-n", type=click.IntRange(0, None), default=d.repeat_last_n, show_default=True,
-                         help="Tokens of the context the penalties look back over."),
-            click.option("--presence-penalty", type=float, default=d.presence_penalty, show_default=True,
-                         callback=_finite_option, help="Subtracted from the logit of every token seen."),
-            click.option("--frequency-penalty", type=float, default=d.frequency_penalty, show_default=True,
-                         callback=_finite_option, help="Subtracted from a token's logit once per time it was seen."),
-            click.option("-s", "--seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, show_default="random",
-                         help="Seed for sampled decoding."),
-        ]):
+        for option in reversed(
+            [
+                click.option(
+                    "--temperature",
+                    type=click.FloatRange(0, None),
+                    default=d.temperature,
+                    show_default=True,
+                    callback=_finite_option,
+                    help="0 = greedy.",
+                ),
+                click.option(
+                    "--top-k",
+                    type=click.IntRange(0, None),
+                    default=d.top_k,
+                    show_default=True,
+                    help="Keep the K likeliest tokens (0 = no limit).",
+                ),
+                click.option(
+                    "--top-p",
+                    type=click.FloatRange(0, 1, min_open=True),
+                    default=d.top_p,
+                    show_default=True,
+                    callback=_finite_option,
+                    help="Keep the likeliest tokens up to this probability mass (1 = all).",
+                ),
+                click.option(
+                    "--min-p",
+                    type=click.FloatRange(0, 1),
+                    default=d.min_p,
+                    show_default=True,
+                    callback=_finite_option,
+                    help="Drop tokens less likely than this times the likeliest.",
+                ),
+                click.option(
+                    "--repeat-penalty",
+                    type=click.FloatRange(0, None, min_open=True),
+                    default=d.repeat_penalty,
+                    show_default=True,
+                    callback=_finite_option,
+                    help="Divide the logits of tokens among the last --repeat-last-n (1 = off).",
+                ),
+                click.option(
+                    "--repeat-last-n",
+                    type=click.IntRange(0, None),
+                    default=d.repeat_last_n,
+                    show_default=True,
+                    help="Tokens of the context the penalties look back over.",
+                ),
+                click.option(
+                    "--presence-penalty",
+                    type=float,
+                    default=d.presence_penalty,
+                    show_default=True,
+                    callback=_finite_option,
+                    help="Subtracted from the logit of every token seen.",
+                ),
+                click.option(
+                    "--frequency-penalty",
+                    type=float,
+                    default=d.frequency_penalty,
+                    show_default=True,
+                    callback=_finite_option,
+                    help="Subtracted from a token's logit once per time it was seen.",
+                ),
+                click.option(
+                    "-s",
+                    "--seed",
+                    type=click.IntRange(0, 2**64 - 1),
+                    default=None,
+                    show_default="random",
+                    help="Seed for sampled decoding.",
+                ),
+            ]
+        ):
             f = option(f)
         return f
+
     return decorate
 
 
 def _sampling(options: dict) -> Sampling:
-    names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-             "frequency_penalty", "seed")
+    names = (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repeat_penalty",
+        "repeat_last_n",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+    )
     return Sampling(**{n: options.pop(n) for n in names})
 
 
@@ -369,8 +564,11 @@ def _load(model_dir: str, options: dict):
 
 
 def _think_option(f):
-    return click.option("--think/--no-think", default=None,
-                        help="Turn the template's reasoning switch on or off (Qwen3's enable_thinking).")(f)
+    return click.option(
+        "--think/--no-think",
+        default=None,
+        help="Turn the template's reasoning switch on or off (Qwen3's enable_thinking).",
+    )(f)
 
 
 def _template_variables(decoder, think: bool | None) -> dict:
@@ -378,8 +576,10 @@ def _template_variables(decoder, think: bool | None) -> dict:
         return {}
     switch = decoder.chat_template.thinking_switch
     if switch is None:
-        raise MoepassError(f"{decoder.chat_template.where}: this chat template has no thinking switch; "
-                           "--think / --no-think do not apply")
+        raise MoepassError(
+            f"{decoder.chat_template.where}: this chat template has no thinking switch; "
+            "--think / --no-think do not apply"
+        )
     return {switch: think}
 
 
@@ -389,19 +589,40 @@ _STOP = click.option("--stop", multiple=True, help="Stop when the text reaches t
 @main.command()
 @click.argument("model_dir", type=click.Path())
 @click.option("-p", "--prompt", default=None, help="Prompt text (needs the tokenizer.json convert writes).")
-@click.option("-f", "--prompt-file", type=click.File("r", encoding="utf-8"), default=None,
-              help="Prompt text from a file ('-': standard input).")
+@click.option(
+    "-f",
+    "--prompt-file",
+    type=click.File("r", encoding="utf-8"),
+    default=None,
+    help="Prompt text from a file ('-': standard input).",
+)
 @click.option("--prompt-ids", default=None, help="Prompt token ids, separated by commas or spaces (1,2,3).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message with the model's chat template.")
 @click.option("--system", default=None, help="With --chat: a system message before it.")
 @_think_option
-@click.option("-n", "--max-new-tokens", type=click.IntRange(0, None), default=16, show_default=True,
-              help="Tokens to generate at most.")
+@click.option(
+    "-n",
+    "--max-new-tokens",
+    type=click.IntRange(0, None),
+    default=16,
+    show_default=True,
+    help="Tokens to generate at most.",
+)
 @_STOP
 @_sampling_options(greedy=True)
 @_runtime_options
-def run(model_dir: str, prompt: str | None, prompt_file, prompt_ids: str | None, chat: bool, system: str | None,
-        think: bool | None, max_new_tokens: int, stop: tuple[str, ...], **options) -> None:
+def run(
+    model_dir: str,
+    prompt: str | None,
+    prompt_file,
+    prompt_ids: str | None,
+    chat: bool,
+    system: str | None,
+    think: bool | None,
+    max_new_tokens: int,
+    stop: tuple[str, ...],
+    **options,
+) -> None:
     """Generate: text in, text out (streamed), or token ids in, token ids out."""
     if prompt_file is not None:
         if prompt is not None or prompt_ids is not None:
@@ -433,21 +654,29 @@ def run(model_dir: str, prompt: str | None, prompt_file, prompt_ids: str | None,
         click.echo()
         count = len(tokens)
         ended = "the stop token" if tokens and tokens[-1] in decoder.stop_ids else "the token limit"
-    click.echo(f"{count} tokens in {time.perf_counter() - start:.3f} s on {decoder.plan.provider}, ended by {ended}",
-               err=True)
+    click.echo(
+        f"{count} tokens in {time.perf_counter() - start:.3f} s on {decoder.plan.provider}, ended by {ended}", err=True
+    )
 
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @_think_option
-@click.option("-n", "--max-new-tokens", type=click.IntRange(1, None), default=1024, show_default=True,
-              help="Tokens per answer at most.")
+@click.option(
+    "-n",
+    "--max-new-tokens",
+    type=click.IntRange(1, None),
+    default=1024,
+    show_default=True,
+    help="Tokens per answer at most.",
+)
 @_STOP
 @_sampling_options(greedy=False)
 @_runtime_options
-def chat(model_dir: str, system: str | None, think: bool | None, max_new_tokens: int, stop: tuple[str, ...],
-         **options) -> None:
+def chat(
+    model_dir: str, system: str | None, think: bool | None, max_new_tokens: int, stop: tuple[str, ...], **options
+) -> None:
     """Talk to the model in the terminal, turn after turn (the KV cache keeps the history)."""
     from moepass.chat import chat_loop
 
@@ -461,10 +690,20 @@ def chat(model_dir: str, system: str | None, think: bool | None, max_new_tokens:
 @click.argument("model_dir", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
-@click.option("--api-key", default=None, envvar="MOEPASS_API_KEY",
-              help="Require 'Authorization: Bearer KEY' (default: $MOEPASS_API_KEY; none: open).")
-@click.option("--queue", "queue_size", type=click.IntRange(0, None), default=8, show_default=True,
-              help="Requests that may wait while one is answered; more get 503.")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="MOEPASS_API_KEY",
+    help="Require 'Authorization: Bearer KEY' (default: $MOEPASS_API_KEY; none: open).",
+)
+@click.option(
+    "--queue",
+    "queue_size",
+    type=click.IntRange(0, None),
+    default=8,
+    show_default=True,
+    help="Requests that may wait while one is answered; more get 503.",
+)
 @_runtime_options
 def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size: int, **options) -> None:
     """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
@@ -483,22 +722,58 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
-@click.option("-p", "--prompt-tokens", type=click.IntRange(1, None), default=128, show_default=True,
-              help="Tokens in the prefill measured (llama-bench's -p).")
-@click.option("-n", "--new-tokens", type=click.IntRange(1, None), default=64, show_default=True,
-              help="Tokens decoded per measurement (llama-bench's -n).")
-@click.option("--depth", type=click.IntRange(1, None), default=None,
-              help="Decode after this many cached tokens (default: after the prompt).")
-@click.option("-r", "--repeats", type=click.IntRange(1, None), default=3, show_default=True,
-              help="Measurements of each phase; the best counts (llama-bench's -r).")
-@click.option("-f", "--prompt-file", type=click.File("r", encoding="utf-8"), default=None,
-              help="Measure on this text's tokens instead of -p pseudo-random ones (for --speculative, whose drafts "
-                   "depend on the text).")
+@click.option(
+    "-p",
+    "--prompt-tokens",
+    type=click.IntRange(1, None),
+    default=128,
+    show_default=True,
+    help="Tokens in the prefill measured (llama-bench's -p).",
+)
+@click.option(
+    "-n",
+    "--new-tokens",
+    type=click.IntRange(1, None),
+    default=64,
+    show_default=True,
+    help="Tokens decoded per measurement (llama-bench's -n).",
+)
+@click.option(
+    "--depth",
+    type=click.IntRange(1, None),
+    default=None,
+    help="Decode after this many cached tokens (default: after the prompt).",
+)
+@click.option(
+    "-r",
+    "--repeats",
+    type=click.IntRange(1, None),
+    default=3,
+    show_default=True,
+    help="Measurements of each phase; the best counts (llama-bench's -r).",
+)
+@click.option(
+    "-f",
+    "--prompt-file",
+    type=click.File("r", encoding="utf-8"),
+    default=None,
+    help="Measure on this text's tokens instead of -p pseudo-random ones (for --speculative, whose drafts "
+    "depend on the text).",
+)
 @click.option("--profile", is_flag=True, help="Also profile 16 decode steps: kernel time per operator type.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout (llama-bench-like fields).")
 @_runtime_options
-def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None, repeats: int, prompt_file,
-          profile: bool, as_json: bool, **options) -> None:
+def bench(
+    model_dir: str,
+    prompt_tokens: int,
+    new_tokens: int,
+    depth: int | None,
+    repeats: int,
+    prompt_file,
+    profile: bool,
+    as_json: bool,
+    **options,
+) -> None:
     """Prefill and decode speed (tokens/s of the best of --repeats; min/median/max), peak RSS; with
     --speculative, decode with and without it and the share of drafts kept."""
     from moepass.runtime import load
@@ -517,33 +792,54 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
         if not prompt:
             raise MoepassError(f"{prompt_file.name}: the prompt file holds no text")
         prompt_tokens = len(prompt)
-    result = measure(decoder, prompt_tokens, new_tokens, repeats, depth,
-                     progress=None if as_json else lambda text: click.echo(text, err=True), prompt=prompt)
+    result = measure(
+        decoder,
+        prompt_tokens,
+        new_tokens,
+        repeats,
+        depth,
+        progress=None if as_json else lambda text: click.echo(text, err=True),
+        prompt=prompt,
+    )
     threads = load_options["threads"]
-    result.update(model=str(model_dir), backend=decoder.plan.provider, threads=threads or 0,
-                  activations=decoder.report.activations,
-                  size_bytes=sum(f.stat().st_size for f in decoder.model_dir.iterdir() if f.is_file())
-                  if decoder.model_dir.is_dir() else 0,
-                  n_params=sum(round(w["bytes"] * 8 / w["bits_per_weight"])
-                               for w in decoder.report.weights if w.get("bits_per_weight")))
+    result.update(
+        model=str(model_dir),
+        backend=decoder.plan.provider,
+        threads=threads or 0,
+        activations=decoder.report.activations,
+        size_bytes=sum(f.stat().st_size for f in decoder.model_dir.iterdir() if f.is_file())
+        if decoder.model_dir.is_dir()
+        else 0,
+        n_params=sum(
+            round(w["bytes"] * 8 / w["bits_per_weight"]) for w in decoder.report.weights if w.get("bits_per_weight")
+        ),
+    )
     if profile:
         del load_options["speculative"], load_options["draft_tokens"]
         result["decode_operator_shares"] = operator_shares(model_dir, depth=depth or prompt_tokens, **load_options)
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))
         return
-    for phase, what in (("prefill", f"{prompt_tokens} tokens"),
-                        ("decode", f"{new_tokens} tokens after {result['decode']['depth']}")):
+    for phase, what in (
+        ("prefill", f"{prompt_tokens} tokens"),
+        ("decode", f"{new_tokens} tokens after {result['decode']['depth']}"),
+    ):
         r = result[phase]
-        click.echo(f"{phase:<8} {r['tokens_per_s']:10.1f} tokens/s  ({what}; seconds min/median/max "
-                   f"{r['seconds_min']:.3f}/{r['seconds_median']:.3f}/{r['seconds_max']:.3f})")
+        click.echo(
+            f"{phase:<8} {r['tokens_per_s']:10.1f} tokens/s  ({what}; seconds min/median/max "
+            f"{r['seconds_min']:.3f}/{r['seconds_median']:.3f}/{r['seconds_max']:.3f})"
+        )
     if "speculative" in result:
         spec = result["speculative"]
-        click.echo(f"plain    {spec['plain_decode']['tokens_per_s']:10.1f} tokens/s  (decode without "
-                   f"speculation: {spec['speedup']:.2f}x with it; {spec['acceptance']:.0%} of drafts kept, "
-                   f"{spec['tokens_per_step']:.2f} tokens per step)")
-    click.echo(f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({decoder.plan.provider}, "
-               f"{threads or 'default'} threads, {result['activations']} activations)")
+        click.echo(
+            f"plain    {spec['plain_decode']['tokens_per_s']:10.1f} tokens/s  (decode without "
+            f"speculation: {spec['speedup']:.2f}x with it; {spec['acceptance']:.0%} of drafts kept, "
+            f"{spec['tokens_per_step']:.2f} tokens per step)"
+        )
+    click.echo(
+        f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({decoder.plan.provider}, "
+        f"{threads or 'default'} threads, {result['activations']} activations)"
+    )
     for op, share in result.get("decode_operator_shares", {}).items():
         if share >= 0.01:
             click.echo(f"  {op:<36}{share:7.1%} of decode kernel time")
@@ -551,22 +847,53 @@ def bench(model_dir: str, prompt_tokens: int, new_tokens: int, depth: int | None
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
-              help="Calibration prompts file (see --prompts-format).")
-@click.option("--prompts-format", type=click.Choice(PROMPT_FORMATS), default="text", show_default=True,
-              help="text: one prompt per line; ids: token ids per line (commas or spaces, '#' comments); "
-                   "jsonl: a JSON string, id list, or {\"text\"|\"ids\": ...} per line.")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Calibration prompts file (see --prompts-format).",
+)
+@click.option(
+    "--prompts-format",
+    type=click.Choice(PROMPT_FORMATS),
+    default="text",
+    show_default=True,
+    help="text: one prompt per line; ids: token ids per line (commas or spaces, '#' comments); "
+    'jsonl: a JSON string, id list, or {"text"|"ids": ...} per line.',
+)
 @click.option("--chat", is_flag=True, help="Wrap each text prompt in the model's chat template, as run --chat does.")
 @click.option("--prompt-ids", default=None, help="One calibration prompt as comma-separated token ids.")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Popularity file to write (JSON).")
-@click.option("--merge", "merge_with", multiple=True, type=click.Path(dir_okay=False),
-              help="Add these earlier profiles of the same model to the result (repeatable).")
-@click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="ONNX Runtime's: every core",
-              help="ONNX Runtime intra-op threads.")
+@click.option(
+    "--merge",
+    "merge_with",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Add these earlier profiles of the same model to the result (repeatable).",
+)
+@click.option(
+    "-t",
+    "--threads",
+    type=click.IntRange(1, None),
+    default=None,
+    show_default="ONNX Runtime's: every core",
+    help="ONNX Runtime intra-op threads.",
+)
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat: bool, prompt_ids: str | None,
-            output: str, merge_with: tuple[str, ...], threads: int | None, force: bool, quiet: bool) -> None:
+def profile(
+    model_dir: str,
+    prompts_file: str | None,
+    prompts_format: str,
+    chat: bool,
+    prompt_ids: str | None,
+    output: str,
+    merge_with: tuple[str, ...],
+    threads: int | None,
+    force: bool,
+    quiet: bool,
+) -> None:
     """Measure expert popularity: run calibration prompts through a converted model on the CPU."""
     from moepass.atomic import check_destination
     from moepass.popularity import Popularity
@@ -588,8 +915,9 @@ def profile(model_dir: str, prompts_file: str | None, prompts_format: str, chat:
     for path, other in zip(merge_with, earlier):
         result = result.merge(other, path)
     result.save(output, overwrite=force)
-    click.echo(f"profiled {result.tokens} tokens ({result.prompts} prompts) over {len(result.selected)} MoE layers "
-               f"-> {output}")
+    click.echo(
+        f"profiled {result.tokens} tokens ({result.prompts} prompts) over {len(result.selected)} MoE layers -> {output}"
+    )
     click.echo(f"  {result.coverage_line()}")
 
 
@@ -612,61 +940,157 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 
 @main.command()
 @click.argument("model_dir", type=click.Path())
-@click.option("--vram", default=None, show_default="the --gpu card's memory",
-              help="GPU memory to use, in bytes: 8G / 8GB are decimal (8e9), 8GiB binary (8 x 2^30); 7.5GB, 8000M "
-                   "or a plain number work too.")
+@click.option(
+    "--vram",
+    default=None,
+    show_default="the --gpu card's memory",
+    help="GPU memory to use, in bytes: 8G / 8GB are decimal (8e9), 8GiB binary (8 x 2^30); 7.5GB, 8000M "
+    "or a plain number work too.",
+)
 @click.option("-o", "--output", required=True, type=click.Path(), help="Directory for the annotated model and plan.")
-@click.option("--target", type=click.Choice(TARGETS), default="auto", show_default=True,
-              help="offload: per expert, for the ONNX Runtime CUDA plugin EP's expert offload; layers: whole MoE "
-                   "layers on the GPU or the CPU, through layer annotations the CUDA EP of a pip-installed "
-                   "onnxruntime-gpu follows (like llama.cpp's --n-cpu-moe); auto: offload when the model is "
-                   "eligible and a CUDA plugin EP is named, else layers.")
-@click.option("--cuda-plugin", type=click.Path(dir_okay=False), default=None,
-              help=f"The CUDA plugin EP library the model will run with (default: ${PLUGIN_ENV}); for --target auto.")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
-              help="Popularity file from `moepass profile` (without one, placement is uniform).")
-@click.option("--policy", type=click.Choice(POLICIES), default=None,
-              help="global (default with a profile), balanced, or uniform (default without).")
-@click.option("--mode", type=click.Choice(PLAN_MODES), default="auto", show_default=True,
-              help="required: fail when the non-expert weights, KV cache and buffers do not fit.")
-@click.option("-c", "--context", type=click.IntRange(1, None), default=4096, show_default=True,
-              help="Tokens the KV cache holds.")
+@click.option(
+    "--target",
+    type=click.Choice(TARGETS),
+    default="auto",
+    show_default=True,
+    help="offload: per expert, for the ONNX Runtime CUDA plugin EP's expert offload; layers: whole MoE "
+    "layers on the GPU or the CPU, through layer annotations the CUDA EP of a pip-installed "
+    "onnxruntime-gpu follows (like llama.cpp's --n-cpu-moe); auto: offload when the model is "
+    "eligible and a CUDA plugin EP is named, else layers.",
+)
+@click.option(
+    "--cuda-plugin",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help=f"The CUDA plugin EP library the model will run with (default: ${PLUGIN_ENV}); for --target auto.",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Popularity file from `moepass profile` (without one, placement is uniform).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(POLICIES),
+    default=None,
+    help="global (default with a profile), balanced, or uniform (default without).",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(PLAN_MODES),
+    default="auto",
+    show_default=True,
+    help="required: fail when the non-expert weights, KV cache and buffers do not fit.",
+)
+@click.option(
+    "-c", "--context", type=click.IntRange(1, None), default=4096, show_default=True, help="Tokens the KV cache holds."
+)
 @click.option("--batch", type=click.IntRange(1, None), default=1, show_default=True, help="Sequences at once.")
-@click.option("--prefill-tokens", type=click.IntRange(1, None), default=512, show_default=True,
-              help="Tokens per prefill step (sizes the working buffers).")
+@click.option(
+    "--prefill-tokens",
+    type=click.IntRange(1, None),
+    default=512,
+    show_default=True,
+    help="Tokens per prefill step (sizes the working buffers).",
+)
 @click.option("--reserve", default="512MiB", show_default=True, help="GPU memory kept for the runtime itself.")
-@click.option("--gpu-bandwidth", type=float, callback=_finite_option, default=None,
-              show_default=f"the --gpu card's, else {Bandwidths.gpu:g}", help="GPU memory GB/s, for the estimate.")
-@click.option("--host-bandwidth", type=float, callback=_finite_option, default=None,
-              show_default=f"{Bandwidths.host:g}", help="Host memory GB/s, where the CPU side is not timed "
-                                                        "(--no-calibrate).")
-@click.option("--pcie-bandwidth", type=float, callback=_finite_option, default=None,
-              show_default=f"the --gpu card's link, else {Bandwidths.pcie:g}",
-              help="Host-GPU link GB/s, for the estimate.")
-@click.option("--report", type=click.Path(dir_okay=False), default=None,
-              help="Also draw the plan (heatmap and memory bar) into this PNG file.")
+@click.option(
+    "--gpu-bandwidth",
+    type=float,
+    callback=_finite_option,
+    default=None,
+    show_default=f"the --gpu card's, else {Bandwidths.gpu:g}",
+    help="GPU memory GB/s, for the estimate.",
+)
+@click.option(
+    "--host-bandwidth",
+    type=float,
+    callback=_finite_option,
+    default=None,
+    show_default=f"{Bandwidths.host:g}",
+    help="Host memory GB/s, where the CPU side is not timed (--no-calibrate).",
+)
+@click.option(
+    "--pcie-bandwidth",
+    type=float,
+    callback=_finite_option,
+    default=None,
+    show_default=f"the --gpu card's link, else {Bandwidths.pcie:g}",
+    help="Host-GPU link GB/s, for the estimate.",
+)
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also draw the plan (heatmap and memory bar) into this PNG file.",
+)
 @click.option("--force", is_flag=True, help="Replace the output directory (and report) if moepass wrote them.")
-@click.option("--gpu", "gpu_preset", type=click.Choice(sorted(GPU_PRESETS)), default=None,
-              help="A card's memory, bandwidth and PCIe link from its data sheet (moepass/core/choices.py); "
-                   "--vram and the bandwidth options override it.")
-@click.option("--cpu-profile", type=click.Path(dir_okay=False), default=None,
-              help="Take the CPU side of the estimate from an earlier plan.json instead of timing it now.")
+@click.option(
+    "--gpu",
+    "gpu_preset",
+    type=click.Choice(sorted(GPU_PRESETS)),
+    default=None,
+    help="A card's memory, bandwidth and PCIe link from its data sheet (moepass/core/choices.py); "
+    "--vram and the bandwidth options override it.",
+)
+@click.option(
+    "--cpu-profile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Take the CPU side of the estimate from an earlier plan.json instead of timing it now.",
+)
 @click.option("--no-calibrate", is_flag=True, help="No timing on this CPU: the bandwidth model alone.")
-@click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default="ONNX Runtime's: every core",
-              help="Threads the CPU timing uses (those run and bench will use).")
-@click.option("--ignore-kernel-table", is_flag=True,
-              help="Plan as if the CUDA EP took every node (for an ONNX Runtime build newer than moepass's table of "
-                   "its kernels); by default MoE layers it has no kernel for stay on the CPU.")
-@click.option("--kv-cache", type=click.Choice(["keep", "auto", *KV_CACHE_TYPES]), default="keep", show_default=True,
-              help="The KV cache's type in the placed model: the model's, another (from float32), or auto: float16 "
-                   "where its smaller cache buys resident experts (plan.json says what each type would buy).")
+@click.option(
+    "-t",
+    "--threads",
+    type=click.IntRange(1, None),
+    default=None,
+    show_default="ONNX Runtime's: every core",
+    help="Threads the CPU timing uses (those run and bench will use).",
+)
+@click.option(
+    "--ignore-kernel-table",
+    is_flag=True,
+    help="Plan as if the CUDA EP took every node (for an ONNX Runtime build newer than moepass's table of "
+    "its kernels); by default MoE layers it has no kernel for stay on the CPU.",
+)
+@click.option(
+    "--kv-cache",
+    type=click.Choice(["keep", "auto", *KV_CACHE_TYPES]),
+    default="keep",
+    show_default=True,
+    help="The KV cache's type in the placed model: the model's, another (from float32), or auto: float16 "
+    "where its smaller cache buys resident experts (plan.json says what each type would buy).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress.")
-def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: str | None, profile_path: str | None,
-              policy: str | None, mode: str,
-              context: int, batch: int, prefill_tokens: int, reserve: str, gpu_bandwidth: float,
-              host_bandwidth: float | None, pcie_bandwidth: float | None, report: str | None, force: bool,
-              gpu_preset: str | None, cpu_profile: str | None, no_calibrate: bool, threads: int | None,
-              ignore_kernel_table: bool, kv_cache: str, quiet: bool) -> None:
+def partition(
+    model_dir: str,
+    vram: str,
+    output: str,
+    target: str,
+    cuda_plugin: str | None,
+    profile_path: str | None,
+    policy: str | None,
+    mode: str,
+    context: int,
+    batch: int,
+    prefill_tokens: int,
+    reserve: str,
+    gpu_bandwidth: float,
+    host_bandwidth: float | None,
+    pcie_bandwidth: float | None,
+    report: str | None,
+    force: bool,
+    gpu_preset: str | None,
+    cpu_profile: str | None,
+    no_calibrate: bool,
+    threads: int | None,
+    ignore_kernel_table: bool,
+    kv_cache: str,
+    quiet: bool,
+) -> None:
     """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the plan and an
     annotated model."""
     from moepass.partition import partition as run_partition
@@ -675,21 +1099,41 @@ def partition(model_dir: str, vram: str, output: str, target: str, cuda_plugin: 
     vram = vram or (card.vram if card else "")
     if not vram:
         raise click.UsageError("give --vram SIZE or --gpu NAME")
+
     def given(value: float | None, preset: float | None, default: float) -> float:
         return value if value is not None else preset if preset is not None else default
 
-    bandwidths = Bandwidths(given(gpu_bandwidth, card.bandwidth if card else None, Bandwidths.gpu),
-                            given(host_bandwidth, None, Bandwidths.host),
-                            given(pcie_bandwidth, card.pcie if card else None, Bandwidths.pcie))
+    bandwidths = Bandwidths(
+        given(gpu_bandwidth, card.bandwidth if card else None, Bandwidths.gpu),
+        given(host_bandwidth, None, Bandwidths.host),
+        given(pcie_bandwidth, card.pcie if card else None, Bandwidths.pcie),
+    )
     progress = _Progress("writing the placed model", enabled=not quiet)
     try:
-        result = run_partition(model_dir, output, vram, profile=profile_path, context=context, batch=batch,
-                               prefill_tokens=prefill_tokens, reserve=reserve, policy=policy, mode=mode,
-                               bandwidths=bandwidths, report=report,
-                               overwrite=force, warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
-                               target=target, cuda_plugin=cuda_plugin, progress=progress,
-                               kernel_table=not ignore_kernel_table, cpu_profile=cpu_profile,
-                               calibrate=not no_calibrate, threads=threads, kv_cache=kv_cache)
+        result = run_partition(
+            model_dir,
+            output,
+            vram,
+            profile=profile_path,
+            context=context,
+            batch=batch,
+            prefill_tokens=prefill_tokens,
+            reserve=reserve,
+            policy=policy,
+            mode=mode,
+            bandwidths=bandwidths,
+            report=report,
+            overwrite=force,
+            warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
+            target=target,
+            cuda_plugin=cuda_plugin,
+            progress=progress,
+            kernel_table=not ignore_kernel_table,
+            cpu_profile=cpu_profile,
+            calibrate=not no_calibrate,
+            threads=threads,
+            kv_cache=kv_cache,
+        )
     finally:
         progress.close()
     for line in result.summary_lines():

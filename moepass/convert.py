@@ -64,7 +64,7 @@ from moepass.tokenizer import tokenizer_from_gguf
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
 ACTIVATION_SUMMARY = {
     "int8": "int8 inside quantized matmuls (ONNX Runtime accuracy_level 4, as llama.cpp): fast; "
-            "--activations float for exact arithmetic",
+    "--activations float for exact arithmetic",
     "float": "float (exact arithmetic on the weights; several times slower than int8 on the CPU)",
 }
 
@@ -124,43 +124,68 @@ class ConvertResult:
         lines = [f"converted {self.source.name} ({self.architecture}) -> {self.output_dir}"]
         if self.fusion is not None:
             fused = [f for f in self.fusion if f["fused"]]
-            already = f"; {self.existing_moe} QMoE/MoE nodes were there already, kept as they are" \
-                if self.existing_moe else ""
-            lines.append(f"  MoE layers    {len(fused)} of {len(self.fusion)} candidates fused "
-                         f"({experts} experts, top-{top_k}){already}" if self.fusion else
-                         f"  MoE layers    none to fuse{already}" if already else
-                         "  MoE layers    none found: the model is written unchanged")
-            lines.extend(f"    {f['anchor']}: -> {f['node']} ({f['form']})" if f["fused"] else
-                         f"    not fused: {f['reason']}" for f in self.fusion)
+            already = (
+                f"; {self.existing_moe} QMoE/MoE nodes were there already, kept as they are"
+                if self.existing_moe
+                else ""
+            )
+            lines.append(
+                f"  MoE layers    {len(fused)} of {len(self.fusion)} candidates fused "
+                f"({experts} experts, top-{top_k}){already}"
+                if self.fusion
+                else f"  MoE layers    none to fuse{already}"
+                if already
+                else "  MoE layers    none found: the model is written unchanged"
+            )
+            lines.extend(
+                f"    {f['anchor']}: -> {f['node']} ({f['form']})" if f["fused"] else f"    not fused: {f['reason']}"
+                for f in self.fusion
+            )
         else:
             moe = len(self.moe_layers)
             lines.append(f"  layers        {self.n_layers} ({moe} MoE, {experts} experts, top-{top_k})")
         lines += [
-            "  expert form   " + (", ".join(f"{form} in {n} layer{'s' if n > 1 else ''}"
-                                                + (f" ({speed_class(block)})" if (block := parse_form(form)) else "")
-                                                for form, n in sorted(forms.items())) or "none"),
+            "  expert form   "
+            + (
+                ", ".join(
+                    f"{form} in {n} layer{'s' if n > 1 else ''}"
+                    + (f" ({speed_class(block)})" if (block := parse_form(form)) else "")
+                    for form, n in sorted(forms.items())
+                )
+                or "none"
+            ),
             "  activations   " + ACTIVATION_SUMMARY[self.activations],
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]
-        requantized8 = any(w["target"].startswith("int8") and not any(w["exact"]) for w in self.weights
-                           if ".ffn_experts." in w["onnx_name"])
+        requantized8 = any(
+            w["target"].startswith("int8") and not any(w["exact"])
+            for w in self.weights
+            if ".ffn_experts." in w["onnx_name"]
+        )
         if self.fusion is None and requantized8 and self.output_bytes > 1.25 * self.source_bytes:
             ratio = self.output_bytes / self.source_bytes
-            lines.append(f"    {ratio:.2f}x the GGUF: experts requantized into 8 bits keep "
-                         "llama.cpp's fidelity; --expert-format int4 is about the GGUF's size, with more error "
-                         "(docs/benchmarks.md)")
+            lines.append(
+                f"    {ratio:.2f}x the GGUF: experts requantized into 8 bits keep "
+                "llama.cpp's fidelity; --expert-format int4 is about the GGUF's size, with more error "
+                "(docs/benchmarks.md)"
+            )
         for target, nbytes in sorted(self.bytes_by_target.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {target:<18}{nbytes:>16,} bytes")
         inexact = len(self.weights) - self.n_exact
-        lines.append(f"  weights       {self.n_exact} exact, {inexact} requantized"
-                     + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else ""))
+        lines.append(
+            f"  weights       {self.n_exact} exact, {inexact} requantized"
+            + (f" (max rel. RMS error {self.max_rel_rms_error:.4f})" if inexact else "")
+        )
         lines.extend("    " + row for row in self.quality_table())
         lines.append(f"  offload       {self.offload}")
         if self.kv_cache.get("type") not in (None, "float32"):
-            calibrated = f"; per-channel scales from {self.kv_cache['calibration']}" if "calibration" in self.kv_cache \
-                else ""
-            lines.append(f"  KV cache      {self.kv_cache['type']}, {self.kv_cache['bytes_per_value']} byte(s) a value"
-                         f"{calibrated}")
+            calibrated = (
+                f"; per-channel scales from {self.kv_cache['calibration']}" if "calibration" in self.kv_cache else ""
+            )
+            lines.append(
+                f"  KV cache      {self.kv_cache['type']}, {self.kv_cache['bytes_per_value']} byte(s) a value"
+                f"{calibrated}"
+            )
         if self.fusion is not None:
             pass  # an ONNX model carries no tokenizer of its own
         elif self.tokenizer.get("reason"):
@@ -174,13 +199,27 @@ class ConvertResult:
         return lines
 
 
-def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
-            expert_format: str = "auto", activations: str = "int8", imatrix: str | os.PathLike | None = None,
-            overwrite: bool = False, progress: ProgressFn | None = None, print_after: str | None = None,
-            echo: Callable[[str], None] = print, allow_non_finite: bool = False,
-            context: int | None = None, exact: bool = False, threads: int | None = None,
-            genai_speculative: str | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-            kv_cache: str = "float32", kv_calibration: str | os.PathLike | None = None) -> ConvertResult:
+def convert(
+    model: Any,
+    output_dir: str | os.PathLike,
+    *,
+    float_experts: str = "keep",
+    expert_format: str = "auto",
+    activations: str = "int8",
+    imatrix: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+    print_after: str | None = None,
+    echo: Callable[[str], None] = print,
+    allow_non_finite: bool = False,
+    context: int | None = None,
+    exact: bool = False,
+    threads: int | None = None,
+    genai_speculative: str | None = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    kv_cache: str = "float32",
+    kv_calibration: str | os.PathLike | None = None,
+) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
     Args:
@@ -215,20 +254,40 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     one_of(activations, ACTIVATION_MODES, "activations")
     kind = "onnx" if _is_onnx(model) else "gguf"
     if print_after is not None and print_after not in PASS_NAMES[kind]:
-        raise MoepassError(f"--print-after {print_after}: no such step for {kind.upper()} input; its steps: "
-                           f"{', '.join(PASS_NAMES[kind])}")
+        raise MoepassError(
+            f"--print-after {print_after}: no such step for {kind.upper()} input; its steps: "
+            f"{', '.join(PASS_NAMES[kind])}"
+        )
     if kind == "onnx":
-        given = [option for option, value, default in (
-            ("--expert-format", expert_format, "auto"), ("--exact", exact, False), ("--imatrix", imatrix, None),
-            ("--context", context, None),
-            ("--allow-non-finite", allow_non_finite, False), ("--genai-speculative", genai_speculative, None),
-            ("--kv-cache", kv_cache, "float32"), ("--kv-calibration", kv_calibration, None))
-            if value != default]
+        given = [
+            option
+            for option, value, default in (
+                ("--expert-format", expert_format, "auto"),
+                ("--exact", exact, False),
+                ("--imatrix", imatrix, None),
+                ("--context", context, None),
+                ("--allow-non-finite", allow_non_finite, False),
+                ("--genai-speculative", genai_speculative, None),
+                ("--kv-cache", kv_cache, "float32"),
+                ("--kv-calibration", kv_calibration, None),
+            )
+            if value != default
+        ]
         if given:  # refused, not ignored
-            raise MoepassError(f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
-                               "are (--float-experts and --activations apply)")
-        return convert_onnx(model, output_dir, float_experts=float_experts, activations=activations,
-                            overwrite=overwrite, progress=progress, print_after=print_after, echo=echo)
+            raise MoepassError(
+                f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
+                "are (--float-experts and --activations apply)"
+            )
+        return convert_onnx(
+            model,
+            output_dir,
+            float_experts=float_experts,
+            activations=activations,
+            overwrite=overwrite,
+            progress=progress,
+            print_after=print_after,
+            echo=echo,
+        )
     start = time.perf_counter()
     source, output_dir = Path(model), Path(output_dir)
     check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # before any work
@@ -240,14 +299,26 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
     calibration_text = read_text(Path(kv_calibration)) if kv_calibration is not None else None
     gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
     arch = architecture_of(gguf)
-    lowered = lower_gguf(gguf, arch, LowerOptions(float_experts=float_experts, expert_format=expert_format,
-                                                       imatrix=load_imatrix(imatrix) if imatrix else None,
-                                                       context=context, exact=exact, threads=threads))
+    lowered = lower_gguf(
+        gguf,
+        arch,
+        LowerOptions(
+            float_experts=float_experts,
+            expert_format=expert_format,
+            imatrix=load_imatrix(imatrix) if imatrix else None,
+            context=context,
+            exact=exact,
+            threads=threads,
+        ),
+    )
     onnx_model = run_pipeline(lowered.model, "gguf", PipelineRun(activations=activations), print_after, echo)
     violations = offload_violations(onnx_model)
-    offload = "eligible (int4 block 32 prepacked, float16)" if not violations else \
-        f"not eligible: {violations[0][0]}: {violations[0][1]}" + (" (--expert-format offload makes it eligible)"
-                                                                 if expert_format != "offload" else "")
+    offload = (
+        "eligible (int4 block 32 prepacked, float16)"
+        if not violations
+        else f"not eligible: {violations[0][0]}: {violations[0][1]}"
+        + (" (--expert-format offload makes it eligible)" if expert_format != "offload" else "")
+    )
 
     with atomic_directory(output_dir, overwrite, inputs=gguf.parts) as tmp:
         # one writer thread, in initializer order: each tensor converted on several threads chunk by chunk
@@ -269,19 +340,31 @@ def convert(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "
         tokenizer = tokenizer_from_gguf(gguf)
         tokenizer.write(tmp, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
         report["tokenizer"] = tokenizer.info
-        report["kv_cache"] = set_kv_cache(tmp, kv_cache, cache_type_of(onnx_model), lowered.hparams.context_length,
-                                          calibration_text, threads, echo)
+        report["kv_cache"] = set_kv_cache(
+            tmp, kv_cache, cache_type_of(onnx_model), lowered.hparams.context_length, calibration_text, threads, echo
+        )
         genai = genai_config(lowered.hparams, lowered.model, tokenizer.info)
         if genai_speculative:
             genai = with_speculation(genai, genai_speculative, draft_tokens, output_dir)
         (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
         write_report(tmp, report)
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
-    return ConvertResult(output_dir=output_dir, source=source, architecture=arch.gguf_arch,
-                         n_layers=lowered.hparams.n_layers, moe_layers=lowered.moe_layers,
-                         bytes_by_target=dict(bytes_by_target), weights=weights, source_bytes=gguf.file_bytes,
-                         output_bytes=output_bytes, seconds=time.perf_counter() - start, tokenizer=tokenizer.info,
-                         offload=offload, activations=activations, kv_cache=report["kv_cache"])
+    return ConvertResult(
+        output_dir=output_dir,
+        source=source,
+        architecture=arch.gguf_arch,
+        n_layers=lowered.hparams.n_layers,
+        moe_layers=lowered.moe_layers,
+        bytes_by_target=dict(bytes_by_target),
+        weights=weights,
+        source_bytes=gguf.file_bytes,
+        output_bytes=output_bytes,
+        seconds=time.perf_counter() - start,
+        tokenizer=tokenizer.info,
+        offload=offload,
+        activations=activations,
+        kv_cache=report["kv_cache"],
+    )
 
 
 def _moepass_source(label: str) -> tuple[Path | None, dict[str, Any]]:
@@ -309,9 +392,17 @@ def _is_onnx(model: Any) -> bool:
     return path.suffix == ".onnx"
 
 
-def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: str = "keep",
-                 activations: str = "int8", overwrite: bool = False, progress: ProgressFn | None = None,
-                 print_after: str | None = None, echo: Callable[[str], None] = print) -> ConvertResult:
+def convert_onnx(
+    model: Any,
+    output_dir: str | os.PathLike,
+    *,
+    float_experts: str = "keep",
+    activations: str = "int8",
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+    print_after: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> ConvertResult:
     """Fuse the MoE layers of an ONNX model into QMoE (or float MoE) nodes (moepass.passes.fuse_moe).
 
     Per-expert MatMulNBits blobs move bit-exactly when their block geometry fits QMoE; float
@@ -326,8 +417,11 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     onnx_model, label = as_ir_model(model)
     source = Path(label)
     source_bytes = _model_bytes(source)
-    existing = sum(1 for m in moe_nodes(onnx_model.graph)  # those the fusion leaves as they are
-                   if m.node.op_type == "QMoE" or float_experts == "keep")
+    existing = sum(
+        1
+        for m in moe_nodes(onnx_model.graph)  # those the fusion leaves as they are
+        if m.node.op_type == "QMoE" or float_experts == "keep"
+    )
     run = PipelineRun(activations=activations, float_experts=float_experts)
     onnx_model = run_pipeline(onnx_model, "onnx", run, print_after, echo)
     fuse = run.fuse_moe
@@ -338,20 +432,31 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     onnx_model.metadata_props[keys.SOURCE] = source.name
     onnx_model.metadata_props[keys.MOE_LAYERS] = str(len(fused))
     violations = offload_violations(onnx_model)
-    offload = "eligible" if fused and not violations else \
-        f"not eligible: {violations[0][0]}: {violations[0][1]}" if violations else "no MoE layer"
-    moe_layers = [{"layer": i, "node": r.node, "experts": r.experts, "top_k": r.top_k, "form": r.form,
-                   "fused_from": r.anchor} for i, r in enumerate(fused)]
+    offload = (
+        "eligible"
+        if fused and not violations
+        else f"not eligible: {violations[0][0]}: {violations[0][1]}"
+        if violations
+        else "no MoE layer"
+    )
+    moe_layers = [
+        {"layer": i, "node": r.node, "experts": r.experts, "top_k": r.top_k, "form": r.form, "fused_from": r.anchor}
+        for i, r in enumerate(fused)
+    ]
     inputs = [source, *_data_files(source)] if source.is_file() else []
     with atomic_directory(Path(output_dir), overwrite, inputs=inputs) as tmp:
         # one writer thread, in initializer order: each tensor converted on several threads chunk by chunk
         # (moepass.passes.weights), a group's codes written before its scales
         save_model(onnx_model, tmp / MODEL_FILE, progress)
         weights = [r.as_dict() for r in fuse.report.records.values()]
-        report = {"input": "onnx",
-                  "source": {"file": source.name, "bytes": source_bytes},
-                  "activations": activations,
-                  "fusion": [r.as_dict() for r in fuse.records], "moe_layers": moe_layers, "weights": weights}
+        report = {
+            "input": "onnx",
+            "source": {"file": source.name, "bytes": source_bytes},
+            "activations": activations,
+            "fusion": [r.as_dict() for r in fuse.records],
+            "moe_layers": moe_layers,
+            "weights": weights,
+        }
         earlier, known = _moepass_source(label)
         if earlier is not None:  # a model moepass converted before: its tokenizer and genai config still hold
             report.update({k: known[k] for k in ("architecture", "hparams", "tokenizer") if k in known})
@@ -363,11 +468,22 @@ def convert_onnx(model: Any, output_dir: str | os.PathLike, *, float_experts: st
     bytes_by_target: dict[str, int] = collections.Counter()
     for w in weights:
         bytes_by_target[w["target"]] += w["bytes"]
-    return ConvertResult(output_dir=Path(output_dir), source=source, architecture="onnx", n_layers=len(fuse.records),
-                         moe_layers=moe_layers, bytes_by_target=dict(bytes_by_target), weights=weights,
-                         source_bytes=source_bytes, output_bytes=output_bytes, seconds=time.perf_counter() - start,
-                         offload=offload, fusion=[r.as_dict() for r in fuse.records], activations=activations,
-                         existing_moe=existing)
+    return ConvertResult(
+        output_dir=Path(output_dir),
+        source=source,
+        architecture="onnx",
+        n_layers=len(fuse.records),
+        moe_layers=moe_layers,
+        bytes_by_target=dict(bytes_by_target),
+        weights=weights,
+        source_bytes=source_bytes,
+        output_bytes=output_bytes,
+        seconds=time.perf_counter() - start,
+        offload=offload,
+        fusion=[r.as_dict() for r in fuse.records],
+        activations=activations,
+        existing_moe=existing,
+    )
 
 
 def _data_files(path: Path) -> list[Path]:

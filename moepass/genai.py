@@ -22,48 +22,72 @@ from moepass.core.files import GENAI_CONFIG_FILE, MODEL_FILE, read_json_object
 from moepass.core.ir_values import dim
 
 
-def genai_config(hp: HParams, model: ir.Model, tokenizer: dict[str, Any],
-                 config_entries: dict[str, str] | None = None) -> dict[str, Any]:
+def genai_config(
+    hp: HParams, model: ir.Model, tokenizer: dict[str, Any], config_entries: dict[str, str] | None = None
+) -> dict[str, Any]:
     arch = model.metadata_props.get(keys.ARCHITECTURE, "")
     stop = list(tokenizer.get("stop_token_ids") or [])
     # the KV cache as the graph holds it (deepseek2: one head of the compressed latent per token)
     cache = next(v for v in model.graph.inputs if v.name == "past_key_values.0.key").shape
     where = "the model's KV cache input past_key_values.0.key"
-    return with_session_entries({
-        "model": {
-            "bos_token_id": tokenizer.get("bos_token_id") if tokenizer.get("bos_token_id") is not None else 0,
-            "context_length": hp.context_length,
-            "decoder": {
-                "session_options": {"log_id": "moepass", "provider_options": []},
-                "filename": MODEL_FILE,
-                "head_size": dim(cache, 3, where),
-                "hidden_size": hp.hidden,
-                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
-                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
-                            "present_value_names": "present.%d.value"},
-                "num_attention_heads": hp.n_heads,
-                "num_hidden_layers": hp.n_layers,
-                "num_key_value_heads": dim(cache, 1, where),
+    return with_session_entries(
+        {
+            "model": {
+                "bos_token_id": tokenizer.get("bos_token_id") if tokenizer.get("bos_token_id") is not None else 0,
+                "context_length": hp.context_length,
+                "decoder": {
+                    "session_options": {"log_id": "moepass", "provider_options": []},
+                    "filename": MODEL_FILE,
+                    "head_size": dim(cache, 3, where),
+                    "hidden_size": hp.hidden,
+                    "inputs": {
+                        "input_ids": "input_ids",
+                        "attention_mask": "attention_mask",
+                        "past_key_names": "past_key_values.%d.key",
+                        "past_value_names": "past_key_values.%d.value",
+                    },
+                    "outputs": {
+                        "logits": "logits",
+                        "present_key_names": "present.%d.key",
+                        "present_value_names": "present.%d.value",
+                    },
+                    "num_attention_heads": hp.n_heads,
+                    "num_hidden_layers": hp.n_layers,
+                    "num_key_value_heads": dim(cache, 1, where),
+                },
+                "eos_token_id": stop if len(stop) != 1 else stop[0],
+                "pad_token_id": stop[0] if stop else 0,
+                "type": ARCHITECTURES[arch].genai_type if arch in ARCHITECTURES else "llama",
+                "vocab_size": hp.vocab,
             },
-            "eos_token_id": stop if len(stop) != 1 else stop[0],
-            "pad_token_id": stop[0] if stop else 0,
-            "type": ARCHITECTURES[arch].genai_type if arch in ARCHITECTURES else "llama",
-            "vocab_size": hp.vocab,
+            "search": {
+                "do_sample": False,
+                "max_length": hp.context_length,
+                "min_length": 0,
+                "num_beams": 1,
+                "num_return_sequences": 1,
+                "past_present_share_buffer": False,
+                "repetition_penalty": 1.0,
+                "temperature": 1.0,
+                "top_k": 1,
+                "top_p": 1.0,
+            },
         },
-        "search": {"do_sample": False, "max_length": hp.context_length, "min_length": 0, "num_beams": 1,
-                   "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
-                   "temperature": 1.0, "top_k": 1, "top_p": 1.0},
-    }, config_entries or {})
+        config_entries or {},
+    )
 
 
-def with_session_entries(config: dict[str, Any], entries: dict[str, str], label: Any = "genai_config.json",
-                         provider: str | None = None) -> dict[str, Any]:
+def with_session_entries(
+    config: dict[str, Any], entries: dict[str, str], label: Any = "genai_config.json", provider: str | None = None
+) -> dict[str, Any]:
     """A genai config whose decoder session also gets these ONNX Runtime session config entries,
     and runs on `provider` (genai's name, e.g. "cuda": onnxruntime-genai-cuda then puts the model on
     the GPU; a CPU build is told `config.clear_providers()`)."""
-    session = config.get("model", {}).get("decoder", {}).get("session_options") \
-        if isinstance(config.get("model"), dict) and isinstance(config["model"].get("decoder"), dict) else None
+    session = (
+        config.get("model", {}).get("decoder", {}).get("session_options")
+        if isinstance(config.get("model"), dict) and isinstance(config["model"].get("decoder"), dict)
+        else None
+    )
     if not isinstance(session, dict):
         raise MoepassError(f"{label}: no model.decoder.session_options object (not a genai config moepass wrote)")
     session.update({k: str(v) for k, v in entries.items()})
@@ -73,7 +97,7 @@ def with_session_entries(config: dict[str, Any], entries: dict[str, str], label:
 
 
 GENAI_MAX_DRAFT_TOKENS = 16  # onnxruntime-genai 0.18: "speculative.max_draft_tokens must be between 1 and 16"
-GENAI_NGRAM_SIZE = 3         # the context suffix its n-gram lookup matches (moepass.runtime.speculative: 3, then 2)
+GENAI_NGRAM_SIZE = 3  # the context suffix its n-gram lookup matches (moepass.runtime.speculative: 3, then 2)
 
 
 def check_speculation(spec: str, draft_tokens: int) -> tuple[Path | None, dict[str, Any] | None]:
@@ -88,8 +112,10 @@ def check_speculation(spec: str, draft_tokens: int) -> tuple[Path | None, dict[s
     draft_dir = Path(path)
     draft_config_file = draft_dir / GENAI_CONFIG_FILE
     if not draft_config_file.is_file() or not (draft_dir / MODEL_FILE).is_file():
-        raise MoepassError(f"{draft_dir}: not a converted model folder ({MODEL_FILE} and {GENAI_CONFIG_FILE}); "
-                           "the draft model is a moepass convert output")
+        raise MoepassError(
+            f"{draft_dir}: not a converted model folder ({MODEL_FILE} and {GENAI_CONFIG_FILE}); "
+            "the draft model is a moepass convert output"
+        )
     draft = read_json_object(draft_config_file)
     model = draft.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):
@@ -109,9 +135,13 @@ def with_speculation(config: dict[str, Any], spec: str, draft_tokens: int, folde
         config["speculative"]["ngram_size"] = GENAI_NGRAM_SIZE
         return config
     if draft.get("vocab_size") != config["model"].get("vocab_size"):
-        raise MoepassError(f"{draft_dir}: the draft model has {draft.get('vocab_size')} tokens, the model "
-                           f"{config['model'].get('vocab_size')}; a draft model needs the same vocabulary")
-    config["model"]["draft"] = {**draft["decoder"], "filename": os.path.relpath(draft_dir.resolve() / MODEL_FILE,
-                                                                                folder.resolve())}
+        raise MoepassError(
+            f"{draft_dir}: the draft model has {draft.get('vocab_size')} tokens, the model "
+            f"{config['model'].get('vocab_size')}; a draft model needs the same vocabulary"
+        )
+    config["model"]["draft"] = {
+        **draft["decoder"],
+        "filename": os.path.relpath(draft_dir.resolve() / MODEL_FILE, folder.resolve()),
+    }
     config["search"]["past_present_share_buffer"] = True
     return config

@@ -88,14 +88,27 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
             form = str(BlockForm(bits, attrs["block_size"])) if "block_size" in attrs else f"int{bits}/row"
         else:
             form = "float32"
-        placement = {k.removeprefix(keys.PLACEMENT_PREFIX): v for k, v in m.node.metadata_props.items()
-                     if k.startswith(keys.PLACEMENT_PREFIX)}
-        nodes.append({"node": m.name, "op": m.node.op_type, "form": form, "experts": m.experts, "top_k": m.top_k,
-                      "hidden": m.hidden, "ffn": m.ffn, "activation": attrs.get("activation_type"),
-                      "bytes": m.bytes_per_expert * m.experts,
-                      "resident": int(placement["resident"]) if "resident" in placement else None,
-                      "cuda": refused.get(m.name),  # None: the CUDA EP takes it
-                      "metadata": dict(m.node.metadata_props)})
+        placement = {
+            k.removeprefix(keys.PLACEMENT_PREFIX): v
+            for k, v in m.node.metadata_props.items()
+            if k.startswith(keys.PLACEMENT_PREFIX)
+        }
+        nodes.append(
+            {
+                "node": m.name,
+                "op": m.node.op_type,
+                "form": form,
+                "experts": m.experts,
+                "top_k": m.top_k,
+                "hidden": m.hidden,
+                "ffn": m.ffn,
+                "activation": attrs.get("activation_type"),
+                "bytes": m.bytes_per_expert * m.experts,
+                "resident": int(placement["resident"]) if "resident" in placement else None,
+                "cuda": refused.get(m.name),  # None: the CUDA EP takes it
+                "metadata": dict(m.node.metadata_props),
+            }
+        )
     groups: collections.Counter = collections.Counter()
     dtypes: collections.Counter = collections.Counter()
     for value in graph.initializers.values():
@@ -152,15 +165,21 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     lines = [f"file          {info['file']}"]
     if info["kind"] == "gguf":
         lines.append(f"format        GGUF, {len(info['parts'])} part(s), {info['file_bytes']:,} bytes")
-        lines.append(f"architecture  {info['architecture']}"
-                     + ("" if info["supported"] else f"  (not converted by moepass: {info['unsupported_reason']})"))
+        lines.append(
+            f"architecture  {info['architecture']}"
+            + ("" if info["supported"] else f"  (not converted by moepass: {info['unsupported_reason']})")
+        )
         if "hparams" in info:
             hp = info["hparams"]
-            lines.append(f"model         {hp['n_layers']} layers, hidden {hp['hidden']}, "
-                         f"{hp['n_heads']} q / {hp['n_kv_heads']} kv heads x {hp['head_dim']}, vocab {hp['vocab']}, "
-                         f"context {hp['context_length']}")
-            lines.append(f"MoE layers    {info['moe_layers']}: {hp['n_experts']} experts, top-{hp['n_experts_used']}, "
-                         f"expert ffn {hp['expert_ff']}")
+            lines.append(
+                f"model         {hp['n_layers']} layers, hidden {hp['hidden']}, "
+                f"{hp['n_heads']} q / {hp['n_kv_heads']} kv heads x {hp['head_dim']}, vocab {hp['vocab']}, "
+                f"context {hp['context_length']}"
+            )
+            lines.append(
+                f"MoE layers    {info['moe_layers']}: {hp['n_experts']} experts, top-{hp['n_experts_used']}, "
+                f"expert ffn {hp['expert_ff']}"
+            )
             lines.extend(_feature_lines(info["features"]))
         lines.append("tensor types  " + ", ".join(f"{t} x{n}" for t, n in sorted(info["tensor_types"].items())))
         lines.append("bytes by group")
@@ -179,28 +198,37 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
     for m in info["moe_nodes"]:
         resident = "" if m["resident"] is None else f", {m['resident']} resident on the GPU (stored first)"
         cuda = "; CUDA takes it" if m["cuda"] is None else "; not on CUDA"
-        lines.append(f"  {m['node']:<16}{m['op']:<6}{m['form']:<18}{m['experts']} experts, top-{m['top_k']}, "
-                     f"{m['bytes']:,} bytes{resident}{cuda}")
+        lines.append(
+            f"  {m['node']:<16}{m['op']:<6}{m['form']:<18}{m['experts']} experts, top-{m['top_k']}, "
+            f"{m['bytes']:,} bytes{resident}{cuda}"
+        )
     refused = info.get("cuda_refused") or {}
     if refused:
         reasons = collections.Counter(refused.values())
         lines.append(f"CUDA EP       {len(refused)} nodes it has no kernel for (they would run on the CPU):")
         lines.extend(f"  {n} x {why}" for why, n in reasons.most_common())
         if any("float32" in why for why in reasons):
-            lines.append("  (convert --expert-format offload writes a float16 graph whose every node the CUDA EP "
-                         "takes)")
+            lines.append(
+                "  (convert --expert-format offload writes a float16 graph whose every node the CUDA EP takes)"
+            )
     else:
         lines.append("CUDA EP       takes every node")
     for record in info.get("fusion") or []:
-        lines.append(f"  fused {record['anchor']} -> {record['node']} ({record['form']})" if record["fused"] else
-                     f"  not fused: {record['reason']}")
+        lines.append(
+            f"  fused {record['anchor']} -> {record['node']} ({record['form']})"
+            if record["fused"]
+            else f"  not fused: {record['reason']}"
+        )
     # float MoE nodes that stay as they are are listed above already
     candidates = [r for r in info.get("fusion_candidates") or [] if r["fused"] or r["rule"] != "moe-node"]
     if candidates:
-        lines.append(f"fusable       {sum(r['fused'] for r in candidates)} of {len(candidates)} MoE subgraphs "
-                     "(moepass convert fuses them into QMoE)")
-        lines.extend(f"  {r['anchor']}: {r['geometry']}" if r["fused"] else f"  not fusable: {r['reason']}"
-                     for r in candidates)
+        lines.append(
+            f"fusable       {sum(r['fused'] for r in candidates)} of {len(candidates)} MoE subgraphs "
+            "(moepass convert fuses them into QMoE)"
+        )
+        lines.extend(
+            f"  {r['anchor']}: {r['geometry']}" if r["fused"] else f"  not fusable: {r['reason']}" for r in candidates
+        )
     lines.append("bytes by group")
     for group, n in sorted(info["bytes_by_group"].items()):
         lines.append(f"  {group:<18}{n:>16,}")

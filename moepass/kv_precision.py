@@ -65,15 +65,17 @@ def calibration_ids(decoder, text: str | None, length: int) -> tuple[list[int], 
 
     if text is not None:
         if not decoder.has_tokenizer:
-            raise MoepassError(f"{decoder.model_dir}: the model has no tokenizer to encode the KV calibration "
-                               "text with")
+            raise MoepassError(
+                f"{decoder.model_dir}: the model has no tokenizer to encode the KV calibration text with"
+            )
         ids = decoder.encode(text)[:length]
         if not ids:
             raise MoepassError("the KV calibration text holds no token")
         return ids, f"{len(ids)} tokens of the text given"
-    start = decoder.encode(OPENING)[:length // 2] if decoder.has_tokenizer else [0]
-    written = list(decoder.generate(start, length - len(start), stop_ids=(), sampling=Sampling(temperature=1.0,
-                                                                                               seed=0)))
+    start = decoder.encode(OPENING)[: length // 2] if decoder.has_tokenizer else [0]
+    written = list(
+        decoder.generate(start, length - len(start), stop_ids=(), sampling=Sampling(temperature=1.0, seed=0))
+    )
     return [*start, *written], f"{len(start) + len(written)} tokens of the model's own text (sampled, seed 0)"
 
 
@@ -88,8 +90,15 @@ def cache_entry(kind: str | None) -> dict:
     return {"type": kind, "bytes_per_value": KV_CACHE_TYPES[kind]} if kind else {"type": None}
 
 
-def set_kv_cache(folder: Path, kind: str, current: str | None, context: int | None = None, text: str | None = None,
-                 threads: int | None = None, echo: Callable[[str], None] = lambda line: None) -> dict:
+def set_kv_cache(
+    folder: Path,
+    kind: str,
+    current: str | None,
+    context: int | None = None,
+    text: str | None = None,
+    threads: int | None = None,
+    echo: Callable[[str], None] = lambda line: None,
+) -> dict:
     """Give every GroupQueryAttention of the converted model in `folder`, whose cache is of type
     `current` (cache_type_of), a `kind` cache, calibrated on at most `context` tokens (the model's
     positions); rewrites model.onnx (the weights' data file stays as it is). "float32" keeps the
@@ -112,8 +121,10 @@ def set_kv_cache(folder: Path, kind: str, current: str | None, context: int | No
         decoder = Decoder(folder, device="cpu", threads=threads)
         length = min(CALIBRATION_TOKENS, context or CALIBRATION_TOKENS)
         ids, info["calibration"] = calibration_ids(decoder, text, length)
-        scales = {name: np.maximum(top * HEADROOM, np.finfo(np.float32).tiny) / INT8_MAX
-                  for name, top in cache_ranges(decoder, ids).items()}
+        scales = {
+            name: np.maximum(top * HEADROOM, np.finfo(np.float32).tiny) / INT8_MAX
+            for name, top in cache_ranges(decoder, ids).items()
+        }
         del decoder
     cache_type = ir.TensorType(ir.DataType.FLOAT16 if kind == "float16" else ir.DataType.INT8)
     for node in attention:
@@ -126,8 +137,12 @@ def set_kv_cache(folder: Path, kind: str, current: str | None, context: int | No
             present = output.name or ""
             scale = scales[present].astype(np.float32)[:, None, :]  # [kv_heads, 1, head_size]
             name = present.replace("present.", "kv_scale.")
-            initializer = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(scale.shape),
-                                   const_value=ir.tensor(scale, name=name))
+            initializer = ir.Value(
+                name=name,
+                type=ir.TensorType(ir.DataType.FLOAT),
+                shape=ir.Shape(scale.shape),
+                const_value=ir.tensor(scale, name=name),
+            )
             model.graph.register_initializer(initializer)
             node.replace_input_with(index, initializer)
         for key in ("k_quant_type", "v_quant_type"):

@@ -83,63 +83,104 @@ class PartitionResult:
         if plan.target == "layers":
             on_gpu = len([n for n in nodes if n.device == "gpu"])
             rest = len(nodes) - on_gpu
-            where = ("every MoE layer runs on the CPU" if not on_gpu else "all of them" if not rest else
-                     f"the experts of the other {rest} run on the CPU")
-            head = (f"placed {on_gpu} of {len(nodes)} MoE layers on the GPU whole (per-layer placement: {where}) "
-                    f"-> {self.output_dir}")
+            where = (
+                "every MoE layer runs on the CPU"
+                if not on_gpu
+                else "all of them"
+                if not rest
+                else f"the experts of the other {rest} run on the CPU"
+            )
+            head = (
+                f"placed {on_gpu} of {len(nodes)} MoE layers on the GPU whole (per-layer placement: {where}) "
+                f"-> {self.output_dir}"
+            )
         else:
-            head = (f"placed {resident} of {total} experts on the GPU ({plan.inputs.policy} policy) -> "
-                    f"{self.output_dir}" + ("" if plan.offload_active else
-                                            " (inactive: ONNX Runtime will not offload this model)"))
+            head = (
+                f"placed {resident} of {total} experts on the GPU ({plan.inputs.policy} policy) -> "
+                f"{self.output_dir}"
+                + ("" if plan.offload_active else " (inactive: ONNX Runtime will not offload this model)")
+            )
         kv = plan.kv_cache
         lines = [
             head,
             f"  VRAM budget      {format_bytes(mem.vram_bytes):>12}",
             f"  non-expert       {format_bytes(mem.non_expert_bytes):>12}",
             f"  KV cache         {format_bytes(mem.kv_cache_bytes):>12}  "
-            f"(context {plan.inputs.context}, batch {plan.inputs.batch}" + (f", {kv.type}" if kv else "") + ")"
+            f"(context {plan.inputs.context}, batch {plan.inputs.batch}"
+            + (f", {kv.type}" if kv else "")
+            + ")"
             + (f"; {kv.traded}" if kv and kv.traded else ""),
             f"  working buffers  {format_bytes(mem.work_bytes):>12}  (estimate)",
             f"  reserve          {format_bytes(mem.reserve_bytes):>12}",
             f"  resident experts {format_bytes(mem.resident_expert_bytes):>12}",
             f"  host experts     {format_bytes(mem.host_expert_bytes):>12}",
-            f"  free             {format_bytes(mem.free_bytes):>12}" + (
-                "  (nothing fits beside the non-expert part)" if not mem.resident_expert_bytes
-                and not mem.free_bytes else ""),
+            f"  free             {format_bytes(mem.free_bytes):>12}"
+            + (
+                "  (nothing fits beside the non-expert part)"
+                if not mem.resident_expert_bytes and not mem.free_bytes
+                else ""
+            ),
             f"  GPU hit rate     {pred.gpu_hit_rate_by_mass:.1%} of routing mass, "
             f"{pred.gpu_hit_rate_by_selection:.1%} of selections ({pred.based_on})",
             f"  decode estimate  {decode.cold_experts_on_cpu:.3g} ms/token with cold "
             f"experts on the CPU, {decode.cold_experts_over_pcie:.3g} ms/token over PCIe "
-            + ("(GPU side from the bandwidths, CPU side timed here)" if pred.cpu else
-               "(bandwidth model, not a measurement)"),
+            + (
+                "(GPU side from the bandwidths, CPU side timed here)"
+                if pred.cpu
+                else "(bandwidth model, not a measurement)"
+            ),
         ]
         if decode.cpu_only is not None and pred.cpu is not None:
-            lines.append(f"  CPU only         {decode.cpu_only:.3g} ms/token with every layer on "
-                         f"this CPU ({pred.cpu.threads or 'default'} threads; MoE layers and the LM head's "
-                         "rate timed on this model)")
+            lines.append(
+                f"  CPU only         {decode.cpu_only:.3g} ms/token with every layer on "
+                f"this CPU ({pred.cpu.threads or 'default'} threads; MoE layers and the LM head's "
+                "rate timed on this model)"
+            )
         lines.append(f"  weights          {self.weights}")
         other = pred.per_expert_alternative
         if other:
-            lines.append(f"  per expert       {other.gpu_hit_rate_by_mass:.1%} of routing mass, "
-                         f"{other.decode_ms_per_token.cold_experts_on_cpu:.3g} ms/token at the same budget "
-                         "(what the CUDA plugin EP's expert offload would add: --target offload)")
+            lines.append(
+                f"  per expert       {other.gpu_hit_rate_by_mass:.1%} of routing mass, "
+                f"{other.decode_ms_per_token.cold_experts_on_cpu:.3g} ms/token at the same budget "
+                "(what the CUDA plugin EP's expert offload would add: --target offload)"
+            )
         return lines
 
 
-def _plan_document(plan: Plan, memory: MemoryModel, inputs: dict[str, Any], identity: dict[str, Any],
-                   options: dict[str, str]) -> dict[str, Any]:
+def _plan_document(
+    plan: Plan, memory: MemoryModel, inputs: dict[str, Any], identity: dict[str, Any], options: dict[str, str]
+) -> dict[str, Any]:
     nodes = []
     for g in memory.groups:
         resident = plan.resident[g.node]
-        nodes.append({"node": g.node, "experts": g.experts, "top_k": g.top_k, "bytes_per_expert": g.bytes_per_expert,
-                      "device": "gpu" if len(resident) == g.experts else "cpu" if not resident else "split",
-                      "resident_count": len(resident), "resident": resident, "order": plan.order[g.node],
-                      "mass_hit_rate": plan.mass_hit_rate[g.node],
-                      "selection_hit_rate": plan.selection_hit_rate[g.node]})
-    return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "moepass_version": __version__,
-            "target": inputs["target"], "model": identity, "inputs": inputs, "fits": plan.fits, "memory": plan.memory,
-            "nodes": nodes,
-            "prediction": plan.prediction, "warnings": plan.warnings, "onnxruntime_options": options}
+        nodes.append(
+            {
+                "node": g.node,
+                "experts": g.experts,
+                "top_k": g.top_k,
+                "bytes_per_expert": g.bytes_per_expert,
+                "device": "gpu" if len(resident) == g.experts else "cpu" if not resident else "split",
+                "resident_count": len(resident),
+                "resident": resident,
+                "order": plan.order[g.node],
+                "mass_hit_rate": plan.mass_hit_rate[g.node],
+                "selection_hit_rate": plan.selection_hit_rate[g.node],
+            }
+        )
+    return {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "moepass_version": __version__,
+        "target": inputs["target"],
+        "model": identity,
+        "inputs": inputs,
+        "fits": plan.fits,
+        "memory": plan.memory,
+        "nodes": nodes,
+        "prediction": plan.prediction,
+        "warnings": plan.warnings,
+        "onnxruntime_options": options,
+    }
 
 
 def _expert_regions(model_path: Path, memory: MemoryModel, plan: Plan) -> list[dict[str, Any]]:
@@ -157,20 +198,44 @@ def _expert_regions(model_path: Path, memory: MemoryModel, plan: Plan) -> list[d
         resident = len(plan.resident[m.name])
         for value in m.expert_values:
             location, offset, length = located[value.name]
-            regions.append({"node": m.name, "tensor": value.name, "file": location, "offset": offset,
-                            "length": length, "resident_bytes": length // groups[m.name].experts * resident})
+            regions.append(
+                {
+                    "node": m.name,
+                    "tensor": value.name,
+                    "file": location,
+                    "offset": offset,
+                    "length": length,
+                    "resident_bytes": length // groups[m.name].experts * resident,
+                }
+            )
     return regions
 
 
-def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram: str | int, *,
-              profile: str | os.PathLike | Popularity | None = None, context: int = 4096, batch: int = 1,
-              prefill_tokens: int = 512, reserve: str | int = "512MiB", policy: str | None = None,
-              mode: str = "auto", bandwidths: Bandwidths = Bandwidths(), report: str | os.PathLike | None = None,
-              overwrite: bool = False, warn: Callable[[str], None] | None = None, target: str = "auto",
-              cuda_plugin: str | os.PathLike | None = None,
-              progress: Callable[[int, int], None] | None = None, kernel_table: bool = True,
-              cpu_profile: str | os.PathLike | None = None, calibrate: bool = True,
-              threads: int | None = None, kv_cache: str = "keep") -> PartitionResult:
+def partition(
+    model_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    vram: str | int,
+    *,
+    profile: str | os.PathLike | Popularity | None = None,
+    context: int = 4096,
+    batch: int = 1,
+    prefill_tokens: int = 512,
+    reserve: str | int = "512MiB",
+    policy: str | None = None,
+    mode: str = "auto",
+    bandwidths: Bandwidths = Bandwidths(),
+    report: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    warn: Callable[[str], None] | None = None,
+    target: str = "auto",
+    cuda_plugin: str | os.PathLike | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    kernel_table: bool = True,
+    cpu_profile: str | os.PathLike | None = None,
+    calibrate: bool = True,
+    threads: int | None = None,
+    kv_cache: str = "keep",
+) -> PartitionResult:
     """Plan expert placement for a GPU budget and write the annotated model, plan and options.
 
     target: "offload" (per expert, for the CUDA plugin EP's expert offload), "layers" (whole MoE
@@ -209,8 +274,10 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     else:
         kv_kinds = [kv_cache]
     if kv_kinds[0] != source_cache and source_cache != "float32":
-        raise MoepassError(f"{source}: the model's KV cache is {source_cache}; --kv-cache {kv_cache} applies to a "
-                           "float32 cache (convert the GGUF with --kv-cache instead)")
+        raise MoepassError(
+            f"{source}: the model's KV cache is {source_cache}; --kv-cache {kv_cache} applies to a "
+            "float32 cache (convert the GGUF with --kv-cache instead)"
+        )
     popularity, profile_info = None, None
     if profile is not None:
         label = str(profile) if not isinstance(profile, Popularity) else "profile"
@@ -229,16 +296,20 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
     inactive = None
     if violations and target == "offload":  # said before planning: the plan would not change what ONNX Runtime does
         node, rule = violations[0]
-        inactive = (f"{source.parent}: ONNX Runtime will not offload this model's experts ({node}: {rule}); "
-                    "convert the GGUF with --expert-format offload for a model it will")
+        inactive = (
+            f"{source.parent}: ONNX Runtime will not offload this model's experts ({node}: {rule}); "
+            "convert the GGUF with --expert-format offload for a model it will"
+        )
         if mode == "required":
             raise MoepassError(inactive)
     refused = {m.name: why for m in moe_nodes(model.graph) if (why := cuda_refusals_of.get(m.name))}
     if refused:  # said before planning; the plan keeps those layers on the CPU, where they will run
         name, why = next(iter(refused.items()))
-        stays = (f"{source.parent}: ONNX Runtime's CUDA EP has no kernel for {len(refused)} of {len(memory.groups)} "
-                 f"MoE layers ({name}: {why}): they run on the CPU whatever the plan; convert the GGUF with "
-                 "--expert-format offload for a float16 graph whose every node the CUDA EP takes")
+        stays = (
+            f"{source.parent}: ONNX Runtime's CUDA EP has no kernel for {len(refused)} of {len(memory.groups)} "
+            f"MoE layers ({name}: {why}): they run on the CPU whatever the plan; convert the GGUF with "
+            "--expert-format offload for a float16 graph whose every node the CUDA EP takes"
+        )
         if mode == "required":
             raise MoepassError(stays)
         if warn is not None:
@@ -250,12 +321,35 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         costs = cpu_costs(source, threads, cpu_profile)
     plans = {}
     for kind in kv_kinds:  # one plan per KV cache type, its bytes per token in the memory model
-        kind_memory = memory if kind is None or source_cache is None or kind == source_cache else dataclasses.replace(
-            memory, kv_bytes_per_token=memory.kv_bytes_per_token // KV_CACHE_TYPES[source_cache] * KV_CACHE_TYPES[kind])
-        plans[kind] = kind_memory, plan_placement(kind_memory, budget, popularity, policy, mode, bandwidths,
-                                                  target=target, cpu_only=frozenset(refused), cpu_costs=costs)
-    chosen = min(kv_kinds, key=lambda k: (round(plans[k][1].prediction["decode_ms_per_token"]["cold_experts_on_cpu"],
-                                                6), kv_kinds.index(k)))
+        kind_memory = (
+            memory
+            if kind is None or source_cache is None or kind == source_cache
+            else dataclasses.replace(
+                memory,
+                kv_bytes_per_token=memory.kv_bytes_per_token // KV_CACHE_TYPES[source_cache] * KV_CACHE_TYPES[kind],
+            )
+        )
+        plans[kind] = (
+            kind_memory,
+            plan_placement(
+                kind_memory,
+                budget,
+                popularity,
+                policy,
+                mode,
+                bandwidths,
+                target=target,
+                cpu_only=frozenset(refused),
+                cpu_costs=costs,
+            ),
+        )
+    chosen = min(
+        kv_kinds,
+        key=lambda k: (
+            round(plans[k][1].prediction["decode_ms_per_token"]["cold_experts_on_cpu"], 6),
+            kv_kinds.index(k),
+        ),
+    )
     memory, plan = plans[chosen]
     if inactive and warn is not None:  # first, once the inputs are known to be good
         warn(inactive + "; the plan is written but inactive")
@@ -263,9 +357,18 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         if warn is not None:
             warn(message)
     options = onnxruntime_options(plan, memory.groups, mode, target)
-    inputs = {"model": str(source), "target": target, "vram": str(vram), "context": context, "batch": batch,
-              "prefill_tokens": prefill_tokens, "policy": plan.policy, "mode": mode, "profile": profile_info,
-              "bandwidths_gbps": dataclasses.asdict(bandwidths)}
+    inputs = {
+        "model": str(source),
+        "target": target,
+        "vram": str(vram),
+        "context": context,
+        "batch": batch,
+        "prefill_tokens": prefill_tokens,
+        "policy": plan.policy,
+        "mode": mode,
+        "profile": profile_info,
+        "bandwidths_gbps": dataclasses.asdict(bandwidths),
+    }
     document = _plan_document(plan, memory, inputs, identity, options)
     if source_cache is not None and chosen is not None:
         document["kv_cache"] = _kv_cache_choice(plans, chosen, source_cache, kv_cache)
@@ -273,19 +376,29 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         document["cpu_costs"] = costs
     if target == "layers":
         if popularity is not None:  # what per-expert placement would serve at the same budget
-            per_expert = plan_placement(memory, budget, popularity, policy, mode, bandwidths, target="offload",
-                                        cpu_costs=costs)
+            per_expert = plan_placement(
+                memory, budget, popularity, policy, mode, bandwidths, target="offload", cpu_costs=costs
+            )
             document["prediction"]["per_expert_alternative"] = {
-                k: per_expert.prediction[k] for k in ("gpu_hit_rate_by_mass", "gpu_hit_rate_by_selection",
-                                                      "decode_ms_per_token")}
+                k: per_expert.prediction[k]
+                for k in ("gpu_hit_rate_by_mass", "gpu_hit_rate_by_selection", "decode_ms_per_token")
+            }
         AnnotateLayersPass({g.node: bool(plan.resident[g.node]) for g in memory.groups})(model)
     else:
         document["offload"] = {"active": inactive is None, "reason": inactive}
         ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
     model.metadata_props[keys.PLACEMENT] = json.dumps(
-        {"plan": PLAN_FILE, "options": OPTIONS_FILE, "target": target, "vram_bytes": budget.vram_bytes,
-         "policy": plan.policy, "resident_expert_bytes": plan.resident_bytes, "fingerprint": identity["fingerprint"]},
-        sort_keys=True)
+        {
+            "plan": PLAN_FILE,
+            "options": OPTIONS_FILE,
+            "target": target,
+            "vram_bytes": budget.vram_bytes,
+            "policy": plan.policy,
+            "resident_expert_bytes": plan.resident_bytes,
+            "fingerprint": identity["fingerprint"],
+        },
+        sort_keys=True,
+    )
     output_dir = Path(output_dir)
     with atomic_directory(output_dir, overwrite) as tmp:
         weights = _save(model, source, tmp, unchanged=target == "layers", progress=progress)
@@ -300,14 +413,19 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
         if chosen is not None and chosen != source_cache:
             kv_cache_entry = set_kv_cache(tmp, chosen, source_cache, source_report.context_length, threads=threads)
             write_report(tmp, {**source_report.document, "kv_cache": kv_cache_entry})
-        (tmp / OPTIONS_FILE).write_text(json.dumps({"session_config_entries": options,
-                                                    "placement": {"target": target, "mode": mode}}, indent=1) + "\n")
+        (tmp / OPTIONS_FILE).write_text(
+            json.dumps({"session_config_entries": options, "placement": {"target": target, "mode": mode}}, indent=1)
+            + "\n"
+        )
         if (source.parent / GENAI_CONFIG_FILE).is_file():
             # a per-layer plan is for onnxruntime-genai-cuda's in-tree CUDA EP; expert offload needs the
             # plugin EP, which genai is not given here (docs/gpu.md, route (c))
-            genai = with_session_entries(read_json_object(source.parent / GENAI_CONFIG_FILE), options,
-                                         source.parent / GENAI_CONFIG_FILE,
-                                         provider="cuda" if target == "layers" else None)
+            genai = with_session_entries(
+                read_json_object(source.parent / GENAI_CONFIG_FILE),
+                options,
+                source.parent / GENAI_CONFIG_FILE,
+                provider="cuda" if target == "layers" else None,
+            )
             (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
         if report is not None:
             from moepass.plan_report import draw_plan
@@ -319,41 +437,61 @@ def partition(model_dir: str | os.PathLike, output_dir: str | os.PathLike, vram:
 
 def _kv_cache_choice(plans: dict, chosen: str, source: str, asked: str) -> dict[str, Any]:
     """plan.json's "kv_cache": the type chosen, why, and what each candidate would have bought."""
+
     def summary(kind: str) -> dict[str, Any]:
         _, plan = plans[kind]
-        return {"kv_cache_bytes": plan.memory["kv_cache_bytes"], "bytes_per_value": KV_CACHE_TYPES[kind],
-                "resident_experts": sum(len(r) for r in plan.resident.values()),
-                "gpu_hit_rate_by_mass": plan.prediction["gpu_hit_rate_by_mass"],
-                "decode_ms_per_token": plan.prediction["decode_ms_per_token"]["cold_experts_on_cpu"]}
+        return {
+            "kv_cache_bytes": plan.memory["kv_cache_bytes"],
+            "bytes_per_value": KV_CACHE_TYPES[kind],
+            "resident_experts": sum(len(r) for r in plan.resident.values()),
+            "gpu_hit_rate_by_mass": plan.prediction["gpu_hit_rate_by_mass"],
+            "decode_ms_per_token": plan.prediction["decode_ms_per_token"]["cold_experts_on_cpu"],
+        }
 
-    entry: dict[str, Any] = {"type": chosen, "source": source,
-                             "chosen_by": {"keep": "the model's", "auto": "auto"}.get(asked, "asked"),
-                             "candidates": {k: summary(k) for k in plans}}
+    entry: dict[str, Any] = {
+        "type": chosen,
+        "source": source,
+        "chosen_by": {"keep": "the model's", "auto": "auto"}.get(asked, "asked"),
+        "candidates": {k: summary(k) for k in plans},
+    }
     if chosen != source:
         was, now = entry["candidates"][source] if source in plans else None, entry["candidates"][chosen]
         if was is not None:
-            entry["traded"] = (f"{chosen} KV frees {format_bytes(was['kv_cache_bytes'] - now['kv_cache_bytes'])}: "
-                               f"{now['resident_experts'] - was['resident_experts']} more experts resident, predicted "
-                               f"hit rate {was['gpu_hit_rate_by_mass']:.0%} -> {now['gpu_hit_rate_by_mass']:.0%}")
+            entry["traded"] = (
+                f"{chosen} KV frees {format_bytes(was['kv_cache_bytes'] - now['kv_cache_bytes'])}: "
+                f"{now['resident_experts'] - was['resident_experts']} more experts resident, predicted "
+                f"hit rate {was['gpu_hit_rate_by_mass']:.0%} -> {now['gpu_hit_rate_by_mass']:.0%}"
+            )
     return entry
 
 
-def _save(model: ir.Model, source: Path, folder: Path, unchanged: bool,
-          progress: Callable[[int, int], None] | None) -> str:
+def _save(
+    model: ir.Model, source: Path, folder: Path, unchanged: bool, progress: Callable[[int, int], None] | None
+) -> str:
     """Write the placed model into `folder`. A per-layer plan only annotates nodes: when every weight
     still lies in the source's data file, that file is shared (hard link, reflink, else a copy) and
     only model.onnx is written, pointing into it as before; otherwise (reordered experts) the
     weights are written anew. Says which."""
     data = source.parent / DATA_FILE
-    external = [v.const_value for v in model.graph.initializers.values()
-                if isinstance(v.const_value, ir.ExternalTensor)]
-    if unchanged and data.is_file() and external and all(
+    external = [
+        v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)
+    ]
+    if (
+        unchanged
+        and data.is_file()
+        and external
+        and all(
             Path(t.location) == Path(DATA_FILE) and Path(t.base_dir).resolve() == source.parent.resolve()
-            for t in external):
+            for t in external
+        )
+    ):
         how = share_file(data, folder / DATA_FILE, progress)
         onnx.save(ir.to_proto(model), folder / MODEL_FILE)
-        return (f"{DATA_FILE} shared with {source.parent} ({how}: per-layer placement changes no weight)"
-                if how != "copy" else f"{DATA_FILE} copied as it is from {source.parent} (per-layer placement "
-                                      "changes no weight; this file system has no reflinks to share it)")
+        return (
+            f"{DATA_FILE} shared with {source.parent} ({how}: per-layer placement changes no weight)"
+            if how != "copy"
+            else f"{DATA_FILE} copied as it is from {source.parent} (per-layer placement "
+            "changes no weight; this file system has no reflinks to share it)"
+        )
     save_model(model, folder / MODEL_FILE, progress)
     return f"{DATA_FILE} rewritten (experts reordered resident-first)"

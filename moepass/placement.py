@@ -51,9 +51,22 @@ from moepass.core.ir_values import dim, dtype_of
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.popularity import Popularity
 
-_UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4,
-          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
-          "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4, "b": 1}
+_UNITS = {
+    "": 1,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "b": 1,
+}
 _SIZE = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,15})?)\s*([a-zA-Z]*)\s*$")
 # No GPU comes near 1 PiB; a plain number below 1 MiB is a forgotten unit ("--vram 8")
 _MAX_BYTES = 1 << 50
@@ -81,7 +94,7 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
 
 
 def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
@@ -102,8 +115,8 @@ class ExpertGroup:
 class MemoryModel:
     non_expert_bytes: int
     groups: list[ExpertGroup]
-    kv_bytes_per_token: int          # one sequence, all layers, K and V
-    dims: dict[str, int]             # hidden, vocab, heads, kv_heads, head_dim, activation_bytes
+    kv_bytes_per_token: int  # one sequence, all layers, K and V
+    dims: dict[str, int]  # hidden, vocab, heads, kv_heads, head_dim, activation_bytes
 
     @property
     def expert_bytes(self) -> int:
@@ -116,8 +129,13 @@ class MemoryModel:
         d, a = self.dims, self.dims["activation_bytes"]
         t = batch * prefill_tokens
         moe = max((t * g.top_k * (3 * g.ffn + d["hidden"]) + t * g.experts for g in self.groups), default=0)
-        return a * (4 * t * d["hidden"] + t * (d["heads"] + 2 * d["kv_heads"]) * d["head_dim"]
-                    + batch * d["heads"] * prefill_tokens * context + moe + t * d["vocab"])
+        return a * (
+            4 * t * d["hidden"]
+            + t * (d["heads"] + 2 * d["kv_heads"]) * d["head_dim"]
+            + batch * d["heads"] * prefill_tokens * context
+            + moe
+            + t * d["vocab"]
+        )
 
     @classmethod
     def of(cls, model: ir.Model) -> MemoryModel:
@@ -140,8 +158,14 @@ class MemoryModel:
                 heads = node.attributes.get_int("num_heads", 0)
                 break
         hidden = nodes[0].hidden
-        dims = {"hidden": hidden, "vocab": dim(logits.shape, -1, "logits"), "heads": heads, "kv_heads": kv_heads,
-                "head_dim": head_dim, "activation_bytes": act}
+        dims = {
+            "hidden": hidden,
+            "vocab": dim(logits.shape, -1, "logits"),
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "activation_bytes": act,
+        }
         return cls(non_expert, groups, kv_per_token, dims)
 
 
@@ -151,7 +175,7 @@ class Budget:
     context: int = 4096
     batch: int = 1
     prefill_tokens: int = 512
-    reserve_bytes: int = 512 * 1024 ** 2
+    reserve_bytes: int = 512 * 1024**2
 
 
 @dataclasses.dataclass
@@ -161,8 +185,8 @@ class Plan:
     memory: dict[str, int]
     fits: bool
     policy: str
-    resident: dict[str, list[int]]          # node -> resident expert ids, most popular first
-    order: dict[str, list[int]]             # node -> every expert id, resident first, by popularity
+    resident: dict[str, list[int]]  # node -> resident expert ids, most popular first
+    order: dict[str, list[int]]  # node -> every expert id, resident first, by popularity
     mass_hit_rate: dict[str, float]
     selection_hit_rate: dict[str, float]
     prediction: dict[str, Any]
@@ -180,8 +204,9 @@ def by_popularity(experts: Iterable[int], mass: np.ndarray) -> list[int]:
 
 def _ranking(groups: list[ExpertGroup], mass: list[np.ndarray]) -> list[tuple[int, int]]:
     """(group index, expert) by mass per byte, ties by layer then expert id."""
-    items = [(-(m[e] / g.bytes_per_expert), gi, e) for gi, (g, m) in enumerate(zip(groups, mass))
-             for e in range(g.experts)]
+    items = [
+        (-(m[e] / g.bytes_per_expert), gi, e) for gi, (g, m) in enumerate(zip(groups, mass)) for e in range(g.experts)
+    ]
     items.sort()
     return [(gi, e) for _, gi, e in items]
 
@@ -220,10 +245,17 @@ def choose_layers(groups: list[ExpertGroup], budget: int) -> list[bool]:
     return on_gpu
 
 
-def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity | None = None,
-                   policy: str | None = None, mode: str = "auto", bandwidths: Bandwidths = Bandwidths(),
-                   target: str = "offload", cpu_only: frozenset[str] = frozenset(),
-                   cpu_costs: dict[str, Any] | None = None) -> Plan:
+def plan_placement(
+    memory: MemoryModel,
+    budget: Budget,
+    popularity: Popularity | None = None,
+    policy: str | None = None,
+    mode: str = "auto",
+    bandwidths: Bandwidths = Bandwidths(),
+    target: str = "offload",
+    cpu_only: frozenset[str] = frozenset(),
+    cpu_costs: dict[str, Any] | None = None,
+) -> Plan:
     """The placement for `target` "offload" (experts chosen one by one, by `policy`) or "layers"
     (whole MoE nodes, see choose_layers). `cpu_only`: MoE nodes the GPU's EP has no kernel for;
     none of their experts is placed on the GPU (the budget they would have had stays free).
@@ -235,8 +267,9 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
     policy = policy or ("global" if popularity is not None else "uniform")
     one_of(policy, POLICIES, "policy")
     if popularity is None and policy != "uniform":
-        raise MoepassError(f"policy {policy!r} needs a popularity profile (moepass profile); "
-                           "without one, placement is uniform")
+        raise MoepassError(
+            f"policy {policy!r} needs a popularity profile (moepass profile); without one, placement is uniform"
+        )
     if target == "layers":
         policy = "layers"  # whole nodes: the policy has nothing to choose
     groups = memory.groups
@@ -253,18 +286,19 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
     fits = fixed <= budget.vram_bytes
     if not fits:
         missing = fixed - budget.vram_bytes
-        message = (f"--vram {format_bytes(budget.vram_bytes)} does not hold the non-expert weights "
-                   f"({format_bytes(memory.non_expert_bytes)}), KV cache ({format_bytes(kv)}), working buffers "
-                   f"({format_bytes(work)}) and reserve ({format_bytes(budget.reserve_bytes)}): "
-                   f"{missing:,} bytes ({format_bytes(missing)}) missing")
+        message = (
+            f"--vram {format_bytes(budget.vram_bytes)} does not hold the non-expert weights "
+            f"({format_bytes(memory.non_expert_bytes)}), KV cache ({format_bytes(kv)}), working buffers "
+            f"({format_bytes(work)}) and reserve ({format_bytes(budget.reserve_bytes)}): "
+            f"{missing:,} bytes ({format_bytes(missing)}) missing"
+        )
         if mode == "required":
             raise MoepassError(message)
         warnings.append(message + "; no expert is placed on the GPU")
     expert_budget = max(0, budget.vram_bytes - fixed)
     if target == "layers":
         on_gpu = choose_layers(groups, expert_budget)
-        resident = [by_popularity(range(g.experts), m) if gpu else []
-                    for g, m, gpu in zip(groups, mass, on_gpu)]
+        resident = [by_popularity(range(g.experts), m) if gpu else [] for g, m, gpu in zip(groups, mass, on_gpu)]
     else:
         resident = choose_resident(groups, mass, expert_budget, policy)
     resident = [[] if g.node in cpu_only else r for g, r in zip(groups, resident)]
@@ -273,14 +307,18 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
     if fits and not all_fit and mode == "auto":
         if target == "layers":
             placed = sum(1 for r in resident if r)
-            warnings.append(f"{placed} of {len(groups)} MoE layers fit on the GPU whole; the experts of the other "
-                            f"{len(groups) - placed} ({format_bytes(memory.expert_bytes - resident_bytes)}) stay in "
-                            "host memory and run on the CPU")
+            warnings.append(
+                f"{placed} of {len(groups)} MoE layers fit on the GPU whole; the experts of the other "
+                f"{len(groups) - placed} ({format_bytes(memory.expert_bytes - resident_bytes)}) stay in "
+                "host memory and run on the CPU"
+            )
         else:
             served = sum(len(r) for r in resident)
             total = sum(g.experts for g in groups)
-            warnings.append(f"{served} of {total} experts fit on the GPU; the other "
-                            f"{format_bytes(memory.expert_bytes - resident_bytes)} of experts stay in host memory")
+            warnings.append(
+                f"{served} of {total} experts fit on the GPU; the other "
+                f"{format_bytes(memory.expert_bytes - resident_bytes)} of experts stay in host memory"
+            )
     order, mass_hit, sel_hit = {}, {}, {}
     for g, r, m, s in zip(groups, resident, mass, selection):
         rest = by_popularity(set(range(g.experts)) - set(r), m)
@@ -288,21 +326,43 @@ def plan_placement(memory: MemoryModel, budget: Budget, popularity: Popularity |
         mass_hit[g.node] = float(m[r].sum()) if r else 0.0
         sel_hit[g.node] = float(s[r].sum()) if r else 0.0
     memory_breakdown = {
-        "vram_bytes": budget.vram_bytes, "non_expert_bytes": memory.non_expert_bytes, "kv_cache_bytes": kv,
-        "work_bytes": work, "reserve_bytes": budget.reserve_bytes, "expert_budget_bytes": expert_budget,
-        "resident_expert_bytes": resident_bytes, "host_expert_bytes": memory.expert_bytes - resident_bytes,
+        "vram_bytes": budget.vram_bytes,
+        "non_expert_bytes": memory.non_expert_bytes,
+        "kv_cache_bytes": kv,
+        "work_bytes": work,
+        "reserve_bytes": budget.reserve_bytes,
+        "expert_budget_bytes": expert_budget,
+        "resident_expert_bytes": resident_bytes,
+        "host_expert_bytes": memory.expert_bytes - resident_bytes,
         "total_expert_bytes": memory.expert_bytes,
         "free_bytes": budget.vram_bytes - fixed - resident_bytes if fits else 0,
     }
-    prediction = _predict(memory, groups, resident, sel_hit, mass_hit, bandwidths, profiled=popularity is not None,
-                          cpu_costs=cpu_costs)
-    return Plan(memory_breakdown, fits, policy, {g.node: r for g, r in zip(groups, resident)}, order,
-                mass_hit, sel_hit, prediction, warnings)
+    prediction = _predict(
+        memory, groups, resident, sel_hit, mass_hit, bandwidths, profiled=popularity is not None, cpu_costs=cpu_costs
+    )
+    return Plan(
+        memory_breakdown,
+        fits,
+        policy,
+        {g.node: r for g, r in zip(groups, resident)},
+        order,
+        mass_hit,
+        sel_hit,
+        prediction,
+        warnings,
+    )
 
 
-def _predict(memory: MemoryModel, groups: list[ExpertGroup], resident: list[list[int]], sel_hit: dict[str, float],
-             mass_hit: dict[str, float], bw: Bandwidths, profiled: bool,
-             cpu_costs: dict[str, Any] | None = None) -> dict[str, Any]:
+def _predict(
+    memory: MemoryModel,
+    groups: list[ExpertGroup],
+    resident: list[list[int]],
+    sel_hit: dict[str, float],
+    mass_hit: dict[str, float],
+    bw: Bandwidths,
+    profiled: bool,
+    cpu_costs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     hot = sum(g.top_k * sel_hit[g.node] * g.bytes_per_expert for g in groups)
     cold = sum(g.top_k * (1 - sel_hit[g.node]) * g.bytes_per_expert for g in groups)
     gpu_s = (memory.non_expert_bytes + hot) / (bw.gpu * 1e9)
@@ -314,22 +374,26 @@ def _predict(memory: MemoryModel, groups: list[ExpertGroup], resident: list[list
         every = cpu_step_ms(cpu_costs)
         return {
             "label": "estimate: the GPU side from a bandwidth model, the CPU side from pieces of this model timed "
-                     "on this CPU",
+            "on this CPU",
             "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",
             "gpu_hit_rate_by_mass": sum(mass_hit.values()) / n,
             "gpu_hit_rate_by_selection": sum(sel_hit.values()) / n,
             "bytes_per_token": {"gpu": int(memory.non_expert_bytes + hot), "cold_experts": int(cold)},
             "bandwidths_gbps": dataclasses.asdict(bw),
-            "cpu": {"machine": cpu_costs["machine"], "threads": cpu_costs["threads"], "moe_ms": every["moe"],
-                    "non_expert_ms": every["dense"]},
+            "cpu": {
+                "machine": cpu_costs["machine"],
+                "threads": cpu_costs["threads"],
+                "moe_ms": every["moe"],
+                "non_expert_ms": every["dense"],
+            },
             "decode_ms_per_token": {
                 "cold_experts_on_cpu": 1e3 * gpu_s + cold_ms,
                 "cold_experts_over_pcie": 1e3 * (gpu_s + cold / (bw.pcie * 1e9)),
                 "cpu_only": every["moe"] + every["dense"],
             },
             "formula": "t = (non-expert bytes + selected hot expert bytes) / gpu_bw + the measured CPU time of "
-                       "each MoE layer x its cold share (or selected cold bytes / pcie_bw); cpu_only = every MoE "
-                       "layer's measured time + the non-expert bytes a step reads at the measured CPU rate",
+            "each MoE layer x its cold share (or selected cold bytes / pcie_bw); cpu_only = every MoE "
+            "layer's measured time + the non-expert bytes a step reads at the measured CPU rate",
         }
     return {
         "label": "estimate from a bandwidth model, not a measurement",
@@ -343,8 +407,8 @@ def _predict(memory: MemoryModel, groups: list[ExpertGroup], resident: list[list
             "cold_experts_over_pcie": 1e3 * (gpu_s + cold / (bw.pcie * 1e9)),
         },
         "formula": "t = (non-expert bytes + selected hot expert bytes) / gpu_bw "
-                   "+ selected cold expert bytes / (host_bw | pcie_bw); selected bytes per layer = "
-                   "top_k * hit_rate * bytes_per_expert",
+        "+ selected cold expert bytes / (host_bw | pcie_bw); selected bytes per layer = "
+        "top_k * hit_rate * bytes_per_expert",
     }
 
 
@@ -353,8 +417,11 @@ def onnxruntime_options(plan: Plan, groups: list[ExpertGroup], mode: str, target
     plugin EP) or the layer assignment that follows the model's layer_ann annotations."""
     if target == "layers":
         return {keys.LAYER_SETTINGS_KEY: keys.LAYER_SETTINGS}
-    overrides = ";".join(f"{g.node}:max_resident_slots={len(plan.resident[g.node])},"
-                         f"device_expert_bytes={len(plan.resident[g.node]) * g.bytes_per_expert}" for g in groups)
+    overrides = ";".join(
+        f"{g.node}:max_resident_slots={len(plan.resident[g.node])},"
+        f"device_expert_bytes={len(plan.resident[g.node]) * g.bytes_per_expert}"
+        for g in groups
+    )
     return {
         keys.OFFLOAD_MODE: mode,
         keys.OFFLOAD_PLACEMENT: "static",

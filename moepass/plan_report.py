@@ -13,7 +13,7 @@ from moepass.popularity import Popularity
 
 
 def _unit(nbytes: int) -> tuple[str, float]:
-    for name, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+    for name, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if nbytes >= size:
             return name, float(size)
     return "B", 1.0
@@ -53,47 +53,82 @@ def plan_figure(plan: PlanReport, popularity: Popularity | None):
 
     # popularity is heavy-tailed: a log scale shows the cold experts apart as well as the hot ones
     floor = 1e-2
-    image = ax.imshow(np.clip(heat, floor, None), aspect="auto", cmap="viridis", interpolation="nearest",
-                      norm=LogNorm(vmin=floor, vmax=max(float(np.nanmax(heat)), 1.0)))
+    image = ax.imshow(
+        np.clip(heat, floor, None),
+        aspect="auto",
+        cmap="viridis",
+        interpolation="nearest",
+        norm=LogNorm(vmin=floor, vmax=max(float(np.nanmax(heat)), 1.0)),
+    )
     active = plan.offload_active
     ys, xs = np.nonzero(resident)
-    ax.scatter(xs, ys, marker="s", s=max(4, 400 / max(n_experts, len(nodes))), facecolors="none",
-               edgecolors="white", linewidths=0.8)
+    ax.scatter(
+        xs,
+        ys,
+        marker="s",
+        s=max(4, 400 / max(n_experts, len(nodes))),
+        facecolors="none",
+        edgecolors="white",
+        linewidths=0.8,
+    )
     ax.set_xlabel("expert id")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(len(nodes)))
     layers = plan.target == "layers"  # whole MoE layers run on the GPU or the CPU: say which, per row
-    ax.set_yticklabels([f"{n.node} ({n.device.upper()})" if layers else n.node for n in nodes],
-                       fontsize=7 if len(nodes) > 24 else 9)
+    ax.set_yticklabels(
+        [f"{n.node} ({n.device.upper()})" if layers else n.node for n in nodes], fontsize=7 if len(nodes) > 24 else 9
+    )
     based, hit = plan.prediction.based_on, plan.prediction.gpu_hit_rate_by_mass
-    residency = (f"{hit:.1%} of routing mass on the GPU" if active else
-                 f"INACTIVE plan: ONNX Runtime will not offload this model, every expert runs on the CPU\n"
-                 f"(as planned, {hit:.1%} of routing mass would be on the GPU)")
-    ax.set_title(f"{'Per-layer placement. ' if layers else ''}Expert popularity ({based}; 1.0 = average) "
-                 f"and GPU residency:\n{residency}", pad=20, fontsize=10,
-                 color="black" if active else "#b00000")
+    residency = (
+        f"{hit:.1%} of routing mass on the GPU"
+        if active
+        else f"INACTIVE plan: ONNX Runtime will not offload this model, every expert runs on the CPU\n"
+        f"(as planned, {hit:.1%} of routing mass would be on the GPU)"
+    )
+    ax.set_title(
+        f"{'Per-layer placement. ' if layers else ''}Expert popularity ({based}; 1.0 = average) "
+        f"and GPU residency:\n{residency}",
+        pad=20,
+        fontsize=10,
+        color="black" if active else "#b00000",
+    )
     # above the heatmap, not on it (no cell hidden); a black square stands for the white ones
     from matplotlib.lines import Line2D
 
-    marker = Line2D([], [], marker="s", markerfacecolor="none", markeredgecolor="black", linestyle="none",
-                    label="on the GPU" if active else "planned for the GPU (inactive)")
-    ax.legend(handles=[marker], loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, frameon=False,
-              borderaxespad=0.2)
+    marker = Line2D(
+        [],
+        [],
+        marker="s",
+        markerfacecolor="none",
+        markeredgecolor="black",
+        linestyle="none",
+        label="on the GPU" if active else "planned for the GPU (inactive)",
+    )
+    ax.legend(
+        handles=[marker], loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, frameon=False, borderaxespad=0.2
+    )
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="routing mass x experts (log)")
 
     bar = fig.add_subplot(grid[1])
     mem = plan.memory
     unit, scale = _unit(mem.vram_bytes)
-    parts = [("non-expert", mem.non_expert_bytes, "#4c72b0"), ("KV cache", mem.kv_cache_bytes, "#55a868"),
-             ("buffers (est.)", mem.work_bytes, "#c44e52"), ("reserve", mem.reserve_bytes, "#8172b2"),
-             ("resident experts", mem.resident_expert_bytes, "#ccb974"), ("free", mem.free_bytes, "#dddddd")]
+    parts = [
+        ("non-expert", mem.non_expert_bytes, "#4c72b0"),
+        ("KV cache", mem.kv_cache_bytes, "#55a868"),
+        ("buffers (est.)", mem.work_bytes, "#c44e52"),
+        ("reserve", mem.reserve_bytes, "#8172b2"),
+        ("resident experts", mem.resident_expert_bytes, "#ccb974"),
+        ("free", mem.free_bytes, "#dddddd"),
+    ]
     left = 0.0
     for label, size, color in parts:
         bar.barh(0, size / scale, left=left, color=color, label=f"{label} {size / scale:.2f} {unit}")
         left += size / scale
     bar.axvline(mem.vram_bytes / scale, color="black", linestyle="--", linewidth=1)
     bar.set_yticks([])
-    bar.set_xlabel(f"{unit} of the {mem.vram_bytes / scale:.2f} {unit} budget (dashed); "
-                   f"{mem.host_expert_bytes / scale:.2f} {unit} of experts stay in host memory")
+    bar.set_xlabel(
+        f"{unit} of the {mem.vram_bytes / scale:.2f} {unit} budget (dashed); "
+        f"{mem.host_expert_bytes / scale:.2f} {unit} of experts stay in host memory"
+    )
     bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=3, fontsize=8, frameon=False)
     return fig

@@ -43,10 +43,15 @@ def model_identity(model: ir.Model) -> dict[str, Any]:
     graph = model.graph
     logits = next((v for v in graph.outputs if v.name == "logits"), None)
     vocab = logits.shape[-1] if logits is not None and logits.shape is not None else None
-    nodes = [{"node": m.name, "experts": m.experts, "top_k": m.top_k, "hidden": m.hidden, "ffn": m.ffn}
-             for m in moe_nodes(graph)]
-    identity = {"architecture": model.metadata_props.get(keys.ARCHITECTURE), "moe_nodes": nodes,
-                "vocab": vocab if isinstance(vocab, int) else None}
+    nodes = [
+        {"node": m.name, "experts": m.experts, "top_k": m.top_k, "hidden": m.hidden, "ffn": m.ffn}
+        for m in moe_nodes(graph)
+    ]
+    identity = {
+        "architecture": model.metadata_props.get(keys.ARCHITECTURE),
+        "moe_nodes": nodes,
+        "vocab": vocab if isinstance(vocab, int) else None,
+    }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return {"architecture": identity["architecture"], "fingerprint": digest, "moe_nodes": nodes}
 
@@ -58,14 +63,19 @@ class Popularity:
     model: dict[str, Any]
     tokens: int
     prompts: int
-    selected: dict[str, np.ndarray]   # node -> int64 [experts]
-    weight: dict[str, np.ndarray]     # node -> float64 [experts]
+    selected: dict[str, np.ndarray]  # node -> int64 [experts]
+    weight: dict[str, np.ndarray]  # node -> float64 [experts]
 
     @classmethod
     def empty(cls, model: dict[str, Any]) -> Popularity:
         nodes = model["moe_nodes"]
-        return cls(model, 0, 0, {n["node"]: np.zeros(n["experts"], np.int64) for n in nodes},
-                   {n["node"]: np.zeros(n["experts"], np.float64) for n in nodes})
+        return cls(
+            model,
+            0,
+            0,
+            {n["node"]: np.zeros(n["experts"], np.int64) for n in nodes},
+            {n["node"]: np.zeros(n["experts"], np.float64) for n in nodes},
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -96,22 +106,36 @@ class Popularity:
         worst = sorted(missing.items(), key=lambda kv: -kv[1])
         shown = ", ".join(f"{n} {c} of {len(self.selected[n])}" for n, c in worst[:4])
         more = f" (and {len(worst) - 4} more layers)" if len(worst) > 4 else ""
-        return (f"experts never selected in {len(missing)} of {len(self.selected)} MoE layers: {shown}{more}; "
-                "more or more varied prompts would measure them")
+        return (
+            f"experts never selected in {len(missing)} of {len(self.selected)} MoE layers: {shown}{more}; "
+            "more or more varied prompts would measure them"
+        )
 
     def merge(self, other: Popularity, other_label: str = "profile") -> Popularity:
         if other.fingerprint != self.fingerprint:
-            raise MoepassError(f"{other_label}: profiles of different models cannot be merged "
-                               f"(fingerprint {other.fingerprint[:12]} vs {self.fingerprint[:12]})")
-        return Popularity(self.model, self.tokens + other.tokens, self.prompts + other.prompts,
-                          {n: self.selected[n] + other.selected[n] for n in self.selected},
-                          {n: self.weight[n] + other.weight[n] for n in self.weight})
+            raise MoepassError(
+                f"{other_label}: profiles of different models cannot be merged "
+                f"(fingerprint {other.fingerprint[:12]} vs {self.fingerprint[:12]})"
+            )
+        return Popularity(
+            self.model,
+            self.tokens + other.tokens,
+            self.prompts + other.prompts,
+            {n: self.selected[n] + other.selected[n] for n in self.selected},
+            {n: self.weight[n] + other.weight[n] for n in self.weight},
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "model": self.model, "tokens": self.tokens,
-                "prompts": self.prompts,
-                "nodes": {n: {"selected": self.selected[n].tolist(), "weight": self.weight[n].tolist()}
-                          for n in self.selected}}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": self.model,
+            "tokens": self.tokens,
+            "prompts": self.prompts,
+            "nodes": {
+                n: {"selected": self.selected[n].tolist(), "weight": self.weight[n].tolist()} for n in self.selected
+            },
+        }
 
     def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
         with atomic_file(path, overwrite) as tmp:
@@ -123,10 +147,12 @@ class Popularity:
         path = Path(path)
         data = read_json(path, "a popularity file")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise MoepassError(f"{path}: not a popularity file (no \"format\": \"{FORMAT}\")")
+            raise MoepassError(f'{path}: not a popularity file (no "format": "{FORMAT}")')
         if data.get("version") != VERSION:
-            raise MoepassError(f"{path}: popularity format version {data.get('version')} is not supported "
-                               f"(this moepass reads version {VERSION})")
+            raise MoepassError(
+                f"{path}: popularity format version {data.get('version')} is not supported "
+                f"(this moepass reads version {VERSION})"
+            )
         try:
             model = data["model"]
             selected, weight = {}, {}
@@ -145,18 +171,24 @@ class Popularity:
             for spec in model["moe_nodes"]:  # recomputed, not trusted: every token selects top_k experts
                 total = int(selected[spec["node"]].sum())
                 if total != tokens * spec["top_k"]:
-                    raise ValueError(f"node {spec['node']}: {total} expert selections for {tokens} tokens at "
-                                     f"top-{spec['top_k']} (expected {tokens * spec['top_k']}; edited counts?)")
+                    raise ValueError(
+                        f"node {spec['node']}: {total} expert selections for {tokens} tokens at "
+                        f"top-{spec['top_k']} (expected {tokens * spec['top_k']}; edited counts?)"
+                    )
             return cls(model, tokens, prompts, selected, weight)
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
             raise MoepassError(f"{path}: malformed popularity file ({type(e).__name__}: {e})") from None
 
     def check_fits(self, model_identity_: dict[str, Any], label: str) -> None:
-        if (model_identity_["fingerprint"] != self.fingerprint
-                or model_identity_["moe_nodes"] != self.model["moe_nodes"]):
+        if (
+            model_identity_["fingerprint"] != self.fingerprint
+            or model_identity_["moe_nodes"] != self.model["moe_nodes"]
+        ):
             mine = [n["node"] for n in self.model["moe_nodes"]]
             theirs = [n["node"] for n in model_identity_["moe_nodes"]]
             detail = "different MoE layers" if mine != theirs else "same layer names, different shapes"
-            raise MoepassError(f"{label}: this profile was measured on another model ({detail}; "
-                               f"fingerprint {self.fingerprint[:12]}, the model's is "
-                               f"{model_identity_['fingerprint'][:12]})")
+            raise MoepassError(
+                f"{label}: this profile was measured on another model ({detail}; "
+                f"fingerprint {self.fingerprint[:12]}, the model's is "
+                f"{model_identity_['fingerprint'][:12]})"
+            )

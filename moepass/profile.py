@@ -69,7 +69,7 @@ def _json_prompt(line: str, where: str) -> Prompt:
         return value
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
-    raise MoepassError(f"{where}: expected a string, a list of token ids, or an object with \"text\" or \"ids\"")
+    raise MoepassError(f'{where}: expected a string, a list of token ids, or an object with "text" or "ids"')
 
 
 def selected_experts(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -84,8 +84,13 @@ def selected_experts(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[n
     return chosen, weights
 
 
-def profile(model_dir: str | os.PathLike, prompts: Sequence[Prompt], threads: int | None = None,
-            progress: Callable[[int, int], None] | None = None, chat: bool = False) -> Popularity:
+def profile(
+    model_dir: str | os.PathLike,
+    prompts: Sequence[Prompt],
+    threads: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    chat: bool = False,
+) -> Popularity:
     """Run `prompts` through the model and count each node's routing. A prompt is text (encoded with
     the tokenizer convert wrote; `chat` wraps it in the model's chat template first) or a list of
     token ids."""

@@ -33,16 +33,28 @@ if TYPE_CHECKING:
 # a request's sampling fields bear moepass.Sampling's names (OpenAI's, and llama-server's for the rest)
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
 _INTEGER_FIELDS = ("top_k", "seed", "repeat_last_n")
-_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "min_p": (0, 1), "presence_penalty": (-2, 2),
-           "frequency_penalty": (-2, 2), "repeat_penalty": (0, 10)}
+_RANGES = {
+    "temperature": (0, 2),
+    "top_p": (0, 1),
+    "min_p": (0, 1),
+    "presence_penalty": (-2, 2),
+    "frequency_penalty": (-2, 2),
+    "repeat_penalty": (0, 10),
+}
 MAX_STOP_STRINGS = 16
 
 
 class RequestError(Exception):
     """A request the server refuses: HTTP status, OpenAI error type, and the field at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
 
@@ -59,8 +71,11 @@ def _number(body: dict, name: str, integer: bool = False) -> float | int | None:
         raise RequestError(400, f"'{name}' must be {'an integer' if integer else 'a number'}", name)
     low, high = _RANGES.get(name, (0, None))
     if value < low or (high is not None and value > high):
-        raise RequestError(400, f"'{name}' must be between {low} and {high}" if high is not None
-                           else f"'{name}' must be >= {low}", name)
+        raise RequestError(
+            400,
+            f"'{name}' must be between {low} and {high}" if high is not None else f"'{name}' must be >= {low}",
+            name,
+        )
     return value
 
 
@@ -76,7 +91,7 @@ def sampling_of(body: dict, defaults):
     if "repeat_penalty" in changes and changes["repeat_penalty"] <= 0:
         raise RequestError(400, "'repeat_penalty' must be above 0", "repeat_penalty")
     if "seed" in changes:
-        changes["seed"] %= 2 ** 64
+        changes["seed"] %= 2**64
     return dataclasses.replace(defaults, **changes)
 
 
@@ -103,8 +118,9 @@ def message_text(message: Any, i: int) -> dict:
     if content is None and message.get("tool_calls"):
         content = ""
     if not isinstance(content, str):
-        raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts",
-                           f"messages[{i}].content")
+        raise RequestError(
+            400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
+        )
     return {**{k: v for k, v in message.items() if k != "content"}, "content": content}
 
 
@@ -112,8 +128,14 @@ class ModelServer:
     """The model, its one worker thread and its queue; `chat_prompt` and `completion_prompt` turn a
     request body into prompt tokens, then `answer` streams the answer."""
 
-    def __init__(self, decoder, model_id: str, queue_size: int = 8, defaults=None,
-                 echo: Callable[[str], None] = lambda text: None):
+    def __init__(
+        self,
+        decoder,
+        model_id: str,
+        queue_size: int = 8,
+        defaults=None,
+        echo: Callable[[str], None] = lambda text: None,
+    ):
         from moepass.runtime import LLAMA_SERVER
 
         self.decoder = decoder
@@ -131,8 +153,12 @@ class ModelServer:
     def check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and model != self.model_id:
-            raise RequestError(404, f"the model '{model}' does not exist; this server has '{self.model_id}'",
-                               "model", "model_not_found")
+            raise RequestError(
+                404,
+                f"the model '{model}' does not exist; this server has '{self.model_id}'",
+                "model",
+                "model_not_found",
+            )
 
     def max_tokens(self, body: dict, prompt_tokens: int) -> int:
         value = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -140,8 +166,12 @@ class ModelServer:
             raise RequestError(400, "'max_tokens' must be a positive integer", "max_tokens")
         context = self.decoder.context_length
         if context and prompt_tokens >= context:
-            raise RequestError(400, f"the prompt has {prompt_tokens} tokens; the model's context holds {context}",
-                               "messages" if "messages" in body else "prompt", "context_length_exceeded")
+            raise RequestError(
+                400,
+                f"the prompt has {prompt_tokens} tokens; the model's context holds {context}",
+                "messages" if "messages" in body else "prompt",
+                "context_length_exceeded",
+            )
         if value is None:
             return (context - prompt_tokens) if context else 256
         return value
@@ -172,8 +202,7 @@ class ModelServer:
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
             return self.decoder.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.decoder.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
             if bad is not None:
@@ -195,8 +224,12 @@ class ModelServer:
         if not isinstance(reuse, bool):
             raise RequestError(400, "'cache_prompt' must be true or false", "cache_prompt")
         if self._turn.locked() and self._waiting >= self.queue_size:
-            raise RequestError(503, f"the server is busy: {self._waiting} requests are waiting already",
-                               kind="server_error", code="queue_full")
+            raise RequestError(
+                503,
+                f"the server is busy: {self._waiting} requests are waiting already",
+                kind="server_error",
+                code="queue_full",
+            )
         self._waiting += 1
         try:
             await self._turn.acquire()
@@ -226,19 +259,26 @@ class ModelServer:
                 self._worker.submit(pieces.close)
             self._turn.release()
             if not finished and stream is not None:
-                self.echo(f"a client went away after {stream.completion_tokens} of {max_new} tokens; "
-                          "its generation stopped")
+                self.echo(
+                    f"a client went away after {stream.completion_tokens} of {max_new} tokens; its generation stopped"
+                )
 
 
 def _usage(stream) -> dict:
-    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-            "total_tokens": stream.prompt_tokens + stream.completion_tokens}
+    return {
+        "prompt_tokens": stream.prompt_tokens,
+        "completion_tokens": stream.completion_tokens,
+        "total_tokens": stream.prompt_tokens + stream.completion_tokens,
+    }
 
 
 def _timings(stream) -> dict:
     """llama-server's `timings`: prompt tokens computed, and those the cache held."""
-    return {"prompt_n": stream.prefilled_tokens, "cache_n": stream.prompt_tokens - stream.prefilled_tokens,
-            "predicted_n": stream.completion_tokens}
+    return {
+        "prompt_n": stream.prefilled_tokens,
+        "cache_n": stream.prompt_tokens - stream.prefilled_tokens,
+        "predicted_n": stream.completion_tokens,
+    }
 
 
 def create_app(server: ModelServer, api_key: str | None = None):
@@ -258,10 +298,19 @@ def create_app(server: ModelServer, api_key: str | None = None):
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if api_key and request.url.path != "/health" and \
-                request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return error(RequestError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                      kind="authentication_error", code="invalid_api_key"))
+        if (
+            api_key
+            and request.url.path != "/health"
+            and request.headers.get("authorization", "") != f"Bearer {api_key}"
+        ):
+            return error(
+                RequestError(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    kind="authentication_error",
+                    code="invalid_api_key",
+                )
+            )
         return await call_next(request)
 
     @app.get("/health")
@@ -270,8 +319,10 @@ def create_app(server: ModelServer, api_key: str | None = None):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": server.created,
-                                            "owned_by": "moepass"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.model_id, "object": "model", "created": server.created, "owned_by": "moepass"}],
+        }
 
     async def read_body(request: Request) -> dict:
         raw = await request.body()
@@ -305,8 +356,12 @@ def create_app(server: ModelServer, api_key: str | None = None):
             content = {"content": text} if text is not None else {}
             if delta:
                 return {"index": 0, "delta": content, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                    "logprobs": None}
+            return {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
 
         if not body.get("stream"):
             text = []
@@ -320,39 +375,64 @@ def create_app(server: ModelServer, api_key: str | None = None):
             if event[0] != "end":  # the client left
                 return JSONResponse({}, status_code=499)
             stream = event[1]
-            return {"id": ident, "object": kind, "created": created, "model": server.model_id,
-                    "choices": [choice("".join(text), stream.finish_reason, delta=False)], "usage": _usage(stream),
-                    "timings": _timings(stream)}
+            return {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": server.model_id,
+                "choices": [choice("".join(text), stream.finish_reason, delta=False)],
+                "usage": _usage(stream),
+                "timings": _timings(stream),
+            }
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
-            if isinstance(body.get("stream_options"), dict) else False
+        include_usage = (
+            bool((body.get("stream_options") or {}).get("include_usage"))
+            if isinstance(body.get("stream_options"), dict)
+            else False
+        )
         chunk_kind = f"{kind}.chunk" if chat else kind
 
         def sse(choices: list, **extra) -> str:
-            data = {"id": ident, "object": chunk_kind, "created": created, "model": server.model_id,
-                    "choices": choices, **extra}
+            data = {
+                "id": ident,
+                "object": chunk_kind,
+                "created": created,
+                "model": server.model_id,
+                "choices": choices,
+                **extra,
+            }
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         async def events():
             if chat:
-                yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                            "logprobs": None}])
+                yield sse(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                            "logprobs": None,
+                        }
+                    ]
+                )
             try:
                 async for event in _with_first(first, answer):
                     if event[0] == "piece":
                         yield sse([choice(event[1], None, delta=True)])
                     else:
                         stream = event[1]
-                        yield sse([choice(None if chat else "", stream.finish_reason, delta=True)],
-                                  timings=_timings(stream))
+                        yield sse(
+                            [choice(None if chat else "", stream.finish_reason, delta=True)], timings=_timings(stream)
+                        )
                         if include_usage:
                             yield sse([], usage=_usage(stream))
             finally:  # also when the client went away mid-stream: generation stops, the next request's turn comes
                 await answer.aclose()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -392,8 +472,7 @@ def listen(host: str, port: int):
     return listener
 
 
-def serve(decoder, model_id: str, listener, api_key: str | None, queue_size: int,
-          echo: Callable[[str], None]) -> None:
+def serve(decoder, model_id: str, listener, api_key: str | None, queue_size: int, echo: Callable[[str], None]) -> None:
     """Serve on `listener` (from `listen`) until interrupted (uvicorn: Ctrl-C or SIGTERM stop it
     after the running request)."""
     try:

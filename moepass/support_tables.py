@@ -109,7 +109,7 @@ def render(text: str) -> str:
         match = pattern.search(text)
         if match is None:
             raise SystemExit(f"no generated section '{name}' ({BEGIN.format(name)} ... {END})")
-        text = f"{text[:match.start()]}{BEGIN.format(name)}\n{table()}\n{END}{text[match.end():]}"
+        text = f"{text[: match.start()]}{BEGIN.format(name)}\n{table()}\n{END}{text[match.end() :]}"
     return text
 
 

@@ -27,13 +27,25 @@ from moepass.core.gguf_reader import GGUFModel
 log = logging.getLogger("moepass")
 
 # tokenizer.ggml.pre -> the pre-tokenizer regex (from the model's original tokenizer.json, as quoted in llama.cpp)
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          r"|\s+(?!\S)|\s+")
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-PRE_TOKENIZERS = {"qwen2": _QWEN2, "stablelm2": _QWEN2, "llama-bpe": _LLAMA3, "llama3": _LLAMA3,
-                  "gpt-2": _GPT2, "gpt2": _GPT2, "olmo": _GPT2, "mpt": _GPT2}
+PRE_TOKENIZERS = {
+    "qwen2": _QWEN2,
+    "stablelm2": _QWEN2,
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "gpt-2": _GPT2,
+    "gpt2": _GPT2,
+    "olmo": _GPT2,
+    "mpt": _GPT2,
+}
 IGNORE_MERGES = {"llama-bpe", "llama3"}  # llama 3's tokenizer takes whole words found in the vocabulary
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -43,9 +55,9 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 class TokenizerFiles:
     """What convert writes for text in / text out, or why it cannot."""
 
-    tokenizer: Any | None            # tokenizers.Tokenizer
-    config: dict[str, Any]           # tokenizer_config.json
-    info: dict[str, Any]             # goes into moepass.json["tokenizer"]
+    tokenizer: Any | None  # tokenizers.Tokenizer
+    config: dict[str, Any]  # tokenizer_config.json
+    info: dict[str, Any]  # goes into moepass.json["tokenizer"]
 
     def write(self, folder: Path, tokenizer_file: str, config_file: str) -> None:
         if self.tokenizer is None:
@@ -115,8 +127,9 @@ def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
         twice = next((seen[t], i) for i, t in enumerate(tokens) if seen.setdefault(t, i) != i)
         raise _Unusable(f"tokenizer.ggml.tokens repeats token {tokens[twice[1]]!r} (ids {twice[0]} and {twice[1]})")
     types = gguf.get("tokenizer.ggml.token_type")
-    if types is not None and (not isinstance(types, list) or len(types) != len(tokens)
-                              or not all(isinstance(t, int) for t in types)):
+    if types is not None and (
+        not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types)
+    ):
         repairs.append(f"tokenizer.ggml.token_type does not give one integer per token ({len(tokens)}), ignored")
         types = None
     types = list(types or [NORMAL] * len(tokens))
@@ -128,11 +141,19 @@ def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
             return None
         return value
 
-    stop_ids = sorted({i for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                   "tokenizer.ggml.eom_token_id") if (i := token_id(k)) is not None})
+    stop_ids = sorted(
+        {
+            i
+            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            if (i := token_id(k)) is not None
+        }
+    )
     bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
-    info.update(bos_token_id=bos, stop_token_ids=stop_ids,
-                add_bos=_optional(gguf, "tokenizer.ggml.add_bos_token", bool, kind == "llama", repairs))
+    info.update(
+        bos_token_id=bos,
+        stop_token_ids=stop_ids,
+        add_bos=_optional(gguf, "tokenizer.ggml.add_bos_token", bool, kind == "llama", repairs),
+    )
     if kind == "gpt2":
         tokenizer = _byte_level_bpe(gguf, tokens, info, repairs)
     elif kind == "llama":
@@ -175,14 +196,17 @@ def _byte_level_bpe(gguf: GGUFModel, tokens: list[str], info: dict[str, Any], re
         else:  # llama.cpp loads these too; they can never produce a token of the vocabulary
             unusable += 1
     if unusable:
-        repairs.append(f"{unusable} merge(s) of tokenizer.ggml.merges without a space or outside the vocabulary "
-                       "dropped")
+        repairs.append(
+            f"{unusable} merge(s) of tokenizer.ggml.merges without a space or outside the vocabulary dropped"
+        )
     model = models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES)
     tokenizer = Tokenizer(model)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
@@ -191,8 +215,11 @@ def _sentencepiece_bpe(gguf: GGUFModel, tokens: list[str], types: list[int], rep
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     scores = gguf.get("tokenizer.ggml.scores")
-    if scores is not None and (not isinstance(scores, list) or len(scores) != len(tokens)
-                               or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores)):
+    if scores is not None and (
+        not isinstance(scores, list)
+        or len(scores) != len(tokens)
+        or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores)
+    ):
         repairs.append(f"tokenizer.ggml.scores does not give one finite number per token ({len(tokens)}), ignored")
         scores = None
     scores = list(scores or [0.0] * len(tokens))
@@ -209,15 +236,19 @@ def _sentencepiece_bpe(gguf: GGUFModel, tokens: list[str], types: list[int], rep
     unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
     tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return tokenizer
 
 
 def _add_special_tokens(tokenizer, tokens: list[str], types: list[int]) -> None:
     from tokenizers import AddedToken
 
-    added = [AddedToken(t, special=ty == CONTROL, normalized=False)
-             for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
+    added = [
+        AddedToken(t, special=ty == CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (CONTROL, USER_DEFINED)
+    ]
     if added:
         tokenizer.add_tokens(added)

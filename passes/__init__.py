@@ -32,7 +32,7 @@ class PipelineRun:
     """What the passes of one conversion share: its options, and the passes run so far by name
     (the caller reads their records, e.g. fuse-moe's, afterwards)."""
 
-    activations: str = "int8"    # "int8" (inside the quantized matrix products, as llama.cpp) or "float"
+    activations: str = "int8"  # "int8" (inside the quantized matrix products, as llama.cpp) or "float"
     float_experts: str = "keep"  # ONNX input: float experts kept (MoE) or quantized into QMoE
     ran: dict[str, PassBase] = dataclasses.field(default_factory=dict)
 
@@ -72,8 +72,13 @@ if any(PASS_NAMES[kind][1:] != tuple(passes) for kind, passes in PIPELINES.items
     raise ImportError("moepass.core.choices.PASS_NAMES differs from moepass.passes.PIPELINES")
 
 
-def run_pipeline(model: ir.Model, kind: str, run: PipelineRun | None = None, print_after: str | None = None,
-                 echo: Callable[[str], None] = print) -> ir.Model:
+def run_pipeline(
+    model: ir.Model,
+    kind: str,
+    run: PipelineRun | None = None,
+    print_after: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> ir.Model:
     """Run every pass of PIPELINES[kind] (`kind`: "gguf" or "onnx"); print the graph after the pass
     named `print_after` (or after the step that made it: "lower" or "read")."""
     run = run if run is not None else PipelineRun()
@@ -92,6 +97,17 @@ def run_pipeline(model: ir.Model, kind: str, run: PipelineRun | None = None, pri
     return model
 
 
-__all__ = ["AnnotateLayersPass", "ExposeRouterLogitsPass", "FuseMoePass", "FuseSkipNormPass", "LowerOptions",
-           "PASS_NAMES", "PIPELINES", "PipelineRun", "QuantizeActivationsPass", "ReorderExpertsPass", "lower_gguf",
-           "run_pipeline"]
+__all__ = [
+    "AnnotateLayersPass",
+    "ExposeRouterLogitsPass",
+    "FuseMoePass",
+    "FuseSkipNormPass",
+    "LowerOptions",
+    "PASS_NAMES",
+    "PIPELINES",
+    "PipelineRun",
+    "QuantizeActivationsPass",
+    "ReorderExpertsPass",
+    "lower_gguf",
+    "run_pipeline",
+]

@@ -51,4 +51,3 @@ class QuantizeActivationsPass(InPlacePass):
             model.metadata_props[keys.ACTIVATIONS] = self.mode
             modified = True
         return PassResult(model, modified)
-

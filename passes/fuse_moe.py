@@ -48,14 +48,14 @@ class FusionRecord:
     """What happened to one candidate MoE layer."""
 
     rule: str
-    anchor: str                 # the node the rule started from
+    anchor: str  # the node the rule started from
     fused: bool
-    reason: str = ""            # why not, when not fused
-    node: str = ""              # the new node, when fused
+    reason: str = ""  # why not, when not fused
+    node: str = ""  # the new node, when fused
     experts: int = 0
     top_k: int = 0
     form: str = ""
-    geometry: str = ""          # the experts' matrices as found, and what becomes of them
+    geometry: str = ""  # the experts' matrices as found, and what becomes of them
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,6 +66,7 @@ class Mismatch(Exception):
 
 
 # ---- small graph helpers ------------------------------------------------------------------------
+
 
 def constant(value: ir.Value | None) -> np.ndarray | None:
     """The value of an initializer or a Constant node's output, else None."""
@@ -92,15 +93,16 @@ def _node_name(node: ir.Node) -> str:
 
 # ---- linear layers: MatMul with a constant weight, or MatMulNBits --------------------------------
 
+
 @dataclasses.dataclass
 class Linear:
     """y = x @ W^T with W [N, K]: a MatMul with a constant B [K, N], or a MatMulNBits. The weight
     tensors are held (not read) here, so that they stay reachable once the node is removed."""
 
     node: ir.Node
-    weight: ir.TensorProtocol = dataclasses.field(init=False)               # B, or MatMulNBits' codes
-    scales: ir.TensorProtocol | None = dataclasses.field(init=False)        # MatMulNBits only
-    zero_points: ir.TensorProtocol | None = dataclasses.field(init=False)   # MatMulNBits only, optional
+    weight: ir.TensorProtocol = dataclasses.field(init=False)  # B, or MatMulNBits' codes
+    scales: ir.TensorProtocol | None = dataclasses.field(init=False)  # MatMulNBits only
+    zero_points: ir.TensorProtocol | None = dataclasses.field(init=False)  # MatMulNBits only, optional
 
     def __post_init__(self) -> None:
         self.weight = tensor_of(input_at(self.node, 1))
@@ -143,8 +145,11 @@ class Linear:
         n, _ = self.shape
         if self.scales is None:
             raise MoepassError(f"{_node_name(self.node)}: a MatMul has no quantized blobs")
-        return (read_rows(self.weight).reshape(n, -1), read_rows(self.scales).reshape(n, -1).astype(np.float32),
-                None if self.zero_points is None else read_rows(self.zero_points).reshape(n, -1))
+        return (
+            read_rows(self.weight).reshape(n, -1),
+            read_rows(self.scales).reshape(n, -1).astype(np.float32),
+            None if self.zero_points is None else read_rows(self.zero_points).reshape(n, -1),
+        )
 
 
 @dataclasses.dataclass
@@ -191,6 +196,7 @@ def as_linear(node: ir.Node | None) -> Linear | None:
 
 # ---- writing the fused experts -----------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Target:
     """What a match becomes: the form's name, the QMoE form (None: a float MoE node), whether the
@@ -227,8 +233,9 @@ class ExpertWriter:
         return node
 
     def _initializer(self, tensor: ir.TensorProtocol) -> ir.Value:
-        value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor_dims(tensor)),
-                         const_value=tensor)
+        value = ir.Value(
+            name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor_dims(tensor)), const_value=tensor
+        )
         self.graph.register_initializer(value)
         return value
 
@@ -237,14 +244,16 @@ class ExpertWriter:
         (gate/up)."""
         return self._initializer(float_expert_stack(ExpertRows.of(groups, exact=True), name, self.report))
 
-    def packed_stack(self, name: str, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], form: BlockForm,
-                     exact: bool) -> Experts:
+    def packed_stack(
+        self, name: str, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], form: BlockForm, exact: bool
+    ) -> Experts:
         """QMoE codes, scales (and zero points) of the groups' matrices (one group per expert), rows
         interleaved: the blobs moved unchanged when `exact`, else requantized from their values (error
         measured)."""
         with_zeros = exact and any(isinstance(lin, Linear) and lin.zero_points is not None for g in groups for lin in g)
-        packed = PackedGroup(ExpertRows.of(groups, exact), form, name, self.report, zero_points=with_zeros,
-                             codes_name="weight")
+        packed = PackedGroup(
+            ExpertRows.of(groups, exact), form, name, self.report, zero_points=with_zeros, codes_name="weight"
+        )
         codes, scales = self._initializer(packed.codes), self._initializer(packed.scales)  # in the file's order
         return Experts(codes, scales, None if packed.zero_points is None else self._initializer(packed.zero_points))
 
@@ -270,8 +279,10 @@ class ExpertRows:
 
     @property
     def parts(self) -> list[tuple[str, str]]:
-        return [(m.name, "float32" if m.form is None else f"MatMulNBits{m.form.bits}/b{m.form.block_size}")
-                for m in self.matrices]
+        return [
+            (m.name, "float32" if m.form is None else f"MatMulNBits{m.form.bits}/b{m.form.block_size}")
+            for m in self.matrices
+        ]
 
     def spans(self, multiple: int) -> Iterator[tuple[int, int]]:
         return ((e * self.rows, self.rows) for e in range(len(self.matrices)))
@@ -279,15 +290,23 @@ class ExpertRows:
     def part_of(self, first: int) -> int:
         return first // self.rows
 
-    def pack(self, span: tuple[int, int], form: BlockForm, codes: np.ndarray, scales: np.ndarray,
-             extra: np.ndarray | None, scale_type: type) -> Packed:
+    def pack(
+        self,
+        span: tuple[int, int],
+        form: BlockForm,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        extra: np.ndarray | None,
+        scale_type: type,
+    ) -> Packed:
         matrix = self.matrices[self.part_of(span[0])]
         if self.exact and isinstance(matrix, Linear):
             blob, blob_scales, zeros = matrix.blobs()
             codes[...], scales[...] = blob, blob_scales
             if extra is not None:
-                extra[...] = (0x88 if form.bits == 4 else form.zero_point) if zeros is None else \
-                    zeros[:, :extra.shape[-1]]
+                extra[...] = (
+                    (0x88 if form.bits == 4 else form.zero_point) if zeros is None else zeros[:, : extra.shape[-1]]
+                )
             return Packed(form, codes, scales, True)
         # one scale per output row: quantized as one block of K
         done = quantize_values(matrix.float_weight(), form if form.block_size else BlockForm(form.bits, self.k))
@@ -300,6 +319,7 @@ class ExpertRows:
 
 # ---- the per-expert branches rule ---------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Expert:
     gate: Linear
@@ -309,22 +329,32 @@ class Expert:
 
 @dataclasses.dataclass
 class BranchesMatch:
-    anchor: ir.Node       # TopK
-    hidden: ir.Value      # [tokens, hidden], the router's (and experts') input
-    router: ir.Value      # router logits
-    softmax: ir.Value     # softmax(router logits)
+    anchor: ir.Node  # TopK
+    hidden: ir.Value  # [tokens, hidden], the router's (and experts') input
+    router: ir.Value  # router logits
+    softmax: ir.Value  # softmax(router logits)
     top_k: int
     normalize: bool
     experts: list[Expert]
-    output: ir.Value      # the accumulated MoE output [tokens, hidden]
+    output: ir.Value  # the accumulated MoE output [tokens, hidden]
 
 
 _TOKEN_OPS = ("Unsqueeze", "Gather", "Reshape", "Squeeze", "Flatten")
 # what lies between an expert's down projection and the scatter of its rows: the routing weight, casts
 _WEIGHT_OPS = ("Mul", "Cast", "Reshape", "Unsqueeze", "Expand", "Flatten")
 # how a branch picks its tokens' routing weights out of the top-k weights
-_GATHER_OPS = ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Gather", "GatherND", "GatherElements", "Expand",
-               "Slice")
+_GATHER_OPS = (
+    "Cast",
+    "Reshape",
+    "Unsqueeze",
+    "Squeeze",
+    "Flatten",
+    "Gather",
+    "GatherND",
+    "GatherElements",
+    "Expand",
+    "Slice",
+)
 
 
 class ExpertBranchesRule:
@@ -356,26 +386,37 @@ class ExpertBranchesRule:
         axis = softmax.attributes.get_int("axis", -1)
         if axis not in (-1, 1):
             raise Mismatch(f"{where}: softmax over axis {axis}, not over the experts")
-        normalize = any(n.op_type == "Div" and input_at(n, 0) is topk.outputs[0] and _is_sum_of(input_at(n, 1), topk)
-                        for n in consumers(topk.outputs[0]))
+        normalize = any(
+            n.op_type == "Div" and input_at(n, 0) is topk.outputs[0] and _is_sum_of(input_at(n, 1), topk)
+            for n in consumers(topk.outputs[0])
+        )
         experts_by_slot = self._experts(topk, hidden, router, where)
         if sorted(experts_by_slot) != list(range(n_experts)):
-            raise Mismatch(f"{where}: the graph has branches for {len(experts_by_slot)} of the router's {n_experts} "
-                           "experts (an export leaves out experts its example input did not reach)")
+            raise Mismatch(
+                f"{where}: the graph has branches for {len(experts_by_slot)} of the router's {n_experts} "
+                "experts (an export leaves out experts its example input did not reach)"
+            )
         experts = [experts_by_slot[e] for e in range(n_experts)]
         for e, ex in enumerate(experts):
             n_ff = ex.gate.shape[0]
-            if ex.gate.shape != (n_ff, hidden_size) or ex.up.shape != (n_ff, hidden_size) or \
-                    ex.down.shape != (hidden_size, n_ff):
-                raise Mismatch(f"{where}: expert {e}'s matrices {ex.gate.shape}, {ex.up.shape}, {ex.down.shape} do "
-                               f"not form a SwiGLU MLP of width {hidden_size}")
+            if (
+                ex.gate.shape != (n_ff, hidden_size)
+                or ex.up.shape != (n_ff, hidden_size)
+                or ex.down.shape != (hidden_size, n_ff)
+            ):
+                raise Mismatch(
+                    f"{where}: expert {e}'s matrices {ex.gate.shape}, {ex.up.shape}, {ex.down.shape} do "
+                    f"not form a SwiGLU MLP of width {hidden_size}"
+                )
         if len({ex.gate.shape for ex in experts}) != 1:
             raise Mismatch(f"{where}: the experts have different widths")
-        weights = next((n.outputs[0] for n in consumers(topk.outputs[0]) if normalize and n.op_type == "Div"),
-                       topk.outputs[0])
+        weights = next(
+            (n.outputs[0] for n in consumers(topk.outputs[0]) if normalize and n.op_type == "Div"), topk.outputs[0]
+        )
         output = self._output(experts, weights, where)
-        return BranchesMatch(topk, hidden, logits, softmax.outputs[0], int(np.asarray(k).reshape(-1)[0]),
-                             normalize, experts, output)
+        return BranchesMatch(
+            topk, hidden, logits, softmax.outputs[0], int(np.asarray(k).reshape(-1)[0]), normalize, experts, output
+        )
 
     def target(self, match: BranchesMatch) -> Target:
         linears = [lin for ex in match.experts for lin in (ex.gate, ex.up, ex.down)]
@@ -390,8 +431,9 @@ class ExpertBranchesRule:
         form = next(iter(forms)) if len(forms) == 1 else None
         exact = qmoe_takes(form, [lin.shape[1] for lin in linears])
         if not exact:
-            form = requantize_form(8 if self.float_experts in ("keep", "int8") else 4,
-                                   [lin.shape[1] for lin in linears])
+            form = requantize_form(
+                8 if self.float_experts in ("keep", "int8") else 4, [lin.shape[1] for lin in linears]
+            )
         fate = "moved byte for byte" if exact else "requantized, the error reported"
         return Target(str(form), form, exact, f"MatMulNBits {found}{zeros}, K {ks} -> {form}, {fate}")
 
@@ -401,18 +443,28 @@ class ExpertBranchesRule:
         gates_ups = [(ex.gate, ex.up) for ex in match.experts]
         downs = [(ex.down,) for ex in match.experts]
         nodes = NodeList()
-        layer = functools.partial(moe_node, nodes.op, name, match.hidden, match.router, top_k=match.top_k,
-                                  normalize=match.normalize)
+        layer = functools.partial(
+            moe_node, nodes.op, name, match.hidden, match.router, top_k=match.top_k, normalize=match.normalize
+        )
         if target.form is None:
-            layer(Experts(writer.float_stack(f"{name}.fc1", gates_ups)),
-                  Experts(writer.float_stack(f"{name}.fc2", downs)))
+            layer(
+                Experts(writer.float_stack(f"{name}.fc1", gates_ups)), Experts(writer.float_stack(f"{name}.fc2", downs))
+            )
         else:
             fc1 = writer.packed_stack(f"{name}.fc1", gates_ups, target.form, target.exact)
             fc2 = writer.packed_stack(f"{name}.fc2", downs, target.form, target.exact)
             layer(fc1, fc2, bits=target.form.bits, block_size=target.form.block_size, router_weights=match.softmax)
         writer.replace(nodes.nodes, match.output, match.anchor, target.name)
-        return FusionRecord(self.name, _node_name(match.anchor), True, node=name, experts=len(match.experts),
-                            top_k=match.top_k, form=target.name, geometry=target.geometry)
+        return FusionRecord(
+            self.name,
+            _node_name(match.anchor),
+            True,
+            node=name,
+            experts=len(match.experts),
+            top_k=match.top_k,
+            form=target.name,
+            geometry=target.geometry,
+        )
 
     def _experts(self, topk: ir.Node, hidden: ir.Value, router: Linear, where: str) -> dict[int, Expert]:
         """Expert slot -> its SwiGLU: projections that read tokens gathered from `hidden`."""
@@ -428,8 +480,9 @@ class ExpertBranchesRule:
                         queue.append(out)
         experts: dict[int, Expert] = {}
         for x in token_values:
-            projections = [lin for lin in map(as_linear, consumers(x))
-                           if lin is not None and lin.node is not router.node]
+            projections = [
+                lin for lin in map(as_linear, consumers(x)) if lin is not None and lin.node is not router.node
+            ]
             if not projections:
                 continue
             expert = self._swiglu(projections, where)
@@ -443,8 +496,9 @@ class ExpertBranchesRule:
         """gate, up, down from down(silu(gate(x)) * up(x)), silu written as g * sigmoid(g)."""
         names = ", ".join(f"'{_node_name(p.node)}'" for p in projections)
         if len(projections) != 2:
-            raise Mismatch(f"{where}: {len(projections)} projections ({names}) read one expert's tokens, "
-                           "not gate and up")
+            raise Mismatch(
+                f"{where}: {len(projections)} projections ({names}) read one expert's tokens, not gate and up"
+            )
         for gate, up in (projections, projections[::-1]):
             g = gate.node.outputs[0]
             sigmoid = next((n for n in consumers(g) if n.op_type == "Sigmoid"), None)
@@ -453,8 +507,9 @@ class ExpertBranchesRule:
             silu = next((n for n in consumers(g) if n.op_type == "Mul" and sigmoid.outputs[0] in n.inputs), None)
             if silu is None:
                 continue
-            product = next((n for n in consumers(silu.outputs[0])
-                            if n.op_type == "Mul" and up.node.outputs[0] in n.inputs), None)
+            product = next(
+                (n for n in consumers(silu.outputs[0]) if n.op_type == "Mul" and up.node.outputs[0] in n.inputs), None
+            )
             if product is None:
                 continue
             downs = [lin for lin in map(as_linear, consumers(product.outputs[0])) if lin is not None]
@@ -489,8 +544,9 @@ class ExpertBranchesRule:
     @staticmethod
     def _is_routing_mask(value: ir.Value | None, topk: ir.Node) -> bool:
         node = producer(_through(value, ("Transpose", "Cast")))
-        return node is not None and node.op_type == "OneHot" and \
-            _through(input_at(node, 0), ("Cast",)) is topk.outputs[1]
+        return (
+            node is not None and node.op_type == "OneHot" and _through(input_at(node, 0), ("Cast",)) is topk.outputs[1]
+        )
 
     def _output(self, experts: list[Expert], weights: ir.Value, where: str) -> ir.Value:
         """The value every expert's contribution accumulates into: each branch's output, times its
@@ -509,8 +565,9 @@ class ExpertBranchesRule:
                 if not (len(following) == 1 and any(_is_scatter(v.producer()) for v in following[0].inputs if v)):
                     break
             if value is scatter.outputs[0]:
-                raise Mismatch(f"{where}: the scattered outputs of expert branch '{_node_name(ex.down.node)}' are not "
-                               "added up")
+                raise Mismatch(
+                    f"{where}: the scattered outputs of expert branch '{_node_name(ex.down.node)}' are not added up"
+                )
             ends.add(value)
         if len(ends) != 1:
             raise Mismatch(f"{where}: the experts' outputs add up into {len(ends)} different values")
@@ -534,13 +591,17 @@ class ExpertBranchesRule:
                     if node.op_type == "Mul":
                         other = input_at(node, 1) if input_at(node, 0) is current else input_at(node, 0)
                         if other is None or _through(other, _GATHER_OPS) is not weights:
-                            raise Mismatch(f"{where}: expert output '{value.name}' is multiplied by "
-                                           f"'{other.name if other else None}', not by the router's top-k weights")
+                            raise Mismatch(
+                                f"{where}: expert output '{value.name}' is multiplied by "
+                                f"'{other.name if other else None}', not by the router's top-k weights"
+                            )
                         factors += 1
                     queue.extend(node.outputs)
         if len(found) != 1 or factors != 1:
-            raise Mismatch(f"{where}: the output of '{value.name}' reaches {len(found)} scatter nodes through "
-                           f"{factors} routing-weight products, not one of each")
+            raise Mismatch(
+                f"{where}: the output of '{value.name}' reaches {len(found)} scatter nodes through "
+                f"{factors} routing-weight products, not one of each"
+            )
         return found[0]
 
 
@@ -556,6 +617,7 @@ def _is_sum_of(value: ir.Value | None, topk: ir.Node) -> bool:
 
 # ---- com.microsoft::MoE nodes ---------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class MoeNodeMatch:
     anchor: ir.Node
@@ -563,8 +625,16 @@ class MoeNodeMatch:
 
 
 # what a float MoE node's attributes may say: each is carried into the QMoE node by moe_node
-_MOE_ATTRIBUTES = {"k", "activation_type", "swiglu_fusion", "activation_alpha", "activation_beta", "swiglu_limit",
-                   "normalize_routing_weights", "use_sparse_mixer"}
+_MOE_ATTRIBUTES = {
+    "k",
+    "activation_type",
+    "swiglu_fusion",
+    "activation_alpha",
+    "activation_beta",
+    "swiglu_limit",
+    "normalize_routing_weights",
+    "use_sparse_mixer",
+}
 
 
 class MoeNodeRule:
@@ -600,12 +670,19 @@ class MoeNodeRule:
             raise Mismatch(f"{where}: attribute {unknown[0]} has no QMoE counterpart here")
         kind, fusion = attributes.get_string("activation_type", "relu"), attributes.get_int("swiglu_fusion", 0)
         if (kind, fusion) != ("swiglu", 1):
-            raise Mismatch(f"{where}: activation {kind} with swiglu_fusion {fusion}; the rule fuses SwiGLU experts "
-                           "with gate and up rows interleaved (swiglu_fusion 1), the layout QMoE's CPU kernel takes")
+            raise Mismatch(
+                f"{where}: activation {kind} with swiglu_fusion {fusion}; the rule fuses SwiGLU experts "
+                "with gate and up rows interleaved (swiglu_fusion 1), the layout QMoE's CPU kernel takes"
+            )
         limit = attributes.get("swiglu_limit")
-        return MoeNodeMatch(node, Activation(attributes.get_float("activation_alpha", 1.0),
-                                             attributes.get_float("activation_beta", 0.0),
-                                             None if limit is None else limit.as_float()))
+        return MoeNodeMatch(
+            node,
+            Activation(
+                attributes.get_float("activation_alpha", 1.0),
+                attributes.get_float("activation_beta", 0.0),
+                None if limit is None else limit.as_float(),
+            ),
+        )
 
     def target(self, match: MoeNodeMatch) -> Target:
         ks = [tensor_dims(tensor_of(input_at(match.anchor, MOE_SLOTS[fc][0])))[2] for fc in ("fc1", "fc2")]
@@ -628,17 +705,34 @@ class MoeNodeRule:
             stacks.append(writer.packed_stack(f"{name}.{fc}", groups, form, False))
             stacks[-1].bias = bias
         nodes = NodeList()
-        moe_node(nodes.op, f"{name}.quantized", required_input(moe, 0), required_input(moe, ROUTER_LOGITS),
-                 stacks[0], stacks[1], top_k=moe.attributes.get_int("k", 1),
-                 normalize=bool(moe.attributes.get_int("normalize_routing_weights", 0)),
-                 activation=match.activation, bits=form.bits, block_size=form.block_size)
+        moe_node(
+            nodes.op,
+            f"{name}.quantized",
+            required_input(moe, 0),
+            required_input(moe, ROUTER_LOGITS),
+            stacks[0],
+            stacks[1],
+            top_k=moe.attributes.get_int("k", 1),
+            normalize=bool(moe.attributes.get_int("normalize_routing_weights", 0)),
+            activation=match.activation,
+            bits=form.bits,
+            block_size=form.block_size,
+        )
         node = writer.replace(nodes.nodes, moe.outputs[0], moe, target.name)
-        return FusionRecord(self.name, _node_name(moe), True, node=_node_name(node), experts=experts,
-                            top_k=moe.attributes.get_int("k", 1),
-                            form=target.name, geometry=target.geometry)
+        return FusionRecord(
+            self.name,
+            _node_name(moe),
+            True,
+            node=_node_name(node),
+            experts=experts,
+            top_k=moe.attributes.get_int("k", 1),
+            form=target.name,
+            geometry=target.geometry,
+        )
 
 
 # ---- the pass ----------------------------------------------------------------------------------------
+
 
 class Rule(Protocol):
     """A fusion rule owns its pattern: where to look, whether a candidate matches (else Mismatch,
@@ -686,8 +780,9 @@ class FuseMoePass(InPlacePass):
                 self.records.append(FusionRecord(rule.name, _node_name(anchor), False, result))
             elif self.dry_run:
                 target = rule.target(result)
-                self.records.append(FusionRecord(rule.name, _node_name(anchor), True, form=target.name,
-                                                 geometry=target.geometry))
+                self.records.append(
+                    FusionRecord(rule.name, _node_name(anchor), True, form=target.name, geometry=target.geometry)
+                )
             else:
                 self.records.append(rule.rewrite(result, fused, writer))
                 fused += 1

@@ -48,9 +48,12 @@ class FuseSkipNormPass(InPlacePass):
                 continue
             summed = add.outputs[0]
             fused = ir.node(
-                "SkipSimplifiedLayerNormalization", [add.inputs[0], add.inputs[1], norm.inputs[1]],
+                "SkipSimplifiedLayerNormalization",
+                [add.inputs[0], add.inputs[1], norm.inputs[1]],
                 attributes={"epsilon": norm.attributes.get_float("epsilon", 1e-5)},
-                domain="com.microsoft", num_outputs=4, name=norm.name,
+                domain="com.microsoft",
+                num_outputs=4,
+                name=norm.name,
                 metadata_props={keys.FUSED_FROM: f"{add.name},{norm.name}"},
             )
             graph.insert_before(add, fused)

@@ -82,8 +82,10 @@ class ReorderExpertsPass(InPlacePass):
             for index in EXPERT_INPUTS[node.op_type]:
                 value = input_at(node, index)
                 if value is not None and value not in moe.expert_values:
-                    raise MoepassError(f"node {name}: expert input {index} ('{value.name}') is computed, not an "
-                                       "initializer, so its experts cannot be reordered")
+                    raise MoepassError(
+                        f"node {name}: expert input {index} ('{value.name}') is computed, not an "
+                        "initializer, so its experts cannot be reordered"
+                    )
             edits[name] = self._router_edits(node, moe.experts)
         for name, order in self.orders.items():
             moe = found[name]
@@ -111,13 +113,22 @@ class ReorderExpertsPass(InPlacePass):
         edits = []
         for use in logits.uses():
             # the node itself, or a Softmax over the experts that feeds only it (router_weights)
-            ok = use.node is moe or (use.node.op_type == "Softmax" and use.node.attributes.get_int("axis", -1) == -1
-                                     and all(u.node is moe for u in use.node.outputs[0].uses()))
+            ok = use.node is moe or (
+                use.node.op_type == "Softmax"
+                and use.node.attributes.get_int("axis", -1) == -1
+                and all(u.node is moe for u in use.node.outputs[0].uses())
+            )
             if not ok:
-                raise MoepassError(f"node {moe.name}: its router logits also feed {use.node.op_type} node "
-                                   f"{use.node.name!r}; reordering the experts would change what that node computes")
-        if router.op_type == "Add" and router.domain == "" and _is_constant(input_at(router, 1)) \
-                and tensor_of(input_at(router, 1)).shape.rank() == 1:
+                raise MoepassError(
+                    f"node {moe.name}: its router logits also feed {use.node.op_type} node "
+                    f"{use.node.name!r}; reordering the experts would change what that node computes"
+                )
+        if (
+            router.op_type == "Add"
+            and router.domain == ""
+            and _is_constant(input_at(router, 1))
+            and tensor_of(input_at(router, 1)).shape.rank() == 1
+        ):
             # MatMul + Add(bias [experts]): the bias, then the MatMul feeding only this Add
             edits.append((router, 1, 0))
             product = required_input(router, 0)
@@ -139,25 +150,35 @@ class ReorderExpertsPass(InPlacePass):
         elif router.op_type == "MatMul" and router.domain == "" and _is_constant(input_at(router, 1)):
             edits.append((router, 1, -1))  # W^T [hidden, experts]
         else:
-            raise MoepassError(f"node {moe.name}: its router is a {router.domain or 'ai.onnx'}::{router.op_type} "
-                               "node; moepass reorders MatMul and MatMulNBits routers with constant weights")
+            raise MoepassError(
+                f"node {moe.name}: its router is a {router.domain or 'ai.onnx'}::{router.op_type} "
+                "node; moepass reorders MatMul and MatMulNBits routers with constant weights"
+            )
         return edits
 
     def _gather_routing(self, graph: ir.Graph, moe: ir.Node, order: list[int]) -> None:
         """A router computed by a subgraph (deepseek2's group-limited routing, whose groups are
         ranges of expert ids): its result is permuted instead, by a Gather over the expert axis
         right before the node; anything else reading the routing still sees it in the original order."""
-        indices = ir.Value(name=f"{moe.name}.expert_order", type=ir.TensorType(ir.DataType.INT64),
-                           shape=ir.Shape([len(order)]),
-                           const_value=ir.Tensor(np.array(order, np.int64), name=f"{moe.name}.expert_order"))
+        indices = ir.Value(
+            name=f"{moe.name}.expert_order",
+            type=ir.TensorType(ir.DataType.INT64),
+            shape=ir.Shape([len(order)]),
+            const_value=ir.Tensor(np.array(order, np.int64), name=f"{moe.name}.expert_order"),
+        )
         graph.register_initializer(indices)
         for index in (ROUTER_LOGITS, ROUTER_WEIGHTS):  # router scores, router_weights
             source = input_at(moe, index)
             if source is None:
                 continue
 
-            gather = ir.Node("", "Gather", [source, indices], attributes=[ir.AttrInt64("axis", -1)],
-                             name=f"{moe.name}.reorder_routing_{index}")
+            gather = ir.Node(
+                "",
+                "Gather",
+                [source, indices],
+                attributes=[ir.AttrInt64("axis", -1)],
+                name=f"{moe.name}.reorder_routing_{index}",
+            )
             graph.insert_before(moe, gather)
             reordered = gather.outputs[0]
             reordered.name = f"{source.name}.reordered"

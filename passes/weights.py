@@ -88,8 +88,9 @@ class StreamedTensor(ir.LazyTensor):
 
     __slots__ = ("_chunks",)
 
-    def __init__(self, chunks: Callable[[], Iterator[np.ndarray]], dtype: ir.DataType, shape: tuple[int, ...],
-                 name: str):
+    def __init__(
+        self, chunks: Callable[[], Iterator[np.ndarray]], dtype: ir.DataType, shape: tuple[int, ...], name: str
+    ):
         self._chunks = chunks
 
         def whole() -> ir.TensorProtocol:
@@ -136,22 +137,41 @@ def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int | 
 
 def _rounding_sums(values: np.ndarray, cast: np.ndarray) -> tuple[float, float]:
     """Squared error of a narrowing cast of `values`, and the squared values (sums, float64)."""
-    return (float(np.sum(np.square(cast.astype(np.float32) - values), dtype=np.float64)),
-            float(np.sum(np.square(values), dtype=np.float64)))
+    return (
+        float(np.sum(np.square(cast.astype(np.float32) - values), dtype=np.float64)),
+        float(np.sum(np.square(values), dtype=np.float64)),
+    )
 
 
 FLOAT_TYPES = {ir.DataType.FLOAT: (np.float32, "float32", 32.0), ir.DataType.FLOAT16: (np.float16, "float16", 16.0)}
 
 
-def float_tensor(src: SourceTensor, qt: QuantType, name: str, report: WeightReport,
-                 transpose: bool = False, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.TensorProtocol:
+def float_tensor(
+    src: SourceTensor,
+    qt: QuantType,
+    name: str,
+    report: WeightReport,
+    transpose: bool = False,
+    dtype: ir.DataType = ir.DataType.FLOAT,
+) -> ir.TensorProtocol:
     """A GGUF tensor as float32 (its values exactly as the gguf package dequantizes them) or float16."""
     np_type, label, bits = FLOAT_TYPES[dtype]
     shape = src.shape[::-1] if transpose else src.shape
     lossless = dtype == ir.DataType.FLOAT or qt.ggml_type == GGMLQuantizationType.F16
-    report.add(WeightRecord(name, [src.name], [qt.name], label, int(np.prod(shape)) * int(bits) // 8, bits,
-                            exact=[True] if lossless else None, rel_rms_error=[0.0] if lossless else None))
+    report.add(
+        WeightRecord(
+            name,
+            [src.name],
+            [qt.name],
+            label,
+            int(np.prod(shape)) * int(bits) // 8,
+            bits,
+            exact=[True] if lossless else None,
+            rel_rms_error=[0.0] if lossless else None,
+        )
+    )
     if not transpose:
+
         def chunks() -> Iterator[np.ndarray]:
             err, ref = 0.0, 0.0
             for _, raw in row_chunks(src):
@@ -165,6 +185,7 @@ def float_tensor(src: SourceTensor, qt: QuantType, name: str, report: WeightRepo
                 yield cast
             if not lossless:
                 report.measured(name, [err == 0.0], [rel_rms(err, ref)])
+
         return StreamedTensor(chunks, dtype, shape, name)
 
     def whole() -> ir.TensorProtocol:
@@ -172,7 +193,7 @@ def float_tensor(src: SourceTensor, qt: QuantType, name: str, report: WeightRepo
         # non-expert float matrices take this path.
         out = np.empty(shape, dtype=np.float32)
         for first, raw in row_chunks(src):
-            out.T[first:first + len(raw)] = dequantize(raw, qt.ggml_type)
+            out.T[first : first + len(raw)] = dequantize(raw, qt.ggml_type)
         if not lossless:
             cast = out.astype(np_type)
             err, ref = _rounding_sums(out, cast)
@@ -204,8 +225,15 @@ class RowSource(Protocol):
 
     def part_of(self, first: int) -> int: ...
 
-    def pack(self, span: tuple[int, int], form: BlockForm, codes: np.ndarray, scales: np.ndarray,
-             extra: np.ndarray | None, scale_type: type) -> Packed: ...
+    def pack(
+        self,
+        span: tuple[int, int],
+        form: BlockForm,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        extra: np.ndarray | None,
+        scale_type: type,
+    ) -> Packed: ...
 
     def values(self, span: tuple[int, int]) -> np.ndarray: ...
 
@@ -233,8 +261,15 @@ class GgufRows:
     def part_of(self, first: int) -> int:
         return 0
 
-    def pack(self, span: tuple[int, int], form: BlockForm, codes: np.ndarray, scales: np.ndarray,
-             extra: np.ndarray | None, scale_type: type) -> Packed:
+    def pack(
+        self,
+        span: tuple[int, int],
+        form: BlockForm,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        extra: np.ndarray | None,
+        scale_type: type,
+    ) -> Packed:
         first, rows = span
         raw = self.src.read_rows(first, rows)
         weights = None if self.importance is None else importance_rows(self.importance, self.src.shape, first, rows)
@@ -250,9 +285,11 @@ class GgufRows:
     def _narrow(self, scales: np.ndarray, packed: Packed, raw: np.ndarray, scale_type: type) -> None:
         narrow: np.ndarray = scales.astype(scale_type)
         if not np.isfinite(narrow).all():
-            raise MoepassError(f"{self.src.path}: tensor '{self.src.name}' has a block scale of "
-                               f"{float(np.abs(scales).max()):.3g}, beyond float16's range (65504): its "
-                               f"weights are too large for any real model")
+            raise MoepassError(
+                f"{self.src.path}: tensor '{self.src.name}' has a block scale of "
+                f"{float(np.abs(scales).max()):.3g}, beyond float16's range (65504): its "
+                f"weights are too large for any real model"
+            )
         shift = narrow.astype(np.float32) - scales
         if shift.any():
             codes = unpack_values(packed.weights, np.ones_like(scales), packed.form)
@@ -264,8 +301,13 @@ class GgufRows:
         scales[...] = narrow
 
 
-def float_expert_stack(sources: Sequence[RowSource], name: str, report: WeightReport,
-                       dtype: ir.DataType = ir.DataType.FLOAT, workers: int | None = None) -> ir.TensorProtocol:
+def float_expert_stack(
+    sources: Sequence[RowSource],
+    name: str,
+    report: WeightReport,
+    dtype: ir.DataType = ir.DataType.FLOAT,
+    workers: int | None = None,
+) -> ir.TensorProtocol:
     """Float expert stacks [E, N, K] as [E, N * len(sources), K] float32 (or float16; gate/up rows
     interleaved), from RowSources' values; float16's rounding is measured per part."""
     np_type, label, bits = FLOAT_TYPES[dtype]
@@ -273,10 +315,18 @@ def float_expert_stack(sources: Sequence[RowSource], name: str, report: WeightRe
     shape = (e, n * len(sources), k)
     exact = dtype == ir.DataType.FLOAT
     order = _record_order(sources)
-    report.add(WeightRecord(name, [sources[j].parts[p][0] for p, j in order],
-                            [sources[j].parts[p][1] for p, j in order], label, int(np.prod(shape)) * int(bits) // 8,
-                            bits, exact=[True] * len(order) if exact else None,
-                            rel_rms_error=[0.0] * len(order) if exact else None))
+    report.add(
+        WeightRecord(
+            name,
+            [sources[j].parts[p][0] for p, j in order],
+            [sources[j].parts[p][1] for p, j in order],
+            label,
+            int(np.prod(shape)) * int(bits) // 8,
+            bits,
+            exact=[True] * len(order) if exact else None,
+            rel_rms_error=[0.0] * len(order) if exact else None,
+        )
+    )
 
     def dequantize_chunk(span: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray]:
         out = np.empty((span[1], len(sources), k), dtype=np_type)  # row 2i gate_i, 2i+1 up_i
@@ -353,9 +403,19 @@ class PackedGroup:
     written.
     """
 
-    def __init__(self, sources: Sequence[RowSource], form: BlockForm, name: str, report: WeightReport,
-                 blob_layout: bool = False, scale_dtype: ir.DataType = ir.DataType.FLOAT, prepack: bool = False,
-                 zero_points: bool = False, workers: int | None = None, codes_name: str = "q"):
+    def __init__(
+        self,
+        sources: Sequence[RowSource],
+        form: BlockForm,
+        name: str,
+        report: WeightReport,
+        blob_layout: bool = False,
+        scale_dtype: ir.DataType = ir.DataType.FLOAT,
+        prepack: bool = False,
+        zero_points: bool = False,
+        workers: int | None = None,
+        codes_name: str = "q",
+    ):
         self.sources, self.form, self.name, self.report = list(sources), form, name, report
         self.workers = workers
         self.scale_type = FLOAT_TYPES[scale_dtype][0]
@@ -385,20 +445,31 @@ class PackedGroup:
             nbytes += self.extra[1].itemsize * int(np.prod(rows)) * self.extra[0]
         elements = sum(int(np.prod(s.shape)) for s in sources)
         self.order = _record_order(sources)
-        report.add(WeightRecord(name, [self.sources[j].parts[p][0] for p, j in self.order],
-                                [self.sources[j].parts[p][1] for p, j in self.order], str(form), nbytes,
-                                round(nbytes * 8 / elements, 4)))
+        report.add(
+            WeightRecord(
+                name,
+                [self.sources[j].parts[p][0] for p, j in self.order],
+                [self.sources[j].parts[p][1] for p, j in self.order],
+                str(form),
+                nbytes,
+                round(nbytes * 8 / elements, 4),
+            )
+        )
         once = PackOnce(self._packed_chunks, 1 if self.extra is None else 2)
         self.codes = StreamedTensor(once.codes, ir.DataType.UINT8, codes_shape, f"{name}.{codes_name}")
         self.scales = StreamedTensor(lambda: once.extra(0), scale_dtype, scales_shape, f"{name}.scales")
         self.offsets = self.zero_points = None
         if form.offsets:
-            self.offsets = StreamedTensor(lambda: iter([np.concatenate(list(once.extra(1))).reshape(-1, self.k_blocks)
-                                                        .T]), ir.DataType.FLOAT, (self.k_blocks, rows[0]),
-                                          f"{name}.offsets")
+            self.offsets = StreamedTensor(
+                lambda: iter([np.concatenate(list(once.extra(1))).reshape(-1, self.k_blocks).T]),
+                ir.DataType.FLOAT,
+                (self.k_blocks, rows[0]),
+                f"{name}.offsets",
+            )
         elif zero_points:
-            self.zero_points = StreamedTensor(lambda: once.extra(1), ir.DataType.UINT8, (*rows, zero_cols),
-                                              f"{name}.zero_points")
+            self.zero_points = StreamedTensor(
+                lambda: once.extra(1), ir.DataType.UINT8, (*rows, zero_cols), f"{name}.zero_points"
+            )
 
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, ...]]]:
         """(codes, (scales[, extra])) per chunk of rows, as stored; records exactness and error once
@@ -412,8 +483,10 @@ class PackedGroup:
             codes = np.empty((rows, n_src, form.packed_bytes(k)), dtype=np.uint8)
             scales = np.empty((rows, n_src, self.k_blocks), dtype=np.float32)
             extra = None if self.extra is None else np.empty((rows, n_src, self.extra[0]), self.extra[1])
-            packs = [src.pack(span, form, codes[:, j], scales[:, j], None if extra is None else extra[:, j],
-                              self.scale_type) for j, src in enumerate(self.sources)]
+            packs = [
+                src.pack(span, form, codes[:, j], scales[:, j], None if extra is None else extra[:, j], self.scale_type)
+                for j, src in enumerate(self.sources)
+            ]
             if self.prepack_rows:
                 n = self.prepack_rows * n_src
                 experts = codes.reshape(-1, n, form.packed_bytes(k))

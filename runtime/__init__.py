@@ -23,9 +23,15 @@ from moepass.runtime.sampling import Sampling, choose_token
 from moepass.runtime.speculative import Speculator
 
 
-def load(model_dir: str | os.PathLike, device: str = "auto", cuda_plugin: str | None = None, mode: str | None = None,
-         threads: int | None = None, speculative: str | None = None,
-         draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> Decoder:
+def load(
+    model_dir: str | os.PathLike,
+    device: str = "auto",
+    cuda_plugin: str | None = None,
+    mode: str | None = None,
+    threads: int | None = None,
+    speculative: str | None = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+) -> Decoder:
     """Load a converted model directory (or its model.onnx) for inference.
 
     device: "auto" (best available), "cpu" or "cuda" (a CUDA EP is required). cuda_plugin: path of
@@ -43,5 +49,16 @@ def load(model_dir: str | os.PathLike, device: str = "auto", cuda_plugin: str | 
     return decoder
 
 
-__all__ = ["LLAMA_SERVER", "ContextOverflow", "Conversation", "Decoder", "KVCache", "Sampling", "Speculator",
-           "TextStream", "choose_token", "load", "usable_threads"]
+__all__ = [
+    "LLAMA_SERVER",
+    "ContextOverflow",
+    "Conversation",
+    "Decoder",
+    "KVCache",
+    "Sampling",
+    "Speculator",
+    "TextStream",
+    "choose_token",
+    "load",
+    "usable_threads",
+]

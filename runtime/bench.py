@@ -32,9 +32,15 @@ def _stats(seconds: list[float], tokens: int) -> dict[str, float]:
     """Best-run tokens/s, the seconds' min/median/max, and llama-bench's avg_ts / stddev_ts (tokens/s
     over the runs)."""
     rates = [tokens / t for t in seconds]
-    return {"tokens_per_s": tokens / min(seconds), "seconds_min": min(seconds),
-            "seconds_median": statistics.median(seconds), "seconds_max": max(seconds), "tokens": tokens,
-            "avg_ts": statistics.fmean(rates), "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0}
+    return {
+        "tokens_per_s": tokens / min(seconds),
+        "seconds_min": min(seconds),
+        "seconds_median": statistics.median(seconds),
+        "seconds_max": max(seconds),
+        "tokens": tokens,
+        "avg_ts": statistics.fmean(rates),
+        "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+    }
 
 
 def _timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[float, float]:
@@ -49,8 +55,15 @@ def _timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[floa
     return first, time.perf_counter() - start
 
 
-def measure(decoder, prompt_tokens: int, new_tokens: int, repeats: int = 3, depth: int | None = None,
-            progress=None, prompt: list[int] | None = None) -> dict[str, Any]:
+def measure(
+    decoder,
+    prompt_tokens: int,
+    new_tokens: int,
+    repeats: int = 3,
+    depth: int | None = None,
+    progress=None,
+    prompt: list[int] | None = None,
+) -> dict[str, Any]:
     """Prefill of `prompt_tokens` and decode of `new_tokens` after `depth` cached tokens (default:
     the prompt), each `repeats` times; `progress(text)` is told what runs. `prompt`: these tokens
     instead of pseudo-random ones (a text, for speculative decoding, whose drafts depend on it).
@@ -67,8 +80,10 @@ def measure(decoder, prompt_tokens: int, new_tokens: int, repeats: int = 3, dept
     prefill, decode, plain = [], [], []
     for i in range(repeats):
         if progress:
-            progress(f"run {i + 1}/{repeats}: prefill {prompt_tokens} tokens, decode {new_tokens} after {depth}"
-                     + (", with and without speculation" if speculator else ""))
+            progress(
+                f"run {i + 1}/{repeats}: prefill {prompt_tokens} tokens, decode {new_tokens} after {depth}"
+                + (", with and without speculation" if speculator else "")
+            )
         first, steps = _timed_generation(decoder, prompts[prompt_tokens], new_tokens)
         prefill.append(first)
         if depth != prompt_tokens:
@@ -90,10 +105,13 @@ def measure(decoder, prompt_tokens: int, new_tokens: int, repeats: int = 3, dept
     if speculator is not None:
         result["acceptance"] = speculator.acceptance
         result["speculative"] = {
-            "kind": speculator.kind, "draft_tokens": speculator.draft_tokens, "acceptance": speculator.acceptance,
+            "kind": speculator.kind,
+            "draft_tokens": speculator.draft_tokens,
+            "acceptance": speculator.acceptance,
             "tokens_per_step": generations * new_tokens / max(speculator.steps, 1),
             "plain_decode": _stats(plain, new_tokens),
-            "speedup": min(plain) / min(decode)}
+            "speedup": min(plain) / min(decode),
+        }
     return result
 
 

@@ -38,8 +38,10 @@ EMBEDDING_OPS = ("Gather", "GatherBlockQuantized")
 
 def _form_key(m: MoeNode) -> str:
     attrs = m.node.attributes
-    return (f"{m.node.op_type}/{attrs.get_int('expert_weight_bits', 0)}/{attrs.get_int('block_size', 0)}/"
-            f"{attrs.get_int('weights_prepacked', 0)}/{m.experts}x{m.top_k}/{m.hidden}x{m.ffn}")
+    return (
+        f"{m.node.op_type}/{attrs.get_int('expert_weight_bits', 0)}/{attrs.get_int('block_size', 0)}/"
+        f"{attrs.get_int('weights_prepacked', 0)}/{m.experts}x{m.top_k}/{m.hidden}x{m.ffn}"
+    )
 
 
 def _constant(value: ir.Value) -> ir.Value:
@@ -49,12 +51,23 @@ def _constant(value: ir.Value) -> ir.Value:
 def _single_node_model(node: ir.Node, inputs: list[ir.Value | None], outputs: int) -> ir.Model:
     graph_inputs = [v for v in inputs if v is not None and v.const_value is None]
     initializers = [v for v in inputs if v is not None and v.const_value is not None]
-    copy = ir.Node(node.domain, node.op_type, inputs, attributes=list(node.attributes.values()),
-                   num_outputs=outputs, name=node.name)
+    copy = ir.Node(
+        node.domain,
+        node.op_type,
+        inputs,
+        attributes=list(node.attributes.values()),
+        num_outputs=outputs,
+        name=node.name,
+    )
     for i, out in enumerate(copy.outputs):
         out.name = f"out{i}"
-    graph = ir.Graph(graph_inputs, [copy.outputs[0]], nodes=[copy], initializers=initializers,
-                     opset_imports={"": 21, "com.microsoft": 1})
+    graph = ir.Graph(
+        graph_inputs,
+        [copy.outputs[0]],
+        nodes=[copy],
+        initializers=initializers,
+        opset_imports={"": 21, "com.microsoft": 1},
+    )
     return ir.Model(graph, ir_version=10)
 
 
@@ -69,8 +82,7 @@ def _time(model: ir.Model, folder: Path, feeds: list[dict[str, np.ndarray]], thr
         options.intra_op_num_threads = threads
     options.log_severity_level = 3
     options.add_session_config_entry(keys.EXTERNAL_DATA_FOLDER_KEY, str(folder))
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
     for i in range(3):
         session.run(None, feeds[i % len(feeds)])
     times = []
@@ -93,9 +105,13 @@ def _moe_seconds(m: MoeNode, dtype: ir.DataType, folder: Path, threads: int | No
             continue
         routers.append(f"router{i}")  # router scores (and router weights where the node takes them): one token
         inputs.append(ir.Value(name=routers[-1], shape=ir.Shape([1, m.experts]), type=ir.TensorType(dtype)))
-    feeds = [{"hidden": rng.normal(0, 1, (1, m.hidden)).astype(np_dtype),
-              **{name: rng.normal(0, 1, (1, m.experts)).astype(np_dtype) for name in routers}}
-             for _ in range(STEPS)]  # another choice of experts at every step
+    feeds = [
+        {
+            "hidden": rng.normal(0, 1, (1, m.hidden)).astype(np_dtype),
+            **{name: rng.normal(0, 1, (1, m.experts)).astype(np_dtype) for name in routers},
+        }
+        for _ in range(STEPS)
+    ]  # another choice of experts at every step
     return _time(_single_node_model(m.node, inputs, len(m.node.outputs)), folder, feeds, threads)
 
 
@@ -113,12 +129,14 @@ def _largest_dense(model: ir.Model) -> tuple[ir.Node, int] | None:
 
 def _dense_rate(node: ir.Node, size: int, dtype: ir.DataType, folder: Path, threads: int | None) -> float:
     """Bytes per second a one-token step of `node` reads its `size` bytes of weights at."""
-    k = node.attributes.get_int("K", 0) if node.op_type == "MatMulNBits" else \
-        dims(required_input(node, 1).shape, f"{node.name}'s weight")[0]
+    k = (
+        node.attributes.get_int("K", 0)
+        if node.op_type == "MatMulNBits"
+        else dims(required_input(node, 1).shape, f"{node.name}'s weight")[0]
+    )
     np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
     a = ir.Value(name="a", shape=ir.Shape([1, k]), type=ir.TensorType(dtype))
-    inputs = [a] + [None if v is None else _constant(v) if v.const_value is not None else None
-                    for v in node.inputs[1:]]
+    inputs = [a] + [None if v is None else _constant(v) if v.const_value is not None else None for v in node.inputs[1:]]
     feeds = [{"a": np.random.default_rng(0).normal(0, 1, (1, k)).astype(np_dtype)}]
     return size / _time(_single_node_model(node, inputs, 1), folder, feeds, threads)
 
@@ -139,8 +157,10 @@ def machine() -> str:
 
 def _has_flag(flag: str) -> bool:
     try:
-        return any(line.startswith("flags") and f" {flag} " in f" {line} "
-                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+        return any(
+            line.startswith("flags") and f" {flag} " in f" {line} "
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+        )
     except OSError:
         return False
 
@@ -163,28 +183,43 @@ def measure_cpu_costs(model_dir: str | os.PathLike, threads: int | None = None) 
     dense = _largest_dense(model)
     if dense is None:
         raise MoepassError(f"{path}: no dense matrix product to time the non-expert weights by")
-    embedding = {v.name for n in model.graph if n.op_type in EMBEDDING_OPS for v in n.inputs[:1]
-                 if v is not None and v.const_value is not None}
+    embedding = {
+        v.name
+        for n in model.graph
+        if n.op_type in EMBEDDING_OPS
+        for v in n.inputs[:1]
+        if v is not None and v.const_value is not None
+    }
     expert = {v.name for m in moe_nodes(model.graph) for v in m.expert_values}
-    non_expert_read = sum(tensor_bytes(v) for v in model.graph.initializers.values()
-                          if v.name not in expert and v.name not in embedding)
-    return {"format": FORMAT, "version": 1, "machine": machine(), "threads": threads or 0,
-            "moe_ms": forms, "moe_form_of": per_node,
-            "dense_bytes_per_s": _dense_rate(*dense, dtype, path.parent, threads),
-            "non_expert_bytes_read": non_expert_read}
+    non_expert_read = sum(
+        tensor_bytes(v) for v in model.graph.initializers.values() if v.name not in expert and v.name not in embedding
+    )
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "machine": machine(),
+        "threads": threads or 0,
+        "moe_ms": forms,
+        "moe_form_of": per_node,
+        "dense_bytes_per_s": _dense_rate(*dense, dtype, path.parent, threads),
+        "non_expert_bytes_read": non_expert_read,
+    }
 
 
 def cpu_step_ms(costs: dict[str, Any], cold_share: dict[str, float] | None = None) -> dict[str, float]:
     """Milliseconds of one decode step on the CPU: {"moe": the MoE layers' (each scaled by the share
     of its selected experts that runs there, all of them by default), "dense": the non-expert
     weights at the measured rate}."""
-    moe = sum(costs["moe_ms"][form] * (1.0 if cold_share is None else cold_share.get(node, 1.0))
-              for node, form in costs["moe_form_of"].items())
+    moe = sum(
+        costs["moe_ms"][form] * (1.0 if cold_share is None else cold_share.get(node, 1.0))
+        for node, form in costs["moe_form_of"].items()
+    )
     return {"moe": moe, "dense": 1e3 * costs["non_expert_bytes_read"] / costs["dense_bytes_per_s"]}
 
 
-def cpu_costs(model_dir: str | os.PathLike, threads: int | None = None,
-              given: str | os.PathLike | None = None) -> dict[str, Any]:
+def cpu_costs(
+    model_dir: str | os.PathLike, threads: int | None = None, given: str | os.PathLike | None = None
+) -> dict[str, Any]:
     """The model's costs: from `given` (`--cpu-profile`: a plan.json partition wrote, whose
     `cpu_costs` are taken, or a file of them), else measured now (a second or two)."""
     if given is None:
@@ -192,8 +227,10 @@ def cpu_costs(model_dir: str | os.PathLike, threads: int | None = None,
     costs = _read(Path(given))
     ours = {m.name: _form_key(m) for m in moe_nodes(load_model(model_dir).graph)}
     if costs["moe_form_of"] != ours:
-        raise MoepassError(f"{given}: its costs are of another model (MoE nodes and forms "
-                           f"{sorted(set(costs['moe_form_of'].values()))}, this model's {sorted(set(ours.values()))})")
+        raise MoepassError(
+            f"{given}: its costs are of another model (MoE nodes and forms "
+            f"{sorted(set(costs['moe_form_of'].values()))}, this model's {sorted(set(ours.values()))})"
+        )
     return costs
 
 
@@ -206,11 +243,16 @@ def _read(path: Path) -> dict[str, Any]:
         costs = costs["cpu_costs"]
     if not isinstance(costs, dict) or costs.get("format") != FORMAT:
         raise MoepassError(f"{path}: not a moepass CPU cost file (format {FORMAT!r})")
-    ok = (isinstance(costs.get("moe_ms"), dict) and isinstance(costs.get("moe_form_of"), dict)
-          and all(isinstance(v, (int, float)) and v > 0 for v in costs["moe_ms"].values())
-          and all(f in costs["moe_ms"] for f in costs["moe_form_of"].values())
-          and isinstance(costs.get("dense_bytes_per_s"), (int, float)) and costs["dense_bytes_per_s"] > 0
-          and isinstance(costs.get("non_expert_bytes_read"), int) and costs["non_expert_bytes_read"] >= 0)
+    ok = (
+        isinstance(costs.get("moe_ms"), dict)
+        and isinstance(costs.get("moe_form_of"), dict)
+        and all(isinstance(v, (int, float)) and v > 0 for v in costs["moe_ms"].values())
+        and all(f in costs["moe_ms"] for f in costs["moe_form_of"].values())
+        and isinstance(costs.get("dense_bytes_per_s"), (int, float))
+        and costs["dense_bytes_per_s"] > 0
+        and isinstance(costs.get("non_expert_bytes_read"), int)
+        and costs["non_expert_bytes_read"] >= 0
+    )
     if not ok:
         raise MoepassError(f"{path}: a CPU cost file whose fields are missing or not positive numbers")
     return costs

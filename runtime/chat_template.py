@@ -69,8 +69,9 @@ def _environment():
     def strftime_now(format):
         return datetime.datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=Undefined,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, undefined=Undefined, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -97,16 +98,27 @@ class ChatTemplate:
         """The variable this template reads to turn reasoning on or off, if any."""
         return next((name for name in THINKING_SWITCHES if re.search(rf"\b{name}\b", self.source)), None)
 
-    def render(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict] | None = None,
-               documents: Sequence[dict] | None = None, add_generation_prompt: bool = True,
-               **variables: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict] | None = None,
+        documents: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **variables: Any,
+    ) -> str:
         """The prompt text for `messages` (dicts with `role` and `content`, as OpenAI's API sends
         them). Unlike `apply_chat_template`, `add_generation_prompt` defaults to True: moepass renders
         to generate the next assistant turn."""
-        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **variables,
-                   "messages": list(messages), "tools": None if tools is None else list(tools),
-                   "documents": None if documents is None else list(documents),
-                   "add_generation_prompt": add_generation_prompt}
+        context = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **variables,
+            "messages": list(messages),
+            "tools": None if tools is None else list(tools),
+            "documents": None if documents is None else list(documents),
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             return self._template.render(**context)
         except Exception as e:  # noqa: BLE001 - whatever the model file's template raises: SecurityError,

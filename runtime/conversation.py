@@ -36,16 +36,18 @@ class Conversation:
         as llama-cli keeps it) and only the rest is tokenized; otherwise (a template that rewrites
         earlier turns, such as Qwen3 dropping old reasoning) the cache keeps the prefix it shares."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        rendered = self.decoder.chat_template.render([*system, *self.messages, {"role": "user", "content": user_text}],
-                                                     **self.variables)
+        rendered = self.decoder.chat_template.render(
+            [*system, *self.messages, {"role": "user", "content": user_text}], **self.variables
+        )
         if self.cache is not None and self.cache.tokens:
             held = self.decoder.decode(self.cache.tokens)
             if len(rendered) > len(held) and rendered.startswith(held):
-                return [*self.cache.tokens, *self.decoder.encode(rendered[len(held):])]
+                return [*self.cache.tokens, *self.decoder.encode(rendered[len(held) :])]
         return self.decoder.encode(rendered)
 
-    def say(self, user_text: str, max_new_tokens: int, sampling: Sampling = Sampling(),
-            stop: Sequence[str] = ()) -> Iterator[str]:
+    def say(
+        self, user_text: str, max_new_tokens: int, sampling: Sampling = Sampling(), stop: Sequence[str] = ()
+    ) -> Iterator[str]:
         ids = self.prompt_ids(user_text)
         if self.cache is None:
             self.cache = KVCache(self.decoder, capacity=len(ids) + max_new_tokens)

@@ -2,7 +2,6 @@
 and generation through a KV cache (`moepass.runtime.kv_cache`) with llama.cpp's sampling
 (`moepass.runtime.sampling`)."""
 
-
 from __future__ import annotations
 
 import os
@@ -49,9 +48,16 @@ def _import_onnxruntime():
 class Decoder:
     """An ONNX Runtime session over a converted decoder, with its KV-cache bookkeeping."""
 
-    def __init__(self, model_dir: str | os.PathLike, device: str = "auto", threads: int | None = None,
-                 graph: onnx_ir.Model | None = None, cuda_plugin: str | None = None, mode: str | None = None,
-                 profile_prefix: str | None = None):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        device: str = "auto",
+        threads: int | None = None,
+        graph: onnx_ir.Model | None = None,
+        cuda_plugin: str | None = None,
+        mode: str | None = None,
+        profile_prefix: str | None = None,
+    ):
         """`graph`: run this in-memory variant of the model (e.g. a profiling copy) with the weights
         of `model_dir`'s data file instead of `model_dir`'s own model.onnx. `profile_prefix`: record
         ONNX Runtime's per-node profile (`session.end_profiling()` writes it under this prefix)."""
@@ -70,8 +76,7 @@ class Decoder:
         if placement_mode is not None:
             one_of(placement_mode, keys.OFFLOAD_MODES, f"{folder / OPTIONS_FILE}: placement.mode")
         structure = graph if graph is not None else load_model(model_path)
-        self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode,
-                                              placement_mode)
+        self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode, placement_mode)
         options = ort.SessionOptions()
         self.threads = usable_threads(threads)
         if self.threads:
@@ -93,9 +98,10 @@ class Decoder:
             else:
                 self.session = ort.InferenceSession(source, options, providers=self.plan.providers)
         except Exception as e:  # ORT raises its own exception types; keep its message, one line
-            raise MoepassError(f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: "
-                               f"{first_line(e)}") from None
-        self.plan = provider_in_effect(self.session, self.plan, ort)   # ONNX Runtime may have fallen back to the CPU
+            raise MoepassError(
+                f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: {first_line(e)}"
+            ) from None
+        self.plan = provider_in_effect(self.session, self.plan, ort)  # ONNX Runtime may have fallen back to the CPU
         # MoE node -> EP, where a per-layer plan is in force (checked against the plan)
         self.moe_placement = check_layer_placement(self.session, structure, self.plan)
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -105,8 +111,9 @@ class Decoder:
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
         self._cache_shapes = {n: inputs[n].shape for n in self.past_names}
         cache_types = {"tensor(float16)": np.float16, "tensor(int8)": np.int8}  # else float32
-        self.cache_dtype = cache_types.get(inputs[self.past_names[0]].type, np.float32) if self.past_names \
-            else np.float32
+        self.cache_dtype = (
+            cache_types.get(inputs[self.past_names[0]].type, np.float32) if self.past_names else np.float32
+        )
         # models converted by moepass >= 0.1 compute the logits of the last N positions on request
         self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
         self.stop_ids = self.report.stop_token_ids
@@ -137,9 +144,11 @@ class Decoder:
         """The `tokenizers.Tokenizer` convert wrote (tokenizer.json), or a clear error."""
         if self._tokenizer is None:
             if not self._tokenizer_path.is_file():
-                raise MoepassError(f"{self._tokenizer_path}: no tokenizer beside the model; use token ids "
-                                   "(convert writes one for a GGUF whose tokenizer it can rebuild, "
-                                   "none for ONNX input)")
+                raise MoepassError(
+                    f"{self._tokenizer_path}: no tokenizer beside the model; use token ids "
+                    "(convert writes one for a GGUF whose tokenizer it can rebuild, "
+                    "none for ONNX input)"
+                )
             from tokenizers import Tokenizer
 
             try:
@@ -156,16 +165,22 @@ class Decoder:
 
     def empty_cache(self, batch: int = 1, length: int = 0) -> dict[str, np.ndarray]:
         """Zero KV cache tensors of `length` positions (0: an empty cache for `forward`)."""
-        return {n: np.zeros((batch, shape[1], length, shape[3]), dtype=self.cache_dtype)
-                for n, shape in self._cache_shapes.items()}
+        return {
+            n: np.zeros((batch, shape[1], length, shape[3]), dtype=self.cache_dtype)
+            for n, shape in self._cache_shapes.items()
+        }
 
     def forward(self, input_ids: np.ndarray, cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Run new tokens `[B, S]` after the cached ones; returns logits `[B, S, V]` and the new cache."""
         logits, cache, _ = self.forward_with(input_ids, cache, [])
         return logits, cache
 
-    def forward_with(self, input_ids: np.ndarray, cache: dict[str, np.ndarray], extra_outputs: Sequence[str],
-                     ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    def forward_with(
+        self,
+        input_ids: np.ndarray,
+        cache: dict[str, np.ndarray],
+        extra_outputs: Sequence[str],
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
         """`forward`, also fetching the named extra graph outputs (e.g. a profiling copy's router logits)."""
         input_ids = np.asarray(input_ids, dtype=np.int64)
         past_len = next(iter(cache.values())).shape[2] if cache else 0
@@ -173,8 +188,8 @@ class Decoder:
         names = ["logits", *self.present_names, *extra_outputs]
         outputs = self.session.run(names, feeds)
         n_cache = len(self.present_names)
-        new_cache = dict(zip(self.past_names, outputs[1:1 + n_cache]))
-        return outputs[0], new_cache, dict(zip(extra_outputs, outputs[1 + n_cache:]))
+        new_cache = dict(zip(self.past_names, outputs[1 : 1 + n_cache]))
+        return outputs[0], new_cache, dict(zip(extra_outputs, outputs[1 + n_cache :]))
 
     def feeds(self, input_ids: np.ndarray, past_len: int) -> dict[str, np.ndarray]:
         """input_ids [B, S] after `past_len` cached positions, with the attention mask and position
@@ -184,12 +199,19 @@ class Decoder:
         if self.feeds_mask:
             feeds["attention_mask"] = np.ones((batch, past_len + length), dtype=np.int64)
         if self.feeds_positions:
-            feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + length, dtype=np.int64),
-                                                    (batch, length)).copy()
+            feeds["position_ids"] = np.broadcast_to(
+                np.arange(past_len, past_len + length, dtype=np.int64), (batch, length)
+            ).copy()
         return feeds
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
-                 sampling: Sampling = Sampling(), cache: KVCache | None = None) -> Iterator[int]:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_ids: Sequence[int] | None = None,
+        sampling: Sampling = Sampling(),
+        cache: KVCache | None = None,
+    ) -> Iterator[int]:
         """Prefill the prompt, then one token per step through the KV cache; yields each new token as
         soon as it is chosen, and stops after a stop token (default: the GGUF's). `cache`: a
         `KVCache` kept between calls (a chat, a server): the prefix it shares with `prompt_ids` is
@@ -208,8 +230,9 @@ class Decoder:
             cache = KVCache(self, capacity=len(history) + max_new_tokens)
         logits = cache.extend(history)
         if self.speculator is not None:
-            yield from speculative.generate(self.speculator, cache, history, logits, max_new_tokens, stops, sampling,
-                                            rng)
+            yield from speculative.generate(
+                self.speculator, cache, history, logits, max_new_tokens, stops, sampling, rng
+            )
             return
         for i in range(max_new_tokens):
             token = choose_token(logits, sampling, rng, history)
@@ -226,11 +249,14 @@ class Decoder:
             return max_new_tokens
         room = self.context_length - prompt_tokens
         if room <= 0:
-            raise ContextOverflow(f"the prompt has {prompt_tokens} tokens; the model's context holds "
-                                  f"{self.context_length} (convert --context N builds it for more)")
+            raise ContextOverflow(
+                f"the prompt has {prompt_tokens} tokens; the model's context holds "
+                f"{self.context_length} (convert --context N builds it for more)"
+            )
         if max_new_tokens > room:
-            log.warning(f"generation stops after {room} new tokens, at the model's context length "
-                        f"({self.context_length})")
+            log.warning(
+                f"generation stops after {room} new tokens, at the model's context length ({self.context_length})"
+            )
         return min(max_new_tokens, room)
 
     @property
@@ -241,8 +267,9 @@ class Decoder:
             config = read_json_object(where)
             source = config.get("chat_template")
             if not source:
-                raise MoepassError(f"{self._tokenizer_path.parent}: the model has no chat template "
-                                   "(tokenizer.chat_template)")
+                raise MoepassError(
+                    f"{self._tokenizer_path.parent}: the model has no chat template (tokenizer.chat_template)"
+                )
             if not isinstance(source, str):
                 raise MoepassError(f"{where}: chat_template must be a string")
             tokens = {k: config[k] if isinstance(config.get(k), str) else "" for k in ("bos_token", "eos_token")}
@@ -255,8 +282,14 @@ class Decoder:
         messages = [{"role": "system", "content": system}] if system is not None else []
         return self.chat_template.render([*messages, {"role": "user", "content": user_message}], **variables)
 
-    def generate_text(self, prompt: str | Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-                      stop: Sequence[str] = (), cache: KVCache | None = None) -> TextStream:
+    def generate_text(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        stop: Sequence[str] = (),
+        cache: KVCache | None = None,
+    ) -> TextStream:
         """Text (or token ids) in, text out, streamed: iterating yields pieces of text as tokens
         complete them; a stop string ends the answer and is not shown. Afterwards the stream tells
         its `finish_reason` ("stop" or "length") and token counts."""
@@ -273,8 +306,15 @@ class ContextOverflow(MoepassError):
 class TextStream:
     """The pieces of one answer as they come; afterwards its finish reason and token counts."""
 
-    def __init__(self, decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
-                 stop: Sequence[str], cache: KVCache | None):
+    def __init__(
+        self,
+        decoder: Decoder,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop: Sequence[str],
+        cache: KVCache | None,
+    ):
         self._decoder = decoder
         self._cache = cache if cache is not None else KVCache(decoder, len(prompt_ids) + max_new_tokens)
         self._args = (prompt_ids, max_new_tokens, None, sampling, self._cache)
@@ -303,7 +343,7 @@ class TextStream:
             text = d.decode([t for t in self.token_ids if t not in d.stop_ids])
             if text.endswith("\ufffd"):  # a character split over tokens: wait for the rest
                 continue
-            piece = self._stop.feed(text[len(shown):])
+            piece = self._stop.feed(text[len(shown) :])
             shown = text
             if piece:
                 self.text += piece
@@ -328,16 +368,22 @@ def _check_inputs(model_path: Path, inputs: dict, past_names: list[str]) -> None
     KV cache. Anything else is refused at load, naming the input."""
     unknown = [n for n in inputs if n not in FED_INPUTS and n not in past_names]
     if "input_ids" not in inputs:
-        raise MoepassError(f"{model_path}: the model has no input 'input_ids' (its inputs: {', '.join(inputs)}); "
-                           "moepass feeds token ids through it")
+        raise MoepassError(
+            f"{model_path}: the model has no input 'input_ids' (its inputs: {', '.join(inputs)}); "
+            "moepass feeds token ids through it"
+        )
     if unknown:
-        raise MoepassError(f"{model_path}: the model needs the input '{unknown[0]}', which moepass does not feed "
-                           f"(it feeds {', '.join(FED_INPUTS)} and past_key_values.*)")
+        raise MoepassError(
+            f"{model_path}: the model needs the input '{unknown[0]}', which moepass does not feed "
+            f"(it feeds {', '.join(FED_INPUTS)} and past_key_values.*)"
+        )
     shape = inputs["input_ids"].shape
     if not past_names and len(shape) == 2 and isinstance(shape[1], int):
-        raise MoepassError(f"{model_path}: input_ids has the fixed shape {list(shape)} and the model has no KV cache: "
-                           f"it computes exactly {shape[1]} tokens and cannot generate; export it with a dynamic "
-                           "sequence axis (torch.onnx.export dynamic_axes / dynamic_shapes)")
+        raise MoepassError(
+            f"{model_path}: input_ids has the fixed shape {list(shape)} and the model has no KV cache: "
+            f"it computes exactly {shape[1]} tokens and cannot generate; export it with a dynamic "
+            "sequence axis (torch.onnx.export dynamic_axes / dynamic_shapes)"
+        )
 
 
 def usable_threads(requested: int | None) -> int | None:

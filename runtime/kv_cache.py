@@ -51,8 +51,10 @@ class KVCache:
         self._kept = 1  # the one bound
         # positions allocated now; more are added as they fill (a request may ask for many it never uses)
         self.capacity = max(1, min(capacity, decoder.context_length or capacity, FIRST_CAPACITY))
-        self._cache = {n: ort.OrtValue.ortvalue_from_numpy(a)
-                       for n, a in decoder.empty_cache(length=self.capacity if self._in_place else 0).items()}
+        self._cache = {
+            n: ort.OrtValue.ortvalue_from_numpy(a)
+            for n, a in decoder.empty_cache(length=self.capacity if self._in_place else 0).items()
+        }
         self.tokens: list[int] = []  # what the filled positions hold
         self.prefilled = 0  # tokens the last extend() ran through the model
         if self._in_place:
@@ -98,8 +100,10 @@ class KVCache:
         if length < len(self.tokens):
             del self.tokens[length:]
             if not self._in_place:
-                self._cache = {n: self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length]))
-                               for n, v in self._cache.items()}
+                self._cache = {
+                    n: self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length]))
+                    for n, v in self._cache.items()
+                }
 
     def _grow(self, needed: int) -> None:
         limit = self._decoder.context_length or needed

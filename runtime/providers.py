@@ -52,7 +52,7 @@ class SessionPlan:
     config_entries: dict[str, str]
     offload_mode: str
     warnings: list[str]
-    layer_mode: str = "disabled"   # per-layer placement (layer_ann annotations) applied: auto or required
+    layer_mode: str = "disabled"  # per-layer placement (layer_ann annotations) applied: auto or required
 
 
 def _ort_version(ort) -> tuple[int, int]:
@@ -68,17 +68,22 @@ def _register_plugin(ort, library: str) -> list[Any]:
         ort.register_execution_provider_library(PLUGIN_EP, str(path))
     except Exception as e:  # noqa: BLE001 - ORT raises its own types; keep its words
         if "already registered" not in str(e).lower():
-            raise MoepassError(f"{path}: ONNX Runtime cannot register it as {PLUGIN_EP}: "
-                               f"{first_line(e)}") from None
+            raise MoepassError(f"{path}: ONNX Runtime cannot register it as {PLUGIN_EP}: {first_line(e)}") from None
     devices = [d for d in ort.get_ep_devices() if d.ep_name == PLUGIN_EP]
     if not devices:
         raise MoepassError(f"{path}: registered as {PLUGIN_EP}, but it reports no device")
     return devices
 
 
-def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], device: str = "auto",
-                 cuda_plugin: str | None = None, mode: str | None = None,
-                 placement_mode: str | None = None) -> SessionPlan:
+def plan_session(
+    ort,
+    model: ir.Model,
+    options_file_entries: dict[str, str],
+    device: str = "auto",
+    cuda_plugin: str | None = None,
+    mode: str | None = None,
+    placement_mode: str | None = None,
+) -> SessionPlan:
     """`mode`: what the user asked for (--offload), applied to the placement the model carries;
     `placement_mode`: what partition wrote for a per-layer plan."""
     one_of(device, DEVICES, "device")
@@ -100,18 +105,22 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
         provider = CUDA_EP
         _load_cuda_libraries(ort)
     elif device == "cuda":
-        raise MoepassError(f"device='cuda' but no CUDA EP is available: ONNX Runtime {ort.__version__} has "
-                           f"{', '.join(ort.get_available_providers())}; give the CUDA plugin EP library "
-                           f"(--cuda-plugin LIB or ${PLUGIN_ENV}), or install moepass[gpu] in place of "
-                           "moepass[cpu] (onnxruntime and onnxruntime-gpu cannot be installed together)")
+        raise MoepassError(
+            f"device='cuda' but no CUDA EP is available: ONNX Runtime {ort.__version__} has "
+            f"{', '.join(ort.get_available_providers())}; give the CUDA plugin EP library "
+            f"(--cuda-plugin LIB or ${PLUGIN_ENV}), or install moepass[gpu] in place of "
+            "moepass[cpu] (onnxruntime and onnxruntime-gpu cannot be installed together)"
+        )
     else:
         provider = CPU_EP
 
     if offload_mode != "disabled":
         reasons = []
         if _ort_version(ort) < OFFLOAD_MIN_ORT:
-            reasons.append(f"ONNX Runtime {ort.__version__} predates the session.moe.offload.* options "
-                           f"(needs {'.'.join(map(str, OFFLOAD_MIN_ORT))})")
+            reasons.append(
+                f"ONNX Runtime {ort.__version__} predates the session.moe.offload.* options "
+                f"(needs {'.'.join(map(str, OFFLOAD_MIN_ORT))})"
+            )
         if provider != PLUGIN_EP:
             what = "no CUDA plugin EP" if provider == CPU_EP else f"{provider} does not offload experts"
             reasons.append(what)
@@ -129,8 +138,10 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
                 warnings.append(f"{reasons[0]}: all {n_moe} MoE layers run on {where}")
             elif violations:
                 nodes = sorted({n for n, _ in violations})
-                warnings.append(f"{len(nodes)} of {n_moe} MoE layers cannot be offloaded ({violations[0][0]}: "
-                                f"{violations[0][1]}); ONNX Runtime keeps them where the EP places them")
+                warnings.append(
+                    f"{len(nodes)} of {n_moe} MoE layers cannot be offloaded ({violations[0][0]}: "
+                    f"{violations[0][1]}); ONNX Runtime keeps them where the EP places them"
+                )
         if _ort_version(ort) < OFFLOAD_MIN_ORT:
             entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
         else:
@@ -147,20 +158,22 @@ def plan_session(ort, model: ir.Model, options_file_entries: dict[str, str], dev
 
 def _layer_devices(model: ir.Model) -> dict[str, str]:
     """MoE node -> the device its layer_ann annotation asks for ("gpu" or "cpu")."""
-    return {m.name: m.node.metadata_props.get(LAYER_ANNOTATION, "gpu").split("/", 1)[0]
-            for m in moe_nodes(model.graph)}
+    return {m.name: m.node.metadata_props.get(LAYER_ANNOTATION, "gpu").split("/", 1)[0] for m in moe_nodes(model.graph)}
 
 
-def _plan_layers(ort, model: ir.Model, provider: str, layer_mode: str, entries: dict[str, str],
-                 warnings: list[str]) -> str:
+def _plan_layers(
+    ort, model: ir.Model, provider: str, layer_mode: str, entries: dict[str, str], warnings: list[str]
+) -> str:
     """Keep the layer assignment where ONNX Runtime and the EP can follow it; else refuse (required)
     or drop it with one warning (auto). Returns the layer mode in force."""
     devices = _layer_devices(model)
     n_moe, on_cpu = len(devices), sum(1 for d in devices.values() if d == "cpu")
     reason = None
     if _ort_version(ort) < LAYERING_MIN_ORT:
-        reason = (f"ONNX Runtime {ort.__version__} predates layer assignment ({LAYER_SETTINGS_KEY}, needs "
-                  f"{'.'.join(map(str, LAYERING_MIN_ORT))})")
+        reason = (
+            f"ONNX Runtime {ort.__version__} predates layer assignment ({LAYER_SETTINGS_KEY}, needs "
+            f"{'.'.join(map(str, LAYERING_MIN_ORT))})"
+        )
     elif provider == CPU_EP:
         reason = "no CUDA EP"
     if layer_mode == "disabled" or reason:
@@ -169,8 +182,9 @@ def _plan_layers(ort, model: ir.Model, provider: str, layer_mode: str, entries: 
             raise MoepassError(f"per-layer placement required, but {reason}")
         if reason:
             where = "the CPU" if provider == CPU_EP else provider
-            warnings.append(f"{reason}: all {n_moe} MoE layers run on {where} (the plan puts {n_moe - on_cpu} on "
-                            "the GPU)")
+            warnings.append(
+                f"{reason}: all {n_moe} MoE layers run on {where} (the plan puts {n_moe - on_cpu} on the GPU)"
+            )
         return "disabled"
     entries[RECORD_ASSIGNMENT_KEY] = "1"
     return layer_mode
@@ -199,8 +213,11 @@ def _cuda_failure(ort) -> str:
         try:
             ctypes.CDLL(str(library))
         except OSError as e:
-            what = "no NVIDIA driver" if "libcuda.so" in str(e) else \
-                "its CUDA or cuDNN libraries are missing: pip install 'moepass[gpu]'"
+            what = (
+                "no NVIDIA driver"
+                if "libcuda.so" in str(e)
+                else "its CUDA or cuDNN libraries are missing: pip install 'moepass[gpu]'"
+            )
             return f"{first_line(e)}: {what}"
     return "a CUDA device it could not use (ONNX Runtime's log above says why)"
 
@@ -220,8 +237,13 @@ def provider_in_effect(session, plan: SessionPlan, ort=None) -> SessionPlan:
     if plan.layer_mode == "required":
         raise MoepassError(f"per-layer placement required, but {problem}")
     log.warning(f"{problem}: running on the CPU")
-    return dataclasses.replace(plan, provider=CPU_EP, providers=[CPU_EP], layer_mode="disabled",
-                               warnings=[*plan.warnings, f"{problem}: running on the CPU"])
+    return dataclasses.replace(
+        plan,
+        provider=CPU_EP,
+        providers=[CPU_EP],
+        layer_mode="disabled",
+        warnings=[*plan.warnings, f"{problem}: running on the CPU"],
+    )
 
 
 def check_layer_placement(session, model: ir.Model, plan: SessionPlan) -> dict[str, str]:
@@ -230,12 +252,18 @@ def check_layer_placement(session, model: ir.Model, plan: SessionPlan) -> dict[s
     if plan.layer_mode == "disabled" or not hasattr(session, "get_provider_graph_assignment_info"):
         return {}
     wanted = _layer_devices(model)
-    placed = {node.name: subgraph.ep_name for subgraph in session.get_provider_graph_assignment_info()
-              for node in subgraph.get_nodes() if node.name in wanted}
+    placed = {
+        node.name: subgraph.ep_name
+        for subgraph in session.get_provider_graph_assignment_info()
+        for node in subgraph.get_nodes()
+        if node.name in wanted
+    }
     moved = [n for n, d in wanted.items() if d == "gpu" and placed.get(n, CPU_EP) == CPU_EP]
     if moved:
-        message = (f"{len(moved)} MoE layer(s) planned for the GPU run on the CPU ({moved[0]}: {plan.provider} "
-                   "has no kernel for it in this form)")
+        message = (
+            f"{len(moved)} MoE layer(s) planned for the GPU run on the CPU ({moved[0]}: {plan.provider} "
+            "has no kernel for it in this form)"
+        )
         if plan.layer_mode == "required":
             raise MoepassError(f"per-layer placement required, but {message}")
         log.warning(message)

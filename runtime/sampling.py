@@ -25,7 +25,7 @@ def penalized(logits: np.ndarray, sampling: Sampling, history: Sequence[int]) ->
     `repeat_last_n` tokens of `history` (a new array; `logits` itself when nothing changes)."""
     if not sampling.penalizes or not history:
         return logits
-    counts = collections.Counter(history[-sampling.repeat_last_n:])
+    counts = collections.Counter(history[-sampling.repeat_last_n :])
     ids = np.fromiter(counts, dtype=np.int64)
     n = np.fromiter(counts.values(), dtype=np.float32)
     out = logits.astype(np.float32, copy=True)
@@ -82,10 +82,12 @@ class StopStrings:
             self.hit, self._held = True, ""
             return text[:cut]
         # keep the longest tail that is the beginning of a stop string
-        hold = max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
-                    if s.startswith(text[-n:])), default=0)
-        self._held = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold]
+        hold = max(
+            (n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-n:])),
+            default=0,
+        )
+        self._held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
 
     def flush(self) -> str:
         """The held-back text, at the end of a generation that met no stop string."""

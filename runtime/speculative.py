@@ -49,8 +49,10 @@ def parse(spec: str) -> tuple[str, str | None]:
         return kind, None
     if kind == "draft" and path:
         return kind, path
-    raise MoepassError(f"--speculative {spec!r}: give 'ngram' or 'draft:PATH' (PATH: a moepass-converted model "
-                       "with the same vocabulary)")
+    raise MoepassError(
+        f"--speculative {spec!r}: give 'ngram' or 'draft:PATH' (PATH: a moepass-converted model "
+        "with the same vocabulary)"
+    )
 
 
 def ngram_draft(history: Sequence[int], count: int, sizes: Sequence[int] = NGRAM_SIZES) -> list[int]:
@@ -71,7 +73,7 @@ def ngram_draft(history: Sequence[int], count: int, sizes: Sequence[int] = NGRAM
         if len(found):
             followed = found[found + n + count <= len(tokens)]
             begin = int(followed[-1] if len(followed) else found[0]) + n
-            return tokens[begin:begin + count].tolist()
+            return tokens[begin : begin + count].tolist()
     return []
 
 
@@ -80,8 +82,13 @@ class Speculator:
     "draft" with a `draft` Decoder), how many per step, and counters of what was drafted and kept
     over its lifetime (`acceptance`)."""
 
-    def __init__(self, kind: str, draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Decoder | None = None,
-                 ngram_sizes: Sequence[int] = NGRAM_SIZES):
+    def __init__(
+        self,
+        kind: str,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        draft: Decoder | None = None,
+        ngram_sizes: Sequence[int] = NGRAM_SIZES,
+    ):
         one_of(kind, KINDS, "speculative decoding")
         if draft_tokens < 1:
             raise MoepassError(f"--draft-tokens {draft_tokens}: at least 1")
@@ -95,9 +102,9 @@ class Speculator:
         self.ngram_sizes = tuple(ngram_sizes)  # context suffix lengths looked up, longest first
         self._draft_cache: KVCache | None = None
         self._checked_for: Decoder | None = None  # the target check_target passed
-        self.drafted = 0   # draft tokens checked by the target
+        self.drafted = 0  # draft tokens checked by the target
         self.accepted = 0  # of them, kept
-        self.steps = 0     # passes of the target model after the prompt
+        self.steps = 0  # passes of the target model after the prompt
 
     @property
     def acceptance(self) -> float:
@@ -114,17 +121,25 @@ class Speculator:
         if self.draft is None or self._checked_for is target:
             return
         if self.draft.vocab_size != target.vocab_size:
-            raise MoepassError(f"{self.draft.model_dir}: the draft model has {self.draft.vocab_size} tokens, the model "
-                               f"{target.vocab_size}; a draft model needs the same vocabulary")
-        if self.draft.has_tokenizer and target.has_tokenizer \
-                and self.draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-            raise MoepassError(f"{self.draft.model_dir}: the draft model's tokenizer has other tokens than "
-                               "the model's; "
-                               "a draft model needs the same vocabulary")
+            raise MoepassError(
+                f"{self.draft.model_dir}: the draft model has {self.draft.vocab_size} tokens, the model "
+                f"{target.vocab_size}; a draft model needs the same vocabulary"
+            )
+        if (
+            self.draft.has_tokenizer
+            and target.has_tokenizer
+            and self.draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()
+        ):
+            raise MoepassError(
+                f"{self.draft.model_dir}: the draft model's tokenizer has other tokens than "
+                "the model's; "
+                "a draft model needs the same vocabulary"
+            )
         self._checked_for = target
 
-    def propose(self, history: list[int], count: int, sampling: Sampling, rng: np.random.Generator
-                ) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray] | None]]:
+    def propose(
+        self, history: list[int], count: int, sampling: Sampling, rng: np.random.Generator
+    ) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray] | None]]:
         """Up to `count` draft tokens after `history`, each with the draft's distribution
         (candidate ids, probabilities) where it sampled, None where the draft is certain (n-gram,
         greedy)."""
@@ -152,8 +167,14 @@ class Speculator:
         return tokens, dists
 
 
-def verify(rows: np.ndarray, drafts: Sequence[int], dists: Sequence[tuple[np.ndarray, np.ndarray] | None],
-           history: Sequence[int], sampling: Sampling, rng: np.random.Generator) -> tuple[int, int]:
+def verify(
+    rows: np.ndarray,
+    drafts: Sequence[int],
+    dists: Sequence[tuple[np.ndarray, np.ndarray] | None],
+    history: Sequence[int],
+    sampling: Sampling,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
     """(how many drafts to keep, the token that follows them) from the target's logits `rows`
     (row i: after `history` and the first i drafts; len(drafts) + 1 rows)."""
     context = list(history)
@@ -186,8 +207,16 @@ def _draw_residual(p: dict[int, float], q: dict[int, float], rng: np.random.Gene
     return ids[rng.choice(len(ids), p=residual / residual.sum())]
 
 
-def generate(speculator: Speculator, cache: KVCache, history: list[int], first_logits: np.ndarray,
-             max_new_tokens: int, stops: set[int], sampling: Sampling, rng: np.random.Generator) -> Iterator[int]:
+def generate(
+    speculator: Speculator,
+    cache: KVCache,
+    history: list[int],
+    first_logits: np.ndarray,
+    max_new_tokens: int,
+    stops: set[int],
+    sampling: Sampling,
+    rng: np.random.Generator,
+) -> Iterator[int]:
     """The tokens after `history` (whose next-token logits are `first_logits`; `cache` holds it):
     the first chosen as plain decoding chooses it, then speculative steps."""
     token = choose_token(first_logits, sampling, rng, history)

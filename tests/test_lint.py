@@ -1,5 +1,6 @@
-"""The package passes ruff (pyproject.toml's [tool.ruff]: rules, line length) and mypy ([tool.mypy]),
-the latter on the package as it is installed: passes/, runtime/ and cuda_ops/ as moepass.passes, ..."""
+"""The package passes ruff's lint and format check (pyproject.toml's [tool.ruff]: rules, line length)
+and mypy ([tool.mypy]), the latter on the package as it is installed: passes/, runtime/ and cuda_ops/
+as moepass.passes, ..."""
 
 import shutil
 import subprocess
@@ -28,6 +29,20 @@ def test_the_check_finds_a_long_line(tmp_path):
     result = subprocess.run([*_ruff(), "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(bad)],
                             capture_output=True, text=True)
     assert result.returncode == 1 and "E501" in result.stdout and "I001" in result.stdout, result.stdout
+
+
+def test_package_is_ruff_formatted():
+    result = subprocess.run([*_ruff(), "format", "--check", "--no-cache", *PACKAGE], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, "run `ruff format moepass passes runtime cuda_ops`:\n" + result.stdout
+
+
+def test_the_format_check_finds_a_misformatted_file(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = {'a':1,\n  'b':2}\n")
+    result = subprocess.run([*_ruff(), "format", "--check", "--no-cache", "--config", str(ROOT / "pyproject.toml"),
+                             str(bad)], capture_output=True, text=True)
+    assert result.returncode == 1 and "bad.py" in result.stdout, result.stdout + result.stderr
 
 
 def _installed_layout(where: Path, package: Path, subpackages: tuple[str, ...] = tuple(PACKAGE[1:])) -> Path:

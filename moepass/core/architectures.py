@@ -41,8 +41,11 @@ class HParam:
 
     def check(self, value: Any) -> str | None:
         """None when `value` is sane, else what a sane value is."""
-        test, words = self.valid or ((lambda v: 0 <= v < _INT_LIMIT, f"between 0 and {_INT_LIMIT - 1}")
-                                     if self.kind is int else (lambda v: True, ""))
+        test, words = self.valid or (
+            (lambda v: 0 <= v < _INT_LIMIT, f"between 0 and {_INT_LIMIT - 1}")
+            if self.kind is int
+            else (lambda v: True, "")
+        )
         return None if test(value) else words
 
 
@@ -53,22 +56,25 @@ _INT_LIMIT = 1 << 24  # integer hyperparameters (counts, sizes) stay below this
 HPARAMS: dict[str, HParam] = {
     "n_layers": HParam(Keys.LLM.BLOCK_COUNT),
     "hidden": HParam(Keys.LLM.EMBEDDING_LENGTH),
-    "context_length": HParam(Keys.LLM.CONTEXT_LENGTH, valid=(lambda v: 0 < v <= MAX_CONTEXT,
-                                                             f"between 1 and {MAX_CONTEXT}")),
+    "context_length": HParam(
+        Keys.LLM.CONTEXT_LENGTH, valid=(lambda v: 0 < v <= MAX_CONTEXT, f"between 1 and {MAX_CONTEXT}")
+    ),
     "n_heads": HParam(Keys.Attention.HEAD_COUNT),
     "n_kv_heads": HParam(Keys.Attention.HEAD_COUNT_KV, None),
     "head_dim": HParam(Keys.Attention.KEY_LENGTH, None),
     "value_dim": HParam(Keys.Attention.VALUE_LENGTH, None),
-    "rms_eps": HParam(Keys.Attention.LAYERNORM_RMS_EPS, kind=float,
-                      valid=(lambda v: 0 <= v < 1, "at least 0 and below 1")),
+    "rms_eps": HParam(
+        Keys.Attention.LAYERNORM_RMS_EPS, kind=float, valid=(lambda v: 0 <= v < 1, "at least 0 and below 1")
+    ),
     "rope_base": HParam(Keys.Rope.FREQ_BASE, 10000.0, kind=float, valid=(lambda v: v >= 1, "at least 1")),
     "n_experts": HParam(Keys.LLM.EXPERT_COUNT),
     "n_experts_used": HParam(Keys.LLM.EXPERT_USED_COUNT),
     "expert_ff": HParam(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
     "ffn": HParam(Keys.LLM.FEED_FORWARD_LENGTH),
     "shared_ff": HParam(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0),
-    "expert_weights_scale": HParam(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0, kind=float,
-                                   valid=(lambda v: v >= 0, "at least 0")),
+    "expert_weights_scale": HParam(
+        Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0, kind=float, valid=(lambda v: v >= 0, "at least 0")
+    ),
     # granite multipliers (0 = not used, as llama.cpp treats them)
     "logit_scale": HParam(Keys.LLM.LOGIT_SCALE, kind=float),
     "residual_scale": HParam(Keys.LLM.RESIDUAL_SCALE, 0.0, kind=float),
@@ -90,6 +96,7 @@ HPARAMS: dict[str, HParam] = {
     "n_group_used": HParam(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0),
 }
 
+
 @dataclasses.dataclass(frozen=True)
 class HParams:
     """A model's hyperparameters: those its architecture reads (HPARAMS; the others keep their
@@ -106,8 +113,8 @@ class HParams:
     rope_base: float
     n_experts: int
     n_experts_used: int
-    expert_ff: int              # the routed experts' width (from expert_ff or ffn: Architecture.expert_ff_from)
-    vocab: int                  # rows of token_embd
+    expert_ff: int  # the routed experts' width (from expert_ff or ffn: Architecture.expert_ff_from)
+    vocab: int  # rows of token_embd
     expert_weights_scale: float = 0.0
     ffn: int = 0
     shared_ff: int = 0
@@ -127,15 +134,18 @@ class HParams:
     expert_weights_norm: bool = False
     n_expert_groups: int = 0
     n_group_used: int = 0
-    rope: Rope | None = None    # as llama.cpp derives it (read_rope)
+    rope: Rope | None = None  # as llama.cpp derives it (read_rope)
     sliding_window_layers: tuple[int, ...] = ()
     read: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)  # the names set from the file
 
     def as_dict(self) -> dict[str, Any]:
         """What was read and derived, JSON-friendly (moepass.json, inspect --json)."""
         values = {name: getattr(self, name) for name in self.read}
-        values.update(vocab=self.vocab, rope=dataclasses.asdict(self.rope) if self.rope else None,
-                      sliding_window_layers=list(self.sliding_window_layers))
+        values.update(
+            vocab=self.vocab,
+            rope=dataclasses.asdict(self.rope) if self.rope else None,
+            sliding_window_layers=list(self.sliding_window_layers),
+        )
         return values
 
 
@@ -144,57 +154,62 @@ assert set(HPARAMS) <= {f.name for f in dataclasses.fields(HParams)}, "every HPA
 
 # Tensor roles -> GGUF names, from gguf's own (MODEL_TENSOR, TENSOR_NAMES) and the suffix; `{i}` is
 # the block index
-TENSORS: dict[str, str] = {role: TENSOR_NAMES[tensor].replace("{bid}", "{i}") + "." + suffix
-                           for role, (tensor, suffix) in {
-    "token_embd": (MODEL_TENSOR.TOKEN_EMBD, "weight"),
-    "output_norm": (MODEL_TENSOR.OUTPUT_NORM, "weight"),
-    "output_norm_bias": (MODEL_TENSOR.OUTPUT_NORM, "bias"),
-    "output": (MODEL_TENSOR.OUTPUT, "weight"),
-    "output_bias": (MODEL_TENSOR.OUTPUT, "bias"),
-    "attn_norm": (MODEL_TENSOR.ATTN_NORM, "weight"),
-    "attn_norm_bias": (MODEL_TENSOR.ATTN_NORM, "bias"),
-    "attn_q": (MODEL_TENSOR.ATTN_Q, "weight"),
-    "attn_k": (MODEL_TENSOR.ATTN_K, "weight"),
-    "attn_v": (MODEL_TENSOR.ATTN_V, "weight"),
-    "attn_q_bias": (MODEL_TENSOR.ATTN_Q, "bias"),
-    "attn_k_bias": (MODEL_TENSOR.ATTN_K, "bias"),
-    "attn_v_bias": (MODEL_TENSOR.ATTN_V, "bias"),
-    "attn_output": (MODEL_TENSOR.ATTN_OUT, "weight"),
-    "attn_output_bias": (MODEL_TENSOR.ATTN_OUT, "bias"),
-    "attn_q_norm": (MODEL_TENSOR.ATTN_Q_NORM, "weight"),
-    "attn_k_norm": (MODEL_TENSOR.ATTN_K_NORM, "weight"),
-    "ffn_norm": (MODEL_TENSOR.FFN_NORM, "weight"),
-    "ffn_norm_bias": (MODEL_TENSOR.FFN_NORM, "bias"),
-    "ffn_gate_inp": (MODEL_TENSOR.FFN_GATE_INP, "weight"),
-    "ffn_gate_exps": (MODEL_TENSOR.FFN_GATE_EXP, "weight"),
-    "ffn_up_exps": (MODEL_TENSOR.FFN_UP_EXP, "weight"),
-    "ffn_down_exps": (MODEL_TENSOR.FFN_DOWN_EXP, "weight"),
-    "ffn_gate_inp_shexp": (MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight"),
-    "ffn_gate_shexp": (MODEL_TENSOR.FFN_GATE_SHEXP, "weight"),
-    "ffn_up_shexp": (MODEL_TENSOR.FFN_UP_SHEXP, "weight"),
-    "ffn_down_shexp": (MODEL_TENSOR.FFN_DOWN_SHEXP, "weight"),
-    "attn_post_norm": (MODEL_TENSOR.ATTN_POST_NORM, "weight"),
-    "attn_sinks": (MODEL_TENSOR.ATTN_SINKS, "weight"),
-    "ffn_gate_inp_bias": (MODEL_TENSOR.FFN_GATE_INP, "bias"),
-    "ffn_gate_exps_bias": (MODEL_TENSOR.FFN_GATE_EXP, "bias"),
-    "ffn_up_exps_bias": (MODEL_TENSOR.FFN_UP_EXP, "bias"),
-    "ffn_down_exps_bias": (MODEL_TENSOR.FFN_DOWN_EXP, "bias"),
-    "attn_q_a": (MODEL_TENSOR.ATTN_Q_A, "weight"),
-    "attn_q_a_norm": (MODEL_TENSOR.ATTN_Q_A_NORM, "weight"),
-    "attn_q_b": (MODEL_TENSOR.ATTN_Q_B, "weight"),
-    "attn_kv_a_mqa": (MODEL_TENSOR.ATTN_KV_A_MQA, "weight"),
-    "attn_kv_a_norm": (MODEL_TENSOR.ATTN_KV_A_NORM, "weight"),
-    "attn_k_b": (MODEL_TENSOR.ATTN_K_B, "weight"),
-    "attn_v_b": (MODEL_TENSOR.ATTN_V_B, "weight"),
-    "attn_kv_b": (MODEL_TENSOR.ATTN_KV_B, "weight"),
-    "ffn_gate": (MODEL_TENSOR.FFN_GATE, "weight"),
-    "ffn_up": (MODEL_TENSOR.FFN_UP, "weight"),
-    "ffn_down": (MODEL_TENSOR.FFN_DOWN, "weight"),
-    "exp_probs_b": (MODEL_TENSOR.FFN_EXP_PROBS_B, "bias"),
-}.items()}
+TENSORS: dict[str, str] = {
+    role: TENSOR_NAMES[tensor].replace("{bid}", "{i}") + "." + suffix
+    for role, (tensor, suffix) in {
+        "token_embd": (MODEL_TENSOR.TOKEN_EMBD, "weight"),
+        "output_norm": (MODEL_TENSOR.OUTPUT_NORM, "weight"),
+        "output_norm_bias": (MODEL_TENSOR.OUTPUT_NORM, "bias"),
+        "output": (MODEL_TENSOR.OUTPUT, "weight"),
+        "output_bias": (MODEL_TENSOR.OUTPUT, "bias"),
+        "attn_norm": (MODEL_TENSOR.ATTN_NORM, "weight"),
+        "attn_norm_bias": (MODEL_TENSOR.ATTN_NORM, "bias"),
+        "attn_q": (MODEL_TENSOR.ATTN_Q, "weight"),
+        "attn_k": (MODEL_TENSOR.ATTN_K, "weight"),
+        "attn_v": (MODEL_TENSOR.ATTN_V, "weight"),
+        "attn_q_bias": (MODEL_TENSOR.ATTN_Q, "bias"),
+        "attn_k_bias": (MODEL_TENSOR.ATTN_K, "bias"),
+        "attn_v_bias": (MODEL_TENSOR.ATTN_V, "bias"),
+        "attn_output": (MODEL_TENSOR.ATTN_OUT, "weight"),
+        "attn_output_bias": (MODEL_TENSOR.ATTN_OUT, "bias"),
+        "attn_q_norm": (MODEL_TENSOR.ATTN_Q_NORM, "weight"),
+        "attn_k_norm": (MODEL_TENSOR.ATTN_K_NORM, "weight"),
+        "ffn_norm": (MODEL_TENSOR.FFN_NORM, "weight"),
+        "ffn_norm_bias": (MODEL_TENSOR.FFN_NORM, "bias"),
+        "ffn_gate_inp": (MODEL_TENSOR.FFN_GATE_INP, "weight"),
+        "ffn_gate_exps": (MODEL_TENSOR.FFN_GATE_EXP, "weight"),
+        "ffn_up_exps": (MODEL_TENSOR.FFN_UP_EXP, "weight"),
+        "ffn_down_exps": (MODEL_TENSOR.FFN_DOWN_EXP, "weight"),
+        "ffn_gate_inp_shexp": (MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight"),
+        "ffn_gate_shexp": (MODEL_TENSOR.FFN_GATE_SHEXP, "weight"),
+        "ffn_up_shexp": (MODEL_TENSOR.FFN_UP_SHEXP, "weight"),
+        "ffn_down_shexp": (MODEL_TENSOR.FFN_DOWN_SHEXP, "weight"),
+        "attn_post_norm": (MODEL_TENSOR.ATTN_POST_NORM, "weight"),
+        "attn_sinks": (MODEL_TENSOR.ATTN_SINKS, "weight"),
+        "ffn_gate_inp_bias": (MODEL_TENSOR.FFN_GATE_INP, "bias"),
+        "ffn_gate_exps_bias": (MODEL_TENSOR.FFN_GATE_EXP, "bias"),
+        "ffn_up_exps_bias": (MODEL_TENSOR.FFN_UP_EXP, "bias"),
+        "ffn_down_exps_bias": (MODEL_TENSOR.FFN_DOWN_EXP, "bias"),
+        "attn_q_a": (MODEL_TENSOR.ATTN_Q_A, "weight"),
+        "attn_q_a_norm": (MODEL_TENSOR.ATTN_Q_A_NORM, "weight"),
+        "attn_q_b": (MODEL_TENSOR.ATTN_Q_B, "weight"),
+        "attn_kv_a_mqa": (MODEL_TENSOR.ATTN_KV_A_MQA, "weight"),
+        "attn_kv_a_norm": (MODEL_TENSOR.ATTN_KV_A_NORM, "weight"),
+        "attn_k_b": (MODEL_TENSOR.ATTN_K_B, "weight"),
+        "attn_v_b": (MODEL_TENSOR.ATTN_V_B, "weight"),
+        "attn_kv_b": (MODEL_TENSOR.ATTN_KV_B, "weight"),
+        "ffn_gate": (MODEL_TENSOR.FFN_GATE, "weight"),
+        "ffn_up": (MODEL_TENSOR.FFN_UP, "weight"),
+        "ffn_down": (MODEL_TENSOR.FFN_DOWN, "weight"),
+        "exp_probs_b": (MODEL_TENSOR.FFN_EXP_PROBS_B, "bias"),
+    }.items()
+}
 # Legacy per-expert names (older Mixtral files) of the stacked expert roles (gguf has no name for them).
-LEGACY_EXPERT_TENSORS = {"ffn_gate_exps": "blk.{i}.ffn_gate.{e}.weight", "ffn_up_exps": "blk.{i}.ffn_up.{e}.weight",
-                         "ffn_down_exps": "blk.{i}.ffn_down.{e}.weight"}
+LEGACY_EXPERT_TENSORS = {
+    "ffn_gate_exps": "blk.{i}.ffn_gate.{e}.weight",
+    "ffn_up_exps": "blk.{i}.ffn_up.{e}.weight",
+    "ffn_down_exps": "blk.{i}.ffn_down.{e}.weight",
+}
 
 GLOBAL_TENSORS = ("token_embd", "output_norm")
 GLOBAL_OPTIONAL = ("output", "output_norm_bias", "output_bias")
@@ -221,17 +236,42 @@ def expected_shapes(hp: HParams, features: Features) -> dict[str, tuple[int, ...
     q, kv, vd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim, hp.n_kv_heads * hp.value_dim
     full = features.qk_norm is not None and not QK_NORMS[features.qk_norm].per_head
     return {
-        "token_embd": (v, h), "output_norm": (h,), "output_norm_bias": (h,), "output": (v, h), "output_bias": (v,),
-        "attn_norm": (h,), "attn_norm_bias": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (vd, h),
-        "attn_q_bias": (q,), "attn_k_bias": (kv,), "attn_v_bias": (vd,),
-        "attn_output": (h, hp.n_heads * hp.value_dim), "attn_output_bias": (h,),
-        "attn_q_norm": (q,) if full else (hp.head_dim,), "attn_k_norm": (kv,) if full else (hp.head_dim,),
-        "ffn_norm": (h,), "ffn_norm_bias": (h,), "ffn_gate_inp": (e, h),
-        "ffn_gate_exps": (e, ff, h), "ffn_up_exps": (e, ff, h), "ffn_down_exps": (e, h, ff),
-        "ffn_gate_inp_shexp": (h,), "ffn_gate_shexp": (sff, h), "ffn_up_shexp": (sff, h), "ffn_down_shexp": (h, sff),
-        "attn_post_norm": (h,), "attn_sinks": (hp.n_heads,), "ffn_gate_inp_bias": (e,),
-        "ffn_gate_exps_bias": (e, ff), "ffn_up_exps_bias": (e, ff), "ffn_down_exps_bias": (e, h),
-        "ffn_gate": (hp.ffn, h), "ffn_up": (hp.ffn, h), "ffn_down": (h, hp.ffn),
+        "token_embd": (v, h),
+        "output_norm": (h,),
+        "output_norm_bias": (h,),
+        "output": (v, h),
+        "output_bias": (v,),
+        "attn_norm": (h,),
+        "attn_norm_bias": (h,),
+        "attn_q": (q, h),
+        "attn_k": (kv, h),
+        "attn_v": (vd, h),
+        "attn_q_bias": (q,),
+        "attn_k_bias": (kv,),
+        "attn_v_bias": (vd,),
+        "attn_output": (h, hp.n_heads * hp.value_dim),
+        "attn_output_bias": (h,),
+        "attn_q_norm": (q,) if full else (hp.head_dim,),
+        "attn_k_norm": (kv,) if full else (hp.head_dim,),
+        "ffn_norm": (h,),
+        "ffn_norm_bias": (h,),
+        "ffn_gate_inp": (e, h),
+        "ffn_gate_exps": (e, ff, h),
+        "ffn_up_exps": (e, ff, h),
+        "ffn_down_exps": (e, h, ff),
+        "ffn_gate_inp_shexp": (h,),
+        "ffn_gate_shexp": (sff, h),
+        "ffn_up_shexp": (sff, h),
+        "ffn_down_shexp": (h, sff),
+        "attn_post_norm": (h,),
+        "attn_sinks": (hp.n_heads,),
+        "ffn_gate_inp_bias": (e,),
+        "ffn_gate_exps_bias": (e, ff),
+        "ffn_up_exps_bias": (e, ff),
+        "ffn_down_exps_bias": (e, h),
+        "ffn_gate": (hp.ffn, h),
+        "ffn_up": (hp.ffn, h),
+        "ffn_down": (h, hp.ffn),
         "exp_probs_b": (e,),
         **(latent_attention_shapes(hp) if features.mla else {}),
     }
@@ -247,6 +287,7 @@ def llama_cpp_accepts(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool
     convert_hf_to_gguf.py writes Qwen2-MoE's shared-expert gate 2-D (ne [n_embd, 1], from the
     [1, n_embd] nn.Linear), llama.cpp's quantizer writes it 1-D, and llama.cpp loads both as the
     {n_embd} it asks for."""
+
     def padded(s: tuple[int, ...]) -> tuple[int, ...]:
         return (1,) * (GGML_MAX_DIMS - len(s)) + tuple(s)
 
@@ -265,10 +306,15 @@ def latent_attention_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     n, k_head, v_head, rope, nope = latent_dims(hp)
     h, q_lora, kv_lora = hp.hidden, hp.q_lora_rank, hp.kv_lora_rank
     return {
-        "attn_q": (n * k_head, h), "attn_q_a": (q_lora, h), "attn_q_a_norm": (q_lora,),
+        "attn_q": (n * k_head, h),
+        "attn_q_a": (q_lora, h),
+        "attn_q_a_norm": (q_lora,),
         "attn_q_b": (n * k_head, q_lora),
-        "attn_kv_a_mqa": (kv_lora + rope, h), "attn_kv_a_norm": (kv_lora,),
-        "attn_k_b": (n, kv_lora, nope), "attn_v_b": (n, v_head, kv_lora), "attn_kv_b": (n * (nope + v_head), kv_lora),
+        "attn_kv_a_mqa": (kv_lora + rope, h),
+        "attn_kv_a_norm": (kv_lora,),
+        "attn_k_b": (n, kv_lora, nope),
+        "attn_v_b": (n, v_head, kv_lora),
+        "attn_kv_b": (n * (nope + v_head), kv_lora),
         "attn_output": (h, n * v_head),
     }
 
@@ -281,7 +327,7 @@ class RopeStyle:
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    words: str          # `{k}`: the experts chosen per token (deepseek's: describe() says which gating and groups)
+    words: str  # `{k}`: the experts chosen per token (deepseek's: describe() says which gating and groups)
     renormalizes: bool  # the MoE node renormalizes the top-k weights over the k (deepseek2's scores: deepseek_routing)
 
 
@@ -298,7 +344,7 @@ ROUTINGS = {
 @dataclasses.dataclass(frozen=True)
 class QkNorm:
     words: str
-    per_head: bool      # RMSNorm over each head (weights [head_dim]), else over the whole projection
+    per_head: bool  # RMSNorm over each head (weights [head_dim]), else over the whole projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,8 +355,10 @@ class SharedExpert:
 
 # Features.qk_norm and Features.shared_expert name one of these (or None: the architecture has none)
 QK_NORMS = {"head": QkNorm("RMSNorm per head", True), "full": QkNorm("RMSNorm over the full projection", False)}
-SHARED_EXPERTS = {"sigmoid_gated": SharedExpert("sigmoid-gated shared expert", True),
-                  "plain": SharedExpert("shared experts where the file has them", False)}
+SHARED_EXPERTS = {
+    "sigmoid_gated": SharedExpert("sigmoid-gated shared expert", True),
+    "plain": SharedExpert("shared experts where the file has them", False),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,34 +366,40 @@ class Features:
     """What differs between architectures, as the recipe's switches (tests/test_architectures.py
     checks that every one is read)."""
 
-    rope: str                           # a key of ROPE_STYLES
+    rope: str  # a key of ROPE_STYLES
     # a key of ROUTINGS ("deepseek": softmax or sigmoid gating (expert_gating_func), selection bias
     # exp_probs_b, group-limited top-k, optional renormalization)
     routing: str
-    qk_norm: str | None = None          # a key of QK_NORMS, or None
-    shared_expert: str | None = None    # a key of SHARED_EXPERTS (used when shared_ff > 0), or None
+    qk_norm: str | None = None  # a key of QK_NORMS, or None
+    shared_expert: str | None = None  # a key of SHARED_EXPERTS (used when shared_ff > 0), or None
     shared_ff_fallback: str | None = None  # the hyperparameter sizing the shared expert when its own key is absent
-    multipliers: bool = False           # granite's embedding / residual / attention / logit multipliers
-    legacy_experts: bool = False        # per-expert tensors accepted in place of stacked ones
-    ffn_norm: str = "ffn_norm"          # the role of the norm before the MoE (gpt-oss: "attn_post_norm")
-    attention_sinks: bool = False       # a learned per-head logit joins each softmax's denominator (gpt-oss)
+    multipliers: bool = False  # granite's embedding / residual / attention / logit multipliers
+    legacy_experts: bool = False  # per-expert tensors accepted in place of stacked ones
+    ffn_norm: str = "ffn_norm"  # the role of the norm before the MoE (gpt-oss: "attn_post_norm")
+    attention_sinks: bool = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
     # period of sliding-window layers when the file has no pattern key (gpt-oss: 2, every even layer
     # slides over `sliding_window` tokens); 0: none
     sliding_window: int = 0
-    activation: str = "swiglu"          # a key of ACTIVATIONS
-    expert_biases: bool = False         # biases on the router and on every expert's gate/up/down (gpt-oss)
+    activation: str = "swiglu"  # a key of ACTIVATIONS
+    expert_biases: bool = False  # biases on the router and on every expert's gate/up/down (gpt-oss)
     # multi-head latent attention (deepseek2): compressed KV, decoupled RoPE; the first
     # `leading_dense` blocks have a dense FFN instead of experts
     mla: bool = False
-    yarn_log_multiplier: bool = False   # read rope.scaling.yarn_log_multiplier as llama.cpp does for deepseek2
+    yarn_log_multiplier: bool = False  # read rope.scaling.yarn_log_multiplier as llama.cpp does for deepseek2
     # LongRoPE: llama.cpp loads rope_factors_long/short.weight (phimoe's load_arch_tensors); other
     # architectures' files holding them are refused (llama.cpp's loader would count them as extra)
     longrope: bool = False
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rope", ROPE_STYLES), ("routing", ROUTINGS), ("qk_norm", (None, *QK_NORMS)),
-                              ("shared_expert", (None, *SHARED_EXPERTS)), ("activation", ACTIVATIONS),
-                              ("ffn_norm", TENSORS), ("shared_ff_fallback", (None, *HPARAMS))):
+        for name, allowed in (
+            ("rope", ROPE_STYLES),
+            ("routing", ROUTINGS),
+            ("qk_norm", (None, *QK_NORMS)),
+            ("shared_expert", (None, *SHARED_EXPERTS)),
+            ("activation", ACTIVATIONS),
+            ("ffn_norm", TENSORS),
+            ("shared_ff_fallback", (None, *HPARAMS)),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"feature {name}={getattr(self, name)!r} is not one of {', '.join(map(str, allowed))}")
 
@@ -426,21 +480,25 @@ class Architecture:
         f = self.features
         parts: dict[str, Any] = {
             "rope": ROPE_STYLES[f.rope].words,
-            "routing": _deepseek_routing_text(hp) if f.routing == "deepseek" else
-            ROUTINGS[f.routing].words.format(k=hp.n_experts_used),
+            "routing": _deepseek_routing_text(hp)
+            if f.routing == "deepseek"
+            else ROUTINGS[f.routing].words.format(k=hp.n_experts_used),
         }
         if f.mla:
             n, k_head, v_head, rope, nope = latent_dims(hp)
-            parts["attention"] = (f"multi-head latent attention: {n} heads, KV rank {hp.kv_lora_rank}, "
-                                  f"q rank {hp.q_lora_rank or 'full'}, key {nope}+{rope} (RoPE), value {v_head}")
+            parts["attention"] = (
+                f"multi-head latent attention: {n} heads, KV rank {hp.kv_lora_rank}, "
+                f"q rank {hp.q_lora_rank or 'full'}, key {nope}+{rope} (RoPE), value {v_head}"
+            )
             if hp.leading_dense:
                 parts["dense_blocks"] = f"the first {hp.leading_dense} (ffn {hp.ffn})"
         scaling = hp.rope.describe(hp.context_length) if hp.rope else ""  # the converted model's context
         if scaling:
             parts["rope_scaling"] = scaling
         if hp.sliding_window_layers:
-            parts["sliding_window"] = f"{hp.sliding_window} tokens on layers " + \
-                ",".join(str(i) for i in hp.sliding_window_layers)
+            parts["sliding_window"] = f"{hp.sliding_window} tokens on layers " + ",".join(
+                str(i) for i in hp.sliding_window_layers
+            )
         if f.attention_sinks:
             parts["attention_sinks"] = "one learned logit per head"
         if f.activation != "swiglu":
@@ -451,12 +509,16 @@ class Architecture:
             gate = " with a sigmoid gate" if SHARED_EXPERTS[f.shared_expert].sigmoid_gated else ""
             parts["shared_expert"] = f"ffn {hp.shared_ff}{gate}"
         if f.multipliers:
-            parts["multipliers"] = {k: getattr(hp, f"{k}_scale")
-                                    for k in ("embedding", "residual", "attention", "logit")}
+            parts["multipliers"] = {
+                k: getattr(hp, f"{k}_scale") for k in ("embedding", "residual", "attention", "logit")
+            }
         if hp.expert_weights_scale not in (None, 0.0, 1.0):
             parts["expert_weights_scale"] = hp.expert_weights_scale
-        biases = [role for role in (*ATTENTION_BIASES, "attn_norm_bias", "ffn_norm_bias", "output_bias", *EXPERT_BIASES)
-                  if self.has_tensor(gguf, role, 0 if role.startswith(("attn", "ffn")) else None)]
+        biases = [
+            role
+            for role in (*ATTENTION_BIASES, "attn_norm_bias", "ffn_norm_bias", "output_bias", *EXPERT_BIASES)
+            if self.has_tensor(gguf, role, 0 if role.startswith(("attn", "ffn")) else None)
+        ]
         if biases:
             parts["biases"] = biases
         if f.legacy_experts and not self.has_tensor(gguf, "ffn_gate_exps", 0):
@@ -486,17 +548,21 @@ class Architecture:
         size-1 dimensions llama.cpp's loader ignores: `tensor` drops them)."""
         shapes = expected_shapes(hp, self.features)
         roles = [self.block_roles(i, hp) for i in range(hp.n_layers)]
-        wanted = [(role, None, True) for role in GLOBAL_TENSORS] + \
-            [(role, None, False) for role in GLOBAL_OPTIONAL] + \
-            [(role, i, True) for i in range(hp.n_layers) for role in roles[i][0]] + \
-            [(role, i, False) for i in range(hp.n_layers) for role in roles[i][1]]
+        wanted = (
+            [(role, None, True) for role in GLOBAL_TENSORS]
+            + [(role, None, False) for role in GLOBAL_OPTIONAL]
+            + [(role, i, True) for i in range(hp.n_layers) for role in roles[i][0]]
+            + [(role, i, False) for i in range(hp.n_layers) for role in roles[i][1]]
+        )
         for role, layer, required in wanted:
             if not required and not self.has_tensor(gguf, role, layer):
                 continue
             tensor = self.tensor(gguf, role, layer, hp)
             if tensor.shape != shapes[role]:
-                raise MoepassError(f"{gguf.path}: tensor '{tensor.name}' has shape {list(tensor.shape)}, expected "
-                                   f"{list(shapes[role])} from the {self.gguf_arch} metadata")
+                raise MoepassError(
+                    f"{gguf.path}: tensor '{tensor.name}' has shape {list(tensor.shape)}, expected "
+                    f"{list(shapes[role])} from the {self.gguf_arch} metadata"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,10 +571,10 @@ class Rope:
     corrections) that ggml's rope_yarn takes. float32 values, as llama.cpp holds them."""
 
     base: float
-    freq_scale: float = 1.0   # 1 / scaling factor ("linear" and "yarn")
-    ext_factor: float = 0.0   # 1 for YaRN: mix extrapolated and interpolated angles
+    freq_scale: float = 1.0  # 1 / scaling factor ("linear" and "yarn")
+    ext_factor: float = 0.0  # 1 for YaRN: mix extrapolated and interpolated angles
     attn_factor: float = 1.0  # llama.cpp's yarn_attn_factor
-    n_ctx_orig: int = 0       # YaRN's original context length
+    n_ctx_orig: int = 0  # YaRN's original context length
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     yarn_log_mul: float = 0.0  # deepseek2's mscale_all_dim (rope.scaling.yarn_log_multiplier / 0.1)
@@ -560,11 +626,16 @@ class Rope:
         if self.longrope:
             long, padded = self.long_factors(context), llama_context_size(context)
             which = "long" if long else "short"
-            chosen = f"{which} factors" if (self.factors_long if long else self.factors_short) is not None \
+            chosen = (
+                f"{which} factors"
+                if (self.factors_long if long else self.factors_short) is not None
                 else f"no factors (the file lacks rope_factors_{which})"
+            )
             sized = f"context {context}" + (f", {padded} in llama.cpp," if padded != context else "")
-            parts.append(f"LongRoPE {chosen} at every position ({sized} {'>' if long else '<='} original "
-                         f"{self.n_ctx_orig}: llama.cpp chooses by the context, not per position)")
+            parts.append(
+                f"LongRoPE {chosen} at every position ({sized} {'>' if long else '<='} original "
+                f"{self.n_ctx_orig}: llama.cpp chooses by the context, not per position)"
+            )
         if self.attn_factor != 1.0 and not self.ext_factor:
             parts.append(f"attention factor {self.attn_factor:.6g}")
         return ", ".join(parts) or None
@@ -617,18 +688,24 @@ def read_longrope(gguf: GGUFModel, hp: HParams) -> dict[str, tuple[float, ...] |
             continue
         tensor = dataclasses.replace(gguf.tensor(name), check_finite=False)  # refused below, with its reason
         if tensor.type_name != "F32":
-            raise MoepassError(f"{gguf.path}: tensor '{name}' (LongRoPE factors) is {tensor.type_name}; llama.cpp "
-                               "applies only F32 RoPE factors")
+            raise MoepassError(
+                f"{gguf.path}: tensor '{name}' (LongRoPE factors) is {tensor.type_name}; llama.cpp "
+                "applies only F32 RoPE factors"
+            )
         # llama.cpp's loader compares all four ggml dimensions, the unnamed ones 1 (check_tensor_dims)
         if len(tensor.shape) > 4 or tensor.shape[-1] != half or any(d != 1 for d in tensor.shape[:-1]):
-            raise MoepassError(f"{gguf.path}: tensor '{name}' (LongRoPE factors) has shape {list(tensor.shape)}, "
-                               f"expected [{half}] (head size {hp.hidden // hp.n_heads} / 2) from the metadata")
+            raise MoepassError(
+                f"{gguf.path}: tensor '{name}' (LongRoPE factors) has shape {list(tensor.shape)}, "
+                f"expected [{half}] (head size {hp.hidden // hp.n_heads} / 2) from the metadata"
+            )
         values = tensor.read_raw().view(np.float32).reshape(-1)
         bad = ~(np.isfinite(values) & (values > 0))
         if bad.any():
             i = int(np.argmax(bad))
-            raise MoepassError(f"{gguf.path}: tensor '{name}' (LongRoPE factors) holds {values[i]} at index {i}; "
-                               "the factors divide RoPE's frequencies and must be finite and positive")
+            raise MoepassError(
+                f"{gguf.path}: tensor '{name}' (LongRoPE factors) holds {values[i]} at index {i}; "
+                "the factors divide RoPE's frequencies and must be finite and positive"
+            )
         factors[field] = tuple(float(v) for v in values)
     return factors
 
@@ -639,20 +716,26 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     a, f32 = arch.gguf_arch, np.float32
     for name in UNSUPPORTED_ROPE_TENSORS:
         if gguf.has_tensor(name):
-            raise MoepassError(f"{gguf.path}: tensor '{name}' holds RoPE frequency factors (llama3 scaling), "
-                               "which moepass does not convert yet")
+            raise MoepassError(
+                f"{gguf.path}: tensor '{name}' holds RoPE frequency factors (llama3 scaling), "
+                "which moepass does not convert yet"
+            )
     if not arch.features.longrope:
         for name in LONGROPE_TENSORS.values():
             if gguf.has_tensor(name):
-                raise MoepassError(f"{gguf.path}: tensor '{name}' holds LongRoPE frequency factors, which moepass "
-                                   f"converts for phimoe only (not for {a})")
+                raise MoepassError(
+                    f"{gguf.path}: tensor '{name}' holds LongRoPE frequency factors, which moepass "
+                    f"converts for phimoe only (not for {a})"
+                )
     # "longrope" (where converted): llama.cpp's LLAMA_ROPE_SCALING_TYPE_LONGROPE, which phimoe's graph
     # treats as "linear" (neither "none" nor YaRN in the llama_context constructor)
     supported = SUPPORTED_ROPE_SCALING + (("longrope",) if arch.features.longrope else ())
     scaling = gguf.typed(Keys.Rope.SCALING_TYPE.format(arch=a), str, "linear")  # llama.cpp's default when absent
     if scaling not in supported:
-        raise MoepassError(f"{gguf.path}: metadata key '{a}.rope.scaling.type' is {scaling!r}; moepass converts "
-                           f"RoPE scaling {', '.join(supported)}")
+        raise MoepassError(
+            f"{gguf.path}: metadata key '{a}.rope.scaling.type' is {scaling!r}; moepass converts "
+            f"RoPE scaling {', '.join(supported)}"
+        )
     legacy = gguf.typed(f"{a}.rope.scale_linear", float, 0.0)  # an older key, not in gguf's Keys
     factor = gguf.typed(Keys.Rope.SCALING_FACTOR.format(arch=a), float, legacy)
     if factor < 0:
@@ -664,6 +747,7 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     if arch.features.yarn_log_multiplier:  # the converter stores 0.1 * mscale_all_dim
         log_mul = f32(gguf.typed(Keys.Rope.SCALING_YARN_LOG_MUL.format(arch=a), float, 0.0)) / f32(0.1)
     if yarn:
+
         def mscale(s: np.float32, m: float | np.float32) -> np.float32:
             return f32(1) if s <= 1 else f32(0.1) * f32(m) * np.log(s) + f32(1)
 
@@ -676,9 +760,16 @@ def read_rope(gguf: GGUFModel, arch: Architecture, hp: HParams) -> Rope:
     attn_factor = attn_factor * f32(gguf.typed(Keys.Rope.SCALING_ATTN_FACTOR.format(arch=a), float, 1.0))
     n_ctx_orig = gguf.typed(Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), int, hp.context_length)
     longrope = read_longrope(gguf, hp) if arch.features.longrope else {}
-    return Rope(base=float(f32(hp.rope_base)), freq_scale=float(freq_scale), ext_factor=1.0 if yarn else 0.0,
-                attn_factor=float(attn_factor), n_ctx_orig=n_ctx_orig, yarn_log_mul=float(log_mul),
-                factors_short=longrope.get("factors_short"), factors_long=longrope.get("factors_long"))
+    return Rope(
+        base=float(f32(hp.rope_base)),
+        freq_scale=float(freq_scale),
+        ext_factor=1.0 if yarn else 0.0,
+        attn_factor=float(attn_factor),
+        n_ctx_orig=n_ctx_orig,
+        yarn_log_mul=float(log_mul),
+        factors_short=longrope.get("factors_short"),
+        factors_long=longrope.get("factors_long"),
+    )
 
 
 def sliding_window_layers(gguf: GGUFModel, arch: Architecture, hp: HParams) -> tuple[bool, ...]:
@@ -719,8 +810,10 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None:
     blocks = [int(m[1]) for name in gguf.tensors if (m := _BLOCK.match(name))]
     if max(blocks, default=-1) + 1 < hp.n_layers:  # before anything is built per layer
         key = HPARAMS["n_layers"].key.format(arch=arch.gguf_arch)
-        raise MoepassError(f"{gguf.path}: metadata key '{key}' is {hp.n_layers:,}, but the file has tensors for "
-                           f"{max(blocks, default=-1) + 1} blocks")
+        raise MoepassError(
+            f"{gguf.path}: metadata key '{key}' is {hp.n_layers:,}, but the file has tensors for "
+            f"{max(blocks, default=-1) + 1} blocks"
+        )
     if hp.n_heads % hp.n_kv_heads:
         raise bad(f"{hp.n_heads} query heads are not a multiple of {hp.n_kv_heads} kv heads")
     if hp.n_experts_used > hp.n_experts:
@@ -731,8 +824,10 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None:
         raise bad("logit_scale is 0")
     if arch.features.mla:
         if hp.gating_func not in (0, *ExpertGatingFuncType):  # 0: absent, softmax
-            raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.expert_gating_func' is "
-                               f"{hp.gating_func}; moepass converts 1 (softmax) and 2 (sigmoid)")
+            raise MoepassError(
+                f"{gguf.path}: metadata key '{arch.gguf_arch}.expert_gating_func' is "
+                f"{hp.gating_func}; moepass converts 1 (softmax) and 2 (sigmoid)"
+            )
         groups = hp.n_expert_groups
         if groups > 1 and (hp.n_experts % groups or not 0 < hp.n_group_used <= groups):
             raise bad(f"{hp.n_experts} experts in {groups} groups, {hp.n_group_used} used")
@@ -740,87 +835,159 @@ def _check_hparams(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None:
             raise bad(f"RoPE dimension {hp.rope_dim} does not fit the key head {latent_dims(hp)[1]}")
     rot = gguf.typed(Keys.Rope.DIMENSION_COUNT.format(arch=arch.gguf_arch), int, None)
     if rot is not None and rot != hp.head_dim and not arch.features.mla:
-        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
-                           f"size {hp.head_dim}; partial rotary embedding is not converted yet")
+        raise MoepassError(
+            f"{gguf.path}: metadata key '{arch.gguf_arch}.rope.dimension_count' is {rot}, not the head "
+            f"size {hp.head_dim}; partial rotary embedding is not converted yet"
+        )
 
 
-_COMMON = ("n_layers", "hidden", "context_length", "n_heads", "n_kv_heads", "head_dim", "value_dim", "rms_eps",
-           "rope_base", "n_experts", "n_experts_used", "expert_weights_scale")
+_COMMON = (
+    "n_layers",
+    "hidden",
+    "context_length",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "value_dim",
+    "rms_eps",
+    "rope_base",
+    "n_experts",
+    "n_experts_used",
+    "expert_weights_scale",
+)
 
-ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in [
-    Architecture(
-        gguf_arch="qwen3moe", description="Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)",
-        hparams=(*_COMMON, "expert_ff"),
-        block_tensors=(*ATTENTION, "attn_q_norm", "attn_k_norm", *ROUTED_EXPERTS),
-        optional_tensors=ATTENTION_BIASES,
-        features=Features(rope="neox", qk_norm="head", routing="softmax_topk_renorm"), genai_type="qwen3",
-    ),
-    Architecture(
-        gguf_arch="llama", description="Mixtral (llama with experts: Mixtral-8x7B, 8x22B)",
-        hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
-        block_tensors=(*ATTENTION, *ROUTED_EXPERTS),
-        optional_tensors=ATTENTION_BIASES,
-        features=Features(rope="norm", routing="softmax_topk_renorm", legacy_experts=True), genai_type="llama",
-    ),
-    Architecture(
-        gguf_arch="qwen2moe", description="Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)",
-        hparams=(*_COMMON, "expert_ff", "ffn", "shared_ff"),
-        block_tensors=(*ATTENTION, *ROUTED_EXPERTS, "ffn_gate_inp_shexp", *SHARED_EXPERT),
-        optional_tensors=ATTENTION_BIASES,
-        features=Features(rope="neox", routing="softmax_topk", shared_expert="sigmoid_gated",
-                          shared_ff_fallback="ffn"), genai_type="qwen2",
-    ),
-    Architecture(
-        gguf_arch="olmoe", description="OLMoE (OLMoE-1B-7B)",
-        hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
-        block_tensors=(*ATTENTION, "attn_q_norm", "attn_k_norm", *ROUTED_EXPERTS),
-        optional_tensors=ATTENTION_BIASES,
-        features=Features(rope="neox", qk_norm="full", routing="softmax_topk"), genai_type="olmo",
-    ),
-    Architecture(
-        gguf_arch="granitemoe", description="Granite MoE (granite-3.x-1b/3b-a400m/a800m, granite MoE shared)",
-        hparams=(*_COMMON, "ffn", "shared_ff", "logit_scale", "residual_scale", "embedding_scale",
-                 "attention_scale"), expert_ff_from="ffn",
-        block_tensors=(*ATTENTION, *ROUTED_EXPERTS),
-        optional_tensors=(*ATTENTION_BIASES, *SHARED_EXPERT),
-        features=Features(rope="norm", routing="softmax_topk_renorm", shared_expert="plain", multipliers=True),
-        genai_type="granite",
-    ),
-    Architecture(
-        gguf_arch="phimoe", description="Phi-3.5-MoE",
-        hparams=(*_COMMON, "ffn"), expert_ff_from="ffn",
-        block_tensors=(*ATTENTION, "attn_norm_bias", "attn_output_bias", *ROUTED_EXPERTS, "ffn_norm_bias"),
-        optional_tensors=ATTENTION_BIASES[:3],
-        features=Features(rope="neox", routing="softmax_topk_renorm", longrope=True), genai_type="phi3",
-    ),
-    Architecture(
-        gguf_arch="gpt-oss", description="gpt-oss (gpt-oss-20b, gpt-oss-120b)",
-        hparams=(*_COMMON, "expert_ff", "sliding_window"),
-        block_tensors=(*ATTENTION, "attn_output_bias", "attn_sinks", "attn_post_norm", *ROUTED_EXPERTS[1:],
-                       *EXPERT_BIASES),
-        optional_tensors=ATTENTION_BIASES[:3],
-        features=Features(rope="neox", routing="topk_softmax", ffn_norm="attn_post_norm", attention_sinks=True,
-                          sliding_window=2, activation="swiglu_oai", expert_biases=True), genai_type="gptoss",
-    ),
-    Architecture(
-        gguf_arch="deepseek2", description="DeepSeek-V2/V2.5/V3/R1 and other MLA models (Kimi K2)",
-        hparams=(*_COMMON, "expert_ff", "ffn", "q_lora_rank", "kv_lora_rank", "k_head_mla", "v_head_mla", "rope_dim",
-                 "leading_dense", "n_shared_experts", "gating_func", "expert_weights_norm", "n_expert_groups",
-                 "n_group_used"),
-        block_tensors=("attn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output", *ROUTED_EXPERTS),
-        optional_tensors=("exp_probs_b", *SHARED_EXPERT),
-        features=Features(rope="norm", routing="deepseek", mla=True, shared_expert="plain", yarn_log_multiplier=True),
-        genai_type="llama",
-    ),
-]}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.gguf_arch: a
+    for a in [
+        Architecture(
+            gguf_arch="qwen3moe",
+            description="Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)",
+            hparams=(*_COMMON, "expert_ff"),
+            block_tensors=(*ATTENTION, "attn_q_norm", "attn_k_norm", *ROUTED_EXPERTS),
+            optional_tensors=ATTENTION_BIASES,
+            features=Features(rope="neox", qk_norm="head", routing="softmax_topk_renorm"),
+            genai_type="qwen3",
+        ),
+        Architecture(
+            gguf_arch="llama",
+            description="Mixtral (llama with experts: Mixtral-8x7B, 8x22B)",
+            hparams=(*_COMMON, "ffn"),
+            expert_ff_from="ffn",
+            block_tensors=(*ATTENTION, *ROUTED_EXPERTS),
+            optional_tensors=ATTENTION_BIASES,
+            features=Features(rope="norm", routing="softmax_topk_renorm", legacy_experts=True),
+            genai_type="llama",
+        ),
+        Architecture(
+            gguf_arch="qwen2moe",
+            description="Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)",
+            hparams=(*_COMMON, "expert_ff", "ffn", "shared_ff"),
+            block_tensors=(*ATTENTION, *ROUTED_EXPERTS, "ffn_gate_inp_shexp", *SHARED_EXPERT),
+            optional_tensors=ATTENTION_BIASES,
+            features=Features(
+                rope="neox", routing="softmax_topk", shared_expert="sigmoid_gated", shared_ff_fallback="ffn"
+            ),
+            genai_type="qwen2",
+        ),
+        Architecture(
+            gguf_arch="olmoe",
+            description="OLMoE (OLMoE-1B-7B)",
+            hparams=(*_COMMON, "ffn"),
+            expert_ff_from="ffn",
+            block_tensors=(*ATTENTION, "attn_q_norm", "attn_k_norm", *ROUTED_EXPERTS),
+            optional_tensors=ATTENTION_BIASES,
+            features=Features(rope="neox", qk_norm="full", routing="softmax_topk"),
+            genai_type="olmo",
+        ),
+        Architecture(
+            gguf_arch="granitemoe",
+            description="Granite MoE (granite-3.x-1b/3b-a400m/a800m, granite MoE shared)",
+            hparams=(
+                *_COMMON,
+                "ffn",
+                "shared_ff",
+                "logit_scale",
+                "residual_scale",
+                "embedding_scale",
+                "attention_scale",
+            ),
+            expert_ff_from="ffn",
+            block_tensors=(*ATTENTION, *ROUTED_EXPERTS),
+            optional_tensors=(*ATTENTION_BIASES, *SHARED_EXPERT),
+            features=Features(rope="norm", routing="softmax_topk_renorm", shared_expert="plain", multipliers=True),
+            genai_type="granite",
+        ),
+        Architecture(
+            gguf_arch="phimoe",
+            description="Phi-3.5-MoE",
+            hparams=(*_COMMON, "ffn"),
+            expert_ff_from="ffn",
+            block_tensors=(*ATTENTION, "attn_norm_bias", "attn_output_bias", *ROUTED_EXPERTS, "ffn_norm_bias"),
+            optional_tensors=ATTENTION_BIASES[:3],
+            features=Features(rope="neox", routing="softmax_topk_renorm", longrope=True),
+            genai_type="phi3",
+        ),
+        Architecture(
+            gguf_arch="gpt-oss",
+            description="gpt-oss (gpt-oss-20b, gpt-oss-120b)",
+            hparams=(*_COMMON, "expert_ff", "sliding_window"),
+            block_tensors=(
+                *ATTENTION,
+                "attn_output_bias",
+                "attn_sinks",
+                "attn_post_norm",
+                *ROUTED_EXPERTS[1:],
+                *EXPERT_BIASES,
+            ),
+            optional_tensors=ATTENTION_BIASES[:3],
+            features=Features(
+                rope="neox",
+                routing="topk_softmax",
+                ffn_norm="attn_post_norm",
+                attention_sinks=True,
+                sliding_window=2,
+                activation="swiglu_oai",
+                expert_biases=True,
+            ),
+            genai_type="gptoss",
+        ),
+        Architecture(
+            gguf_arch="deepseek2",
+            description="DeepSeek-V2/V2.5/V3/R1 and other MLA models (Kimi K2)",
+            hparams=(
+                *_COMMON,
+                "expert_ff",
+                "ffn",
+                "q_lora_rank",
+                "kv_lora_rank",
+                "k_head_mla",
+                "v_head_mla",
+                "rope_dim",
+                "leading_dense",
+                "n_shared_experts",
+                "gating_func",
+                "expert_weights_norm",
+                "n_expert_groups",
+                "n_group_used",
+            ),
+            block_tensors=("attn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output", *ROUTED_EXPERTS),
+            optional_tensors=("exp_probs_b", *SHARED_EXPERT),
+            features=Features(
+                rope="norm", routing="deepseek", mla=True, shared_expert="plain", yarn_log_multiplier=True
+            ),
+            genai_type="llama",
+        ),
+    ]
+}
 
 
 def architecture_of(gguf: GGUFModel) -> Architecture:
     name = gguf.architecture
     if name not in ARCHITECTURES:
         known = ", ".join(sorted(ARCHITECTURES))
-        raise MoepassError(f"{gguf.path}: unknown architecture '{name}' (general.architecture); "
-                           f"moepass converts: {known}")
+        raise MoepassError(
+            f"{gguf.path}: unknown architecture '{name}' (general.architecture); moepass converts: {known}"
+        )
     arch = ARCHITECTURES[name]
     if name == "llama" and not gguf.get("llama.expert_count"):
         raise MoepassError(f"{gguf.path}: a dense llama model (no llama.expert_count): moepass converts MoE models")

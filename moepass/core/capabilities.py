@@ -37,8 +37,13 @@ def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
         prepacked = attrs.get_int("weights_prepacked", 0)
         block = attrs.get_int("block_size", 0)
         if bits == 4 and (prepacked != 1 or block != 32):
-            found.append((moe.name, f"int4 experts need weights_prepacked=1 and block_size 32 "
-                                    f"(has weights_prepacked={prepacked}, block_size {block or 'per row'})"))
+            found.append(
+                (
+                    moe.name,
+                    f"int4 experts need weights_prepacked=1 and block_size 32 "
+                    f"(has weights_prepacked={prepacked}, block_size {block or 'per row'})",
+                )
+            )
         elif bits == 3 and (prepacked != 0 or block not in (32, 64, 128)):
             found.append((moe.name, "int3 experts need weights_prepacked=0 and block_size 32, 64 or 128"))
         elif bits == 2 and prepacked != 1:
@@ -95,8 +100,9 @@ def _qmoe(node: ir.Node) -> str | None:
     if bits not in (4, 8):  # mixed and 2-bit widths: merged per ONNX Runtime's plans, not in the source read
         return f"expert_weight_bits {bits}: the CUDA QMoE kernel takes 4 or 8"
     block = attrs.get_int("block_size", -1)
-    zero_points = any(i < len(node.inputs) and node.inputs[i] is not None for i in (QMOE_SLOTS["fc1"][3],
-                                                                                  QMOE_SLOTS["fc2"][3]))
+    zero_points = any(
+        i < len(node.inputs) and node.inputs[i] is not None for i in (QMOE_SLOTS["fc1"][3], QMOE_SLOTS["fc2"][3])
+    )
     if zero_points and block <= 0:
         return "zero points with row-wise scales (block_size <= 0) are refused"
     if zero_points and block < 32:
@@ -149,7 +155,8 @@ CUDA_KERNELS: dict[tuple[str, str], CudaKernel | None] = {
     ("com.microsoft", "GroupQueryAttention"): CudaKernel(HALF, CONTRIB + "bert/group_query_attention.cc", _gqa),
     ("com.microsoft", "MatMulNBits"): CudaKernel(FLOATS, CONTRIB + "quantization/matmul_nbits.cc", _matmul_nbits),
     ("com.microsoft", "GatherBlockQuantized"): CudaKernel(
-        FLOATS, CONTRIB + "quantization/gather_block_quantized.cc", _gather_block_quantized),
+        FLOATS, CONTRIB + "quantization/gather_block_quantized.cc", _gather_block_quantized
+    ),
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): CudaKernel(FLOATS, REGISTRY),
     ("", "SimplifiedLayerNormalization"): CudaKernel(FLOATS, CONTRIB + "layer_norm.cc"),
     ("com.microsoft", "MoEGroupRouter"): None,  # no such kernel in the registry read

@@ -23,15 +23,17 @@ def one_of(value: str, choices: Iterable[str], what: str) -> str:
 
 
 # convert
-FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")   # F32/F16/BF16 experts: kept float (MoE) or quantized (QMoE)
+FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")  # F32/F16/BF16 experts: kept float (MoE) or quantized (QMoE)
 EXPERT_FORMATS = ("auto", "int4", "int8", "offload")  # quantized experts (moepass.core.quants.expert_form)
 # activations mode -> accuracy_level of every quantized matrix product (None: the attribute is absent,
 # ONNX Runtime's float default; 4: int8 activations inside the product, as llama.cpp)
 ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}
 # --print-after, per input kind: the step that makes the graph ("lower" a GGUF, "read" an ONNX model),
 # then the passes of moepass.passes.PIPELINES[kind] in order (moepass.passes checks them at import)
-PASS_NAMES = {"gguf": ("lower", "fuse-skip-norm", "quantize-activations", "remove-unused", "topological-sort"),
-              "onnx": ("read", "fuse-moe", "remove-unused", "topological-sort", "quantize-activations")}
+PASS_NAMES = {
+    "gguf": ("lower", "fuse-skip-norm", "quantize-activations", "remove-unused", "topological-sort"),
+    "onnx": ("read", "fuse-moe", "remove-unused", "topological-sort", "quantize-activations"),
+}
 PRINT_AFTER_CHOICES = tuple(dict.fromkeys(name for names in PASS_NAMES.values() for name in names))
 # --kv-cache: GroupQueryAttention's cache type -> bytes per cached value (moepass.kv_precision)
 KV_CACHE_TYPES = {"float32": 4, "float16": 2, "int8": 1}
@@ -70,26 +72,50 @@ class Bandwidths:
 class GpuPreset:
     """A card's memory, memory bandwidth and host link, as its vendor's data sheet states them."""
 
-    vram: str           # as partition --vram takes it
-    bandwidth: float    # GB/s
-    pcie: float         # GB/s, one direction: PCIe 4.0 x16 31.5, x8 15.8; PCIe 5.0 x16 63
+    vram: str  # as partition --vram takes it
+    bandwidth: float  # GB/s
+    pcie: float  # GB/s, one direction: PCIe 4.0 x16 31.5, x8 15.8; PCIe 5.0 x16 63
     source: str
 
 
 # partition --gpu NAME (NVIDIA's product pages, read 2026-12-01)
 GPU_PRESETS = {
-    "rtx3060-12g": GpuPreset("12GiB", 360.0, 31.5, "https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/"
-                             "rtx-3060-3060ti/ (GDDR6 192-bit 15 Gbps; PCIe 4.0 x16)"),
-    "rtx4060-8g": GpuPreset("8GiB", 272.0, 15.8, "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
-                            "rtx-4060-4060ti/ (GDDR6 128-bit 17 Gbps; PCIe 4.0 x8)"),
-    "rtx4090-24g": GpuPreset("24GiB", 1008.0, 31.5, "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
-                             "rtx-4090/ (GDDR6X 384-bit 21 Gbps; PCIe 4.0 x16)"),
-    "a100-80g": GpuPreset("80GiB", 2039.0, 31.5, "https://www.nvidia.com/en-us/data-center/a100/ (80 GB HBM2e "
-                          "SXM: 2,039 GB/s; PCIe 4.0 x16)"),
-    "h100": GpuPreset("80GiB", 3350.0, 63.0, "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM 80 GB "
-                      "HBM3: 3.35 TB/s; PCIe 5.0 x16)"),
-    "h200": GpuPreset("141GB", 4800.0, 63.0, "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e: "
-                      "4.8 TB/s; PCIe 5.0 x16)"),
+    "rtx3060-12g": GpuPreset(
+        "12GiB",
+        360.0,
+        31.5,
+        "https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/"
+        "rtx-3060-3060ti/ (GDDR6 192-bit 15 Gbps; PCIe 4.0 x16)",
+    ),
+    "rtx4060-8g": GpuPreset(
+        "8GiB",
+        272.0,
+        15.8,
+        "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
+        "rtx-4060-4060ti/ (GDDR6 128-bit 17 Gbps; PCIe 4.0 x8)",
+    ),
+    "rtx4090-24g": GpuPreset(
+        "24GiB",
+        1008.0,
+        31.5,
+        "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
+        "rtx-4090/ (GDDR6X 384-bit 21 Gbps; PCIe 4.0 x16)",
+    ),
+    "a100-80g": GpuPreset(
+        "80GiB",
+        2039.0,
+        31.5,
+        "https://www.nvidia.com/en-us/data-center/a100/ (80 GB HBM2e SXM: 2,039 GB/s; PCIe 4.0 x16)",
+    ),
+    "h100": GpuPreset(
+        "80GiB",
+        3350.0,
+        63.0,
+        "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM 80 GB HBM3: 3.35 TB/s; PCIe 5.0 x16)",
+    ),
+    "h200": GpuPreset(
+        "141GB", 4800.0, 63.0, "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e: 4.8 TB/s; PCIe 5.0 x16)"
+    ),
 }
 
 # run / bench
@@ -100,6 +126,7 @@ PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"  # path of the CUDA plugin EP library, when n
 # run, chat, serve, bench: speculative decoding (moepass.runtime.speculative): --speculative ngram | draft:PATH
 SPECULATIVE_KINDS = ("ngram", "draft")
 DEFAULT_DRAFT_TOKENS = 4
+
 
 # run, chat, serve: how the next token is chosen (moepass.runtime.sampling applies it)
 @dataclasses.dataclass(frozen=True)
@@ -118,19 +145,34 @@ class Sampling:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        numbers = (self.temperature, self.top_p, self.min_p, self.repeat_penalty, self.presence_penalty,
-                   self.frequency_penalty)
+        numbers = (
+            self.temperature,
+            self.top_p,
+            self.min_p,
+            self.repeat_penalty,
+            self.presence_penalty,
+            self.frequency_penalty,
+        )
         if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in numbers):
             raise MoepassError(f"invalid sampling settings {self}: every number must be finite")
-        if (self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1
-                or self.repeat_penalty <= 0 or self.repeat_last_n < 0):
-            raise MoepassError(f"invalid sampling settings {self}: temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
-                               "0 <= min_p <= 1, repeat_penalty > 0, repeat_last_n >= 0")
+        if (
+            self.temperature < 0
+            or self.top_k < 0
+            or not 0 < self.top_p <= 1
+            or not 0 <= self.min_p <= 1
+            or self.repeat_penalty <= 0
+            or self.repeat_last_n < 0
+        ):
+            raise MoepassError(
+                f"invalid sampling settings {self}: temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
+                "0 <= min_p <= 1, repeat_penalty > 0, repeat_last_n >= 0"
+            )
 
     @property
     def penalizes(self) -> bool:
-        return self.repeat_last_n > 0 and (self.repeat_penalty != 1 or self.presence_penalty != 0
-                                           or self.frequency_penalty != 0)
+        return self.repeat_last_n > 0 and (
+            self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        )
 
 
 # llama-server's defaults (common/common.h, llama.cpp as vendored by llama-cpp-python 0.3.36)

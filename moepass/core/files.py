@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     import onnx_ir
 
 MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"           # every weight, as ONNX external data
-REPORT_FILE = "moepass.json"            # hyperparameters, MoE layers, per-weight conversion report
-PLAN_FILE = "plan.json"                 # partition: memory breakdown, residency, predictions
+DATA_FILE = "model.onnx.data"  # every weight, as ONNX external data
+REPORT_FILE = "moepass.json"  # hyperparameters, MoE layers, per-weight conversion report
+PLAN_FILE = "plan.json"  # partition: memory breakdown, residency, predictions
 OPTIONS_FILE = "onnxruntime_options.json"  # partition: session config entries for ONNX Runtime
-TOKENIZER_FILE = "tokenizer.json"       # convert: Hugging Face tokenizers file rebuilt from the GGUF
+TOKENIZER_FILE = "tokenizer.json"  # convert: Hugging Face tokenizers file rebuilt from the GGUF
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # convert: chat template, BOS/EOS
 GENAI_CONFIG_FILE = "genai_config.json"  # convert: what onnxruntime-genai needs to load the model
 # the decoder's optional input (an initializer a feed overrides): logits of the last N positions, 0 = all
@@ -37,8 +37,10 @@ def model_file(model_dir: str | os.PathLike) -> Path:
         others = sorted(p.name for p in path.glob("*.onnx"))
         if ggufs:
             shown = ", ".join(ggufs[:3]) + (", ..." if len(ggufs) > 3 else "")
-            raise MoepassError(f"{path}: a folder of GGUF files ({shown}),"
-                               f" not a converted model: convert the file, `moepass convert {path / ggufs[0]} -o OUT`")
+            raise MoepassError(
+                f"{path}: a folder of GGUF files ({shown}),"
+                f" not a converted model: convert the file, `moepass convert {path / ggufs[0]} -o OUT`"
+            )
         if others:
             raise MoepassError(f"{path}: has no {MODEL_FILE}; it holds {', '.join(others[:3])}: give that file's path")
     path = path / MODEL_FILE if path.is_dir() else path
@@ -129,8 +131,9 @@ def read_json(path: Path, what: str | None = None) -> Any:
     except OSError as e:
         raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MoepassError(f"{path}: not {what} (invalid JSON: {e})" if what else
-                           f"{path}: not valid JSON ({e})") from None
+        raise MoepassError(
+            f"{path}: not {what} (invalid JSON: {e})" if what else f"{path}: not valid JSON ({e})"
+        ) from None
 
 
 def read_json_object(path: Path) -> dict:
@@ -156,12 +159,12 @@ class ModelReport:
 
     document: dict[str, Any]
     schema: int = REPORT_SCHEMA
-    input: str | None = None                # "gguf" or "onnx" (None before schema 1)
-    activations: str = "float"              # "int8": inside the quantized products (absent before: float)
+    input: str | None = None  # "gguf" or "onnx" (None before schema 1)
+    activations: str = "float"  # "int8": inside the quantized products (absent before: float)
     stop_token_ids: tuple[int, ...] = ()
-    context_length: int | None = None       # positions the model has RoPE tables for (GGUF conversions)
+    context_length: int | None = None  # positions the model has RoPE tables for (GGUF conversions)
     weights: tuple[dict[str, Any], ...] = ()  # per initializer group: sources, target form, bytes, error
-    fusion: tuple[dict[str, Any], ...] = ()   # ONNX input: what fuse-moe did with each candidate
+    fusion: tuple[dict[str, Any], ...] = ()  # ONNX input: what fuse-moe did with each candidate
 
     @classmethod
     def from_json(cls, document: dict[str, Any], path: Path) -> ModelReport:
@@ -170,8 +173,10 @@ class ModelReport:
             raise MoepassError(f"{path}: not moepass's (no moepass_version)")
         schema = document.get("schema", 0)
         if not isinstance(schema, int) or isinstance(schema, bool) or not 0 <= schema <= REPORT_SCHEMA:
-            raise MoepassError(f"{path}: schema {schema!r}; this moepass reads schemas 0 to {REPORT_SCHEMA} "
-                               "(a newer moepass wrote it?)")
+            raise MoepassError(
+                f"{path}: schema {schema!r}; this moepass reads schemas 0 to {REPORT_SCHEMA} "
+                "(a newer moepass wrote it?)"
+            )
         tokenizer, hparams = (json_field(document, key, dict, path) for key in ("tokenizer", "hparams"))
         stop = json_field(tokenizer, "stop_token_ids", list, path)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
@@ -189,16 +194,25 @@ class ModelReport:
         kind = document.get("input")
         if kind is not None and kind not in PASS_NAMES:  # the input kinds, each with its pipeline
             raise MoepassError(f"{path}: input {kind!r} is not {' or '.join(PASS_NAMES)}")
-        return cls(document, schema, kind, activations, tuple(stop), context, tuple(records["weights"]),
-                   tuple(records["fusion"]))
+        return cls(
+            document,
+            schema,
+            kind,
+            activations,
+            tuple(stop),
+            context,
+            tuple(records["weights"]),
+            tuple(records["fusion"]),
+        )
 
 
 def json_field(data: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     """data[key] when it is a `kind` (an empty one when absent); another type is a clear error."""
     value = data.get(key, kind())
     if not isinstance(value, kind):
-        raise MoepassError(f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'array'}, "
-                           f"found {type(value).__name__}")
+        raise MoepassError(
+            f"{path}: '{key}' must be a JSON {'object' if kind is dict else 'array'}, found {type(value).__name__}"
+        )
     return value
 
 
@@ -225,8 +239,8 @@ def write_report(folder: Path, report: dict) -> None:
     (folder / REPORT_FILE).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
 
 
-PLAN_FORMAT = "moepass-plan"   # plan.json's "format"
-PLAN_VERSION = 1                # and the newest "version" this moepass reads and writes
+PLAN_FORMAT = "moepass-plan"  # plan.json's "format"
+PLAN_VERSION = 1  # and the newest "version" this moepass reads and writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +285,7 @@ class PlanNode:
     experts: int
     top_k: int
     bytes_per_expert: int
-    device: str                 # gpu (every expert resident), cpu (none) or split
+    device: str  # gpu (every expert resident), cpu (none) or split
     resident_count: int
     resident: tuple[int, ...]
     order: tuple[int, ...]
@@ -285,7 +299,7 @@ class DecodeEstimate:
 
     cold_experts_on_cpu: float
     cold_experts_over_pcie: float
-    cpu_only: float | None = None    # every layer on this CPU: with CPU costs measured here
+    cpu_only: float | None = None  # every layer on this CPU: with CPU costs measured here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +307,7 @@ class CpuTiming:
     """The CPU side of an estimate, timed on this model (runtime.calibrate)."""
 
     machine: str
-    threads: int                # 0: ONNX Runtime's default
+    threads: int  # 0: ONNX Runtime's default
     moe_ms: float
     non_expert_ms: float
 
@@ -374,8 +388,8 @@ class PlanReport:
     document: dict[str, Any]
     version: int
     moepass_version: str
-    target: str                 # offload (per expert) or layers (whole MoE layers)
-    model: dict[str, Any]       # the model's identity (popularity.model_identity)
+    target: str  # offload (per expert) or layers (whole MoE layers)
+    model: dict[str, Any]  # the model's identity (popularity.model_identity)
     inputs: PlanInputs
     fits: bool
     memory: PlanMemory
@@ -384,7 +398,7 @@ class PlanReport:
     warnings: tuple[str, ...]
     onnxruntime_options: dict[str, str]
     kv_cache: KvCacheChoice | None = None
-    offload: OffloadState | None = None     # per-expert plans only
+    offload: OffloadState | None = None  # per-expert plans only
     cpu_costs: dict[str, Any] | None = None  # runtime.calibrate's document, when timed
     expert_regions: tuple[ExpertRegion, ...] = ()
 
@@ -400,8 +414,10 @@ class PlanReport:
             raise MoepassError(f"{path}: not a moepass plan (format {PLAN_FORMAT!r})")
         version = document.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= PLAN_VERSION:
-            raise MoepassError(f"{path}: plan version {version!r}; this moepass reads versions 1 to {PLAN_VERSION} "
-                               "(a newer moepass wrote it?)")
+            raise MoepassError(
+                f"{path}: plan version {version!r}; this moepass reads versions 1 to {PLAN_VERSION} "
+                "(a newer moepass wrote it?)"
+            )
         return _typed(cls, document, path, "", document=document)
 
 
@@ -454,7 +470,8 @@ def _checked(kind: Any, value: Any, path: Path, key: str) -> Any:
     if kind in (int, str, bool) and isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
         return value
     words = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        kind, "a JSON array" if origin is tuple else "a JSON object")
+        kind, "a JSON array" if origin is tuple else "a JSON object"
+    )
     raise MoepassError(f"{path}: '{key}' must be {words}, found {type(value).__name__}")
 
 
@@ -470,6 +487,7 @@ def as_ir_model(source: Any) -> tuple[onnx_ir.Model, str]:
         return ir.from_proto(source), "<onnx.ModelProto>"
     if type(source).__module__.startswith("onnx_graphsurgeon"):
         import onnx_graphsurgeon as gs
+
         return ir.from_proto(gs.export_onnx(source)), "<onnx_graphsurgeon.Graph>"
     path = model_file(source)
     return load_model(path), str(path)

@@ -34,8 +34,16 @@ MAX_TENSORS = 1 << 20
 MAX_KEYS = 1 << 16
 MAX_ALIGNMENT = 1 << 16
 MAX_ARRAY = 1 << 23  # metadata array items (the largest vocabularies and merge lists are well under a million)
-_INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-             GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
+_INTEGERS = {
+    GGUFValueType.UINT8,
+    GGUFValueType.INT8,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT64,
+    GGUFValueType.INT64,
+}
 _FLOATS = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 _VALUE_TYPES = {int(t) for t in GGUFValueType}
 _KIND_WORDS = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
@@ -85,9 +93,11 @@ class GGUFTensor:
                     raise MoepassError(f"{self.path}: tensor '{self.name}' ends past the end of the file")
                 done += n
         if self.check_finite and has_non_finite(out, self.ggml_type):
-            raise MoepassError(f"{self.path}: tensor '{self.name}' holds non-finite values (NaN or Inf"
-                               f"{'' if self.ggml_type.name in ('F32', 'F16', 'BF16') else ' block scales'}); the "
-                               "model would compute NaN; --allow-non-finite converts it anyway")
+            raise MoepassError(
+                f"{self.path}: tensor '{self.name}' holds non-finite values (NaN or Inf"
+                f"{'' if self.ggml_type.name in ('F32', 'F16', 'BF16') else ' block scales'}); the "
+                "model would compute NaN; --allow-non-finite converts it anyway"
+            )
         return out
 
     def read_raw(self) -> np.ndarray:
@@ -158,8 +168,10 @@ class _CheckedReader(GGUFReader):
         if alignment is not None:
             value = alignment.contents()
             if alignment.types != [GGUFValueType.UINT32] or not _power_of_two(value):
-                raise MoepassError(f"metadata key 'general.alignment' is {value!r}; it must be a uint32 power of two "
-                                   f"up to {MAX_ALIGNMENT}")
+                raise MoepassError(
+                    f"metadata key 'general.alignment' is {value!r}; it must be a uint32 power of two "
+                    f"up to {MAX_ALIGNMENT}"
+                )
         return super()._build_tensor_info(offs, count)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
@@ -169,8 +181,10 @@ class _CheckedReader(GGUFReader):
             # the smallest an item can be: a string is at least its 8-byte length, an array 12 bytes
             smallest: int = {int(GGUFValueType.STRING): 8, int(GGUFValueType.ARRAY): 12}.get(item_type, 1)
             if count > MAX_ARRAY or count * smallest > len(self.data) - orig_offs - 12:
-                raise MoepassError(f"a metadata array at byte {orig_offs} announces {count:,} items, more than the "
-                                   "file holds (corrupt array length)")
+                raise MoepassError(
+                    f"a metadata array at byte {orig_offs} announces {count:,} items, more than the "
+                    "file holds (corrupt array length)"
+                )
             scalar = self.gguf_scalar_to_np.get(GGUFValueType(item_type)) if item_type in _VALUE_TYPES else None
             if scalar is not None:  # numbers in one read, not one array object per item (the gguf reader's way)
                 values = self._get(orig_offs + 12, scalar, count)
@@ -191,10 +205,11 @@ class _CheckedReader(GGUFReader):
         for _ in range(count):
             length = struct.unpack_from("=Q", view, offs)[0] if offs + 8 <= size else None
             if length is None or length > size - offs - 8:
-                raise MoepassError(f"a metadata string at byte {offs} runs past the end of the file (corrupt "
-                                   "string length)")
-            parts.append(plain[offs:offs + 8].view(np.uint64))
-            parts.append(plain[offs + 8:offs + 8 + length])
+                raise MoepassError(
+                    f"a metadata string at byte {offs} runs past the end of the file (corrupt string length)"
+                )
+            parts.append(plain[offs : offs + 8].view(np.uint64))
+            parts.append(plain[offs + 8 : offs + 8 + length])
             offs += 8 + length
         types = [GGUFValueType.ARRAY] + ([GGUFValueType.STRING] if count else [])
         return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
@@ -231,16 +246,17 @@ class _CheckedReader(GGUFReader):
             block, type_size = GGML_QUANT_SIZES[ggml_type]
             if shape[0] % block:
                 raise MoepassError(
-                    f"tensor '{name}' ({ggml_type.name}) has row length {shape[0]}, "
-                    f"not a multiple of its block {block}")
+                    f"tensor '{name}' ({ggml_type.name}) has row length {shape[0]}, not a multiple of its block {block}"
+                )
             start = start_offs + int(rel_offset[0])
             if int(rel_offset[0]) % self.alignment:
-                raise MoepassError(f"tensor '{name}' data offset {int(rel_offset[0])} is not a multiple of the "
-                                   f"file's alignment {self.alignment}")
+                raise MoepassError(
+                    f"tensor '{name}' data offset {int(rel_offset[0])} is not a multiple of the "
+                    f"file's alignment {self.alignment}"
+                )
             end = start + n_elements // block * type_size
             if end > size:
-                raise MoepassError(
-                    f"tensor '{name}' data ends at byte {end}, past the end of the file ({size} bytes)")
+                raise MoepassError(f"tensor '{name}' data ends at byte {end}, past the end of the file ({size} bytes)")
             extents.append((start, end, name))
         extents.sort()
         for (_, end, name), (start, _, other) in zip(extents, extents[1:]):
@@ -325,7 +341,8 @@ class GGUFModel:
         declared = self.typed("split.count", int, None)
         if declared is not None and declared != len(self.parts):
             raise MoepassError(
-                f"{self.path}: metadata says split.count={declared} but the file name names {len(self.parts)} part(s)")
+                f"{self.path}: metadata says split.count={declared} but the file name names {len(self.parts)} part(s)"
+            )
 
     @property
     def architecture(self) -> str:
@@ -340,11 +357,13 @@ class GGUFModel:
                 raise MoepassError(f"{self.path}: missing metadata key '{key}'")
             return default
         types = self.value_types.get(key, [])
-        allowed = {int: _INTEGERS, float: _INTEGERS | _FLOATS, bool: {GGUFValueType.BOOL},
-                   str: {GGUFValueType.STRING}}[kind]
+        allowed = {int: _INTEGERS, float: _INTEGERS | _FLOATS, bool: {GGUFValueType.BOOL}, str: {GGUFValueType.STRING}}[
+            kind
+        ]
         if len(types) != 1 or types[0] not in allowed:
-            stored = "an array" if types and types[0] == GGUFValueType.ARRAY else \
-                (types[0].name if types else "unknown")
+            stored = (
+                "an array" if types and types[0] == GGUFValueType.ARRAY else (types[0].name if types else "unknown")
+            )
             raise MoepassError(f"{self.path}: metadata key '{key}' is stored as {stored}, expected {_KIND_WORDS[kind]}")
         value = kind(self.metadata[key])
         if kind is float and not math.isfinite(value):
@@ -376,6 +395,8 @@ class GGUFModel:
         parts = tuple(self.tensor(n) for n in part_names)
         for p in parts[1:]:
             if (p.ggml_type, p.shape) != (parts[0].ggml_type, parts[0].shape):
-                raise MoepassError(f"{p.path}: tensor '{p.name}' is {p.type_name} {list(p.shape)}, but "
-                                   f"'{parts[0].name}' is {parts[0].type_name} {list(parts[0].shape)}")
+                raise MoepassError(
+                    f"{p.path}: tensor '{p.name}' is {p.type_name} {list(p.shape)}, but "
+                    f"'{parts[0].name}' is {parts[0].type_name} {list(parts[0].shape)}"
+                )
         return StackedTensor(name, parts)

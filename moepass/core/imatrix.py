@@ -33,8 +33,9 @@ def load_imatrix(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
 def _from_gguf(path: Path) -> dict[str, np.ndarray]:
     gguf = GGUFModel(path)
     if gguf.typed("general.type", str, None) != "imatrix":
-        raise MoepassError(f"{path}: a GGUF file but not an importance matrix (general.type is "
-                           f"{gguf.get('general.type')!r})")
+        raise MoepassError(
+            f"{path}: a GGUF file but not an importance matrix (general.type is {gguf.get('general.type')!r})"
+        )
     result = {}
     for name, tensor in gguf.tensors.items():
         if not name.endswith(".in_sum2"):
@@ -69,8 +70,7 @@ def _from_dat(path: Path) -> dict[str, np.ndarray]:
 
     (n_entries,) = take("<i")
     if not 0 < n_entries < 1 << 20:
-        raise MoepassError(f"{path}: not an importance matrix (neither GGUF nor llama.cpp's .dat: "
-                           f"{n_entries} entries)")
+        raise MoepassError(f"{path}: not an importance matrix (neither GGUF nor llama.cpp's .dat: {n_entries} entries)")
     result = {}
     for _ in range(n_entries):
         (length,) = take("<i")
@@ -79,8 +79,9 @@ def _from_dat(path: Path) -> dict[str, np.ndarray]:
         name = bytes(take(f"<{length}s")[0]).decode("utf-8", errors="replace")
         _ncall, nval = take("<ii")
         if not 0 < nval <= (len(data) - position) // 4:
-            raise MoepassError(f"{path}: truncated importance matrix: entry '{name}' announces {nval} values, more "
-                               "than the file holds")
+            raise MoepassError(
+                f"{path}: truncated importance matrix: entry '{name}' announces {nval} values, more than the file holds"
+            )
         values = np.array(take(f"<{nval}f"), dtype=np.float32)
         if not np.isfinite(values).all() or (values < 0).any():
             raise MoepassError(f"{path}: entry '{name}' holds negative or non-finite importances")

@@ -78,7 +78,7 @@ def read_rows(tensor: ir.TensorProtocol, first: int = 0, count: int | None = Non
     shape = tensor_dims(tensor)
     count = shape[0] - first if count is None else count
     if not isinstance(tensor, ir.ExternalTensor) or tensor.dtype.itemsize != int(tensor.dtype.itemsize):
-        return tensor.numpy()[first:first + count]
+        return tensor.numpy()[first : first + count]
     dtype = tensor.dtype.numpy()
     row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
     with open(tensor.path, "rb", buffering=0) as f:

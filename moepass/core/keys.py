@@ -10,27 +10,27 @@ from __future__ import annotations
 # ---- model metadata_props ----------------------------------------------------------------------
 PREFIX = "moepass."
 VERSION = "moepass.version"
-ARCHITECTURE = "moepass.architecture"   # the GGUF architecture name
-SOURCE = "moepass.source"               # the converted file's name
-MOE_LAYERS = "moepass.moe_layers"       # how many MoE nodes the conversion made
-FEATURES = "moepass.features"           # JSON: the architecture's switches and hyperparameters
-ACTIVATIONS = "moepass.activations"     # "int8" or "float" (passes.activations)
-PLACEMENT = "moepass.placement"         # JSON: partition's summary of the plan
+ARCHITECTURE = "moepass.architecture"  # the GGUF architecture name
+SOURCE = "moepass.source"  # the converted file's name
+MOE_LAYERS = "moepass.moe_layers"  # how many MoE nodes the conversion made
+FEATURES = "moepass.features"  # JSON: the architecture's switches and hyperparameters
+ACTIVATIONS = "moepass.activations"  # "int8" or "float" (passes.activations)
+PLACEMENT = "moepass.placement"  # JSON: partition's summary of the plan
 
 # ---- node metadata_props -----------------------------------------------------------------------
-LAYER = "moepass.layer"                 # MoE node: its block number
-EXPERT_FORM = "moepass.expert_form"     # MoE node: "int4/b32", "float32", ...
-SOURCE_TYPES = "moepass.source_types"   # MoE node: the GGUF types of gate, up, down
-FUSED_FROM = "moepass.fused_from"       # a fused node: the node its rule started from
+LAYER = "moepass.layer"  # MoE node: its block number
+EXPERT_FORM = "moepass.expert_form"  # MoE node: "int4/b32", "float32", ...
+SOURCE_TYPES = "moepass.source_types"  # MoE node: the GGUF types of gate, up, down
+FUSED_FROM = "moepass.fused_from"  # a fused node: the node its rule started from
 PLACEMENT_PREFIX = "moepass.placement."
 EXPERT_IDS = PLACEMENT_PREFIX + "expert_ids"  # MoE node: the original expert of each slot
-RESIDENT = PLACEMENT_PREFIX + "resident"      # MoE node: how many leading slots stay on the GPU
+RESIDENT = PLACEMENT_PREFIX + "resident"  # MoE node: how many leading slots stay on the GPU
 
 # ---- graph outputs -----------------------------------------------------------------------------
 ROUTER_LOGITS_PREFIX = "moepass.router_logits."  # + MoE node name: profile's exposed router logits
 
 # ---- ONNX Runtime: layer assignment ------------------------------------------------------------
-LAYER_ANNOTATION = "layer_ann"          # node metadata_props key ONNX Runtime matches rules against
+LAYER_ANNOTATION = "layer_ann"  # node metadata_props key ONNX Runtime matches rules against
 LAYER_SETTINGS_KEY = "session.layer_assignment_settings"
 # prefix rules: "gpu" and "gpu/blk.N.moe" go to the GPU EP, "cpu/blk.N.moe" to the CPU EP
 LAYER_SETTINGS = "gpu(gpu); cpu(cpu)"

@@ -61,9 +61,22 @@ class Experts:
 MakeOp = Callable[..., ir.Value]
 
 
-def moe_node(op: MakeOp, name: str, hidden: ir.Value, router_logits: ir.Value, fc1: Experts, fc2: Experts, *,
-             top_k: int, normalize: bool, activation: Activation = SWIGLU, bits: int = 0, block_size: int = 0,
-             prepacked: bool = False, router_weights: ir.Value | None = None) -> ir.Value:
+def moe_node(
+    op: MakeOp,
+    name: str,
+    hidden: ir.Value,
+    router_logits: ir.Value,
+    fc1: Experts,
+    fc2: Experts,
+    *,
+    top_k: int,
+    normalize: bool,
+    activation: Activation = SWIGLU,
+    bits: int = 0,
+    block_size: int = 0,
+    prepacked: bool = False,
+    router_weights: ir.Value | None = None,
+) -> ir.Value:
     """One MoE layer as a com.microsoft::QMoE node (`bits` 4 or 8: quantized experts, `block_size`
     0 for one scale per row) or a float com.microsoft::MoE node (bits 0); returns its output.
 
@@ -71,8 +84,14 @@ def moe_node(op: MakeOp, name: str, hidden: ir.Value, router_logits: ir.Value, f
     `normalize`, ONNX Runtime's CPU QMoE still renormalizes the top-k weights unless it is given
     them: softmax(logits) goes to router_weights (made here unless the graph has it already). The
     float MoE kernel honours normalize_routing_weights=0 by itself."""
-    attributes = {"k": top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": activation.alpha,
-                  "activation_beta": activation.beta, "normalize_routing_weights": int(normalize)}
+    attributes = {
+        "k": top_k,
+        "activation_type": "swiglu",
+        "swiglu_fusion": 1,
+        "activation_alpha": activation.alpha,
+        "activation_beta": activation.beta,
+        "normalize_routing_weights": int(normalize),
+    }
     if activation.limit is not None:
         attributes["swiglu_limit"] = activation.limit
     if not bits:  # every slot up to fc2's bias written, absent ones empty
@@ -91,8 +110,9 @@ def moe_node(op: MakeOp, name: str, hidden: ir.Value, router_logits: ir.Value, f
         for slot, value in zip(slots, (experts.weights, experts.scales, experts.bias, experts.zero_points)):
             inputs[slot] = value
     if not normalize:
-        inputs[ROUTER_WEIGHTS] = router_weights or op("Softmax", [router_logits], {"axis": -1},
-                                                      name=f"{name}.router_weights")
+        inputs[ROUTER_WEIGHTS] = router_weights or op(
+            "Softmax", [router_logits], {"axis": -1}, name=f"{name}.router_weights"
+        )
     return op("QMoE", _trimmed(inputs), attributes, domain="com.microsoft", name=name)
 
 
@@ -109,8 +129,15 @@ class NodeList:
     def __init__(self) -> None:
         self.nodes: list[ir.Node] = []
 
-    def op(self, op_type: str, inputs: list[ir.Value | None], attributes: dict | None = None, *, domain: str = "",
-           name: str | None = None) -> ir.Value:
+    def op(
+        self,
+        op_type: str,
+        inputs: list[ir.Value | None],
+        attributes: dict | None = None,
+        *,
+        domain: str = "",
+        name: str | None = None,
+    ) -> ir.Value:
         node = ir.node(op_type, inputs, attributes=attributes, domain=domain, name=name)
         self.nodes.append(node)
         return node.outputs[0]
@@ -126,7 +153,7 @@ class MoeNode:
     experts: int
     top_k: int
     normalize: bool
-    expert_values: list[ir.Value]   # initializers with experts on axis 0
+    expert_values: list[ir.Value]  # initializers with experts on axis 0
 
     @property
     def name(self) -> str:
@@ -173,6 +200,13 @@ def moe_nodes(graph: ir.Graph) -> list[MoeNode]:
         experts = tensor_dims(tensor_of(values[0]))[0]
         if any(tensor_dims(tensor_of(v))[0] != experts for v in values):
             raise MoepassError(f"MoE node {node.name}: expert tensors disagree on the number of experts")
-        found.append(MoeNode(node, experts, node.attributes.get_int("k", 1),
-                             bool(node.attributes.get_int("normalize_routing_weights", 0)), values))
+        found.append(
+            MoeNode(
+                node,
+                experts,
+                node.attributes.get_int("k", 1),
+                bool(node.attributes.get_int("normalize_routing_weights", 0)),
+                values,
+            )
+        )
     return found

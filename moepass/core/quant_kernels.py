@@ -75,6 +75,7 @@ _IQ1_DELTA = np.float32(gq.IQ1_S.delta)
 
 # ---- shared helpers ------------------------------------------------------------------------------
 
+
 @njit
 def _u16(b, i, o):
     return np.int64(b[i, o]) | (np.int64(b[i, o + 1]) << 8)
@@ -110,6 +111,7 @@ def _k_scale_min(b, i, o, s):
 
 
 # ---- 32-element blocks ---------------------------------------------------------------------------
+
 
 @njit(cache=True, nogil=True)
 def _q8_0(b, out, f16):
@@ -183,6 +185,7 @@ def _mxfp4(b, out, e8m0, values):
 
 
 # ---- K-quants (256-element super-blocks) --------------------------------------------------------
+
 
 @njit
 def _q2_k_scale(d, dmin, byte):
@@ -313,6 +316,7 @@ def _iq4_xs(b, out, f16, values):
 
 
 # ---- IQ codebook types ---------------------------------------------------------------------------
+
 
 @njit(cache=True, nogil=True)
 def _iq2_xxs(b, out, f16, grid, ksigns):
@@ -456,8 +460,9 @@ def dequantize(raw: np.ndarray, ggml_type: GT, out: np.ndarray | None = None) ->
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     raw = np.asarray(raw)
     if raw.dtype != np.uint8 or raw.ndim == 0 or raw.shape[-1] % type_size:
-        raise ValueError(f"{ggml_type.name} rows must be uint8 [..., a multiple of {type_size} bytes], "
-                         f"got {raw.dtype} {raw.shape}")
+        raise ValueError(
+            f"{ggml_type.name} rows must be uint8 [..., a multiple of {type_size} bytes], got {raw.dtype} {raw.shape}"
+        )
     shape = (*raw.shape[:-1], raw.shape[-1] // type_size * block_size)
     if out is None:
         out = np.empty(shape, np.float32)
@@ -506,8 +511,9 @@ def q4_0_int4(blocks: np.ndarray, out: np.ndarray) -> None:
 def any_non_finite_fp16(blocks: np.ndarray, fields: tuple[int, ...]) -> bool:
     """Whether any float16 field at these byte offsets of the blocks (uint8 [n, block bytes]) is NaN
     or Inf, in one pass over the blocks."""
-    return bool(blocks.shape[0]) and _any_non_finite_fp16(_readonly(np.ascontiguousarray(blocks)),
-                                                          np.asarray(fields, np.int64))
+    return bool(blocks.shape[0]) and _any_non_finite_fp16(
+        _readonly(np.ascontiguousarray(blocks)), np.asarray(fields, np.int64)
+    )
 
 
 # ---- symmetric block quantization -------------------------------------------------------------------
@@ -527,8 +533,8 @@ def _to_half(s):
     a = abs(s)
     if a == 0 or not np.isfinite(a):
         return s
-    if a < np.float32(2.0 ** -14):
-        return np.float32(np.rint(np.float64(s) * 2.0 ** 24) * 2.0 ** -24)
+    if a < np.float32(2.0**-14):
+        return np.float32(np.rint(np.float64(s) * 2.0**24) * 2.0**-24)
     m, e = math.frexp(np.float64(s))  # s = m 2**e, 0.5 <= |m| < 1
     r = math.ldexp(np.rint(m * 2048.0) / 2048.0, e)
     return np.float32(np.inf if r > 65504.0 else -np.inf if r < -65504.0 else r)
@@ -628,7 +634,7 @@ def _quantize_blocks8(x, half, codes, scales, sums):
         largest, xx = _block_moments(xb, bits[b], scratch)
         scale = largest / np.float32(127.0)
         inverse = np.float32(0.0) if scale == 0 else np.float32(1.0) / scale
-        xq, qq = _codes8(xb, inverse, codes[b], not scale >= np.float32(2.0 ** -126))
+        xq, qq = _codes8(xb, inverse, codes[b], not scale >= np.float32(2.0**-126))
         chosen = np.float32(xq / qq) if qq > 0 else np.float32(0.0)
         if half:
             chosen = _to_half(chosen)
@@ -708,8 +714,9 @@ def _quantize_blocks(x, w, weighted, bits, search, half, codes, scales, sums):
     sums[1] += reference
 
 
-def quantize_rows(values: np.ndarray, bits: int, block: int, importance: np.ndarray | None = None,
-                  half_scales: bool = False) -> tuple[np.ndarray, np.ndarray, float, float]:
+def quantize_rows(
+    values: np.ndarray, bits: int, block: int, importance: np.ndarray | None = None, half_scales: bool = False
+) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Symmetric `bits`-bit (4 or 8) block quantization of float32 rows [..., K] (block 0: one block
     per row): (packed codes uint8 [..., K * bits / 8], scales float32 [..., K / block], ||W' - W||^2,
     ||W||^2). `importance` [K] (every row) or [..., K] (per row) weights each column's error in the

@@ -72,10 +72,16 @@ REQUANTIZE_BLOCKS = {8: (128, 64, 32, 16), 4: (32, 16)}
 # 8-bit forms quantize activations whatever the level), float16 scales; median, 2026-12-01, a 2-core
 # Xeon natively (AVX-512/VNNI kernels) and with AVX-512 hidden (AVX2 kernels, tests/cpu_family.py):
 # benchmarks/kernels.py. The speed class the convert summary states for each form.
-QMOE_CPU_DECODE_MS = {BlockForm(4, 16): (0.73, 0.86), BlockForm(4, 32): (0.56, 0.59),
-                      BlockForm(4, 64): (0.47, 0.58), BlockForm(4, 128): (0.43, 0.56),
-                      BlockForm(8, 16): (1.06, 1.03), BlockForm(8, 32): (0.88, 0.87),
-                      BlockForm(8, 64): (0.80, 0.80), BlockForm(8, 128): (0.75, 0.75)}
+QMOE_CPU_DECODE_MS = {
+    BlockForm(4, 16): (0.73, 0.86),
+    BlockForm(4, 32): (0.56, 0.59),
+    BlockForm(4, 64): (0.47, 0.58),
+    BlockForm(4, 128): (0.43, 0.56),
+    BlockForm(8, 16): (1.06, 1.03),
+    BlockForm(8, 32): (0.88, 0.87),
+    BlockForm(8, 64): (0.80, 0.80),
+    BlockForm(8, 128): (0.75, 0.75),
+}
 
 
 def parse_form(text: str) -> BlockForm | None:
@@ -103,7 +109,7 @@ def _blocks(raw: np.ndarray, ggml_type: GT) -> np.ndarray:
 
 def _fp16_field(blocks: np.ndarray, start: int) -> np.ndarray:
     """A block's fp16 field, as float16 values (a view where possible, no copy)."""
-    field = blocks[..., start:start + 2]
+    field = blocks[..., start : start + 2]
     if field.strides[-1] != 1:
         field = np.ascontiguousarray(field)
     return field.view("<f2")[..., 0]
@@ -128,8 +134,8 @@ def decode_q5_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q5_0: fp16 d, 32 high bits, 16 nibble bytes; element j = low nibble of byte j (j < 16) or high
     nibble of byte j-16, plus high bit j at 16; value = d * (q - 16)."""
     b = _blocks(raw, GT.Q5_0)
-    high = np.ascontiguousarray(b[..., 2:6]).view("<u4")                    # [..., n_blocks, 1]
-    bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)   # [..., n_blocks, 32]
+    high = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [..., n_blocks, 1]
+    bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [..., n_blocks, 32]
     qs = b[..., 6:]
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
     codes = (low | (bits << 4)).view(np.int8) - np.int8(16)
@@ -155,10 +161,11 @@ def decode_iq4_xs(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     bits), so the values move exactly into int8 codes with scale d * (ls - 32)."""
     b = _blocks(raw, GT.IQ4_XS)
     lead = b.shape[:-1]
-    high = np.ascontiguousarray(b[..., 2:4]).view("<u2")                          # [..., 1]
+    high = np.ascontiguousarray(b[..., 2:4]).view("<u2")  # [..., 1]
     low = b[..., 4:8]
-    ls = ((np.stack([low & 0x0F, low >> 4], axis=-1).reshape(*lead, 8))
-          | ((((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)) << 4))
+    ls = (np.stack([low & 0x0F, low >> 4], axis=-1).reshape(*lead, 8)) | (
+        (((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)) << 4
+    )
     scales = _fp16_field(b, 0).astype(np.float32)[..., None] * (ls.view(np.int8) - np.int8(32)).astype(np.float32)
     qs = b[..., 8:].reshape(*lead, 8, 16)
     codes = IQ4_NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
@@ -192,9 +199,9 @@ def decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     b = _blocks(raw, GT.Q6_K)
     lead = b.shape[:-1]
-    ql = b[..., 0:128].reshape(*lead, 2, 1, 2, 32)        # half, -, part, l
-    qh = b[..., 128:192].reshape(*lead, 2, 1, 1, 32)      # half, -, -, l
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-3)   # half, nib, part, l
+    ql = b[..., 0:128].reshape(*lead, 2, 1, 2, 32)  # half, -, part, l
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 1, 32)  # half, -, -, l
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-3)  # half, nib, part, l
     high = (qh >> _Q6_K_SHIFTS) & 0x03
     codes = (low | (high << 4)).view(np.int8) - np.int8(32)
     sub_scales = b[..., 192:208].view(np.int8).astype(np.float32)
@@ -223,9 +230,12 @@ def own_codes_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     d, dmin = _fp16_field(blocks, 0).astype(np.float32), _fp16_field(blocks, 2).astype(np.float32)
     sc, mins = (a.reshape(*lead, 8).astype(np.float32) for a in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12)))
     qs = blocks[..., 16:].reshape(*lead, 4, 1, 32)
-    u = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F            # [..., 4 chunks, 2, 32]
-    return (u.reshape(*raw.shape[:-1], -1), (d[..., None] * sc).reshape(*raw.shape[:-1], -1),
-            (dmin[..., None] * mins).reshape(*raw.shape[:-1], -1))
+    u = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [..., 4 chunks, 2, 32]
+    return (
+        u.reshape(*raw.shape[:-1], -1),
+        (d[..., None] * sc).reshape(*raw.shape[:-1], -1),
+        (dmin[..., None] * mins).reshape(*raw.shape[:-1], -1),
+    )
 
 
 def direct_q8_0_int8(raw: np.ndarray, out: np.ndarray) -> None:
@@ -289,39 +299,44 @@ class QuantType:
         if self.storage != "blocks":
             return ()
         lo, hi = self.code_range
-        return tuple(f for f in CANDIDATE_FORMS
-                     if self.native_block % f.block_size == 0
-                     and f.code_range[0] <= lo and hi <= f.code_range[1])
+        return tuple(
+            f
+            for f in CANDIDATE_FORMS
+            if self.native_block % f.block_size == 0 and f.code_range[0] <= lo and hi <= f.code_range[1]
+        )
 
 
-QUANT_TYPES: dict[GT, QuantType] = {t.ggml_type: t for t in [
-    QuantType(GT.F32, "float", scales=None),
-    QuantType(GT.F16, "float", scales=None),
-    QuantType(GT.BF16, "float", scales=None),
-    QuantType(GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0, {8: direct_q8_0_int8}, fp16_scales=True,
-              int8_block=32),
-    QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0, {4: direct_q4_0_int4}, fp16_scales=True,
-              int8_block=32),
-    QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, scales=(208,)),
-    QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0, fp16_scales=True, int8_block=32),
-    QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl, fp16_scales=True, int8_block=32),
-    QuantType(GT.IQ4_XS, "blocks", 32, (-127, 113), decode_iq4_xs, int8_block=32),
-    # e8m0 scales are powers of two: float16 holds 2**-24 .. 2**15, what real weights use
-    QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4, scales=None, fp16_scales=True, int8_block=32),
-    # Fractional minimums or non-integer codebooks: requantized from their values, the added error
-    # measured and reported (Q4_1 and Q4_K non-expert matrices keep their codes with block offsets).
-    QuantType(GT.Q4_1, "dequantize", own_codes=own_codes_q4_1, scales=(0, 2), int8_block=32),
-    QuantType(GT.Q4_K, "dequantize", own_codes=own_codes_q4_k, scales=(0, 2)),
-    QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32),
-    QuantType(GT.Q5_K, "dequantize", scales=(0, 2), int8_block=32),
-    QuantType(GT.Q2_K, "dequantize", scales=(80, 82), requantize_bits=4),
-    QuantType(GT.Q3_K, "dequantize", scales=(108,)),
-    QuantType(GT.IQ1_M, "dequantize", scales=None, requantize_bits=4),
-    QuantType(GT.IQ1_S, "dequantize", requantize_bits=4),
-    QuantType(GT.IQ2_XXS, "dequantize", requantize_bits=4),
-    QuantType(GT.IQ2_XS, "dequantize", requantize_bits=4),
-    *(QuantType(t, "dequantize") for t in (GT.IQ3_XXS, GT.IQ3_S, GT.IQ2_S)),
-]}
+QUANT_TYPES: dict[GT, QuantType] = {
+    t.ggml_type: t
+    for t in [
+        QuantType(GT.F32, "float", scales=None),
+        QuantType(GT.F16, "float", scales=None),
+        QuantType(GT.BF16, "float", scales=None),
+        QuantType(
+            GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0, {8: direct_q8_0_int8}, fp16_scales=True, int8_block=32
+        ),
+        QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0, {4: direct_q4_0_int4}, fp16_scales=True, int8_block=32),
+        QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, scales=(208,)),
+        QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0, fp16_scales=True, int8_block=32),
+        QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl, fp16_scales=True, int8_block=32),
+        QuantType(GT.IQ4_XS, "blocks", 32, (-127, 113), decode_iq4_xs, int8_block=32),
+        # e8m0 scales are powers of two: float16 holds 2**-24 .. 2**15, what real weights use
+        QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4, scales=None, fp16_scales=True, int8_block=32),
+        # Fractional minimums or non-integer codebooks: requantized from their values, the added error
+        # measured and reported (Q4_1 and Q4_K non-expert matrices keep their codes with block offsets).
+        QuantType(GT.Q4_1, "dequantize", own_codes=own_codes_q4_1, scales=(0, 2), int8_block=32),
+        QuantType(GT.Q4_K, "dequantize", own_codes=own_codes_q4_k, scales=(0, 2)),
+        QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32),
+        QuantType(GT.Q5_K, "dequantize", scales=(0, 2), int8_block=32),
+        QuantType(GT.Q2_K, "dequantize", scales=(80, 82), requantize_bits=4),
+        QuantType(GT.Q3_K, "dequantize", scales=(108,)),
+        QuantType(GT.IQ1_M, "dequantize", scales=None, requantize_bits=4),
+        QuantType(GT.IQ1_S, "dequantize", requantize_bits=4),
+        QuantType(GT.IQ2_XXS, "dequantize", requantize_bits=4),
+        QuantType(GT.IQ2_XS, "dequantize", requantize_bits=4),
+        *(QuantType(t, "dequantize") for t in (GT.IQ3_XXS, GT.IQ3_S, GT.IQ2_S)),
+    ]
+}
 
 
 def has_non_finite(raw: np.ndarray, ggml_type: GT) -> bool:
@@ -353,8 +368,10 @@ def quant_type(ggml_type: GT, tensor_name: str, file: object = None) -> QuantTyp
     if qt is None:
         supported = ", ".join(t.name for t in QUANT_TYPES)
         where = f"{file}: " if file is not None else ""
-        raise MoepassError(f"{where}tensor '{tensor_name}' has type {ggml_type.name}, which moepass cannot convert "
-                           f"yet (supported: {supported})")
+        raise MoepassError(
+            f"{where}tensor '{tensor_name}' has type {ggml_type.name}, which moepass cannot convert "
+            f"yet (supported: {supported})"
+        )
     return qt
 
 
@@ -427,8 +444,13 @@ def unpack_codes(packed: np.ndarray, form: BlockForm) -> np.ndarray:
     return u.astype(np.int16) - form.zero_point
 
 
-def unpack_values(weights: np.ndarray, scales: np.ndarray, form: BlockForm, zero_points: np.ndarray | None = None,
-                  offsets: np.ndarray | None = None) -> np.ndarray:
+def unpack_values(
+    weights: np.ndarray,
+    scales: np.ndarray,
+    form: BlockForm,
+    zero_points: np.ndarray | None = None,
+    offsets: np.ndarray | None = None,
+) -> np.ndarray:
     """Float32 values of a packed stack: (u - zero_point) * scale (+ the block's offset);
     `zero_points` packed as stored (as ONNX Runtime's MatMulNBits quantizer writes them)."""
     codes = unpack_codes(weights, form).astype(np.float32)
@@ -459,8 +481,9 @@ def repack_exact(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndar
     np.copyto(scales.reshape(native_scales.shape + (repeat,)), native_scales[..., None])
 
 
-def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None,
-                    half_scales: bool = False) -> Packed:
+def quantize_values(
+    values: np.ndarray, form: BlockForm, importance: np.ndarray | None = None, half_scales: bool = False
+) -> Packed:
     """Symmetric block quantization of float values `[..., K]` into `form` (no zero points; block
     size 0: one scale per row), compiled (moepass.core.quant_kernels): 8 bits from the absmax
     scale, then the least-squares scale for its codes; 4 bits by a search over nine scales per block
@@ -470,13 +493,15 @@ def quantize_values(values: np.ndarray, form: BlockForm, importance: np.ndarray 
     model that stores them so (the error measured with them)."""
     from moepass.core import quant_kernels
 
-    codes, scales, error_sq, reference_sq = quant_kernels.quantize_rows(values, form.bits, form.block_size, importance,
-                                                                        half_scales)
+    codes, scales, error_sq, reference_sq = quant_kernels.quantize_rows(
+        values, form.bits, form.block_size, importance, half_scales
+    )
     return Packed(form, codes, scales, False, error_sq, reference_sq)
 
 
-def pack_with_offsets(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray, scales: np.ndarray,
-                      offsets: np.ndarray) -> Packed:
+def pack_with_offsets(
+    raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray
+) -> Packed:
     """Q4_1 / Q4_K rows (value = s u - o, per 32 elements) into int4 block 32 with block offsets,
     keeping the file's own codes u, scales s and minimums: stored u with scale s is s (u - 8) at
     the default zero point, and the offset 8 s - o makes it s u - o. Only the float32 rounding of
@@ -490,17 +515,25 @@ def pack_with_offsets(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np
     ours = unpack_values(codes, scales, form, offsets=offsets)
     reference = dequantize(raw, qt.ggml_type)
     error_sq = float(np.sum(np.square(ours - reference), dtype=np.float64))
-    return Packed(form, codes, scales, error_sq == 0.0, error_sq,
-                  float(np.sum(np.square(reference), dtype=np.float64)), offsets)
+    return Packed(
+        form, codes, scales, error_sq == 0.0, error_sq, float(np.sum(np.square(reference), dtype=np.float64)), offsets
+    )
 
 
 # Values requantized per step of pack (float32 weights: 1 MiB, about a core's L2 cache)
 REQUANTIZE_SLICE = 1 << 18
 
 
-def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | None = None,
-         scales: np.ndarray | None = None, importance: np.ndarray | None = None,
-         offsets: np.ndarray | None = None, half_scales: bool = False) -> Packed:
+def pack(
+    raw: np.ndarray,
+    qt: QuantType,
+    form: BlockForm,
+    codes: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
+    importance: np.ndarray | None = None,
+    offsets: np.ndarray | None = None,
+    half_scales: bool = False,
+) -> Packed:
     """Raw GGUF rows -> `form`: exact where the formats allow, else requantized with the error measured.
 
     `codes`, `scales` and (for forms with offsets) `offsets` are where to write (allocated when not
@@ -531,7 +564,7 @@ def pack(raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray | No
     error_sq = reference_sq = 0.0
     for a in range(0, len(raw), step):
         b = min(a + step, len(raw))
-        part = dequantize(raw[a:b], qt.ggml_type, out=values[:b - a])
+        part = dequantize(raw[a:b], qt.ggml_type, out=values[: b - a])
         weights = importance[a:b] if importance is not None and importance.ndim == 2 else importance
         done = quantize_values(part, form, weights, half_scales)
         codes[a:b], scales[a:b] = done.weights, done.scales
@@ -553,8 +586,9 @@ def requantize_form(bits: int, ks: list[int], largest: int = 128) -> BlockForm:
     """The form a tensor (all matrices of a MoE node: QMoE takes one block size) is requantized into:
     `bits` at the largest block of REQUANTIZE_BLOCKS up to `largest` that divides every K, else one
     scale per row (block_size 0: ONNX Runtime's per-row QMoE, no block_size attribute), whatever K is."""
-    return BlockForm(bits, next((b for b in REQUANTIZE_BLOCKS[bits] if b <= largest and all(k % b == 0 for k in ks)),
-                                0))
+    return BlockForm(
+        bits, next((b for b in REQUANTIZE_BLOCKS[bits] if b <= largest and all(k % b == 0 for k in ks)), 0)
+    )
 
 
 def requantized_form(types: list[QuantType], ks: list[int], bits: int | None = None) -> BlockForm:

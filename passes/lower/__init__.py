@@ -41,6 +41,7 @@ IR_VERSION = 10
 
 # ---- recipes ----------------------------------------------------------------------------------------
 
+
 def moe_decoder(builder: GraphBuilder) -> ir.Graph:
     """Pre-norm decoder: RMSNorm -> attention (q/k norm, RoPE) -> residual -> RMSNorm -> MoE (+ shared
     expert) -> residual; final RMSNorm and LM head (tied to the embedding when output.weight is absent).
@@ -48,10 +49,14 @@ def moe_decoder(builder: GraphBuilder) -> ir.Graph:
     What differs between architectures comes from `builder.arch.features` (see moepass.core.architectures).
     """
     hparams, tape, features = builder.hp, builder.tape, builder.arch.features
-    input_ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64),
-                         shape=ir.Shape(["batch_size", "sequence_length"]))
-    mask = ir.Value(name="attention_mask", type=ir.TensorType(ir.DataType.INT64),
-                    shape=ir.Shape(["batch_size", "total_sequence_length"]))
+    input_ids = ir.Value(
+        name="input_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch_size", "sequence_length"])
+    )
+    mask = ir.Value(
+        name="attention_mask",
+        type=ir.TensorType(ir.DataType.INT64),
+        shape=ir.Shape(["batch_size", "total_sequence_length"]),
+    )
     inputs = [input_ids, mask]
     outputs: list[ir.Value] = []
     shared = attention_inputs(builder, mask)
@@ -65,41 +70,59 @@ def moe_decoder(builder: GraphBuilder) -> ir.Graph:
         residual = builder.scale(residual, hparams.embedding_scale, "embed_tokens.scale")
     for layer in range(hparams.n_layers):
         block = f"blk.{layer}"
-        normed = builder.rms_norm(residual, builder.tensor("attn_norm", layer), f"{block}.attn_norm",
-                                  builder.optional("attn_norm_bias", layer))
+        normed = builder.rms_norm(
+            residual,
+            builder.tensor("attn_norm", layer),
+            f"{block}.attn_norm",
+            builder.optional("attn_norm_bias", layer),
+        )
         attended, past, present = attention(builder, normed, layer, shared)
         inputs += past
         outputs += present
         residual = tape.op("Add", [residual, residual_branch(attended, f"{block}.attn")], name=f"{block}.attn_residual")
-        normed = builder.rms_norm(residual, builder.tensor(features.ffn_norm, layer), f"{block}.ffn_norm",
-                                  builder.optional("ffn_norm_bias", layer))
+        normed = builder.rms_norm(
+            residual,
+            builder.tensor(features.ffn_norm, layer),
+            f"{block}.ffn_norm",
+            builder.optional("ffn_norm_bias", layer),
+        )
         tokens = tape.op("Reshape", [normed, builder.ints(-1, hparams.hidden)], name=f"{block}.moe.flatten")
         ffn = feed_forward(builder, tokens, layer)
-        ffn = tape.op("Reshape", [ffn, tape.op("Shape", [residual], name=f"{block}.moe.shape")],
-                      name=f"{block}.moe.unflatten")
+        ffn = tape.op(
+            "Reshape", [ffn, tape.op("Shape", [residual], name=f"{block}.moe.shape")], name=f"{block}.moe.unflatten"
+        )
         residual = tape.op("Add", [residual, residual_branch(ffn, f"{block}.moe")], name=f"{block}.moe_residual")
 
-    normed = builder.rms_norm(residual, builder.tensor("output_norm"), "output_norm",
-                              builder.optional("output_norm_bias"))
+    normed = builder.rms_norm(
+        residual, builder.tensor("output_norm"), "output_norm", builder.optional("output_norm_bias")
+    )
     # logits for the last `logits_to_keep` positions only (0, the default: every position). During
     # generation only the last position's logits are used, and the LM head over a large vocabulary
     # is a large share of a prefill: the runtime feeds 1, as llama.cpp computes only what it returns.
     keep = tape.initializer(ir.Tensor(np.array([0], dtype=np.int64), name=LOGITS_TO_KEEP), name=LOGITS_TO_KEEP)
     inputs.append(keep)
     start = tape.op("Neg", [keep], name="logits_to_keep.start")
-    normed = tape.op("Slice", [normed, start, builder.ints(np.iinfo(np.int64).max), builder.ints(1)],
-                     name="logits_to_keep.slice")
+    normed = tape.op(
+        "Slice", [normed, start, builder.ints(np.iinfo(np.int64).max), builder.ints(1)], name="logits_to_keep.slice"
+    )
     tied = not builder.arch.has_tensor(builder.gguf, "output")
     head = builder.tensor("token_embd") if tied else builder.tensor("output")
-    logits = builder.linear(normed, head, "lm_head", weight_name="lm_head.weight" if tied else None,
-                            bias=builder.optional("output_bias"))
+    logits = builder.linear(
+        normed, head, "lm_head", weight_name="lm_head.weight" if tied else None, bias=builder.optional("output_bias")
+    )
     if features.multipliers:
         logits = builder.scale(logits, 1.0 / hparams.logit_scale, "lm_head.logit_scale")
     logits.name = "logits"
     logits.type = ir.TensorType(builder.act)
     logits.shape = ir.Shape(["batch_size", "logits_sequence_length", hparams.vocab])
-    return ir.Graph(inputs, [logits] + outputs, nodes=tape.nodes, initializers=tape.initializers,
-                    opset_imports=dict(OPSETS), name=f"moepass_{builder.arch.gguf_arch}")
+    return ir.Graph(
+        inputs,
+        [logits] + outputs,
+        nodes=tape.nodes,
+        initializers=tape.initializers,
+        opset_imports=dict(OPSETS),
+        name=f"moepass_{builder.arch.gguf_arch}",
+    )
 
 
 RECIPES: dict[str, Callable[[GraphBuilder], ir.Graph]] = {"moe_decoder": moe_decoder}
@@ -114,9 +137,11 @@ def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None
     rotary = hp.rope_dim if arch.features.mla else hp.head_dim
     table_bytes = hp.context_length * rotary * 4  # cos and sin, rotary/2 float32 each
     if table_bytes > ROPE_TABLES_PLAUSIBLE and table_bytes > gguf.file_bytes:
-        raise MoepassError(f"{gguf.path}: metadata key '{arch.gguf_arch}.context_length' is {hp.context_length:,}: "
-                           f"its RoPE tables would take {table_bytes / 2**30:.1f} GiB, more than the whole model "
-                           f"({gguf.file_bytes / 2**30:.2f} GiB); convert with --context N for the positions you need")
+        raise MoepassError(
+            f"{gguf.path}: metadata key '{arch.gguf_arch}.context_length' is {hp.context_length:,}: "
+            f"its RoPE tables would take {table_bytes / 2**30:.1f} GiB, more than the whole model "
+            f"({gguf.file_bytes / 2**30:.2f} GiB); convert with --context N for the positions you need"
+        )
 
 
 @dataclasses.dataclass
@@ -140,12 +165,17 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
     else:
         _check_rope_tables(gguf, arch, b.hp)
     graph = RECIPES[arch.recipe](b)
-    model = ir.Model(graph, ir_version=IR_VERSION, producer_name="moepass", producer_version=__version__,
-                     metadata_props={
-                         keys.VERSION: __version__,
-                         keys.ARCHITECTURE: arch.gguf_arch,
-                         keys.SOURCE: gguf.path.name,
-                         keys.MOE_LAYERS: str(len(b.moe_layers)),
-                         keys.FEATURES: json.dumps(arch.describe(gguf, b.hp), sort_keys=True),
-                     })
+    model = ir.Model(
+        graph,
+        ir_version=IR_VERSION,
+        producer_name="moepass",
+        producer_version=__version__,
+        metadata_props={
+            keys.VERSION: __version__,
+            keys.ARCHITECTURE: arch.gguf_arch,
+            keys.SOURCE: gguf.path.name,
+            keys.MOE_LAYERS: str(len(b.moe_layers)),
+            keys.FEATURES: json.dumps(arch.describe(gguf, b.hp), sort_keys=True),
+        },
+    )
     return Lowered(model, b.report, b.hp, b.moe_layers)

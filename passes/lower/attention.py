@@ -22,13 +22,13 @@ class AttentionInputs:
     """What every layer's GroupQueryAttention shares: the sequence bookkeeping derived from the
     attention mask, the RoPE tables, and the cache geometry."""
 
-    seqlens_k: ir.Value      # [batch] int32: tokens - 1 per sequence
-    total_length: ir.Value   # scalar int32: the mask's length
-    cos: ir.Value            # [positions, rotary / 2]
+    seqlens_k: ir.Value  # [batch] int32: tokens - 1 per sequence
+    total_length: ir.Value  # scalar int32: the mask's length
+    cos: ir.Value  # [positions, rotary / 2]
     sin: ir.Value
-    kv_heads: int            # heads of the KV cache (1 for latent attention: the compressed cache)
-    head_size: int           # per cache head (latent: rope + kv rank)
-    scale: float             # applied to q.k
+    kv_heads: int  # heads of the KV cache (1 for latent attention: the compressed cache)
+    head_size: int  # per cache head (latent: rope + kv rank)
+    scale: float  # applied to q.k
 
 
 def attention_inputs(builder: GraphBuilder, mask: ir.Value) -> AttentionInputs:
@@ -42,12 +42,18 @@ def attention_inputs(builder: GraphBuilder, mask: ir.Value) -> AttentionInputs:
     one = builder.const("const.i64.one", np.array(1, np.int64))
     tokens = tape.op("ReduceSum", [mask, builder.ints(1)], {"keepdims": 0}, name="attn_mask.reduce_sum")
     seqlens_k = tape.op("Cast", [tape.op("Sub", [tokens, one])], {"to": ir.DataType.INT32}, name="attn_mask.seqlens_k")
-    total_length = tape.op("Cast", [tape.op("Gather", [tape.op("Shape", [mask]), one], {"axis": 0})],
-                           {"to": ir.DataType.INT32}, name="attn_mask.total_seq_len")
+    total_length = tape.op(
+        "Cast",
+        [tape.op("Gather", [tape.op("Shape", [mask]), one], {"axis": 0})],
+        {"to": ir.DataType.INT32},
+        name="attn_mask.total_seq_len",
+    )
     positions = hparams.context_length
     if hparams.value_dim != hparams.head_dim and not latent:
-        raise MoepassError(f"{builder.gguf.path}: value head size {hparams.value_dim} differs from key head size "
-                           f"{head_size}; GroupQueryAttention needs them equal")
+        raise MoepassError(
+            f"{builder.gguf.path}: value head size {hparams.value_dim} differs from key head size "
+            f"{head_size}; GroupQueryAttention needs them equal"
+        )
     rope = hparams.rope
     if rope is None:
         raise ValueError("hyperparameters without their RoPE (architectures.read_rope)")
@@ -63,8 +69,9 @@ def attention_inputs(builder: GraphBuilder, mask: ir.Value) -> AttentionInputs:
     return AttentionInputs(seqlens_k, total_length, cos, sin, kv_heads, head_size, float(scale))
 
 
-def attention(builder: GraphBuilder, normed: ir.Value, layer: int, shared: AttentionInputs
-              ) -> tuple[ir.Value, tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value]]:
+def attention(
+    builder: GraphBuilder, normed: ir.Value, layer: int, shared: AttentionInputs
+) -> tuple[ir.Value, tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value]]:
     """One layer's attention on the normed residual stream: (its output projection, the
     (key, value) cache inputs past_key_values.N.*, the (key, value) outputs present.N.*)."""
     hparams, tape, features, prefix = builder.hp, builder.tape, builder.arch.features, f"blk.{layer}"
@@ -72,43 +79,78 @@ def attention(builder: GraphBuilder, normed: ir.Value, layer: int, shared: Atten
     if features.mla:
         query, key, value = latent_qkv(builder, normed, layer)
     else:
-        query, key, value = (builder.linear(normed, builder.tensor(f"attn_{p}", layer), f"{prefix}.attn_{p}",
-                                            bias=builder.optional(f"attn_{p}_bias", layer)) for p in "qkv")
+        query, key, value = (
+            builder.linear(
+                normed,
+                builder.tensor(f"attn_{p}", layer),
+                f"{prefix}.attn_{p}",
+                bias=builder.optional(f"attn_{p}_bias", layer),
+            )
+            for p in "qkv"
+        )
     qk_norm = None if features.qk_norm is None else QK_NORMS[features.qk_norm]
     if qk_norm is not None and qk_norm.per_head:
-        query = builder.per_head_rms_norm(query, builder.tensor("attn_q_norm", layer), hparams.n_heads,
-                                          f"{prefix}.attn_q_norm")
-        key = builder.per_head_rms_norm(key, builder.tensor("attn_k_norm", layer), shared.kv_heads,
-                                        f"{prefix}.attn_k_norm")
+        query = builder.per_head_rms_norm(
+            query, builder.tensor("attn_q_norm", layer), hparams.n_heads, f"{prefix}.attn_q_norm"
+        )
+        key = builder.per_head_rms_norm(
+            key, builder.tensor("attn_k_norm", layer), shared.kv_heads, f"{prefix}.attn_k_norm"
+        )
     elif qk_norm is not None:
         query = builder.rms_norm(query, builder.tensor("attn_q_norm", layer), f"{prefix}.attn_q_norm")
         key = builder.rms_norm(key, builder.tensor("attn_k_norm", layer), f"{prefix}.attn_k_norm")
-    past_key, past_value = (ir.Value(name=f"past_key_values.{layer}.{kind}", type=cache_type,
-                                     shape=ir.Shape(["batch_size", shared.kv_heads, "past_sequence_length",
-                                                     shared.head_size]))
-                            for kind in ("key", "value"))
+    past_key, past_value = (
+        ir.Value(
+            name=f"past_key_values.{layer}.{kind}",
+            type=cache_type,
+            shape=ir.Shape(["batch_size", shared.kv_heads, "past_sequence_length", shared.head_size]),
+        )
+        for kind in ("key", "value")
+    )
     past = past_key, past_value
-    inputs: list[ir.Value | None] = [query, key, value, past_key, past_value, shared.seqlens_k, shared.total_length,
-                                     shared.cos, shared.sin]
-    attributes = {"num_heads": hparams.n_heads, "kv_num_heads": shared.kv_heads, "do_rotary": 1,
-                  "rotary_interleaved": int(ROPE_STYLES[features.rope].interleaved), "scale": shared.scale}
+    inputs: list[ir.Value | None] = [
+        query,
+        key,
+        value,
+        past_key,
+        past_value,
+        shared.seqlens_k,
+        shared.total_length,
+        shared.cos,
+        shared.sin,
+    ]
+    attributes = {
+        "num_heads": hparams.n_heads,
+        "kv_num_heads": shared.kv_heads,
+        "do_rotary": 1,
+        "rotary_interleaved": int(ROPE_STYLES[features.rope].interleaved),
+        "scale": shared.scale,
+    }
     if features.attention_sinks:  # head_sink (input 11): one logit per head in every softmax
-        inputs += [None, None, builder.float_weight(builder.arch.tensor_name("attn_sinks", layer),
-                                                    builder.tensor("attn_sinks", layer))]
+        inputs += [
+            None,
+            None,
+            builder.float_weight(builder.arch.tensor_name("attn_sinks", layer), builder.tensor("attn_sinks", layer)),
+        ]
     if layer in hparams.sliding_window_layers:
         # ORT attends to the last local_window_size keys (the query's own included), as llama.cpp's
         # n_swa (a key p0 is masked for query p1 when p1 - p0 >= n_swa): measured equal.
         attributes["local_window_size"] = hparams.sliding_window
-    out, present_key, present_value = tape.op_multi_out("GroupQueryAttention", inputs, attributes, num_outputs=3,
-                                                        domain="com.microsoft", name=f"{prefix}.attn")
+    out, present_key, present_value = tape.op_multi_out(
+        "GroupQueryAttention", inputs, attributes, num_outputs=3, domain="com.microsoft", name=f"{prefix}.attn"
+    )
     for present, kind in ((present_key, "key"), (present_value, "value")):
         present.name = f"present.{layer}.{kind}"
         present.type = cache_type
         present.shape = ir.Shape(["batch_size", shared.kv_heads, "total_sequence_length", shared.head_size])
     if features.mla:
         out = latent_values(builder, out, layer)
-    out = builder.linear(out, builder.tensor("attn_output", layer), f"{prefix}.attn_output",
-                         bias=builder.optional("attn_output_bias", layer))
+    out = builder.linear(
+        out,
+        builder.tensor("attn_output", layer),
+        f"{prefix}.attn_output",
+        bias=builder.optional("attn_output_bias", layer),
+    )
     return out, past, (present_key, present_value)
 
 
@@ -139,11 +181,18 @@ def latent_qkv(builder: GraphBuilder, h: ir.Value, layer: int) -> tuple[ir.Value
     per_head = t.op("Transpose", [q_nope], {"perm": [0, 2, 1, 3]}, name=f"{p}.attn_q.heads_first")
     absorbed = t.op("MatMul", [per_head, latent_matrix(builder, layer, "k")], name=f"{p}.attn_q.absorb")
     absorbed = t.op("Transpose", [absorbed], {"perm": [0, 2, 1, 3]}, name=f"{p}.attn_q.tokens_first")
-    q = t.op("Reshape", [t.op("Concat", [q_pe, absorbed], {"axis": 3}, name=f"{p}.attn_q.concat"),
-                         builder.ints(0, 0, n * (rope + rank))], name=f"{p}.attn_q.merge_heads")
+    q = t.op(
+        "Reshape",
+        [
+            t.op("Concat", [q_pe, absorbed], {"axis": 3}, name=f"{p}.attn_q.concat"),
+            builder.ints(0, 0, n * (rope + rank)),
+        ],
+        name=f"{p}.attn_q.merge_heads",
+    )
     kv = builder.linear(h, builder.tensor("attn_kv_a_mqa", layer), f"{p}.attn_kv_a_mqa")
-    compressed = t.op("Slice", [kv, builder.ints(0), builder.ints(rank), builder.ints(2)],
-                      name=f"{p}.attn_kv.compressed")
+    compressed = t.op(
+        "Slice", [kv, builder.ints(0), builder.ints(rank), builder.ints(2)], name=f"{p}.attn_kv.compressed"
+    )
     k_pe = t.op("Slice", [kv, builder.ints(rank), builder.ints(rank + rope), builder.ints(2)], name=f"{p}.attn_kv.k_pe")
     compressed = builder.rms_norm(compressed, builder.tensor("attn_kv_a_norm", layer), f"{p}.attn_kv_a_norm")
     k = t.op("Concat", [k_pe, compressed], {"axis": 2}, name=f"{p}.attn_k")

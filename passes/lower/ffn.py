@@ -43,14 +43,23 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     gate, up, down = (builder.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
     name = f"blk.{layer}.moe"
-    node = functools.partial(moe_node, builder.tape.op, name, x2d, router, top_k=hp.n_experts_used,
-                             normalize=renormalizes(feats), activation=ACTIVATIONS[feats.activation])
+    node = functools.partial(
+        moe_node,
+        builder.tape.op,
+        name,
+        x2d,
+        router,
+        top_k=hp.n_experts_used,
+        normalize=renormalizes(feats),
+        activation=ACTIVATIONS[feats.activation],
+    )
     floats = [qt.storage == "float" for qt in types]
     prefix = f"blk.{layer}.ffn_experts"
     fc1_b = fc2_b = None
     if feats.expert_biases:
-        fc1_b = builder.expert_bias(f"{prefix}.fc1_bias", [builder.tensor(f"ffn_{p}_exps_bias", layer)
-                                                            for p in ("gate", "up")])
+        fc1_b = builder.expert_bias(
+            f"{prefix}.fc1_bias", [builder.tensor(f"ffn_{p}_exps_bias", layer) for p in ("gate", "up")]
+        )
         fc2_b = builder.expert_bias(f"{prefix}.fc2_bias", [builder.tensor("ffn_down_exps_bias", layer)])
     if all(floats) and builder.options.float_experts == "keep":
         fc1 = builder.float_experts(f"{prefix}.fc1", [gate, up])
@@ -60,8 +69,10 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     else:
         if any(floats) and builder.options.float_experts == "keep":
             t = (gate, up, down)[floats.index(True)]
-            raise MoepassError(f"{t.path}: expert tensor '{t.name}' is {t.type_name} while the other experts of layer "
-                               f"{layer} are quantized; pass --float-experts int8 (or int4) to quantize it")
+            raise MoepassError(
+                f"{t.path}: expert tensor '{t.name}' is {t.type_name} while the other experts of layer "
+                f"{layer} are quantized; pass --float-experts int8 (or int4) to quantize it"
+            )
         ks = [gate.shape[-1], down.shape[-1]]
         if all(floats):
             form = requantize_form(8 if builder.options.float_experts == "int8" else 4, ks)
@@ -70,19 +81,28 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
             form = expert_form(quantized, ks, builder.options.expert_format, builder.options.exact)
         prepack = builder.offload and form == OFFLOAD_FORM
         if prepack:
-            for label, (n, k) in (("fc1 (gate and up)", (2 * gate.shape[-2], gate.shape[-1])),
-                                  ("fc2 (down)", (down.shape[-2], down.shape[-1]))):
+            for label, (n, k) in (
+                ("fc1 (gate and up)", (2 * gate.shape[-2], gate.shape[-1])),
+                ("fc2 (down)", (down.shape[-2], down.shape[-1])),
+            ):
                 problem = prepack_problem(n, k, form.bits)
                 if problem:
-                    raise MoepassError(f"{name}: {label} cannot take the prepacked layout expert offload needs: "
-                                       f"{problem}; convert without --expert-format offload")
+                    raise MoepassError(
+                        f"{name}: {label} cannot take the prepacked layout expert offload needs: "
+                        f"{problem}; convert without --expert-format offload"
+                    )
         # float16 scales in float32 graphs too (QMoE takes them: half the scale bytes), unless they
         # would round an exact form's scales
         scales = ir.DataType.FLOAT16 if builder.offload or scales_in_float16(types, form) else ir.DataType.FLOAT
         fc1_w, fc1_s, _ = builder.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack, scale_dtype=scales)
         fc2_w, fc2_s, _ = builder.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack, scale_dtype=scales)
-        out = node(Experts(fc1_w, fc1_s, bias=fc1_b), Experts(fc2_w, fc2_s, bias=fc2_b), bits=form.bits,
-                   block_size=form.block_size, prepacked=prepack)
+        out = node(
+            Experts(fc1_w, fc1_s, bias=fc1_b),
+            Experts(fc2_w, fc2_s, bias=fc2_b),
+            bits=form.bits,
+            block_size=form.block_size,
+            prepacked=prepack,
+        )
         form_name = str(form)
     out.name = f"{name}.output"
     out.dtype = builder.act
@@ -90,16 +110,26 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     moe = out.producer()
     if moe is None:
         raise ValueError(f"{name}: the MoE output has no node")
-    moe.metadata_props.update({
-        keys.LAYER: str(layer),
-        keys.EXPERT_FORM: form_name,
-        keys.SOURCE_TYPES: ",".join(qt.name for qt in types),
-    })
-    builder.moe_layers.append({"layer": layer, "node": name, "experts": hp.n_experts, "top_k": hp.n_experts_used,
-                               "form": form_name, "source_types": [qt.name for qt in types]})
+    moe.metadata_props.update(
+        {
+            keys.LAYER: str(layer),
+            keys.EXPERT_FORM: form_name,
+            keys.SOURCE_TYPES: ",".join(qt.name for qt in types),
+        }
+    )
+    builder.moe_layers.append(
+        {
+            "layer": layer,
+            "node": name,
+            "experts": hp.n_experts,
+            "top_k": hp.n_experts_used,
+            "form": form_name,
+            "source_types": [qt.name for qt in types],
+        }
+    )
     if weight_sum is not None:  # the node renormalized weights that the model leaves as they are
         out = builder.tape.op("Mul", [out, weight_sum], name=f"{name}.weights_unnormalize")
-    if hp.expert_weights_scale not in (0.0, 1.0):   # llama.cpp scales the routing weights
+    if hp.expert_weights_scale not in (0.0, 1.0):  # llama.cpp scales the routing weights
         out = builder.scale(out, hp.expert_weights_scale, f"{name}.weights_scale")
     return out
 
@@ -109,8 +139,11 @@ def gated_mlp(builder: GraphBuilder, x2d: ir.Value, roles: tuple[str, str, str],
     t = builder.tape
     gate = builder.linear(x2d, builder.tensor(roles[0], layer), f"{prefix}.gate")
     up = builder.linear(x2d, builder.tensor(roles[1], layer), f"{prefix}.up")
-    act = t.op("Mul", [t.op("Mul", [gate, t.op("Sigmoid", [gate], name=f"{prefix}.sigmoid")], name=f"{prefix}.silu"),
-                       up], name=f"{prefix}.swiglu")
+    act = t.op(
+        "Mul",
+        [t.op("Mul", [gate, t.op("Sigmoid", [gate], name=f"{prefix}.sigmoid")], name=f"{prefix}.silu"), up],
+        name=f"{prefix}.swiglu",
+    )
     return builder.linear(act, builder.tensor(roles[2], layer), f"{prefix}.down")
 
 
@@ -123,6 +156,9 @@ def shared_expert(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:
         return out
     g = builder.tensor("ffn_gate_inp_shexp", layer)
     weight = builder.float_weight(g.name, g)
-    logit = t.op("MatMul", [x2d, t.op("Unsqueeze", [weight, builder.ints(-1)], name=f"{p}.gate_inp.column")],
-                 name=f"{p}.gate_inp")
+    logit = t.op(
+        "MatMul",
+        [x2d, t.op("Unsqueeze", [weight, builder.ints(-1)], name=f"{p}.gate_inp.column")],
+        name=f"{p}.gate_inp",
+    )
     return t.op("Mul", [out, t.op("Sigmoid", [logit], name=f"{p}.gate_sigmoid")], name=f"{p}.gated")

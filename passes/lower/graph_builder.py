@@ -60,8 +60,9 @@ class GraphBuilder:
         self.np_act = np.float16 if self.offload else np.float32
 
     # ---- initializers -------------------------------------------------------------------------
-    def lazy_initializer(self, name: str, dtype: ir.DataType, shape: tuple[int, ...],
-                         make: Callable[[], np.ndarray]) -> ir.Value:
+    def lazy_initializer(
+        self, name: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], np.ndarray]
+    ) -> ir.Value:
         def materialize() -> ir.TensorProtocol:
             array = make()
             if dtype == ir.DataType.FLOAT16:
@@ -101,9 +102,15 @@ class GraphBuilder:
         qt = quant_type(src.ggml_type, src.name, src.path)
         return self.tape.initializer(float_tensor(src, qt, name, self.report, transpose, self.act), name=name)
 
-    def packed_weights(self, name: str, sources: list[SourceTensor], form: BlockForm, blob_layout: bool = False,
-                       prepack: bool = False, scale_dtype: ir.DataType | None = None
-                       ) -> tuple[ir.Value, ir.Value, ir.Value | None]:
+    def packed_weights(
+        self,
+        name: str,
+        sources: list[SourceTensor],
+        form: BlockForm,
+        blob_layout: bool = False,
+        prepack: bool = False,
+        scale_dtype: ir.DataType | None = None,
+    ) -> tuple[ir.Value, ir.Value, ir.Value | None]:
         """Codes, scales (in `scale_dtype`, default the activation type) and, for a form with
         offsets, block offsets initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
         types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
@@ -113,19 +120,37 @@ class GraphBuilder:
                 k, n_mat = s.shape[-1], (s.shape[0] if len(s.shape) == 3 else 1)
                 if imp is not None and imp.size not in (k, n_mat * k):
                     per = f"one matrix or {n_mat} (one per expert)" if n_mat > 1 else "one matrix"
-                    raise MoepassError(f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns "
-                                       f"for {per}")
+                    raise MoepassError(
+                        f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns for {per}"
+                    )
         importance = self.options.imatrix or {}
         rows = [GgufRows(s, t, importance.get(s.name)) for s, t in zip(sources, types)]
-        group = PackedGroup(rows, form, name, self.report, blob_layout, scale_dtype=scale_dtype or self.act,
-                            prepack=prepack, workers=self.options.threads)
+        group = PackedGroup(
+            rows,
+            form,
+            name,
+            self.report,
+            blob_layout,
+            scale_dtype=scale_dtype or self.act,
+            prepack=prepack,
+            workers=self.options.threads,
+        )
         offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if group.offsets is not None else None
-        return (self.tape.initializer(group.codes, name=group.codes.name),
-                self.tape.initializer(group.scales, name=group.scales.name), offsets)
+        return (
+            self.tape.initializer(group.codes, name=group.codes.name),
+            self.tape.initializer(group.scales, name=group.scales.name),
+            offsets,
+        )
 
     # ---- layers ---------------------------------------------------------------------------------
-    def linear(self, x: ir.Value, src: SourceTensor, name: str, weight_name: str | None = None,
-               bias: SourceTensor | None = None) -> ir.Value:
+    def linear(
+        self,
+        x: ir.Value,
+        src: SourceTensor,
+        name: str,
+        weight_name: str | None = None,
+        bias: SourceTensor | None = None,
+    ) -> ir.Value:
         """y = x @ W^T (+ b) for a GGUF matrix W [N, K]: MatMulNBits for quantized W (quants.matrix_form),
         plus the block offsets' product with the input's block sums for a form with offsets; float32
         MatMul (+ Add) for float W.
@@ -142,8 +167,13 @@ class GraphBuilder:
             return y if b is None else self.tape.op("Add", [y, b], name=f"{name}.bias")
         codes, scales, offsets = self.packed_weights(weight_name, [src], form, blob_layout=True)
         inputs = [x, codes, scales] + ([None, None, b] if b is not None else [])
-        y = self.tape.op("MatMulNBits", inputs, {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
-                         domain="com.microsoft", name=name)
+        y = self.tape.op(
+            "MatMulNBits",
+            inputs,
+            {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size},
+            domain="com.microsoft",
+            name=name,
+        )
         if offsets is None:
             return y
         sums = self.block_sums(x, k, form.block_size, f"{name}.block_sums")
@@ -155,9 +185,10 @@ class GraphBuilder:
         (any rank of x), computed once per input value (q, k and v share theirs)."""
         key = (id(x), k, block)
         if key not in self._block_sums:
-            ones = np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))   # [K, K/block]
-            self._block_sums[key] = self.tape.op("MatMul", [x, self.const(f"const.block_sums.{k}.{block}", ones)],
-                                                 name=name)
+            ones = np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))  # [K, K/block]
+            self._block_sums[key] = self.tape.op(
+                "MatMul", [x, self.const(f"const.block_sums.{k}.{block}", ones)], name=name
+            )
         return self._block_sums[key]
 
     def matrix_form(self, src: SourceTensor, offsets: bool = True) -> BlockForm | None:
@@ -168,8 +199,12 @@ class GraphBuilder:
     def rms_norm(self, x: ir.Value, src: SourceTensor, name: str, bias: SourceTensor | None = None) -> ir.Value:
         """RMSNorm(x) * gamma (+ beta: phimoe's norms add a bias after normalizing, as llama.cpp does)."""
         gamma = self.float_weight(src.name, src)
-        y = self.tape.op("SimplifiedLayerNormalization", [x, gamma],
-                         {"axis": -1, "epsilon": self.hp.rms_eps, "stash_type": 1}, name=name)
+        y = self.tape.op(
+            "SimplifiedLayerNormalization",
+            [x, gamma],
+            {"axis": -1, "epsilon": self.hp.rms_eps, "stash_type": 1},
+            name=name,
+        )
         if bias is None:
             return y
         return self.tape.op("Add", [y, self.float_weight(bias.name, bias)], name=f"{name}.bias")
@@ -193,9 +228,13 @@ class GraphBuilder:
             table = self.float_weight(self.arch.tensor_name("token_embd"), src)
             return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
         codes, scales, _ = self.packed_weights(src.name, [src], form)
-        return self.tape.op("GatherBlockQuantized", [codes, input_ids, scales],
-                            {"gather_axis": 0, "quantize_axis": 1, "block_size": form.block_size, "bits": form.bits},
-                            domain="com.microsoft", name="embed_tokens")
+        return self.tape.op(
+            "GatherBlockQuantized",
+            [codes, input_ids, scales],
+            {"gather_axis": 0, "quantize_axis": 1, "block_size": form.block_size, "bits": form.bits},
+            domain="com.microsoft",
+            name="embed_tokens",
+        )
 
     def expert_bias(self, name: str, sources: list[SourceTensor]) -> ir.Value:
         """Per-expert biases [E, N] of one or two sources as [E, N * len(sources)] (gate and up

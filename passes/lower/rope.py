@@ -8,8 +8,9 @@ from moepass.core.architectures import Rope
 from moepass.core.errors import MoepassError
 
 
-def rope_cache(n_positions: int, head_dim: int, rope: Rope, freq_factors: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
+def rope_cache(
+    n_positions: int, head_dim: int, rope: Rope, freq_factors: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin tables `[n_positions, head_dim/2]` for RoPE, as ggml's rope (rope_yarn) computes them.
 
     The angles follow llama.cpp's float32 recurrence (theta_i = theta_{i-1} * base^(-2/d)), so the
@@ -56,8 +57,11 @@ def yarn_correction_dims(n_dims: int, rope: Rope) -> tuple[np.float32, np.float3
     f32 = np.float32
 
     def corr_dim(n_rot: float) -> np.float32:
-        return f32(n_dims) * np.log(f32(rope.n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi))) / \
-            (f32(2) * np.log(f32(rope.base)))
+        return (
+            f32(n_dims)
+            * np.log(f32(rope.n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi)))
+            / (f32(2) * np.log(f32(rope.base)))
+        )
 
     start, end = np.floor(corr_dim(rope.beta_fast)), np.ceil(corr_dim(rope.beta_slow))
     return f32(max(0, start)), f32(min(n_dims - 1, end))
