@@ -67,11 +67,9 @@ CANDIDATE_FORMS = tuple(BlockForm(bits, bs) for bits in (4, 8) for bs in (16, 32
 # (QuantType.requantize; 8 bits at block 128 runs fastest of the 8-bit forms on AVX2 and AVX-512
 # alike); 4 bits stay at blocks of 32 or 16, where their error is the least.
 REQUANTIZE_BLOCKS = {8: (128, 64, 32, 16), 4: (32, 16)}
-# CPU time of one token through one QMoE layer of Qwen3-30B-A3B's sizes (hidden 2048, expert ffn 768,
-# 128 experts, top-8), ONNX Runtime 1.32 CPU EP, 2 threads, int8 activations (accuracy_level 4;
-# 8-bit forms quantize activations whatever the level), float16 scales; median, 2026-12-01, a 2-core
-# Xeon natively (AVX-512/VNNI kernels) and with AVX-512 hidden (AVX2 kernels, tests/cpu_family.py):
-# benchmarks/kernels.py. The speed class the convert summary states for each form.
+# ms of one token through one QMoE layer of Qwen3-30B-A3B's sizes on ONNX Runtime's CPU EP, per
+# form: (AVX-512/VNNI kernels, AVX2 kernels), as docs/benchmarks.md's operator table records them
+# (benchmarks/kernels.py, with the machine and date). The speed class the convert summary states.
 QMOE_CPU_DECODE_MS = {
     BlockForm(4, 16): (0.73, 0.86),
     BlockForm(4, 32): (0.56, 0.59),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+from gguf import ExpertGatingFuncType
 
 from moepass.core.architectures import ROUTINGS, Features
 from moepass.core.quants import dequantize
@@ -50,7 +51,7 @@ def deepseek_routing(builder: GraphBuilder, logits: ir.Value, layer: int) -> tup
     k, groups = hp.n_experts_used, max(hp.n_expert_groups, 1)
     groups_used = hp.n_group_used if groups > 1 else 1
     bias = builder.optional("exp_probs_b", layer)
-    if hp.gating_func == 2:
+    if hp.gating_func == ExpertGatingFuncType.SIGMOID:
         n = hp.n_experts
         bias_value = builder.lazy_initializer(
             bias.name if bias is not None else f"{name}.no_selection_bias",
