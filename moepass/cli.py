@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -197,6 +198,16 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
     return value
 
 
+def _threads_option(shown: str, help: str) -> Callable:
+    """-t/--threads: a count of threads, at least 1 (default None: `shown`)."""
+    return click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default=shown, help=help)
+
+
+def _bandwidth_option(flag: str, shown: str, help: str) -> Callable:
+    """A bandwidth in GB/s for partition's estimate: finite, default None (`shown`)."""
+    return click.option(flag, type=float, callback=_finite_option, default=None, show_default=shown, help=help)
+
+
 @main.command()
 @click.argument("model", type=click.Path())
 @click.option(
@@ -230,14 +241,7 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
     help="Keep every tensor whose blocks move bit-exactly exact, even where a requantized form is "
     "faster (Q6_K: int8 block 16 instead of block 128).",
 )
-@click.option(
-    "-t",
-    "--threads",
-    type=click.IntRange(1, None),
-    default=None,
-    show_default="every core",
-    help="Threads converting weights.",
-)
+@_threads_option("every core", "Threads converting weights.")
 @click.option(
     "--activations",
     type=click.Choice(list(ACTIVATION_MODES)),
@@ -397,14 +401,7 @@ def _runtime_options(f):
                 help="Expert offload: disabled, auto (fall back with a warning) or required "
                 "(default: what partition wrote).",
             ),
-            click.option(
-                "-t",
-                "--threads",
-                type=click.IntRange(1, None),
-                default=None,
-                show_default="ONNX Runtime's: every core",
-                help="ONNX Runtime intra-op threads.",
-            ),
+            _threads_option("ONNX Runtime's: every core", "ONNX Runtime intra-op threads."),
             click.option(
                 "--speculative",
                 default=None,
@@ -445,98 +442,56 @@ def _sampling_options(greedy: bool):
     d = Sampling() if greedy else LLAMA_SERVER
 
     def decorate(f):
-        for option in reversed(
-            [
-                click.option(
-                    "--temperature",
-                    type=click.FloatRange(0, None),
-                    default=d.temperature,
-                    show_default=True,
-                    callback=_finite_option,
-                    help="0 = greedy.",
-                ),
-                click.option(
-                    "--top-k",
-                    type=click.IntRange(0, None),
-                    default=d.top_k,
-                    show_default=True,
-                    help="Keep the K likeliest tokens (0 = no limit).",
-                ),
-                click.option(
-                    "--top-p",
-                    type=click.FloatRange(0, 1, min_open=True),
-                    default=d.top_p,
-                    show_default=True,
-                    callback=_finite_option,
-                    help="Keep the likeliest tokens up to this probability mass (1 = all).",
-                ),
-                click.option(
-                    "--min-p",
-                    type=click.FloatRange(0, 1),
-                    default=d.min_p,
-                    show_default=True,
-                    callback=_finite_option,
-                    help="Drop tokens less likely than this times the likeliest.",
-                ),
-                click.option(
-                    "--repeat-penalty",
-                    type=click.FloatRange(0, None, min_open=True),
-                    default=d.repeat_penalty,
-                    show_default=True,
-                    callback=_finite_option,
-                    help="Divide the logits of tokens among the last --repeat-last-n (1 = off).",
-                ),
-                click.option(
-                    "--repeat-last-n",
-                    type=click.IntRange(0, None),
-                    default=d.repeat_last_n,
-                    show_default=True,
-                    help="Tokens of the context the penalties look back over.",
-                ),
-                click.option(
-                    "--presence-penalty",
-                    type=float,
-                    default=d.presence_penalty,
-                    show_default=True,
-                    callback=_finite_option,
-                    help="Subtracted from the logit of every token seen.",
-                ),
-                click.option(
-                    "--frequency-penalty",
-                    type=float,
-                    default=d.frequency_penalty,
-                    show_default=True,
-                    callback=_finite_option,
-                    help="Subtracted from a token's logit once per time it was seen.",
-                ),
-                click.option(
-                    "-s",
-                    "--seed",
-                    type=click.IntRange(0, 2**64 - 1),
-                    default=None,
-                    show_default="random",
-                    help="Seed for sampled decoding.",
-                ),
-            ]
-        ):
-            f = option(f)
+        f = click.option(
+            "-s",
+            "--seed",
+            type=click.IntRange(0, 2**64 - 1),
+            default=None,
+            show_default="random",
+            help="Seed for sampled decoding.",
+        )(f)
+        for flag, kind, text in reversed(SAMPLING_OPTIONS):  # the last applied is shown first
+            finite = kind is float or isinstance(kind, click.FloatRange)
+            f = click.option(
+                flag,
+                type=kind,
+                default=getattr(d, _field(flag)),
+                show_default=True,
+                callback=_finite_option if finite else None,
+                help=text,
+            )(f)
         return f
 
     return decorate
 
 
+# run, chat and serve's sampling options as llama.cpp names them: flag (its Sampling field), values, meaning
+SAMPLING_OPTIONS = (
+    ("--temperature", click.FloatRange(0, None), "0 = greedy."),
+    ("--top-k", click.IntRange(0, None), "Keep the K likeliest tokens (0 = no limit)."),
+    (
+        "--top-p",
+        click.FloatRange(0, 1, min_open=True),
+        "Keep the likeliest tokens up to this probability mass (1 = all).",
+    ),
+    ("--min-p", click.FloatRange(0, 1), "Drop tokens less likely than this times the likeliest."),
+    (
+        "--repeat-penalty",
+        click.FloatRange(0, None, min_open=True),
+        "Divide the logits of tokens among the last --repeat-last-n (1 = off).",
+    ),
+    ("--repeat-last-n", click.IntRange(0, None), "Tokens of the context the penalties look back over."),
+    ("--presence-penalty", float, "Subtracted from the logit of every token seen."),
+    ("--frequency-penalty", float, "Subtracted from a token's logit once per time it was seen."),
+)
+
+
+def _field(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 def _sampling(options: dict) -> Sampling:
-    names = (
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repeat_penalty",
-        "repeat_last_n",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-    )
+    names = [_field(flag) for flag, _, _ in SAMPLING_OPTIONS] + ["seed"]
     return Sampling(**{n: options.pop(n) for n in names})
 
 
@@ -872,14 +827,7 @@ def bench(
     type=click.Path(dir_okay=False),
     help="Add these earlier profiles of the same model to the result (repeatable).",
 )
-@click.option(
-    "-t",
-    "--threads",
-    type=click.IntRange(1, None),
-    default=None,
-    show_default="ONNX Runtime's: every core",
-    help="ONNX Runtime intra-op threads.",
-)
+@_threads_option("ONNX Runtime's: every core", "ONNX Runtime intra-op threads.")
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def profile(
@@ -996,29 +944,14 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     help="Tokens per prefill step (sizes the working buffers).",
 )
 @click.option("--reserve", default="512MiB", show_default=True, help="GPU memory kept for the runtime itself.")
-@click.option(
-    "--gpu-bandwidth",
-    type=float,
-    callback=_finite_option,
-    default=None,
-    show_default=f"the --gpu card's, else {Bandwidths.gpu:g}",
-    help="GPU memory GB/s, for the estimate.",
+@_bandwidth_option(
+    "--gpu-bandwidth", f"the --gpu card's, else {Bandwidths.gpu:g}", "GPU memory GB/s, for the estimate."
 )
-@click.option(
-    "--host-bandwidth",
-    type=float,
-    callback=_finite_option,
-    default=None,
-    show_default=f"{Bandwidths.host:g}",
-    help="Host memory GB/s, where the CPU side is not timed (--no-calibrate).",
+@_bandwidth_option(
+    "--host-bandwidth", f"{Bandwidths.host:g}", "Host memory GB/s, where the CPU side is not timed (--no-calibrate)."
 )
-@click.option(
-    "--pcie-bandwidth",
-    type=float,
-    callback=_finite_option,
-    default=None,
-    show_default=f"the --gpu card's link, else {Bandwidths.pcie:g}",
-    help="Host-GPU link GB/s, for the estimate.",
+@_bandwidth_option(
+    "--pcie-bandwidth", f"the --gpu card's link, else {Bandwidths.pcie:g}", "Host-GPU link GB/s, for the estimate."
 )
 @click.option(
     "--report",
@@ -1042,14 +975,7 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     help="Take the CPU side of the estimate from an earlier plan.json instead of timing it now.",
 )
 @click.option("--no-calibrate", is_flag=True, help="No timing on this CPU: the bandwidth model alone.")
-@click.option(
-    "-t",
-    "--threads",
-    type=click.IntRange(1, None),
-    default=None,
-    show_default="ONNX Runtime's: every core",
-    help="Threads the CPU timing uses (those run and bench will use).",
-)
+@_threads_option("ONNX Runtime's: every core", "Threads the CPU timing uses (those run and bench will use).")
 @click.option(
     "--ignore-kernel-table",
     is_flag=True,
