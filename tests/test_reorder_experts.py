@@ -1,0 +1,191 @@
+"""reorder-experts: a MoE node's experts stored in another order, with its router permuted to match, and the same output.
+
+The graphs, the reference and its tolerances: tests/hand_built.py."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from hand_built import (
+    ORDER,
+    Builder,
+    E,
+    H,
+    K,
+    Reference,
+    T,
+    U,
+    assert_within_reference,
+    gamma_n,
+    initializer_of,
+    make_moe_model,
+    make_moe_node,
+    router_error,
+    run_model,
+)
+
+from moepass.core.errors import MoepassError
+from moepass.passes.expose_router import ExposeRouterLogitsPass
+from moepass.passes.reorder_experts import ReorderExpertsPass
+
+
+def _reordering_bound(reference: Reference) -> np.ndarray:
+    """How far a reordered layer's output may move from the original's in one implementation:
+    each expert and each logit is computed from the same numbers; the softmax adds the E
+    exponentials in the new slot order (gamma_E relative on each weight, one more rounding for
+    the division) and the k contributions of a token may be added in another order (gamma_k);
+    twice, as both runs round."""
+    return 2 * (gamma_n(E) + gamma_n(K) + 2 * U) * reference.magnitude
+
+
+# ---- reorder-experts ---------------------------------------------------------------------------------
+
+# (op, router, normalize): every router form the pass permutes, and the computed one it gathers
+REORDER_CASES = [("QMoE", "matmul", True), ("QMoE", "bias", True), ("QMoE", "nbits", False),
+                 ("QMoE", "computed", False), ("MoE", "matmul", False), ("MoE", "bias", True), ("MoE", "nbits", True),
+                 ("MoE", "computed", True)]
+
+
+@pytest.mark.parametrize("op,router,normalize", REORDER_CASES)
+def test_reorder_experts_permutes_experts_and_router_and_keeps_the_output(op, router, normalize):
+    built = make_moe_model((op, router, normalize))
+    model, node, v = built.model, built.model.graph.node("blk.0.moe"), built.values
+    reference = built.layers[0].reference(built.x)
+    before = run_model(model, {"x": built.x})[0]
+    assert_within_reference(before, reference)  # the layer computes what the reference says
+
+    expert_inputs = {i: x.name for i, x in enumerate(node.inputs) if i >= 2 and x is not None and x.is_initializer()}
+    assert len(expert_inputs) == (8 if op == "QMoE" else 4)
+    result = ReorderExpertsPass({"blk.0.moe": ORDER}, {"blk.0.moe": 2})(model)
+    assert result.modified
+
+    for index, name in expert_inputs.items():  # every expert tensor, permuted along axis 0
+        original = v[name]
+        assert any(not np.array_equal(original[i], original[e]) for i, e in enumerate(ORDER))
+        np.testing.assert_array_equal(initializer_of(node.inputs[index]), original[ORDER], err_msg=name)
+        assert node.inputs[index].name == name  # used by this node only: the name is kept
+    assert node.metadata_props["moepass.placement.expert_ids"] == "2,0,3,1"
+    assert node.metadata_props["moepass.placement.resident"] == "2"
+
+    # the router: slot i's logit is expert ORDER[i]'s
+    router_node = model.graph.node("blk.0.router")
+    if router == "nbits":  # MatMulNBits: its rows (N = experts)
+        for index, part in ((1, "B"), (2, "scales"), (3, "zero_points")):
+            np.testing.assert_array_equal(initializer_of(router_node.inputs[index]), v[f"blk.0.router.{part}"][ORDER])
+    elif router != "computed":  # MatMul by W [H, E]: its columns
+        np.testing.assert_array_equal(initializer_of(router_node.inputs[1]), v["blk.0.router.weight"][:, ORDER])
+    if router == "bias":
+        bias_node = model.graph.node("blk.0.router_bias")
+        np.testing.assert_array_equal(initializer_of(bias_node.inputs[1]), v["blk.0.router.bias"][ORDER])
+    if router == "computed":  # the router weight stays; its result is gathered in the new order
+        np.testing.assert_array_equal(initializer_of(router_node.inputs[1]), v["blk.0.router.weight"])
+        routing = [i for i in (1, 14) if i < len(node.inputs) and node.inputs[i] is not None]
+        assert routing == ([1, 14] if op == "QMoE" and not normalize else [1])
+        for i in routing:
+            gather = node.inputs[i].producer()
+            assert gather.op_type == "Gather" and gather.attributes.get_int("axis") == -1
+            np.testing.assert_array_equal(initializer_of(gather.inputs[1]), ORDER)
+
+    after = run_model(model, {"x": built.x})[0]
+    assert_within_reference(after, reference)
+    assert np.all(np.abs(after - before) <= _reordering_bound(reference))
+    # the logits the node now reads: column i is expert ORDER[i]'s
+    ExposeRouterLogitsPass()(model)
+    logits = run_model(model, {"x": built.x})[1]
+    layer = built.layers[0]
+    assert np.abs(logits - layer.logits(built.x)[:, ORDER]).max() <= router_error(built.x, layer.router,
+                                                                                    layer.router_bias)
+
+
+def test_reorder_experts_copies_an_initializer_another_node_still_reads():
+    """Two MoE nodes share their fc2 initializer; reordering one gives it a permuted copy under a
+    new name, and the other keeps reading the original."""
+    built = make_moe_model(("MoE", "matmul", True), ("MoE", "bias", True), shared_fc2=True)
+    model = built.model
+    first, second = model.graph.node("blk.0.moe"), model.graph.node("blk.1.moe")
+    shared = first.inputs[4]
+    assert second.inputs[4] is shared
+    references = [layer.reference(built.x) for layer in built.layers]
+    before = run_model(model, {"x": built.x})
+
+    ReorderExpertsPass({"blk.0.moe": ORDER}, {"blk.0.moe": 1})(model)
+    copy = first.inputs[4]
+    assert copy is not shared and copy.name == f"{shared.name}.reordered"
+    assert model.graph.initializers[copy.name] is copy and model.graph.initializers[shared.name] is shared
+    np.testing.assert_array_equal(initializer_of(copy), built.values[shared.name][ORDER])
+    assert second.inputs[4] is shared
+    np.testing.assert_array_equal(initializer_of(shared), built.values[shared.name])
+    assert "moepass.placement.expert_ids" not in second.metadata_props
+    after = run_model(model, {"x": built.x})
+    for b_out, a_out, reference in zip(before, after, references):
+        assert_within_reference(a_out, reference)
+        assert np.all(np.abs(a_out - b_out) <= _reordering_bound(reference))
+
+
+def test_reorder_experts_without_resident_count_records_zero():
+    built = make_moe_model(("MoE", "matmul", True))
+    ReorderExpertsPass({"blk.0.moe": [3, 2, 1, 0]}, {})(built.model)
+    node = built.model.graph.node("blk.0.moe")
+    assert node.metadata_props["moepass.placement.expert_ids"] == "3,2,1,0"
+    assert node.metadata_props["moepass.placement.resident"] == "0"
+
+
+@pytest.mark.parametrize("order,message", [
+    ({"blk.9.moe": ORDER}, "no MoE node named 'blk.9.moe'"),
+    ({"blk.0.moe": [0, 1, 2]}, "not a permutation of 0..3"),
+    ({"blk.0.moe": [0, 1, 2, 2]}, "not a permutation of 0..3"),
+    ({"blk.0.moe": [0, 1, 2, 3, 4]}, "not a permutation of 0..3"),
+])
+def test_reorder_experts_rejects_a_bad_plan_and_leaves_the_model(order, message):
+    built = make_moe_model(("QMoE", "matmul", True))
+    with pytest.raises(MoepassError, match=re.escape(message)):
+        ReorderExpertsPass(order, {})(built.model)
+    for name, value in built.model.graph.initializers.items():
+        np.testing.assert_array_equal(initializer_of(value), built.values[name])
+    assert not built.model.graph.node("blk.0.moe").metadata_props
+
+
+def test_reorder_experts_rejects_routers_it_cannot_permute():
+    """Logits given as a graph input, or also read by another node, cannot be permuted."""
+    b = Builder()
+    x, logits = b.input("x", [T, H]), b.input("logits", [T, E])
+    out, *_ = make_moe_node(b, x, logits, "MoE", np.random.default_rng(0), "blk.0.moe")
+    with pytest.raises(MoepassError, match="graph input"):
+        ReorderExpertsPass({"blk.0.moe": ORDER}, {})(b.model([out]))
+
+    built = make_moe_model(("MoE", "matmul", True))
+    graph = built.model.graph
+    logits = graph.node("blk.0.moe").inputs[1]
+    peek = ir.node("ArgMax", [logits], {"axis": -1}, name="peek")
+    graph.append(peek)
+    graph.outputs.append(peek.outputs[0])
+    expert_values = [v for v in graph.node("blk.0.moe").inputs]
+    with pytest.raises(MoepassError, match="also feed ArgMax node 'peek'"):
+        ReorderExpertsPass({"blk.0.moe": ORDER}, {})(built.model)
+    # checked before anything changed: the experts were not permuted either
+    assert list(graph.node("blk.0.moe").inputs) == expert_values
+    assert "moepass.placement.expert_ids" not in graph.node("blk.0.moe").metadata_props
+
+
+def test_reorder_experts_refuses_an_expert_tensor_from_a_constant_node():
+    """Found by this test: the pass permuted only the initializer expert inputs, so a Constant node's
+    fc2 bias kept the old order while the router was permuted and the output changed silently (by up
+    to 0.33 here). The pass now refuses such a node before changing anything."""
+    built = make_moe_model(("MoE", "matmul", True))
+    graph = built.model.graph
+    node = graph.node("blk.0.moe")
+    bias = node.inputs[5]  # fc2 bias [E, H], as a Constant node instead of an initializer
+    constant = ir.node("Constant", [], {"value": ir.tensor(initializer_of(bias), name="fc2_bias")}, name="fc2_bias")
+    constant.outputs[0].name = "fc2_bias"
+    graph.insert_before(node, constant)
+    node.replace_input_with(5, constant.outputs[0])
+    graph.initializers.pop(bias.name)
+    reference = built.layers[0].reference(built.x)
+    before = run_model(built.model, {"x": built.x})[0]
+    assert_within_reference(before, reference)
+    with pytest.raises(MoepassError, match=r"node blk.0.moe: expert input 5 \('fc2_bias'\) is computed"):
+        ReorderExpertsPass({"blk.0.moe": ORDER}, {})(built.model)
+    np.testing.assert_array_equal(run_model(built.model, {"x": built.x})[0], before)  # nothing was changed
