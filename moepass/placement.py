@@ -367,6 +367,13 @@ def _predict(
     cold = sum(g.top_k * (1 - sel_hit[g.node]) * g.bytes_per_expert for g in groups)
     gpu_s = (memory.non_expert_bytes + hot) / (bw.gpu * 1e9)
     n = len(groups)
+    common = {  # in plan.json after the label
+        "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",
+        "gpu_hit_rate_by_mass": sum(mass_hit.values()) / n,
+        "gpu_hit_rate_by_selection": sum(sel_hit.values()) / n,
+        "bytes_per_token": {"gpu": int(memory.non_expert_bytes + hot), "cold_experts": int(cold)},
+        "bandwidths_gbps": dataclasses.asdict(bw),
+    }
     if cpu_costs is not None:  # measured on this CPU: the cold experts run there at the measured cost
         from moepass.runtime.calibrate import cpu_step_ms
 
@@ -375,11 +382,7 @@ def _predict(
         return {
             "label": "estimate: the GPU side from a bandwidth model, the CPU side from pieces of this model timed "
             "on this CPU",
-            "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",
-            "gpu_hit_rate_by_mass": sum(mass_hit.values()) / n,
-            "gpu_hit_rate_by_selection": sum(sel_hit.values()) / n,
-            "bytes_per_token": {"gpu": int(memory.non_expert_bytes + hot), "cold_experts": int(cold)},
-            "bandwidths_gbps": dataclasses.asdict(bw),
+            **common,
             "cpu": {
                 "machine": cpu_costs["machine"],
                 "threads": cpu_costs["threads"],
@@ -397,11 +400,7 @@ def _predict(
         }
     return {
         "label": "estimate from a bandwidth model, not a measurement",
-        "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",
-        "gpu_hit_rate_by_mass": sum(mass_hit.values()) / n,
-        "gpu_hit_rate_by_selection": sum(sel_hit.values()) / n,
-        "bytes_per_token": {"gpu": int(memory.non_expert_bytes + hot), "cold_experts": int(cold)},
-        "bandwidths_gbps": dataclasses.asdict(bw),
+        **common,
         "decode_ms_per_token": {
             "cold_experts_on_cpu": 1e3 * (gpu_s + cold / (bw.host * 1e9)),
             "cold_experts_over_pcie": 1e3 * (gpu_s + cold / (bw.pcie * 1e9)),
