@@ -40,7 +40,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.ir_values import input_at, producer, read_rows, required_input, tensor_dims, tensor_of
 from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node
 from moepass.core.quants import BlockForm, Packed, qmoe_takes, quantize_values, requantize_form, unpack_values
-from moepass.passes.weights import PackedGroup, WeightReport, float_expert_stack
+from moepass.passes.weights import PackedGroup, Slots, WeightReport, float_expert_stack
 
 
 @dataclasses.dataclass
@@ -290,28 +290,19 @@ class ExpertRows:
     def part_of(self, first: int) -> int:
         return first // self.rows
 
-    def pack(
-        self,
-        span: tuple[int, int],
-        form: BlockForm,
-        codes: np.ndarray,
-        scales: np.ndarray,
-        extra: np.ndarray | None,
-        scale_type: type,
-    ) -> Packed:
+    def pack(self, span: tuple[int, int], form: BlockForm, out: Slots) -> Packed:
         matrix = self.matrices[self.part_of(span[0])]
         if self.exact and isinstance(matrix, Linear):
             blob, blob_scales, zeros = matrix.blobs()
-            codes[...], scales[...] = blob, blob_scales
-            if extra is not None:
-                extra[...] = (
-                    (0x88 if form.bits == 4 else form.zero_point) if zeros is None else zeros[:, : extra.shape[-1]]
-                )
-            return Packed(form, codes, scales, True)
+            out.codes[...], out.scales[...] = blob, blob_scales
+            if out.extra is not None:
+                default = 0x88 if form.bits == 4 else form.zero_point
+                out.extra[...] = default if zeros is None else zeros[:, : out.extra.shape[-1]]
+            return Packed(form, out.codes, out.scales, True)
         # one scale per output row: quantized as one block of K
         done = quantize_values(matrix.float_weight(), form if form.block_size else BlockForm(form.bits, self.k))
-        codes[...], scales[...] = done.weights, done.scales
-        return Packed(form, codes, scales, False, done.error_sq, done.reference_sq)
+        out.codes[...], out.scales[...] = done.weights, done.scales
+        return Packed(form, out.codes, out.scales, False, done.error_sq, done.reference_sq)
 
     def values(self, span: tuple[int, int]) -> np.ndarray:
         return self.matrices[self.part_of(span[0])].float_weight()

@@ -204,16 +204,24 @@ def float_tensor(
     return ir.LazyTensor(whole, dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
+@dataclasses.dataclass
+class Slots:
+    """Where a RowSource packs one span: strided views into the interleaved chunk of its group."""
+
+    codes: np.ndarray
+    scales: np.ndarray  # float32, holding values of `scale_type` (rounded to them when it is narrower)
+    extra: np.ndarray | None  # block offsets or zero points, when the group has them
+    scale_type: type
+
+
 class RowSource(Protocol):
     """The rows of one matrix of a PackedGroup ([.., N, K]: gate, up or down of every expert, or one
     matrix, or of a float expert stack), and how a span of them is packed into a BlockForm (`pack`)
     or read as float32 values (`values`).
 
     `parts` names what the rows come from, (name, type) each, for the WeightRecord: one GGUF tensor,
-    or one ONNX matrix per expert. A span lies within one part (`part_of`), and `pack` writes its
-    codes, scales and extra (block offsets or zero points, when the group has them) into the slots
-    it is given (strided views into the interleaved chunk) and says whether they are exact and their
-    error sums."""
+    or one ONNX matrix per expert. A span lies within one part (`part_of`), and `pack` writes it into
+    the Slots it is given and says whether it is exact, and its error sums."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...
@@ -225,15 +233,7 @@ class RowSource(Protocol):
 
     def part_of(self, first: int) -> int: ...
 
-    def pack(
-        self,
-        span: tuple[int, int],
-        form: BlockForm,
-        codes: np.ndarray,
-        scales: np.ndarray,
-        extra: np.ndarray | None,
-        scale_type: type,
-    ) -> Packed: ...
+    def pack(self, span: tuple[int, int], form: BlockForm, out: Slots) -> Packed: ...
 
     def values(self, span: tuple[int, int]) -> np.ndarray: ...
 
@@ -261,21 +261,14 @@ class GgufRows:
     def part_of(self, first: int) -> int:
         return 0
 
-    def pack(
-        self,
-        span: tuple[int, int],
-        form: BlockForm,
-        codes: np.ndarray,
-        scales: np.ndarray,
-        extra: np.ndarray | None,
-        scale_type: type,
-    ) -> Packed:
+    def pack(self, span: tuple[int, int], form: BlockForm, out: Slots) -> Packed:
         first, rows = span
         raw = self.src.read_rows(first, rows)
         weights = None if self.importance is None else importance_rows(self.importance, self.src.shape, first, rows)
-        packed = pack(raw, self.qt, form, codes, scales, weights, extra, half_scales=scale_type == np.float16)
-        if scale_type != np.float32:
-            self._narrow(scales, packed, raw, scale_type)
+        half = out.scale_type == np.float16
+        packed = pack(raw, self.qt, form, out.codes, out.scales, weights, out.extra, half_scales=half)
+        if out.scale_type != np.float32:
+            self._narrow(out.scales, packed, raw, out.scale_type)
         return packed
 
     def values(self, span: tuple[int, int]) -> np.ndarray:
@@ -484,7 +477,11 @@ class PackedGroup:
             scales = np.empty((rows, n_src, self.k_blocks), dtype=np.float32)
             extra = None if self.extra is None else np.empty((rows, n_src, self.extra[0]), self.extra[1])
             packs = [
-                src.pack(span, form, codes[:, j], scales[:, j], None if extra is None else extra[:, j], self.scale_type)
+                src.pack(
+                    span,
+                    form,
+                    Slots(codes[:, j], scales[:, j], None if extra is None else extra[:, j], self.scale_type),
+                )
                 for j, src in enumerate(self.sources)
             ]
             if self.prepack_rows:
