@@ -19,10 +19,8 @@ from moepass.core.architectures import (
     ACTIVATIONS,
     ARCHITECTURES,
     ATTENTION_BIASES,
-    QK_NORMS,
     ROPE_STYLES,
     ROUTINGS,
-    SHARED_EXPERTS,
     Architecture,
 )
 from moepass.core.quants import QUANT_TYPES, BlockForm, QuantType, common_exact_form, expert_form, matrix_form
@@ -51,10 +49,11 @@ def architecture_notes(arch: Architecture) -> str:
     """What the recipe does for this architecture besides the common decoder, from its Features."""
     f = arch.features
     notes = [f"RoPE: {ROPE_STYLES[f.rope].words}", ROUTINGS[f.routing].words.format(k="k")]
-    if f.qk_norm:
-        notes.append(f"q/k {QK_NORMS[f.qk_norm].words}")
-    if f.shared_expert:
-        notes.append(SHARED_EXPERTS[f.shared_expert].words)
+    qk_norm, shared = f.qk_norm_style, f.shared_expert_style
+    if qk_norm is not None:
+        notes.append(f"q/k {qk_norm.words}")
+    if shared is not None:
+        notes.append(shared.words)
     if f.activation != "swiglu":
         notes.append(ACTIVATIONS[f.activation].text)
     notes += [words for switch, words in SWITCH_NOTES if getattr(f, switch)]

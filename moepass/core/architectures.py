@@ -234,7 +234,8 @@ def expected_shapes(hp: HParams, features: Features) -> dict[str, tuple[int, ...
     """Tensor role -> shape (numpy order) implied by the hyperparameters."""
     h, v, e, ff, sff = hp.hidden, hp.vocab, hp.n_experts, hp.expert_ff, hp.shared_ff
     q, kv, vd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim, hp.n_kv_heads * hp.value_dim
-    full = features.qk_norm is not None and not QK_NORMS[features.qk_norm].per_head
+    qk_norm = features.qk_norm_style
+    full = qk_norm is not None and not qk_norm.per_head
     return {
         "token_embd": (v, h),
         "output_norm": (h,),
@@ -403,6 +404,16 @@ class Features:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"feature {name}={getattr(self, name)!r} is not one of {', '.join(map(str, allowed))}")
 
+    @property
+    def qk_norm_style(self) -> QkNorm | None:
+        """The q/k norm's facts (QK_NORMS), None without one."""
+        return None if self.qk_norm is None else QK_NORMS[self.qk_norm]
+
+    @property
+    def shared_expert_style(self) -> SharedExpert | None:
+        """The shared expert's facts (SHARED_EXPERTS), None without one."""
+        return None if self.shared_expert is None else SHARED_EXPERTS[self.shared_expert]
+
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
@@ -503,10 +514,11 @@ class Architecture:
             parts["attention_sinks"] = "one learned logit per head"
         if f.activation != "swiglu":
             parts["activation"] = ACTIVATIONS[f.activation].text
-        if f.qk_norm:
-            parts["qk_norm"] = QK_NORMS[f.qk_norm].words
-        if f.shared_expert and hp.shared_ff:
-            gate = " with a sigmoid gate" if SHARED_EXPERTS[f.shared_expert].sigmoid_gated else ""
+        qk_norm, shared = f.qk_norm_style, f.shared_expert_style
+        if qk_norm is not None:
+            parts["qk_norm"] = qk_norm.words
+        if shared is not None and hp.shared_ff:
+            gate = " with a sigmoid gate" if shared.sigmoid_gated else ""
             parts["shared_expert"] = f"ffn {hp.shared_ff}{gate}"
         if f.multipliers:
             parts["multipliers"] = {

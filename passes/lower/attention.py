@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from moepass.core.architectures import QK_NORMS, ROPE_STYLES, latent_dims
+from moepass.core.architectures import ROPE_STYLES, latent_dims
 from moepass.core.errors import MoepassError
 from moepass.core.quants import dequantize
 from moepass.passes.lower.graph_builder import GraphBuilder
@@ -88,7 +88,7 @@ def attention(
             )
             for p in "qkv"
         )
-    qk_norm = None if features.qk_norm is None else QK_NORMS[features.qk_norm]
+    qk_norm = features.qk_norm_style
     if qk_norm is not None and qk_norm.per_head:
         query = builder.per_head_rms_norm(
             query, builder.tensor("attn_q_norm", layer), hparams.n_heads, f"{prefix}.attn_q_norm"

@@ -7,7 +7,7 @@ import functools
 import onnx_ir as ir
 
 from moepass.core import keys
-from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT, SHARED_EXPERTS
+from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
 from moepass.core.errors import MoepassError
 from moepass.core.moe_nodes import Experts, moe_node
 from moepass.core.quants import OFFLOAD_FORM, expert_form, quant_type, requantize_form, scales_in_float16
@@ -151,8 +151,8 @@ def shared_expert(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:
     """The dense shared expert, times sigmoid(x . g) when gated (qwen2moe)."""
     t, p = builder.tape, f"blk.{layer}.shared_expert"
     out = gated_mlp(builder, x2d, SHARED_EXPERT, layer, p)
-    kind = builder.arch.features.shared_expert
-    if kind is None or not SHARED_EXPERTS[kind].sigmoid_gated:
+    kind = builder.arch.features.shared_expert_style
+    if kind is None or not kind.sigmoid_gated:
         return out
     g = builder.tensor("ffn_gate_inp_shexp", layer)
     weight = builder.float_weight(g.name, g)
