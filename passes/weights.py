@@ -307,17 +307,17 @@ def float_expert_stack(
     e, n, k = sources[0].shape
     shape = (e, n * len(sources), k)
     exact = dtype == ir.DataType.FLOAT
-    order = _record_order(sources)
+    parts = PartRecord(sources)
     report.add(
         WeightRecord(
             name,
-            [sources[j].parts[p][0] for p, j in order],
-            [sources[j].parts[p][1] for p, j in order],
+            parts.names(),
+            parts.types(),
             label,
             int(np.prod(shape)) * int(bits) // 8,
             bits,
-            exact=[True] * len(order) if exact else None,
-            rel_rms_error=[0.0] * len(order) if exact else None,
+            exact=[True] * len(parts.order) if exact else None,
+            rel_rms_error=[0.0] * len(parts.order) if exact else None,
         )
     )
 
@@ -332,20 +332,42 @@ def float_expert_stack(
         return span[0], out, sums
 
     def chunks() -> Iterator[np.ndarray]:
-        totals = {o: np.zeros(2) for o in order}
+        record = PartRecord(sources)
         for first, out, sums in _ordered_map(dequantize_chunk, sources[0].spans(1), workers):
-            for j, src in enumerate(sources):
-                totals[src.part_of(first), j] += sums[j]
+            for j, (error_sq, reference_sq) in enumerate(sums):
+                record.add(first, j, not error_sq, float(error_sq), float(reference_sq))
             yield out
         if not exact:
-            report.measured(name, [bool(totals[o][0] == 0) for o in order], [rel_rms(*totals[o]) for o in order])
+            record.measured(report, name)
 
     return StreamedTensor(chunks, dtype, shape, name)
 
 
-def _record_order(sources: Sequence[RowSource]) -> list[tuple[int, int]]:
-    """(part, source) in a record's order: part by part, each source's (gate_0, up_0, gate_1, ...)."""
-    return [(p, j) for p in range(len(sources[0].parts)) for j in range(len(sources))]
+class PartRecord:
+    """A group's record per (part, source), part by part as the WeightRecord lists them (gate_0,
+    up_0, gate_1, up_1, ...): the names and types, and whether each is exact and its error sums,
+    added up chunk by chunk as the group is written."""
+
+    def __init__(self, sources: Sequence[RowSource]):
+        self.sources = sources
+        self.order = [(p, j) for p in range(len(sources[0].parts)) for j in range(len(sources))]
+        self.stats: dict[tuple[int, int], list[Any]] = {o: [True, 0.0, 0.0] for o in self.order}  # exact, e², r²
+
+    def names(self) -> list[str]:
+        return [self.sources[j].parts[p][0] for p, j in self.order]
+
+    def types(self) -> list[str]:
+        return [self.sources[j].parts[p][1] for p, j in self.order]
+
+    def add(self, first: int, source: int, exact: bool, error_sq: float, reference_sq: float) -> None:
+        """A chunk of `source` starting at row `first`."""
+        stat = self.stats[self.sources[source].part_of(first), source]
+        stat[0] &= exact
+        stat[1] += error_sq
+        stat[2] += reference_sq
+
+    def measured(self, report: WeightReport, name: str) -> None:
+        report.measured(name, [self.stats[o][0] for o in self.order], [rel_rms(*self.stats[o][1:]) for o in self.order])
 
 
 class PackOnce:
@@ -437,12 +459,12 @@ class PackedGroup:
         if self.extra is not None:
             nbytes += self.extra[1].itemsize * int(np.prod(rows)) * self.extra[0]
         elements = sum(int(np.prod(s.shape)) for s in sources)
-        self.order = _record_order(sources)
+        parts = PartRecord(self.sources)
         report.add(
             WeightRecord(
                 name,
-                [self.sources[j].parts[p][0] for p, j in self.order],
-                [self.sources[j].parts[p][1] for p, j in self.order],
+                parts.names(),
+                parts.types(),
                 str(form),
                 nbytes,
                 round(nbytes * 8 / elements, 4),
@@ -469,7 +491,7 @@ class PackedGroup:
         all rows are done."""
         n_src, form = len(self.sources), self.form
         k = self.sources[0].shape[-1]
-        stats: dict[tuple[int, int], list[Any]] = {o: [True, 0.0, 0.0] for o in self.order}  # exact, error², ref²
+        record = PartRecord(self.sources)  # anew for each pass (PackOnce may pack again)
 
         def pack_chunk(span: tuple[int, int]) -> tuple[int, np.ndarray, tuple[np.ndarray, ...], list[Packed]]:
             rows = span[1]
@@ -493,10 +515,7 @@ class PackedGroup:
 
         spans = self.sources[0].spans(max(1, self.prepack_rows))
         for first, codes, extras, packs in _ordered_map(pack_chunk, spans, self.workers):
-            for j, (src, p) in enumerate(zip(self.sources, packs)):
-                stat = stats[src.part_of(first), j]
-                stat[0] &= p.exact
-                stat[1] += p.error_sq
-                stat[2] += p.reference_sq
+            for j, p in enumerate(packs):
+                record.add(first, j, p.exact, p.error_sq, p.reference_sq)
             yield codes, extras
-        self.report.measured(self.name, [stats[o][0] for o in self.order], [rel_rms(*stats[o][1:]) for o in self.order])
+        record.measured(self.report, self.name)
