@@ -7,7 +7,10 @@ int8 it quantizes each key and value as it writes it, with a fixed scale per KV 
 `kv_cache_bit_width` 8), saturating at the ends of the int8 range. The scales come from a short
 calibration, as an importance matrix does: the converted model (float32 cache) runs a prompt of
 CALIBRATION_TOKENS tokens (a text given, else the model's own sampled text) and each channel's
-scale is HEADROOM times the largest magnitude its rotated keys (values) reached, over 127.
+scale is HEADROOM times the largest magnitude it can take, over 127: for values the largest seen;
+for rotated keys the largest each reaches at any position of the context (key_ranges), since a
+short calibration sees the slow RoPE pairs barely turned, and their channels would saturate once
+a long context has turned them.
 
 What ONNX Runtime 1.32's CPU EP runs, in place (past and present one buffer, as moepass.runtime
 binds them), measured on a Qwen3-30B-A3B-sized GQA node (32 q / 4 kv heads x 128), 2 threads, a
@@ -20,6 +23,7 @@ float16 graph. The fidelity beside llama.cpp's caches: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -79,10 +83,88 @@ def calibration_ids(decoder, text: str | None, length: int) -> tuple[list[int], 
     return [*start, *written], f"{len(start) + len(written)} tokens of the model's own text (sampled, seed 0)"
 
 
-def cache_ranges(decoder, ids: Sequence[int]) -> dict[str, np.ndarray]:
-    """present.N.key/value name -> the largest |value| per [kv_heads, head_size] over the prompt."""
+def rope_pairs(rotary: int, interleaved: bool) -> tuple[slice, slice]:
+    """The channels GroupQueryAttention rotates together, as (first, second) of each pair, among the
+    first `rotary` of a head: consecutive ones (rotary_interleaved), else the two halves."""
+    if interleaved:
+        return slice(0, rotary, 2), slice(1, rotary, 2)
+    return slice(0, rotary // 2), slice(rotary // 2, rotary)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    """How a GroupQueryAttention turns its keys: the rotary tables [positions, pairs] of its cos and
+    sin caches (every position of the model's context) and the pairs' layout (rope_pairs)."""
+
+    cos: np.ndarray
+    sin: np.ndarray
+    interleaved: bool
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.cos.shape[1]
+
+
+def key_ranges(keys: np.ndarray, rotation: Rotation | None) -> np.ndarray:
+    """The largest magnitude each channel of keys [kv_heads, tokens, head_size], token t rotated at
+    position t, can take at any position of the context, [kv_heads, head_size] (None: unrotated
+    keys, the largest seen). A rotated pair (a, b) at position p is the complex r e^(i(psi + phi(p)))
+    (GroupQueryAttention's a cos - b sin, a sin + b cos), so at another position p' its channels
+    are r m(p') cos and sin of psi + phi(p'): each token's phase sweeps the arc of phases the
+    context spans, and the largest |cos| (|sin|) on that arc bounds the channel. A calibration on
+    the first few hundred positions sees the slow pairs barely turned, and their largest values
+    would not bound them once a long context has turned them; the fast pairs sweep a half turn,
+    and reach their pair's norm. The channels past the rotated ones: the largest seen."""
+    top = np.abs(keys).max(axis=1)
+    if rotation is None:
+        return top
+    first, second = rope_pairs(rotation.channels, rotation.interleaved)
+    cos, sin = rotation.cos.astype(np.float64), rotation.sin.astype(np.float64)
+    phase = np.unwrap(np.arctan2(sin, cos), axis=0)  # [positions, pairs], each pair's angle by position
+    scale = np.hypot(cos, sin)  # YaRN's magnitude factor, 1 otherwise
+    tokens = keys.shape[1]
+    z = keys[..., first].astype(np.float64) + 1j * keys[..., second].astype(np.float64)
+    radius = np.abs(z) / scale[:tokens] * scale.max(axis=0)  # [kv_heads, tokens, pairs]
+    start = np.angle(z) - phase[:tokens] + phase.min(axis=0)  # each token's phase at the arc's ends
+    end = start + (phase.max(axis=0) - phase.min(axis=0))
+
+    def largest_cos(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:  # of |cos| over [lo, hi]
+        return np.where(
+            np.floor(hi / np.pi) >= np.ceil(lo / np.pi), 1.0, np.maximum(np.abs(np.cos(lo)), np.abs(np.cos(hi)))
+        )
+
+    top[:, first] = (radius * largest_cos(start, end)).max(axis=1)
+    top[:, second] = (radius * largest_cos(start - np.pi / 2, end - np.pi / 2)).max(axis=1)
+    return top
+
+
+def cache_ranges(decoder, ids: Sequence[int], rotations: dict[str, Rotation | None]) -> dict[str, np.ndarray]:
+    """present.N.key/value name -> the largest magnitude per [kv_heads, head_size] the prompt's
+    keys (values) can take at any position: key_ranges for a key cache in `rotations` (name -> its
+    GroupQueryAttention's Rotation), else the largest seen."""
     _, cache = decoder.forward(np.asarray([ids], dtype=np.int64), decoder.empty_cache())
-    return {name.replace("past_key_values.", "present."): np.abs(value[0]).max(axis=1) for name, value in cache.items()}
+    ranges = {}
+    for past, value in cache.items():
+        name = past.replace("past_key_values.", "present.")
+        ranges[name] = key_ranges(value[0], rotations.get(name))
+    return ranges
+
+
+def rotation_of(node: ir.Node) -> Rotation | None:
+    """A GroupQueryAttention's Rotation (None where it rotates nothing: do_rotary off, its keys
+    rotated already by the graph before it, which does not say how; such a model's key channels get
+    the largest magnitudes seen)."""
+    if not node.attributes.get_int("do_rotary", 0):
+        return None
+    tables = []
+    for index in (7, 8):
+        table = required_input(node, index).const_value
+        if table is None or len(table.shape) != 2:
+            raise MoepassError(f"{node.name}: input {index}, the rotary table, is not a constant [positions, pairs]")
+        tables.append(table.numpy())
+    if tables[0].shape != tables[1].shape:
+        raise MoepassError(f"{node.name}: the rotary cos and sin tables differ in shape")
+    return Rotation(tables[0], tables[1], bool(node.attributes.get_int("rotary_interleaved", 0)))
 
 
 def cache_entry(kind: str | None) -> dict:
@@ -118,12 +200,13 @@ def set_kv_cache(
         from moepass.runtime import Decoder
 
         echo("calibrating the int8 KV cache")
+        rotations = {node.outputs[1].name or "": rotation_of(node) for node in attention}
         decoder = Decoder(folder, device="cpu", threads=threads)
         length = min(CALIBRATION_TOKENS, context or CALIBRATION_TOKENS)
         ids, info["calibration"] = calibration_ids(decoder, text, length)
         scales = {
             name: np.maximum(top * HEADROOM, np.finfo(np.float32).tiny) / INT8_MAX
-            for name, top in cache_ranges(decoder, ids).items()
+            for name, top in cache_ranges(decoder, ids, rotations).items()
         }
         del decoder
     cache_type = ir.TensorType(ir.DataType.FLOAT16 if kind == "float16" else ir.DataType.INT8)

@@ -5,6 +5,7 @@ and partition's memory model reading the real bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -15,8 +16,11 @@ from click.testing import CliRunner
 import moepass
 from moepass.cli import main
 from moepass.core.files import load_model
+from moepass.core.architectures import Rope
+from moepass.kv_precision import Rotation, key_ranges, rope_pairs, rotation_of
 from moepass.placement import MemoryModel
 from moepass.runtime import KVCache, Speculator, load
+import make_fixtures
 from bounds import assert_same_greedy_tokens, assert_within, float_rounding_bound
 from oracle import GGML_F16, GGML_F32, llama_quantize, llama_window_logits, moepass_step_logits, next_token_quality
 
@@ -41,12 +45,65 @@ def test_the_cache_type_and_scales_are_written(converted, make_gguf, tmp_path, k
                 values = scale.const_value.numpy()
                 assert values.shape == (kv_heads, 1, head) and (values > 0).all() and np.isfinite(values).all()
             assert n.attributes["k_quant_type"].value == "PER_CHANNEL" and n.attributes["kv_cache_bit_width"].value == 8
+            # a RoPE pair's two key channels share their scale (the pair's norm, key_ranges)
     # the weights are the same bytes
     assert (out / "model.onnx.data").read_bytes() == (converted("q4_0") / "model.onnx.data").read_bytes()
     # partition's memory model: the cache's own bytes, the activations' bytes unchanged
     ours, theirs = MemoryModel.of(load_model(out)), MemoryModel.of(plain)
     assert ours.kv_bytes_per_token * {"float16": 2, "int8": 4}[kind] == theirs.kv_bytes_per_token
     assert ours.dims["activation_bytes"] == theirs.dims["activation_bytes"] == 4
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_int8_key_ranges_hold_at_every_position(interleaved):
+    """A key's RoPE pair turns with its position: the range from a calibration on the first 48
+    positions, where the slow pairs barely turned, must still hold each channel at every position of
+    a 4,096-token context. Keys of 2 heads x 24 channels, 16 of them rotated (partial RoPE, base
+    10,000), each token turned to every position: no channel exceeds key_ranges, where the largest
+    magnitude seen is exceeded; and no range is above the pair's largest norm."""
+    from moepass.passes.lower.rope import rope_cache
+
+    rng = np.random.default_rng(0)
+    positions, tokens, rotary = 4096, 48, 16
+    cos, sin = rope_cache(positions, rotary, Rope(base=10000.0))
+    unrotated = rng.standard_normal((2, tokens, 24)) * rng.uniform(0.1, 4.0, 24)
+    first, second = rope_pairs(rotary, interleaved)
+
+    def at(position: np.ndarray) -> np.ndarray:  # each token's key turned to its position, as GroupQueryAttention
+        turned = unrotated.copy()
+        a, b, c, s = unrotated[..., first], unrotated[..., second], cos[position], sin[position]
+        turned[..., first], turned[..., second] = a * c - b * s, a * s + b * c
+        return turned.astype(np.float32)
+
+    calibration = at(np.arange(tokens))
+    top = key_ranges(calibration, Rotation(cos, sin, interleaved))
+    seen = np.abs(calibration).max(axis=1)
+    norm = np.hypot(calibration[..., first], calibration[..., second]).max(axis=1)
+    assert (top[:, first] <= norm * (1 + 1e-6)).all() and (top[:, second] <= norm * (1 + 1e-6)).all()
+    assert (top[:, rotary:] == seen[:, rotary:]).all()  # the unrotated channels: as seen
+    reached = np.zeros_like(top)
+    for shift in range(0, positions - tokens + 1, 7):
+        reached = np.maximum(reached, np.abs(at(np.arange(shift, shift + tokens))).max(axis=1))
+    assert (reached <= top * (1 + 1e-5)).all()
+    assert (reached > seen * 1.05).any()  # the largest magnitude seen is no bound later on
+
+
+def test_int8_key_ranges_hold_on_a_model_at_a_later_position(converted, tmp_path):
+    """The same on a converted model, through ONNX Runtime's own rotation: the first layer's keys
+    depend on their token alone, so a prompt written again 1,500 positions later must have keys
+    within the ranges of its first writing (RoPE base 10,000, a 2,048-token context)."""
+    model = converted("q4_0", dims=dataclasses.replace(make_fixtures.TEST_DIMS, context_length=2048, rope_base=10000.0))
+    decoder = load(model, threads=2)
+    node = _attention(model)[0]
+    prompt = [5, 17, 33, 2, 90, 41, 7, 12] * 4
+    name = node.inputs[3].name
+    _, cache = decoder.forward(np.array([prompt]), decoder.empty_cache())
+    keys = cache[name][0]
+    top, seen = key_ranges(keys, rotation_of(node)), np.abs(keys).max(axis=1)
+    _, later = decoder.forward(np.array([[3] * 1500 + prompt]), decoder.empty_cache())
+    reached = np.abs(later[name][0][:, -len(prompt):]).max(axis=1)
+    assert (reached <= top * (1 + 1e-5) + 1e-6).all()
+    assert (reached > seen * 1.05).any()
 
 
 def test_an_int8_cache_in_place_and_speculating(make_gguf, tmp_path):
