@@ -47,7 +47,7 @@ OPENING = "The river rose in the night, and by morning"
 
 
 # what partition --kv-cache auto chooses among: the types whose loss stays within llama.cpp's own
-# q8_0 cache's (float16: a tenth of its F16 cache's; int8: 1.3-1.4x q8_0's on the trained fixtures,
+# q8_0 cache's (float16: a tenth of its F16 cache's; int8: 1.0-6x q8_0's on the trained fixtures,
 # docs/benchmarks.md: used where asked for only)
 AUTO_CHOICES = ("float32", "float16")
 

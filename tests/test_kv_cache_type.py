@@ -126,8 +126,8 @@ def test_fidelity_beside_llama_cpps_caches(trained_gguf, tmp_path):
     cache: a float16 cache adds no more than llama.cpp's F16 cache does (twice it at most); the int8
     cache (static per-channel scales, calibrated on the model's own text) less than llama.cpp's Q8_0
     quantization of the weights adds (against the F32 file), keeping the top token where that file
-    does. (llama.cpp's own q8_0 cache, dynamic scales per 32 values, adds less: 1.3-1.4x less on
-    both trained models, docs/benchmarks.md.)"""
+    does. (llama.cpp's own q8_0 cache, dynamic scales per 32 values, adds as much to several times
+    less, by model and machine, docs/benchmarks.md.)"""
     import train_fixture
 
     gguf, imatrix = trained_gguf
