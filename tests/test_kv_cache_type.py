@@ -45,7 +45,6 @@ def test_the_cache_type_and_scales_are_written(converted, make_gguf, tmp_path, k
                 values = scale.const_value.numpy()
                 assert values.shape == (kv_heads, 1, head) and (values > 0).all() and np.isfinite(values).all()
             assert n.attributes["k_quant_type"].value == "PER_CHANNEL" and n.attributes["kv_cache_bit_width"].value == 8
-            # a RoPE pair's two key channels share their scale (the pair's norm, key_ranges)
     # the weights are the same bytes
     assert (out / "model.onnx.data").read_bytes() == (converted("q4_0") / "model.onnx.data").read_bytes()
     # partition's memory model: the cache's own bytes, the activations' bytes unchanged
@@ -88,7 +87,7 @@ def test_int8_key_ranges_hold_at_every_position(interleaved):
     assert (reached > seen * 1.05).any()  # the largest magnitude seen is no bound later on
 
 
-def test_int8_key_ranges_hold_on_a_model_at_a_later_position(converted, tmp_path):
+def test_int8_key_ranges_hold_on_a_model_at_a_later_position(converted):
     """The same on a converted model, through ONNX Runtime's own rotation: the first layer's keys
     depend on their token alone, so a prompt written again 1,500 positions later must have keys
     within the ranges of its first writing (RoPE base 10,000, a 2,048-token context)."""
