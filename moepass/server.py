@@ -22,7 +22,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from moepass.core.choices import Sampling
 from moepass.core.errors import MoepassError
@@ -283,8 +283,10 @@ def _timings(stream) -> dict:
 
 def create_app(server: ModelServer, api_key: str | None = None):
     """The FastAPI application over `server`."""
+    import anyio
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.datastructures import Headers
 
     app = FastAPI(title="moepass", version=_version())
 
@@ -296,22 +298,42 @@ def create_app(server: ModelServer, api_key: str | None = None):
         """What went wrong while answering (ONNX Runtime, the template): OpenAI's error object, 500."""
         return error(RequestError(500, f"{type(e).__name__}: {e}", kind="server_error"))
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if (
-            api_key
-            and request.url.path != "/health"
-            and request.headers.get("authorization", "") != f"Bearer {api_key}"
-        ):
-            return error(
-                RequestError(
-                    401,
-                    "invalid or missing API key (Authorization: Bearer ...)",
-                    kind="authentication_error",
-                    code="invalid_api_key",
-                )
-            )
-        return await call_next(request)
+    class RequireKey:
+        """The API key, checked before any endpoint but /health. Plain ASGI: Starlette's
+        BaseHTTPMiddleware would pass every streamed answer through a second stream, with its own
+        handling of a client that leaves."""
+
+        def __init__(self, app) -> None:
+            self.app = app
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] == "http" and scope["path"] != "/health":
+                if Headers(scope=scope).get("authorization", "") != f"Bearer {api_key}":
+                    refused = RequestError(
+                        401,
+                        "invalid or missing API key (Authorization: Bearer ...)",
+                        kind="authentication_error",
+                        code="invalid_api_key",
+                    )
+                    await error(refused)(scope, receive, send)
+                    return
+            await self.app(scope, receive, send)
+
+    if api_key:
+        app.add_middleware(RequireKey)
+
+    class AnswerStream(StreamingResponse):
+        """A streamed answer whose events are closed however the stream ends. When the client
+        leaves, Starlette cancels the stream wherever it is, mid-send too, and leaves the events to
+        the garbage collector: until it ran, the answer's turn, and so every later request, would
+        wait (and its generation would not be reported stopped)."""
+
+        async def stream_response(self, send) -> None:
+            try:
+                await super().stream_response(send)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await cast(AsyncGenerator, self.body_iterator).aclose()
 
     @app.get("/health")
     async def health():
@@ -430,7 +452,7 @@ def create_app(server: ModelServer, api_key: str | None = None):
                 await answer.aclose()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(
+        return AnswerStream(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
 

@@ -232,6 +232,55 @@ def test_a_client_that_leaves_stops_its_generation(converted, tmp_path):
         assert server.stop() == 0, server.log.read_text()
 
 
+@pytest.mark.parametrize("api_key", [None, "sesame"])
+def test_a_stream_cut_mid_send_ends_its_turn_before_the_request_ends(model, api_key):
+    """Starlette cancels a stream wherever it is when the client leaves. Cut while its first piece
+    is being sent (a slow socket), the answer must still be closed by the time the request ends:
+    its turn released for the next request and its stop reported, not whenever the garbage
+    collector gets to it (in-process ASGI, so that the cut lands in the send every time)."""
+    import asyncio
+
+    from moepass.runtime import load
+    from moepass.server import ModelServer, create_app
+
+    said: list[str] = []
+    server = ModelServer(load(model, threads=1), model.name, 4, echo=said.append)
+    app = create_app(server, api_key)
+    body = json.dumps({"prompt": "the other one", "max_tokens": 64, "temperature": 0, "stream": True}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if api_key:
+        headers.append((b"authorization", f"Bearer {api_key}".encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+             "root_path": ""}
+
+    async def request() -> tuple[bool, list[dict]]:
+        gone = asyncio.Event()
+        sent: list[dict] = []
+        asked = [body]
+
+        async def receive() -> dict:
+            if asked:
+                return {"type": "http.request", "body": asked.pop(), "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body":  # the client leaves while this piece goes out
+                gone.set()
+                await asyncio.sleep(0)
+
+        await app(scope, receive, send)
+        return server._turn.locked(), sent
+
+    held, sent = asyncio.run(request())
+    assert sent[0]["status"] == 200 and sent[1]["body"].startswith(b"data: ")
+    assert not held
+    assert any("went away after" in line for line in said), said
+
+
 def test_concurrent_clients_get_their_own_answers(server, model):
     prompts = ["the other one", "hello there", "one more", "and the last"]
     expected = {p: _run(model, "--prompt", p, "--max-new-tokens", "16", *_sampling_args(SEEDED)) for p in prompts}
