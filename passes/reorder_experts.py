@@ -21,7 +21,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
-from moepass.core.ir_values import input_at, read_rows, required_input, tensor_dims, tensor_of
+from moepass.core.ir_values import input_at, read_rows, required_input, stored_constant, tensor_dims, tensor_of
 from moepass.core.moe_nodes import EXPERT_INPUTS, ROUTER_LOGITS, ROUTER_WEIGHTS, moe_nodes
 from moepass.passes.weights import StreamedTensor
 
@@ -140,13 +140,18 @@ class ReorderExpertsPass(InPlacePass):
             # B [N=experts, k_blocks, blob], scales [N, k_blocks] (or [N*k_blocks]), zero points [N, ...], bias [N]
             for index in (1, 2, 3, 5):
                 value = input_at(router, index)
-                if value is not None:
-                    if not _is_constant(value):
-                        raise MoepassError(f"node {moe.name}: router input {value.name} is not a constant")
-                    shape = tensor_dims(tensor_of(value))
-                    if len(shape) == 1 and index == 2 and shape[0] != experts:
-                        raise MoepassError(f"node {moe.name}: flat router scales are not supported")
-                    edits.append((router, index, 0))
+                if value is None:
+                    continue
+                owner, at = router, index
+                cast = value.producer()
+                if stored_constant(value) not in (None, value) and cast is not None and len(value.uses()) == 1:
+                    owner, at, value = cast, 0, required_input(cast, 0)  # float16 scales a Cast widens
+                if not _is_constant(value):
+                    raise MoepassError(f"node {moe.name}: router input {value.name} is not a constant")
+                shape = tensor_dims(tensor_of(value))
+                if len(shape) == 1 and index == 2 and shape[0] != experts:
+                    raise MoepassError(f"node {moe.name}: flat router scales are not supported")
+                edits.append((owner, at, 0))
         elif router.op_type == "MatMul" and router.domain == "" and _is_constant(input_at(router, 1)):
             edits.append((router, 1, -1))  # W^T [hidden, experts]
         else:

@@ -28,7 +28,7 @@ from moepass.core import keys
 from moepass.core.capabilities import activation_dtype
 from moepass.core.errors import MoepassError
 from moepass.core.files import load_model, model_file
-from moepass.core.ir_values import dims, required_input
+from moepass.core.ir_values import dims, required_input, stored_constant, tensor_of
 from moepass.core.moe_nodes import MoeNode, moe_nodes, tensor_bytes
 
 FORMAT = "moepass-cpu-costs"
@@ -46,6 +46,21 @@ def _form_key(m: MoeNode) -> str:
 
 def _constant(value: ir.Value) -> ir.Value:
     return ir.Value(name=value.name, shape=value.shape, type=value.type, const_value=value.const_value)
+
+
+def _weight(value: ir.Value | None) -> ir.Value | None:
+    """A node's constant input for a graph of that node alone (a float16 initializer that a Cast
+    widens, widened here as the session folds it); None for an absent or computed input."""
+    source = stored_constant(value)
+    if value is None or source is None or source is value:
+        return None if source is None else _constant(source)
+    cast = value.producer()
+    assert cast is not None  # stored_constant found the Cast
+    to = ir.DataType(cast.attributes.get_int("to"))
+    wide = tensor_of(source).numpy().astype(to.numpy())
+    return ir.Value(
+        name=value.name, shape=source.shape, type=ir.TensorType(to), const_value=ir.tensor(wide, name=value.name)
+    )
 
 
 def _single_node_model(node: ir.Node, inputs: list[ir.Value | None], outputs: int) -> ir.Model:
@@ -120,7 +135,7 @@ def _largest_dense(model: ir.Model) -> tuple[ir.Node, int] | None:
     for node in model.graph:
         if node.op_type not in ("MatMulNBits", "MatMul"):
             continue
-        weights = [v for v in node.inputs[1:] if v is not None and v.const_value is not None]
+        weights = [w for w in map(stored_constant, node.inputs[1:]) if w is not None]
         size = sum(tensor_bytes(v) for v in weights)
         if weights and (best is None or size > best[1]):
             best = (node, size)
@@ -136,7 +151,7 @@ def _dense_rate(node: ir.Node, size: int, dtype: ir.DataType, folder: Path, thre
     )
     np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
     a = ir.Value(name="a", shape=ir.Shape([1, k]), type=ir.TensorType(dtype))
-    inputs = [a] + [None if v is None else _constant(v) if v.const_value is not None else None for v in node.inputs[1:]]
+    inputs = [a] + [_weight(v) for v in node.inputs[1:]]
     feeds = [{"a": np.random.default_rng(0).normal(0, 1, (1, k)).astype(np_dtype)}]
     return size / _time(_single_node_model(node, inputs, 1), folder, feeds, threads)
 

@@ -1,7 +1,7 @@
 """What a converted model stores, read back independently of moepass's writer: every QMoE and
 MatMulNBits weight and a quantized token embedding table (GatherBlockQuantized) unpacked into
 float32 values under its GGUF tensor's name (experts [E, N, K], matrices [N, K]), block offsets
-and float16 scales included."""
+and float16 scales (stored so, or widened by a Cast) included."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def stored_matrices(model_dir: Path) -> Iterator[tuple[np.ndarray, str]]:
     model_dir = Path(model_dir)
     model = onnx.load(model_dir / "model.onnx")
     init = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(model_dir)) for t in model.graph.initializer}
+    init |= {n.output[0]: init[n.input[0]] for n in model.graph.node  # float16 scales, widened as the session loads
+             if n.op_type == "Cast" and n.input[0] in init}
     offsets = {n.name.removesuffix(".offsets"): init[n.input[1]] for n in model.graph.node
                if n.op_type == "MatMul" and n.name.endswith(".offsets")}
     for node in model.graph.node:

@@ -42,6 +42,19 @@ def tensor_of(value: ir.Value | None) -> ir.TensorProtocol:
     return tensor
 
 
+def stored_constant(value: ir.Value | None) -> ir.Value | None:
+    """The initializer that holds `value`: itself, or the one a Cast widens into it (scales stored
+    in float16 for a kernel that takes the activation type; ONNX Runtime folds the Cast when the
+    session loads); None for a computed value."""
+    if value is None or value.const_value is not None:
+        return value
+    node = value.producer()
+    if node is None or node.op_type != "Cast" or node.domain != "" or not node.inputs:
+        return None
+    source = node.inputs[0]
+    return source if source is not None and source.const_value is not None else None
+
+
 def dims(shape: ir.ShapeProtocol | None, of: str = "a value") -> tuple[int, ...]:
     """A shape's dimensions as integers; MoepassError for an unknown shape or a symbolic dimension."""
     if shape is None:

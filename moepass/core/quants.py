@@ -322,7 +322,7 @@ QUANT_TYPES: dict[GT, QuantType] = {
         QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4, scales=None, fp16_scales=True, int8_block=32),
         # Fractional minimums or non-integer codebooks: requantized from their values, the added error
         # measured and reported (Q4_1 and Q4_K non-expert matrices keep their codes with block offsets).
-        QuantType(GT.Q4_1, "dequantize", own_codes=own_codes_q4_1, scales=(0, 2), int8_block=32),
+        QuantType(GT.Q4_1, "dequantize", own_codes=own_codes_q4_1, scales=(0, 2), fp16_scales=True, int8_block=32),
         QuantType(GT.Q4_K, "dequantize", own_codes=own_codes_q4_k, scales=(0, 2)),
         QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32),
         QuantType(GT.Q5_K, "dequantize", scales=(0, 2), int8_block=32),
@@ -640,7 +640,10 @@ def qmoe_takes(form: BlockForm | None, ks: list[int]) -> bool:
 
 
 def scales_in_float16(types: list[QuantType], form: BlockForm) -> bool:
-    """Whether a QMoE node of these types in `form` stores float16 scales in a float32 graph (ONNX
-    Runtime's CPU QMoE takes them, at the same speed: half the scale bytes): always, but for an
-    exact form whose scales float16 would round (Q6_K's d * sc, IQ4_XS's d * (ls - 32))."""
-    return not all(form in qt.exact_forms() for qt in types) or all(qt.fp16_scales for qt in types)
+    """Whether weights of these types in `form` store float16 scales in a float32 graph (ONNX
+    Runtime's CPU QMoE takes them, at the same speed; MatMulNBits and GatherBlockQuantized through
+    a Cast folded at load: half the scale bytes): always, but for a form that keeps the file's
+    codes where float16 would round its scales (Q6_K's d * sc, IQ4_XS's d * (ls - 32), Q4_K's
+    d * sc beside its block offsets)."""
+    keeps = all(form in qt.exact_forms() or (form.offsets and qt.own_codes is not None) for qt in types)
+    return not keeps or all(qt.fp16_scales for qt in types)

@@ -20,7 +20,7 @@ from onnx_ir import tape as ir_tape
 from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, SourceTensor
-from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type
+from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type, scales_in_float16
 from moepass.passes.weights import GgufRows, PackedGroup, WeightReport, float_expert_stack, float_tensor
 
 
@@ -142,6 +142,23 @@ class GraphBuilder:
             offsets,
         )
 
+    def matrix_weights(
+        self, name: str, src: SourceTensor, form: BlockForm, blob_layout: bool = False
+    ) -> tuple[ir.Value, ir.Value, ir.Value | None]:
+        """packed_weights of one non-expert matrix, its scales stored in float16 where the form keeps
+        nothing float16 would round (quants.scales_in_float16, as QMoE's experts store theirs) and
+        widened to the activation type by a Cast of the initializer, which ONNX Runtime folds when
+        the session loads: MatMulNBits and GatherBlockQuantized take scales of the activation type
+        only. Half the scale bytes: a Q4_0 or Q8_0 file's model is no larger than the file."""
+        qt = quant_type(src.ggml_type, src.name, src.path)
+        narrow = self.act == ir.DataType.FLOAT and scales_in_float16([qt], form)
+        codes, scales, offsets = self.packed_weights(
+            name, [src], form, blob_layout, scale_dtype=ir.DataType.FLOAT16 if narrow else None
+        )
+        if narrow:
+            scales = self.tape.op("Cast", [scales], {"to": self.act}, name=f"{name}.scales.widen")
+        return codes, scales, offsets
+
     # ---- layers ---------------------------------------------------------------------------------
     def linear(
         self,
@@ -165,7 +182,7 @@ class GraphBuilder:
             w = self.float_weight(f"{weight_name}.T", src, transpose=True)
             y = self.tape.op("MatMul", [x, w], name=name)
             return y if b is None else self.tape.op("Add", [y, b], name=f"{name}.bias")
-        codes, scales, offsets = self.packed_weights(weight_name, [src], form, blob_layout=True)
+        codes, scales, offsets = self.matrix_weights(weight_name, src, form, blob_layout=True)
         inputs = [x, codes, scales] + ([None, None, b] if b is not None else [])
         y = self.tape.op(
             "MatMulNBits",
@@ -227,7 +244,7 @@ class GraphBuilder:
         if form is None:
             table = self.float_weight(self.arch.tensor_name("token_embd"), src)
             return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
-        codes, scales, _ = self.packed_weights(src.name, [src], form)
+        codes, scales, _ = self.matrix_weights(src.name, src, form)
         return self.tape.op(
             "GatherBlockQuantized",
             [codes, input_ids, scales],
