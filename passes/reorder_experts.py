@@ -144,7 +144,7 @@ class ReorderExpertsPass(InPlacePass):
                     continue
                 owner, at = router, index
                 cast = value.producer()
-                if stored_constant(value) not in (None, value) and cast is not None and len(value.uses()) == 1:
+                if cast is not None and stored_constant(value) is not None and len(value.uses()) == 1:
                     owner, at, value = cast, 0, required_input(cast, 0)  # float16 scales a Cast widens
                 if not _is_constant(value):
                     raise MoepassError(f"node {moe.name}: router input {value.name} is not a constant")

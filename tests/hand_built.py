@@ -112,13 +112,13 @@ def moe_attributes(k: int = K, normalize: bool = True, **extra) -> dict:
 
 # ---- numpy: quantization and the MoE reference -----------------------------------------------------
 
-def quantize_int4(w: np.ndarray, block: int, rng: np.random.Generator):
+def quantize_int4(w: np.ndarray, block: int, rng: np.random.Generator, scale_type: type = np.float32):
     """Asymmetric 4-bit codes of `w` [..., K] in blocks of `block` along K, as QMoE / MatMulNBits store
     them: value = (u - z) * scale with u, z in 0..15, two codes a byte (element 2j in the low nibble),
-    zero points packed the same way per row. Returns (packed codes [..., K/2], scales [..., K/block],
-    packed zero points [..., ceil(K/block/2)], dequantized values)."""
+    zero points packed the same way per row. Returns (packed codes [..., K/2], scales [..., K/block]
+    in `scale_type`, packed zero points [..., ceil(K/block/2)], dequantized values)."""
     blocks = w.reshape(*w.shape[:-1], -1, block)
-    scales = (np.abs(blocks).max(-1) / 7).astype(np.float32)
+    scales = (np.abs(blocks).max(-1) / 7).astype(scale_type)
     zeros = rng.integers(7, 9, scales.shape).astype(np.uint8)  # codes z - 7 .. z + 7 stay in 0..15
     codes = (np.rint(blocks / scales[..., None]) + zeros[..., None]).astype(np.uint8)
     values = ((codes.astype(np.float32) - zeros[..., None]) * scales[..., None]).reshape(w.shape)
@@ -247,14 +247,17 @@ class MoeModel:
 
 def make_router(b: Builder, x: ir.Value, kind: str, rng: np.random.Generator, name: str):
     """Router logits [T, E] of `x`: 'matmul' (MatMul by W [H, E]), 'bias' (MatMul + Add of a bias
-    [E]), 'nbits' (a 4-bit MatMulNBits, block 16, 2-D scales and packed zero points), 'computed'
-    (MatMul then Mul by 0.5: a subgraph, not one of the router forms the pass permutes).
+    [E]), 'nbits' (a 4-bit MatMulNBits, block 16, 2-D scales and packed zero points), 'nbits-cast'
+    (the same with float16 scales widened by a Cast, as convert writes them), 'computed' (MatMul then
+    Mul by 0.5: a subgraph, not one of the router forms the pass permutes).
     Returns (logits value, the router as a float W [H, E], the bias or None)."""
-    if kind == "nbits":
+    if kind in ("nbits", "nbits-cast"):
         w = rng.standard_normal((E, H)).astype(np.float32) * 0.25
-        codes, scales, zeros, values = quantize_int4(w, 16, rng)
-        logits = b.op("MatMulNBits", [x, b.const(f"{name}.router.B", codes.reshape(E, H // 16, 8)),
-                                      b.const(f"{name}.router.scales", scales),
+        codes, scales, zeros, values = quantize_int4(w, 16, rng, np.float16 if kind == "nbits-cast" else np.float32)
+        stored = b.const(f"{name}.router.scales", scales)
+        if kind == "nbits-cast":
+            stored = b.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{name}.router.scales.widen")
+        logits = b.op("MatMulNBits", [x, b.const(f"{name}.router.B", codes.reshape(E, H // 16, 8)), stored,
                                       b.const(f"{name}.router.zero_points", zeros)],
                       {"K": H, "N": E, "bits": 4, "block_size": 16}, domain="com.microsoft", name=f"{name}.router")
         return logits, values.T.astype(np.float64), None

@@ -149,7 +149,7 @@ class GraphBuilder:
         nothing float16 would round (quants.scales_in_float16, as QMoE's experts store theirs) and
         widened to the activation type by a Cast of the initializer, which ONNX Runtime folds when
         the session loads: MatMulNBits and GatherBlockQuantized take scales of the activation type
-        only. Half the scale bytes: a Q4_0 or Q8_0 file's model is no larger than the file."""
+        only. Half the scale bytes: a Q4_0 or Q8_0 file's weights take no more bytes than in the file."""
         qt = quant_type(src.ggml_type, src.name, src.path)
         narrow = self.act == ir.DataType.FLOAT and scales_in_float16([qt], form)
         codes, scales, offsets = self.packed_weights(
