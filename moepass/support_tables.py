@@ -72,7 +72,7 @@ def _form_words(form: BlockForm | None, qt: QuantType) -> str:
     if form is None:
         return "float32"
     text = str(form)
-    return f"{text}, bit-exact" if form.offsets or form in qt.exact_forms() else f"{text}, requantized"
+    return f"{text}, bit-exact" if qt.keeps_codes(form) else f"{text}, requantized"
 
 
 def expert_words(qt: QuantType) -> str:

@@ -303,6 +303,11 @@ class QuantType:
             if self.native_block % f.block_size == 0 and f.code_range[0] <= lo and hi <= f.code_range[1]
         )
 
+    def keeps_codes(self, form: BlockForm) -> bool:
+        """Whether `form` holds this type's values bit-exactly: one of its exact forms, or int4
+        block 32 with block offsets for a type with its own codes (MatMulNBits only)."""
+        return form in self.exact_forms() or (form.offsets and self.own_codes is not None)
+
 
 QUANT_TYPES: dict[GT, QuantType] = {
     t.ggml_type: t
@@ -645,5 +650,4 @@ def scales_in_float16(types: list[QuantType], form: BlockForm) -> bool:
     a Cast folded at load: half the scale bytes): always, but for a form that keeps the file's
     codes where float16 would round its scales (Q6_K's d * sc, IQ4_XS's d * (ls - 32), Q4_K's
     d * sc beside its block offsets)."""
-    keeps = all(form in qt.exact_forms() or (form.offsets and qt.own_codes is not None) for qt in types)
-    return not keeps or all(qt.fp16_scales for qt in types)
+    return not all(qt.keeps_codes(form) for qt in types) or all(qt.fp16_scales for qt in types)
