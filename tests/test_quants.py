@@ -238,6 +238,37 @@ def test_block_offsets_keep_the_files_values(ggml_type):
     assert packed.exact and packed.error_sq == 0
 
 
+@pytest.mark.parametrize("exponents", [(-12, -4), (-24, -14), (-4, 8)], ids=["typical", "subnormal", "large"])
+def test_compiled_q4_k_offsets_equal_the_numpy_definition(exponents):
+    """The compiled Q4_K packer (quant_kernels.q4_k_offsets) writes the bits of pack_with_offsets'
+    numpy path into strided destinations, with its exact verdict and error sums. d and dmin are
+    drawn per block over a range of binary exponents, so that for some blocks s (u - 8) + 8 s - m
+    rounds differently from s u - m (inexact blocks: the error is compared too)."""
+    import dataclasses
+
+    rng = np.random.default_rng(11)
+    raw = make_fixtures.random_blocks(rng, GT.Q4_K, (24, 1024), std=0.05)
+    blocks = raw.reshape(-1, 144)
+    for field in (0, 2):
+        values = np.ldexp(rng.uniform(0.5, 1.0, len(blocks)), rng.integers(*exponents, len(blocks)))
+        blocks[:, field : field + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    qt, form = QUANT_TYPES[GT.Q4_K], BlockForm(4, 32, offsets=True)
+    results = []
+    for table in (qt, dataclasses.replace(qt, own_codes_kernel=None)):
+        codes = np.zeros((24, 2, 512), np.uint8)
+        scales, offsets = np.zeros((24, 2, 32), np.float32), np.zeros((24, 2, 32), np.float32)
+        packed = pack(raw, table, form, codes[:, 1], scales[:, 1], offsets=offsets[:, 1])
+        assert not codes[:, 0].any() and not scales[:, 0].any() and not offsets[:, 0].any()
+        results.append((codes, scales, offsets, packed))
+    (c1, s1, o1, p1), (c2, s2, o2, p2) = results
+    np.testing.assert_array_equal(c1, c2)
+    np.testing.assert_array_equal(s1.view(np.uint32), s2.view(np.uint32))
+    np.testing.assert_array_equal(o1.view(np.uint32), o2.view(np.uint32))
+    assert p1.exact == p2.exact
+    assert p1.error_sq == pytest.approx(p2.error_sq, rel=1e-9, abs=0)
+    assert p1.reference_sq == pytest.approx(p2.reference_sq, rel=1e-6)
+
+
 def test_unsupported_type_names_the_tensor():
     with pytest.raises(MoepassError, match=r"tensor 'blk.0.ffn_up_exps.weight' has type TQ1_0"):
         quant_type(GT.TQ1_0, "blk.0.ffn_up_exps.weight")

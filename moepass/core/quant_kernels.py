@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType as GT
 from gguf import quants as gq
 from numba import njit
 
-__all__ = ["dequantize", "KERNELS", "quantize_rows", "any_non_finite_fp16"]
+__all__ = ["dequantize", "KERNELS", "quantize_rows", "any_non_finite_fp16", "q4_k_offsets"]
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -506,6 +506,80 @@ def q4_0_int4(blocks: np.ndarray, out: np.ndarray) -> None:
         blocks, out = blocks[None], out[None]
     for lead in np.ndindex(*blocks.shape[:-3]):
         _q4_0_int4(_readonly(blocks[lead]), out[lead])
+
+
+@njit(cache=True, nogil=True)
+def _offsets_terms(scale, minimum, offset, total, squares, errors):
+    """One Q4_K sub-block as s (u - 8) + offset: its ||v||^2 from the codes' integer sums (float64:
+    a relative error's denominator, not a bit to keep), each code value's squared error into
+    `errors` (numpy's float32 steps), and whether every code value is exact."""
+    s64, m64 = np.float64(scale), np.float64(minimum)
+    exact = True
+    for u in range(16):
+        e = (np.float32(u - 8) * scale + offset) - (scale * np.float32(u) - minimum)
+        errors[u] = np.float64(e * e)
+        exact &= e == 0
+    return s64 * s64 * squares - 2.0 * s64 * m64 * total + 32.0 * m64 * m64, exact
+
+
+@njit(cache=True, nogil=True)
+def _q4_k_offsets(b, codes, scales, offsets, f16, sums):
+    """Q4_K blocks [n, 144] -> int4 block 32 with block offsets, the file's own codes u kept: codes
+    [n, 128] (form byte j: elements 2j low, 2j + 1 high), scales s = d * sc and offsets 8 s - dmin
+    * m [n, 8]; sums += (||s (u - 8) + offset - v||^2, ||v||^2), v the gguf package's value (d *
+    sc) * u - dmin * m (quants.pack_with_offsets' definition). A sub-block's error depends only on
+    which of its 16 code values are off, so the codes are looked at again only where one is."""
+    error = 0.0
+    reference = 0.0
+    low_errors, high_errors = np.zeros(16), np.zeros(16)
+    for i in range(b.shape[0]):
+        d, dmin = _f16(f16, b, i, 0), _f16(f16, b, i, 2)
+        for c in range(4):  # bytes 16 + 32c ..: sub-block 2c in the low nibbles, 2c + 1 in the high
+            base = 16 + 32 * c
+            low_total = low_squares = high_total = high_squares = 0
+            for l in range(32):
+                q = np.int32(b[i, base + l])
+                low_total += q & 0x0F
+                low_squares += (q & 0x0F) * (q & 0x0F)
+                high_total += q >> 4
+                high_squares += (q >> 4) * (q >> 4)
+            for j in range(16):
+                first, second = b[i, base + 2 * j], b[i, base + 2 * j + 1]
+                codes[i, 32 * c + j] = (first & 0x0F) | ((second & 0x0F) << 4)
+                codes[i, 32 * c + 16 + j] = (first >> 4) | (second & 0xF0)
+            sc, m = _k_scale_min(b, i, 4, 2 * c)
+            scale, minimum = d * np.float32(sc), dmin * np.float32(m)
+            offset = np.float32(8.0) * scale - minimum
+            scales[i, 2 * c], offsets[i, 2 * c] = scale, offset
+            low, low_exact = _offsets_terms(scale, minimum, offset, low_total, low_squares, low_errors)
+            sc, m = _k_scale_min(b, i, 4, 2 * c + 1)
+            scale, minimum = d * np.float32(sc), dmin * np.float32(m)
+            offset = np.float32(8.0) * scale - minimum
+            scales[i, 2 * c + 1], offsets[i, 2 * c + 1] = scale, offset
+            high, high_exact = _offsets_terms(scale, minimum, offset, high_total, high_squares, high_errors)
+            reference += low + high
+            if not (low_exact and high_exact):
+                for l in range(32):
+                    error += low_errors[b[i, base + l] & 0x0F] + high_errors[b[i, base + l] >> 4]
+    sums[0] += error
+    sums[1] += reference
+
+
+def q4_k_offsets(raw: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray) -> tuple[float, float]:
+    """Q4_K rows uint8 [R, row bytes] into int4 block 32 with block offsets in one pass (codes [R,
+    K/2], scales and offsets float32 [R, K/32], any views): (||W' - W||^2, ||W||^2) against the
+    gguf package's values. The same bits as quants.pack_with_offsets' numpy definition."""
+    blocks = _readonly(np.ascontiguousarray(raw).reshape(-1, 144))
+    n = blocks.shape[0]
+    out_codes = np.empty((n, 128), np.uint8)
+    out_scales, out_offsets = np.empty((n, 8), np.float32), np.empty((n, 8), np.float32)
+    sums = np.zeros(2)
+    if n:
+        _q4_k_offsets(blocks, out_codes, out_scales, out_offsets, F16, sums)
+    codes[...] = out_codes.reshape(codes.shape)
+    scales[...] = out_scales.reshape(scales.shape)
+    offsets[...] = out_offsets.reshape(offsets.shape)
+    return float(sums[0]), float(sums[1])
 
 
 def any_non_finite_fp16(blocks: np.ndarray, fields: tuple[int, ...]) -> bool:

@@ -236,6 +236,12 @@ def own_codes_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     )
 
 
+def _q4_k_offsets(raw: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray) -> tuple[float, float]:
+    from moepass.core import quant_kernels
+
+    return quant_kernels.q4_k_offsets(raw, codes, scales, offsets)
+
+
 def direct_q8_0_int8(raw: np.ndarray, out: np.ndarray) -> None:
     """Q8_0 codes straight into int8 form bytes: c + 128 is the code with its sign bit flipped."""
     blocks = _blocks(raw, GT.Q8_0)
@@ -271,6 +277,9 @@ class QuantType:
     # offset) with value = scale * u - offset: MatMulNBits carries them exactly as int4 block 32 with
     # block offsets (pack_with_offsets).
     own_codes: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+    # The same packing compiled (moepass.core.quant_kernels): (raw rows, codes, scales, offsets) ->
+    # (error_sq, reference_sq), the same bits as pack_with_offsets' numpy path, in one pass.
+    own_codes_kernel: Callable[..., tuple[float, float]] | None = None
     # Whether every block scale is a float16 value: float16 scales then keep an exact form exact.
     fp16_scales: bool = False
     # How the type's expert values are requantized where they move into no form exactly (or where its
@@ -328,7 +337,7 @@ QUANT_TYPES: dict[GT, QuantType] = {
         # Fractional minimums or non-integer codebooks: requantized from their values, the added error
         # measured and reported (Q4_1 and Q4_K non-expert matrices keep their codes with block offsets).
         QuantType(GT.Q4_1, "dequantize", own_codes=own_codes_q4_1, scales=(0, 2), fp16_scales=True, int8_block=32),
-        QuantType(GT.Q4_K, "dequantize", own_codes=own_codes_q4_k, scales=(0, 2)),
+        QuantType(GT.Q4_K, "dequantize", own_codes=own_codes_q4_k, own_codes_kernel=_q4_k_offsets, scales=(0, 2)),
         QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32),
         QuantType(GT.Q5_K, "dequantize", scales=(0, 2), int8_block=32),
         QuantType(GT.Q2_K, "dequantize", scales=(80, 82), requantize_bits=4),
@@ -511,6 +520,9 @@ def pack_with_offsets(
     the offset and of the sum can differ from the gguf package's values: measured, and recorded."""
     if qt.own_codes is None:
         raise ValueError(f"{qt.name} has no codes of its own to keep")
+    if qt.own_codes_kernel is not None:
+        error_sq, reference_sq = qt.own_codes_kernel(raw, codes, scales, offsets)
+        return Packed(form, codes, scales, error_sq == 0.0, error_sq, reference_sq, offsets)
     u, scale, offset = qt.own_codes(raw)
     codes[...] = _pack_unsigned(u.astype(np.uint8, copy=False), form)
     scales[...] = scale
