@@ -257,3 +257,32 @@ def test_logits_to_keep(converted):
     last = session.run(["logits"], {**feeds, "logits_to_keep": np.array([1])})[0]
     assert every.shape[1] == 4 and last.shape[1] == 1
     assert_within(last[:, 0], every[:, -1], float_rounding_bound(every, stages=1), "the last position")
+
+
+def test_deepened_fixture_repeats_layers_by_llamas_layer_rule(tmp_path):
+    """make_fixtures.deepen_gguf (benchmarks' full-size files): layer i holds a source layer's bytes,
+    of the attn_v / ffn_down types llama.cpp's Q4_K_M rule gives layer i of the new depth, and the
+    file converts."""
+    import dataclasses
+
+    import make_fixtures
+    from gguf import GGMLQuantizationType as GT
+
+    source = make_fixtures.write_moe_gguf(tmp_path / "three.gguf", "q4_k_m",
+                                          dataclasses.replace(make_fixtures.TEST_DIMS, n_layers=3), seed=0)
+    deep = make_fixtures.deepen_gguf(source, tmp_path / "deep.gguf", 16)
+    src, out = GGUFReader(str(source)), GGUFReader(str(deep))
+    assert int(out.fields["qwen3moe.block_count"].contents()) == 16
+    src_tensors = {t.name: t for t in src.tensors}
+    out_tensors = {t.name: t for t in out.tensors}
+    assert len(out_tensors) == len(src_tensors) + 13 * sum(n.startswith("blk.0.") for n in src_tensors)
+    for layer in range(16):
+        down = out_tensors[f"blk.{layer}.ffn_down_exps.weight"]
+        assert down.tensor_type == (GT.Q6_K if make_fixtures.use_more_bits(layer, 16) else GT.Q4_K)
+        source_layer = 2 if make_fixtures.use_more_bits(layer, 16) else layer % 2
+        for suffix in ("attn_q.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight", "attn_v.weight"):
+            a, b = out_tensors[f"blk.{layer}.{suffix}"], src_tensors[f"blk.{source_layer}.{suffix}"]
+            assert a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data)
+    assert np.array_equal(out_tensors["token_embd.weight"].data, src_tensors["token_embd.weight"].data)
+    result = moepass.convert(deep, tmp_path / "out", echo=lambda _: None)
+    assert result.n_layers == 16 and len(result.moe_layers) == 16
