@@ -135,6 +135,28 @@ def test_requantizer_is_its_algorithm(bits, block, weighted):
     assert packed.scales[0, 0] == 0 and (unpack_codes(packed.weights, form)[0, :block] == 0).all()
 
 
+@pytest.mark.parametrize("block", [32, 16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_search_keeps_its_bits_whatever_blocks_it_is_given_together(block, weighted):
+    """The 4-bit search runs blocks in groups (quant_kernels.GROUP): 7 rows of 96 values (21 or 42
+    blocks, a group's tail in each call) quantized whole, row by row and 5 rows at a time give the
+    algorithm's codes and scales and the same error sums, in any grouping."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((7, 96)) * np.exp(rng.uniform(-3, 3, (7, 1)))).astype(np.float32)
+    weights = rng.uniform(0.1, 2.0, 96).astype(np.float32) if weighted else None
+    form = BlockForm(4, block)
+    whole = quantize_values(x, form, weights)
+    codes, scales = _numpy_symmetric(x, 4, block, weights)
+    np.testing.assert_array_equal(unpack_codes(whole.weights, form), codes)
+    np.testing.assert_array_equal(whole.scales, scales)
+    for step in (1, 5):
+        parts = [quantize_values(x[r:r + step], form, weights) for r in range(0, 7, step)]
+        np.testing.assert_array_equal(np.concatenate([p.weights for p in parts]), whole.weights)
+        np.testing.assert_array_equal(np.concatenate([p.scales for p in parts]), whole.scales)
+        restored = codes * np.repeat(scales.astype(np.float64), block, axis=-1)  # as the kernel measures
+        assert sum(p.error_sq for p in parts) == pytest.approx(np.sum((restored - x) ** 2), rel=1e-12)
+
+
 def test_scale_search_beats_the_absmax_scale_and_importance_moves_the_error():
     """Gaussian weights at int4 block 32: the search lowers the error below that of the gguf
     package's Q4_0 quantizer (the absmax scale; measured 0.943x); an importance matrix lowers the

@@ -697,8 +697,11 @@ def _codes8(xb, inverse, out, clamp):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _quantize_blocks8(x, half, codes, scales, sums):
-    """_quantize_blocks for 8 bits without importance, in two passes over each block: the absmax
-    scale's codes, written as they are made, then their least-squares scale."""
+    """Symmetric 8-bit quantization of float32 blocks x [n_blocks, block]: stored codes c + 128 into
+    `codes` [n_blocks, block], scales into `scales` [n_blocks] (float16 values when `half`, the
+    error measured with the rounded scale); sums[0] += ||s c - x||^2, sums[1] += ||x||^2. Two passes
+    over each block: the absmax scale's codes, written as they are made, then their least-squares
+    scale."""
     error = 0.0
     reference = 0.0
     bits = x.view(np.int32)
@@ -719,71 +722,163 @@ def _quantize_blocks8(x, half, codes, scales, sums):
     sums[1] += reference
 
 
+# Blocks searched together: each candidate's fits run over every block of a group before the
+# next step, so the fits' latency chains (a sum, a division, the next fit) overlap.
+GROUP = 8
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+def _moments(x, b, inverse, lo, hi):
+    """(sum x q, sum q q) over block b of x for q = clip(rint(x[b] * inverse), lo, hi): the sums of
+    _codes_moments (exact terms, so reassociated they keep their bits) without storing q. Rows are
+    indexed, not sliced: a slice costs two reference counts."""
+    xq = 0.0
+    qq = 0.0
+    for i in range(x.shape[1]):
+        c = np.float64(min(max(np.rint(x[b, i] * inverse), lo), hi))
+        xq += np.float64(x[b, i]) * c
+        qq += c * c
+    return xq, qq
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def _quantize_blocks(x, w, weighted, bits, search, half, codes, scales, sums):
-    """Symmetric quantization of float32 blocks x [n_blocks, block]: packed codes into `codes`
-    [n_blocks, block * bits / 8] (stored u = c + 2**(bits-1); 4 bits: element 2j in the low
-    nibble), scales into `scales` [n_blocks] (rounded to float16 values when `half`, the error
-    measured with the rounded scale); sums[0] += ||s c - x||^2, sums[1] += ||x||^2 (unweighted).
-    Block b is weighted by w[b % len(w)] when `weighted`. 8 bits: the absmax scale / 127 and the
-    least-squares scale for its codes; 4 bits: SCALE_SEARCH."""
+def _moments_weighted(x, w, b, inverse, lo, hi):
+    """_codes_moments_weighted over block b without storing q (weights w[b % len(w)]): sums in
+    element order."""
+    r = b % w.shape[0]
+    xq = 0.0
+    qq = 0.0
+    for i in range(x.shape[1]):
+        c = min(max(np.rint(x[b, i] * inverse), lo), hi)
+        xq += np.float64(w[r, i]) * np.float64(x[b, i]) * np.float64(c)
+        qq += np.float64(w[r, i]) * np.float64(c) * np.float64(c)
+    return xq, qq
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+def _kept_codes(x, b, inverse, s, lo, hi, q):
+    """The codes of block b at `inverse` into q, and their error ||s q - x[b]||^2 (unweighted; the
+    sum reassociated, like _block_moments': it is reported, and never chooses a code or a scale)."""
+    error = 0.0
+    for i in range(x.shape[1]):
+        c = min(max(np.rint(x[b, i] * inverse), lo), hi)
+        q[i] = c
+        d = np.float64(s) * c - x[b, i]
+        error += d * d
+    return error
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+def _block_extreme(x, bits, b):
+    """(the signed value of largest magnitude, the first such; sum x^2) of block b, as
+    _block_moments finds them (the maximum over sign-cleared bit patterns, exact on every CPU; for a
+    NaN block that maximum, sign cleared), in two passes that vectorize; rows indexed, not sliced."""
+    n = x.shape[1]
+    m = np.int32(0)
+    total = 0.0
+    for i in range(n):
+        m = max(m, np.int32(bits[b, i] & np.int32(0x7FFFFFFF)))
+        total += np.float64(x[b, i]) * np.float64(x[b, i])
+    first = n
+    for i in range(n):
+        first = min(first, i if np.int32(bits[b, i] & np.int32(0x7FFFFFFF)) == m else n)
+    extreme = x[b, first]
+    return (extreme if extreme == extreme else abs(extreme)), total
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _group_fit(x, w, weighted, g, lanes, inverse, lo, hi, xq, qq):
+    """The sums of block g + j's codes at inverse scale inverse[j], for j < lanes."""
+    for j in range(lanes):
+        if weighted:
+            xq[j], qq[j] = _moments_weighted(x, w, g + j, inverse[j], lo, hi)
+        else:
+            xq[j], qq[j] = _moments(x, g + j, inverse[j], lo, hi)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _search4(x, w, weighted, search, half, codes, scales, sums):
+    """Symmetric 4-bit quantization of float32 blocks x [n_blocks, block] (weighted by w[b % len(w)]
+    when `weighted`) by SCALE_SEARCH: packed codes u = c + 8 into `codes` [n_blocks, block / 2]
+    (element 2i in the low nibble), scales into `scales`, sums as _quantize_blocks8's. Each block's
+    arithmetic is its own whatever the grouping, so the bytes do not depend on it or on the CPU;
+    the codes kept are made again from the kept candidate's inverse scale."""
     n_blocks, n = x.shape
-    zero = 1 << (bits - 1)
-    lo, hi = np.float32(-zero), np.float32(zero - 1)
+    lo, hi = np.float32(-8.0), np.float32(7.0)
+    extreme = np.empty(GROUP, np.float32)
+    inverse = np.empty(GROUP, np.float32)
+    xq = np.empty(GROUP)
+    qq = np.empty(GROUP)
+    least = np.empty(GROUP)
+    chosen = np.empty(GROUP, np.float32)
+    kept = np.empty(GROUP, np.float32)  # the inverse scale whose codes a block keeps
     q = np.empty(n, np.float32)
+    error = 0.0
+    reference = 0.0
+    bits_of = x.view(np.int32)
+    for g in range(0, n_blocks, GROUP):
+        lanes = min(GROUP, n_blocks - g)
+        for j in range(lanes):
+            extreme[j], xx = _block_extreme(x, bits_of, g + j)
+            reference += xx
+            least[j] = np.inf
+            chosen[j] = 0.0
+            kept[j] = 0.0
+        for d in search:
+            for j in range(lanes):
+                scale = extreme[j] / -(np.float32(8.0) + d)
+                inverse[j] = np.float32(0.0) if scale == 0 else np.float32(1.0) / scale
+            _group_fit(x, w, weighted, g, lanes, inverse, lo, hi, xq, qq)
+            for j in range(lanes):  # rounded once, refitted: round again
+                first = np.float32(xq[j] / qq[j]) if qq[j] > 0 else np.float32(0.0)
+                inverse[j] = np.float32(0.0) if first == 0 else np.float32(1.0) / first
+            _group_fit(x, w, weighted, g, lanes, inverse, lo, hi, xq, qq)
+            for j in range(lanes):
+                s = np.float32(xq[j] / qq[j]) if qq[j] > 0 else np.float32(0.0)
+                # the (weighted) error less sum w x^2, the same for every candidate: only exact
+                # terms (or, weighted, sums in order), so the choice is the same on every CPU
+                e = np.float64(s) * s * qq[j] - 2.0 * s * xq[j]
+                if e < least[j]:
+                    least[j] = e
+                    chosen[j] = s
+                    kept[j] = inverse[j]
+        for j in range(lanes):
+            b = g + j
+            s = _to_half(chosen[j]) if half else chosen[j]
+            scales[b] = s
+            error += _kept_codes(x, b, kept[j], s, lo, hi, q)
+            for i in range(0, n, 2):
+                codes[b, i // 2] = np.uint8((np.int32(q[i]) + 8) | ((np.int32(q[i + 1]) + 8) << 4))
+    sums[0] += error
+    sums[1] += reference
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _quantize_blocks8_weighted(x, w, half, codes, scales, sums):
+    """_quantize_blocks8 with importance weights w[b % len(w)]: the absmax scale's codes and their
+    weighted least-squares scale; the error recorded unweighted."""
+    n = x.shape[1]
+    lo, hi = np.float32(-128.0), np.float32(127.0)
     best = np.empty(n, np.float32)
     error = 0.0
     reference = 0.0
     bits_of = x.view(np.int32)
     scratch = np.empty(1, np.int32)
-    for b in range(n_blocks):
+    for b in range(x.shape[0]):
         xb = x[b]
-        wb = w[b % w.shape[0]]
         largest, xx = _block_moments(xb, bits_of[b], scratch)
-        extreme = largest
-        if bits == 4:  # the signed value: the first of largest magnitude
-            for i in range(n):
-                if abs(xb[i]) == largest:
-                    extreme = xb[i]
-                    break
-        if bits == 8:
-            chosen, xq, qq = _fit(xb, wb, False, largest / np.float32(127.0), lo, hi, best)
-            if weighted:
-                chosen, _, _ = _fit(xb, wb, True, largest / np.float32(127.0), lo, hi, best)
-            least = max(xx - 2.0 * chosen * xq + np.float64(chosen) * chosen * qq, 0.0) if not weighted else -1.0
-        else:
-            least = np.inf
-            chosen = np.float32(0.0)
-            for d in search:
-                first, _, _ = _fit(xb, wb, weighted, extreme / -(np.float32(8.0) + d), lo, hi, q)
-                s, xq, qq = _fit(xb, wb, weighted, first, lo, hi, q)
-                # the (weighted) error less sum w x^2, the same for every candidate: only exact
-                # terms (or, weighted, sums in order), so the choice is the same on every CPU
-                e = np.float64(s) * s * qq - 2.0 * s * xq
-                if e < least:
-                    least = e
-                    chosen = s
-                    best[:] = q
-            least = -1.0
+        chosen, _, _ = _fit(xb, w[b % w.shape[0]], True, largest / np.float32(127.0), lo, hi, best)
         if half:
-            rounded = _to_half(chosen)
-            if rounded != chosen:
-                least = -1.0
-                chosen = rounded
-        if least < 0:  # the error of what is kept, unweighted
-            least = 0.0
-            for i in range(n):
-                d_i = np.float64(chosen) * best[i] - xb[i]
-                least += d_i * d_i
+            chosen = _to_half(chosen)
+        least = 0.0
+        for i in range(n):
+            d_i = np.float64(chosen) * best[i] - xb[i]
+            least += d_i * d_i
         error += least
         reference += xx
         scales[b] = chosen
-        if bits == 8:
-            for i in range(n):
-                codes[b, i] = np.uint8(np.int32(best[i]) + zero)
-        else:
-            for i in range(0, n, 2):
-                codes[b, i // 2] = np.uint8((np.int32(best[i]) + zero) | ((np.int32(best[i + 1]) + zero) << 4))
+        for i in range(n):
+            codes[b, i] = np.uint8(np.int32(best[i]) + 128)
     sums[0] += error
     sums[1] += reference
 
@@ -810,8 +905,10 @@ def quantize_rows(
     scales = np.empty(blocks.shape[0], np.float32)
     sums = np.zeros(2)
     if blocks.size:
-        if bits == 8 and not weighted:
-            _quantize_blocks8(blocks, half_scales, codes, scales, sums)
+        if bits == 4:
+            _search4(blocks, w, weighted, SCALE_SEARCH, half_scales, codes, scales, sums)
+        elif weighted:
+            _quantize_blocks8_weighted(blocks, w, half_scales, codes, scales, sums)
         else:
-            _quantize_blocks(blocks, w, weighted, bits, SCALE_SEARCH, half_scales, codes, scales, sums)
+            _quantize_blocks8(blocks, half_scales, codes, scales, sums)
     return codes.reshape(*lead, -1), scales.reshape(*lead, -1), float(sums[0]), float(sums[1])
