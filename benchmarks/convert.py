@@ -3,6 +3,7 @@
     python benchmarks/convert.py                       # Q8_0, Q4_0, Q4_K_M and Q6_K, Qwen3-30B-A3B layer sizes, >= 1 GB each
     python benchmarks/convert.py --preset q4_0 --layers 6
     python benchmarks/convert.py --preset q4_k_m --marginal   # also at twice the layers: the rate per further GB
+    python benchmarks/convert.py --preset q4_k_m --expert-format int4   # the 4-bit requantizer's search
 
 For each preset it generates a GGUF with Qwen3-30B-A3B's layer sizes (hidden 2048, 128 experts,
 top-8, expert ffn 768; fewer layers), warms the page cache, then alternates `cp FILE` and
@@ -65,7 +66,7 @@ def best(runs: list[Run]) -> Run:
     return Run(min(r.seconds for r in runs), max(r.peak_rss for r in runs))
 
 
-def bench_preset(preset: str, layers: int, repeats: int, workdir: Path) -> dict:
+def bench_preset(preset: str, layers: int, repeats: int, workdir: Path, convert_args: list[str]) -> dict:
     src = workdir / f"qwen3moe-30b-sizes-{preset}-{layers}l.gguf"
     t0 = time.perf_counter()
     # In a child process: the generator holds the whole model in memory, and a big parent would
@@ -87,7 +88,8 @@ def bench_preset(preset: str, layers: int, repeats: int, workdir: Path) -> dict:
         dst.unlink()
         dd_runs.append(measure(["dd", f"if={src}", f"of={dst}", "bs=8M", "status=none"]))
         dst.unlink()
-        cv_runs.append(measure([sys.executable, "-m", "moepass.cli", "convert", str(src), "-o", str(out), "-q"]))
+        cv_runs.append(measure([sys.executable, "-m", "moepass.cli", "convert", str(src), "-o", str(out), "-q",
+                                *convert_args]))
         out_bytes = sum(p.stat().st_size for p in out.iterdir())
         shutil.rmtree(out)
         print(f"[{preset}] run {i + 1}: cp {cp_runs[-1].seconds:.2f} s, dd {dd_runs[-1].seconds:.2f} s, "
@@ -108,15 +110,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=None, help="where to put the generated files (default: a temp dir)")
     ap.add_argument("--marginal", action="store_true", help="also convert twice the layers: the rate of the extra bytes")
+    ap.add_argument("--expert-format", default=None, help="passed to convert (default: convert's own choice)")
     args = ap.parse_args()
+    convert_args = ["--expert-format", args.expert_format] if args.expert_format else []
     workdir = Path(tempfile.mkdtemp(prefix="moepass-bench-", dir=args.workdir))
     rows, marginal = [], []
     try:
         for preset in args.preset or sorted(DEFAULT_LAYERS):
             layers = args.layers or DEFAULT_LAYERS[preset]
-            rows.append(bench_preset(preset, layers, args.repeats, workdir))
+            rows.append(bench_preset(preset, layers, args.repeats, workdir, convert_args))
             if args.marginal:
-                rows.append(bench_preset(preset, 2 * layers, args.repeats, workdir))
+                rows.append(bench_preset(preset, 2 * layers, args.repeats, workdir, convert_args))
                 small, large = rows[-2:]
                 marginal.append((preset, small, large, (large["gguf_bytes"] - small["gguf_bytes"])
                                  / (large["convert_s"] - small["convert_s"]) / 1e9))
@@ -124,7 +128,7 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
     print(f"date {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
-          f"Python {platform.python_version()}")
+          f"Python {platform.python_version()}" + (f", convert {' '.join(convert_args)}" if convert_args else ""))
     print("| preset | layers | GGUF | cp | dd bs=8M | moepass convert | convert / cp | convert / dd | "
           "peak RSS cp | peak RSS convert |")
     print("|---|---|---|---|---|---|---|---|---|---|")
