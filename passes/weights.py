@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -100,8 +102,106 @@ class StreamedTensor(ir.LazyTensor):
         super().__init__(whole, dtype=dtype, shape=ir.Shape(shape), name=name)
 
     def tofile(self, file) -> None:
-        for chunk in self._chunks():
-            file.write(np.ascontiguousarray(chunk).data.cast("B"))
+        sink = DirectSink.open(file, self.nbytes)
+        if sink is None:
+            for chunk in self._chunks():
+                file.write(np.ascontiguousarray(chunk).data.cast("B"))
+            return
+        with sink:
+            for chunk in self._chunks():
+                sink.write(np.ascontiguousarray(chunk).data.cast("B"))
+
+
+# Tensors of at least this many bytes are written past the page cache (DirectSink)
+DIRECT_MIN_BYTES = 64 << 20
+_PAGE = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a multiple of every block size in use)
+_STAGING_BYTES = 16 << 20
+_staging = threading.local()
+
+
+class DirectSink:
+    """A large tensor's bytes written with O_DIRECT: from a reused, page-aligned staging buffer
+    straight to the disk, not copied into the page cache. A model many GB larger than the file it
+    came from would otherwise pass through the page cache whole: a kernel copy and a fresh page of
+    memory for every 4 KiB written (on a VM whose host backs fresh pages lazily, most of a
+    conversion's time), evicting what the user had cached. The unaligned head and tail (under 4 KiB
+    each) go through the ordinary file; where the file system refuses O_DIRECT (tmpfs) the whole
+    tensor does. `open` returns None for small tensors, or where there is no path to open."""
+
+    def __init__(self, file, direct_fd: int, position: int):
+        self.file, self.fd, self.direct_fd = file, file.fileno(), direct_fd
+        buffer = getattr(_staging, "buffer", None)
+        if buffer is None:
+            buffer = _staging.buffer = mmap.mmap(-1, _STAGING_BYTES)  # anonymous: page-aligned
+        self.staging = memoryview(buffer)
+        self.position = position  # where the staged bytes go
+        self.staged = 0
+        self.head = -position % _PAGE  # bytes the ordinary file takes before the first aligned offset
+
+    @classmethod
+    def open(cls, file, nbytes: int) -> DirectSink | None:
+        name = getattr(file, "name", None)
+        if nbytes < DIRECT_MIN_BYTES or not hasattr(os, "O_DIRECT") or not isinstance(name, (str, bytes, os.PathLike)):
+            return None
+        try:
+            direct_fd = os.open(name, os.O_WRONLY | os.O_DIRECT)
+        except OSError:
+            return None
+        file.flush()  # what the ordinary file holds goes first
+        return cls(file, direct_fd, file.tell())
+
+    def write(self, data: memoryview) -> None:
+        if self.head:
+            taken = min(self.head, len(data))
+            self._plain(data[:taken])
+            data, self.head = data[taken:], self.head - taken
+        while len(data):
+            taken = min(len(data), _STAGING_BYTES - self.staged)
+            self.staging[self.staged : self.staged + taken] = data[:taken]
+            self.staged += taken
+            data = data[taken:]
+            if self.staged == _STAGING_BYTES:
+                self._flush(_STAGING_BYTES)
+
+    def __enter__(self) -> DirectSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                aligned = self.staged - self.staged % _PAGE
+                if aligned:
+                    self._flush(aligned)
+                if self.staged:
+                    self._plain(self.staging[: self.staged])
+                    self.staged = 0
+                self.file.seek(self.position)
+        finally:
+            if self.direct_fd >= 0:
+                os.close(self.direct_fd)
+
+    def _flush(self, n: int) -> None:
+        """The first n staged bytes (a multiple of _PAGE) to the disk, the rest moved to the front."""
+        view = self.staging[:n]
+        try:
+            while len(view) and self.direct_fd >= 0:
+                written = os.pwrite(self.direct_fd, view, self.position)
+                view, self.position = view[written:], self.position + written
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            os.close(self.direct_fd)  # the file system takes O_DIRECT opens but not these writes
+            self.direct_fd = -1
+        self._plain(view)
+        rest = self.staged - n
+        self.staging[:rest] = self.staging[n : self.staged]
+        self.staged = rest
+
+    def _plain(self, data: memoryview) -> None:
+        """data through the ordinary file (and the page cache) at the current position."""
+        while len(data):
+            written = os.pwrite(self.fd, data, self.position)
+            data, self.position = data[written:], self.position + written
 
 
 def row_spans(src: SourceTensor, multiple: int = 1) -> Iterator[tuple[int, int]]:
