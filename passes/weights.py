@@ -19,7 +19,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -120,23 +120,25 @@ _staging = threading.local()
 
 
 class DirectSink:
-    """A large tensor's bytes written with O_DIRECT: from a reused, page-aligned staging buffer
-    straight to the disk, not copied into the page cache. A model many GB larger than the file it
-    came from would otherwise pass through the page cache whole: a kernel copy and a fresh page of
-    memory for every 4 KiB written (on a VM whose host backs fresh pages lazily, most of a
-    conversion's time), evicting what the user had cached. The unaligned head and tail (under 4 KiB
-    each) go through the ordinary file; where the file system refuses O_DIRECT (tmpfs) the whole
-    tensor does. `open` returns None for small tensors, or where there is no path to open."""
+    """A large tensor's bytes written with O_DIRECT: staged in two reused, page-aligned buffers, one
+    filled while a thread writes the other straight to the disk, not copied into the page cache. A
+    model many GB larger than the file it came from would otherwise pass through the page cache
+    whole: a kernel copy and a fresh page of memory for every 4 KiB written (on a VM whose host
+    backs fresh pages lazily, most of a conversion's time), evicting what the user had cached. The
+    unaligned head and tail (under 4 KiB each) go through the ordinary file; where the file system
+    refuses O_DIRECT (tmpfs: the open; or the writes, EINVAL) the whole tensor or its rest does.
+    `open` returns None for small tensors, or where there is no path to open."""
 
     def __init__(self, file, direct_fd: int, position: int):
         self.file, self.fd, self.direct_fd = file, file.fileno(), direct_fd
-        buffer = getattr(_staging, "buffer", None)
-        if buffer is None:
-            buffer = _staging.buffer = mmap.mmap(-1, _STAGING_BYTES)  # anonymous: page-aligned
-        self.staging = memoryview(buffer)
-        self.position = position  # where the staged bytes go
-        self.staged = 0
+        buffers = getattr(_staging, "buffers", None)
+        if buffers is None or len(buffers[0]) != _STAGING_BYTES:  # anonymous maps: page-aligned
+            buffers = _staging.buffers = tuple(memoryview(mmap.mmap(-1, _STAGING_BYTES)) for _ in range(2))
+        self.buffers, self.current, self.staged = buffers, 0, 0
+        self.position = position  # where the bytes staged next go
         self.head = -position % _PAGE  # bytes the ordinary file takes before the first aligned offset
+        self.disk = ThreadPoolExecutor(1)
+        self.pending: Future | None = None
 
     @classmethod
     def open(cls, file, nbytes: int) -> DirectSink | None:
@@ -153,55 +155,60 @@ class DirectSink:
     def write(self, data: memoryview) -> None:
         if self.head:
             taken = min(self.head, len(data))
-            self._plain(data[:taken])
-            data, self.head = data[taken:], self.head - taken
+            self._plain(data[:taken], self.position)
+            data, self.head, self.position = data[taken:], self.head - taken, self.position + taken
         while len(data):
+            staging = self.buffers[self.current]
             taken = min(len(data), _STAGING_BYTES - self.staged)
-            self.staging[self.staged : self.staged + taken] = data[:taken]
+            staging[self.staged : self.staged + taken] = data[:taken]
             self.staged += taken
             data = data[taken:]
-            if self.staged == _STAGING_BYTES:
-                self._flush(_STAGING_BYTES)
+            if self.staged == _STAGING_BYTES:  # to the disk while the other buffer fills
+                self._wait()
+                self.pending = self.disk.submit(self._direct, staging, self.position)
+                self.position += _STAGING_BYTES
+                self.current, self.staged = 1 - self.current, 0
 
     def __enter__(self) -> DirectSink:
         return self
 
     def __exit__(self, *exc) -> None:
         try:
+            self._wait()  # also after an error: no thread may still be reading a staging buffer
             if exc[0] is None:
-                aligned = self.staged - self.staged % _PAGE
-                if aligned:
-                    self._flush(aligned)
-                if self.staged:
-                    self._plain(self.staging[: self.staged])
-                    self.staged = 0
+                staging, aligned = self.buffers[self.current], self.staged - self.staged % _PAGE
+                self._direct(staging[:aligned], self.position)
+                self._plain(staging[aligned : self.staged], self.position + aligned)
+                self.position += self.staged
                 self.file.seek(self.position)
         finally:
+            self.disk.shutdown()
             if self.direct_fd >= 0:
                 os.close(self.direct_fd)
 
-    def _flush(self, n: int) -> None:
-        """The first n staged bytes (a multiple of _PAGE) to the disk, the rest moved to the front."""
-        view = self.staging[:n]
+    def _wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def _direct(self, data: memoryview, position: int) -> None:
+        """data (a multiple of _PAGE bytes, page-aligned) to the disk at position."""
         try:
-            while len(view) and self.direct_fd >= 0:
-                written = os.pwrite(self.direct_fd, view, self.position)
-                view, self.position = view[written:], self.position + written
+            while len(data) and self.direct_fd >= 0:
+                written = os.pwrite(self.direct_fd, data, position)
+                data, position = data[written:], position + written
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             os.close(self.direct_fd)  # the file system takes O_DIRECT opens but not these writes
             self.direct_fd = -1
-        self._plain(view)
-        rest = self.staged - n
-        self.staging[:rest] = self.staging[n : self.staged]
-        self.staged = rest
+        self._plain(data, position)
 
-    def _plain(self, data: memoryview) -> None:
-        """data through the ordinary file (and the page cache) at the current position."""
+    def _plain(self, data: memoryview, position: int) -> None:
+        """data through the ordinary file (and the page cache) at position."""
         while len(data):
-            written = os.pwrite(self.fd, data, self.position)
-            data, self.position = data[written:], self.position + written
+            written = os.pwrite(self.fd, data, position)
+            data, position = data[written:], position + written
 
 
 def row_spans(src: SourceTensor, multiple: int = 1) -> Iterator[tuple[int, int]]:

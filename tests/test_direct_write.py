@@ -63,7 +63,7 @@ def test_direct_writes_give_the_buffered_bytes(tmp_path, monkeypatch, chunk):
     buffered = _save(tmp_path / "buffered", SIZES, chunk)
     monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
     monkeypatch.setattr(weights, "_STAGING_BYTES", 2 * 4096)  # several flushes per tensor
-    monkeypatch.setattr(weights._staging, "buffer", None, raising=False)
+    monkeypatch.setattr(weights._staging, "buffers", None, raising=False)
     monkeypatch.setattr(os, "open", spy_open)
     assert _save(tmp_path / "direct", SIZES, chunk) == buffered
     if not opened:
@@ -118,3 +118,33 @@ def test_a_conversion_written_directly_is_the_same(tmp_path, make_gguf, converte
     moepass.convert(make_gguf("q4_k"), tmp_path / "direct")
     assert filecmp.cmp(tmp_path / "direct" / "model.onnx.data", converted("q4_k") / "model.onnx.data", shallow=False)
     assert filecmp.cmp(tmp_path / "direct" / "model.onnx", converted("q4_k") / "model.onnx", shallow=False)
+
+
+def test_a_full_disk_in_the_background_write_is_raised(tmp_path, monkeypatch):
+    """The staging buffers go to the disk on a thread: its error (ENOSPC) reaches the writer."""
+    import errno
+
+    real_open = os.open
+    direct_fds: set[int] = set()
+
+    def spy_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    real_pwrite = os.pwrite
+
+    def full_pwrite(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
+    monkeypatch.setattr(weights, "_STAGING_BYTES", 2 * 4096)
+    monkeypatch.setattr(weights._staging, "buffers", None, raising=False)
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "pwrite", full_pwrite)
+    with pytest.raises(OSError) as raised:
+        _save(tmp_path / "full", SIZES, 999)
+    assert raised.value.errno == errno.ENOSPC
