@@ -722,37 +722,45 @@ def _quantize_blocks8(x, half, codes, scales, sums):
     sums[1] += reference
 
 
-# Blocks searched together: each candidate's fits run over every block of a group before the
-# next step, so the fits' latency chains (a sum, a division, the next fit) overlap.
-GROUP = 8
-
-
-@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
-def _moments(x, b, inverse, lo, hi):
-    """(sum x q, sum q q) over block b of x for q = clip(rint(x[b] * inverse), lo, hi): the sums of
-    _codes_moments (exact terms, so reassociated they keep their bits) without storing q. Rows are
-    indexed, not sliced: a slice costs two reference counts."""
-    xq = 0.0
-    qq = 0.0
-    for i in range(x.shape[1]):
-        c = np.float64(min(max(np.rint(x[b, i] * inverse), lo), hi))
-        xq += np.float64(x[b, i]) * c
-        qq += c * c
-    return xq, qq
+# Blocks searched together, one to a lane: a group's blocks are laid side by side (element i of
+# block j at [i, j]), so that each fit's loop runs over the lanes, which vectorizes without
+# reassociating a block's sums: each is added in element order, whatever the CPU's vector width.
+GROUP = 16
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _moments_weighted(x, w, b, inverse, lo, hi):
-    """_codes_moments_weighted over block b without storing q (weights w[b % len(w)]): sums in
-    element order."""
-    r = b % w.shape[0]
-    xq = 0.0
-    qq = 0.0
-    for i in range(x.shape[1]):
-        c = min(max(np.rint(x[b, i] * inverse), lo), hi)
-        xq += np.float64(w[r, i]) * np.float64(x[b, i]) * np.float64(c)
-        qq += np.float64(w[r, i]) * np.float64(c) * np.float64(c)
-    return xq, qq
+def _lane_fits(xt, inverse, lo, hi, xq, qq):
+    """For every lane j of xt [n, GROUP]: (sum x q, sum q q) over its block for q = clip(rint(x *
+    inverse[j]), lo, hi), into xq[j], qq[j] (the sums of _codes_moments without storing q)."""
+    for j in range(GROUP):
+        xq[j] = 0.0
+        qq[j] = 0.0
+    for i in range(xt.shape[0]):
+        for j in range(GROUP):
+            c = np.float64(min(max(np.rint(xt[i, j] * inverse[j]), lo), hi))
+            xq[j] += np.float64(xt[i, j]) * c
+            qq[j] += c * c
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _lane_fits_weighted(xt, wt, inverse, lo, hi, xq, qq):
+    """_lane_fits with the weights wt [n, GROUP] of each lane's block (_codes_moments_weighted's sums)."""
+    for j in range(GROUP):
+        xq[j] = 0.0
+        qq[j] = 0.0
+    for i in range(xt.shape[0]):
+        for j in range(GROUP):
+            c = min(max(np.rint(xt[i, j] * inverse[j]), lo), hi)
+            xq[j] += np.float64(wt[i, j]) * np.float64(xt[i, j]) * np.float64(c)
+            qq[j] += np.float64(wt[i, j]) * np.float64(c) * np.float64(c)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _lane_fit(xt, wt, weighted, inverse, lo, hi, xq, qq):
+    if weighted:
+        _lane_fits_weighted(xt, wt, inverse, lo, hi, xq, qq)
+    else:
+        _lane_fits(xt, inverse, lo, hi, xq, qq)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
@@ -787,52 +795,50 @@ def _block_extreme(x, bits, b):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _group_fit(x, w, weighted, g, lanes, inverse, lo, hi, xq, qq):
-    """The sums of block g + j's codes at inverse scale inverse[j], for j < lanes."""
-    for j in range(lanes):
-        if weighted:
-            xq[j], qq[j] = _moments_weighted(x, w, g + j, inverse[j], lo, hi)
-        else:
-            xq[j], qq[j] = _moments(x, g + j, inverse[j], lo, hi)
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
 def _search4(x, w, weighted, search, half, codes, scales, sums):
     """Symmetric 4-bit quantization of float32 blocks x [n_blocks, block] (weighted by w[b % len(w)]
     when `weighted`) by SCALE_SEARCH: packed codes u = c + 8 into `codes` [n_blocks, block / 2]
     (element 2i in the low nibble), scales into `scales`, sums as _quantize_blocks8's. Each block's
-    arithmetic is its own whatever the grouping, so the bytes do not depend on it or on the CPU;
-    the codes kept are made again from the kept candidate's inverse scale."""
+    arithmetic is its own whatever the grouping (a group's unused lanes hold zeros and are not
+    read), so the bytes do not depend on it or on the CPU; the codes kept are made again from the
+    kept candidate's inverse scale."""
     n_blocks, n = x.shape
     lo, hi = np.float32(-8.0), np.float32(7.0)
-    extreme = np.empty(GROUP, np.float32)
-    inverse = np.empty(GROUP, np.float32)
-    xq = np.empty(GROUP)
-    qq = np.empty(GROUP)
-    least = np.empty(GROUP)
-    chosen = np.empty(GROUP, np.float32)
-    kept = np.empty(GROUP, np.float32)  # the inverse scale whose codes a block keeps
+    extreme = np.zeros(GROUP, np.float32)
+    inverse = np.zeros(GROUP, np.float32)
+    xq = np.zeros(GROUP)
+    qq = np.zeros(GROUP)
+    least = np.zeros(GROUP)
+    chosen = np.zeros(GROUP, np.float32)
+    kept = np.zeros(GROUP, np.float32)  # the inverse scale whose codes a block keeps
+    xt = np.zeros((n, GROUP), np.float32)  # the group's blocks side by side
+    wt = np.ones((n, GROUP), np.float32)  # and their weights
     q = np.empty(n, np.float32)
     error = 0.0
     reference = 0.0
     bits_of = x.view(np.int32)
     for g in range(0, n_blocks, GROUP):
         lanes = min(GROUP, n_blocks - g)
+        for j in range(GROUP):
+            extreme[j], least[j], chosen[j], kept[j] = 0.0, np.inf, 0.0, 0.0
+            for i in range(n):
+                xt[i, j] = x[g + j, i] if j < lanes else np.float32(0.0)
+            if weighted and j < lanes:
+                r = (g + j) % w.shape[0]
+                for i in range(n):
+                    wt[i, j] = w[r, i]
         for j in range(lanes):
             extreme[j], xx = _block_extreme(x, bits_of, g + j)
             reference += xx
-            least[j] = np.inf
-            chosen[j] = 0.0
-            kept[j] = 0.0
         for d in search:
-            for j in range(lanes):
+            for j in range(GROUP):
                 scale = extreme[j] / -(np.float32(8.0) + d)
                 inverse[j] = np.float32(0.0) if scale == 0 else np.float32(1.0) / scale
-            _group_fit(x, w, weighted, g, lanes, inverse, lo, hi, xq, qq)
-            for j in range(lanes):  # rounded once, refitted: round again
+            _lane_fit(xt, wt, weighted, inverse, lo, hi, xq, qq)
+            for j in range(GROUP):  # rounded once, refitted: round again
                 first = np.float32(xq[j] / qq[j]) if qq[j] > 0 else np.float32(0.0)
                 inverse[j] = np.float32(0.0) if first == 0 else np.float32(1.0) / first
-            _group_fit(x, w, weighted, g, lanes, inverse, lo, hi, xq, qq)
+            _lane_fit(xt, wt, weighted, inverse, lo, hi, xq, qq)
             for j in range(lanes):
                 s = np.float32(xq[j] / qq[j]) if qq[j] > 0 else np.float32(0.0)
                 # the (weighted) error less sum w x^2, the same for every candidate: only exact
