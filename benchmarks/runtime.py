@@ -2,6 +2,7 @@
 
     python benchmarks/runtime.py                       # Q4_0, Q4_K_M and Q8_0, 6 layers
     python benchmarks/runtime.py --presets q4_0 --layers 6 --rounds 2
+    python benchmarks/runtime.py --presets q4_k_m --layers 48 --expert-format int4   # full size, streamed
 
 Files: Qwen3-30B-A3B layer sizes (hidden 2048, 128 experts, top-8, expert ffn 768, 32 q / 4 kv
 heads x 128) and vocabulary (151,936 tokens: the LM head is a large share of a decode step), fewer
@@ -71,14 +72,23 @@ print(json.dumps(out))
 """
 
 
+# Files of more layers than this are streamed from the 3-layer one (make_fixtures.deepen_gguf): the
+# generator holds a whole model in memory, and 48 layers are 17-19 GB
+WRITTEN_WHOLE_LAYERS = 6
+
+
 def qwen3_sized_gguf(work: Path, preset: str, layers: int) -> Path:
     """The benchmarks' file: Qwen3-30B-A3B's layer sizes and vocabulary, `layers` layers, `preset`
-    (fixed seed), written into `work` unless it is there already."""
+    (fixed seed), written into `work` unless it is there already; past WRITTEN_WHOLE_LAYERS, the
+    3-layer file's layers repeated (in llama.cpp's Q4_K_M rule for `layers` where the preset has it)."""
     gguf = work / f"qwen3moe-30b-sizes-{preset}-{layers}l.gguf"
     if not gguf.exists():
         print(f"writing {gguf.name}", file=sys.stderr, flush=True)
-        make_fixtures.write_moe_gguf(gguf, preset, dataclasses.replace(make_fixtures.QWEN3_30B_DIMS, n_layers=layers),
-                                     seed=0)
+        if layers > WRITTEN_WHOLE_LAYERS:
+            make_fixtures.deepen_gguf(qwen3_sized_gguf(work, preset, 3), gguf, layers)
+        else:
+            dims = dataclasses.replace(make_fixtures.QWEN3_30B_DIMS, n_layers=layers)
+            make_fixtures.write_moe_gguf(gguf, preset, dims, seed=0)
     return gguf
 
 
