@@ -172,6 +172,12 @@ class ConvertResult:
                 "llama.cpp's fidelity; --expert-format int4 is about the GGUF's size, with more error "
                 "(docs/benchmarks.md)"
             )
+        memory = physical_memory()
+        if memory and self.output_bytes > memory:
+            lines.append(
+                f"    more than this machine's memory ({memory / 2**30:.1f} GiB): run here, a decode step reads "
+                "experts from the disk" + ("; --expert-format int4 is about the GGUF's size" if requantized8 else "")
+            )
         for target, nbytes in sorted(self.bytes_by_target.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {target:<18}{nbytes:>16,} bytes")
         inexact = len(self.weights) - self.n_exact
@@ -374,6 +380,14 @@ def convert(
         activations=activations,
         kv_cache=report["kv_cache"],
     )
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import importlib
 import json
 
 import numpy as np
@@ -55,6 +56,21 @@ def test_result_and_report(tmp_path, make_gguf):
     assert "x the GGUF" in lines and "--expert-format int4" in lines   # 8-bit experts: the size and the choice
     assert "x the GGUF" not in "\n".join(moepass.convert(make_gguf("q4_0"), tmp_path / "q4_0").summary_lines())
     assert result.output_bytes == sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
+    assert "memory" not in lines
+
+
+def test_a_model_larger_than_the_machines_memory_is_said(tmp_path, make_gguf, monkeypatch):
+    """A 48-layer Q4_K_M model with 8-bit experts (31 GB) on a 24 GiB machine: the summary says
+    that decoding there reads from the disk, and which form would fit."""
+    convert_module = importlib.import_module("moepass.convert")
+    result = moepass.convert(make_gguf("q4_k"), tmp_path / "out")
+    monkeypatch.setattr(convert_module, "physical_memory", lambda: result.output_bytes - 1)
+    lines = [line for line in result.summary_lines() if "memory" in line]
+    assert len(lines) == 1 and "reads experts from the disk" in lines[0] and "--expert-format int4" in lines[0]
+    exact = moepass.convert(make_gguf("q4_0"), tmp_path / "q4_0")
+    monkeypatch.setattr(convert_module, "physical_memory", lambda: exact.output_bytes - 1)
+    lines = [line for line in exact.summary_lines() if "memory" in line]
+    assert len(lines) == 1 and "--expert-format" not in lines[0]  # exact: no smaller form to offer
 
 
 @pytest.mark.parametrize("preset", ["q8_0", "q4_0", "q6_k", "q4_k"])
