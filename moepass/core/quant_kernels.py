@@ -757,6 +757,7 @@ def _lane_fits_weighted(xt, wt, inverse, lo, hi, xq, qq):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _lane_fit(xt, wt, weighted, inverse, lo, hi, xq, qq):
+    """_lane_fits, or _lane_fits_weighted when `weighted`."""
     if weighted:
         _lane_fits_weighted(xt, wt, inverse, lo, hi, xq, qq)
     else:
