@@ -128,3 +128,30 @@ def test_rejects_bad_input():
         quant_kernels.dequantize(np.zeros(34, np.uint8), GT.Q8_0, out=np.empty(31, np.float32))
     with pytest.raises(NotImplementedError):
         quant_kernels.dequantize(np.zeros(4, np.uint8), GT.F32)
+
+
+def test_to_half_is_numpys_float16_rounding():
+    """quant_kernels._to_half, which chooses every float16 scale the requantizer stores, rounds as
+    numpy's astype(float16) does: every float32 bit pattern of the binades where float16 turns
+    subnormal (2**-15 to 2**-13), of [1, 2) and around its largest value (65,000 to 70,000, where
+    it overflows to inf), both signs, and 2 million random patterns."""
+    from numba import njit
+
+    @njit
+    def rounded(values):
+        out = np.empty_like(values)
+        for i in range(values.size):
+            out[i] = quant_kernels._to_half(values[i])
+        return out
+
+    bounds = [(2.0**-15, 2.0**-13), (1.0, 2.0), (65000.0, 70000.0)]
+    patterns = [np.arange(np.float32(a).view(np.uint32), np.float32(b).view(np.uint32), dtype=np.uint32) for a, b in bounds]
+    patterns.append(np.random.default_rng(9).integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32))
+    values = np.concatenate(patterns).view(np.float32)
+    values = np.concatenate([values, -values])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # overflow to inf, as intended
+        expected = values.astype(np.float16).astype(np.float32)
+    got = rounded(values)
+    same = (got.view(np.uint32) == expected.view(np.uint32)) | (np.isnan(got) & np.isnan(expected))
+    assert same.all(), values[~same][:5]

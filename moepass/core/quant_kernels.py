@@ -28,14 +28,15 @@ specialization whatever the caller's array (a read-only memory map or a writable
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GT
 from gguf import quants as gq
-from numba import njit
+from llvmlite import ir as llvm_ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 __all__ = ["dequantize", "KERNELS", "quantize_rows", "any_non_finite_fp16", "q4_k_offsets"]
 
@@ -599,19 +600,36 @@ def any_non_finite_fp16(blocks: np.ndarray, fields: tuple[int, ...]) -> bool:
 SCALE_SEARCH = np.arange(-4, 5, dtype=np.float32) * np.float32(0.2)
 
 
+@intrinsic
+def _f32_bits(typingctx, x):
+    """A float32's bit pattern as int32 (LLVM's bitcast: numba has no scalar view)."""
+    if x != types.float32:
+        return None
+    return types.int32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], llvm_ir.IntType(32))
+
+
+@intrinsic
+def _f32_from_bits(typingctx, b):
+    """The float32 of an int32 bit pattern."""
+    if b != types.int32:
+        return None
+    return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], llvm_ir.FloatType())
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def _to_half(s):
     """The float16 nearest float32 `s` (ties to even, as numpy's astype(float16)), as float32;
-    beyond float16's range, inf. float16 keeps 11 significant bits down to 2**-14, then steps of
-    2**-24."""
+    beyond float16's range, inf. float16 keeps 11 significant bits down to 2**-14 (rounded on the
+    bit pattern: add half of the 13 bits dropped, less one unless the kept last bit is odd, and
+    clear them; a carry moves into the exponent as it should), then steps of 2**-24."""
     a = abs(s)
     if a == 0 or not np.isfinite(a):
         return s
     if a < np.float32(2.0**-14):
         return np.float32(np.rint(np.float64(s) * 2.0**24) * 2.0**-24)
-    m, e = math.frexp(np.float64(s))  # s = m 2**e, 0.5 <= |m| < 1
-    r = math.ldexp(np.rint(m * 2048.0) / 2048.0, e)
-    return np.float32(np.inf if r > 65504.0 else -np.inf if r < -65504.0 else r)
+    bits = _f32_bits(s)
+    r = _f32_from_bits(np.int32((bits + np.int32(0x0FFF) + ((bits >> np.int32(13)) & np.int32(1))) & np.int32(-0x2000)))
+    return np.float32(np.inf) if r > np.float32(65504.0) else np.float32(-np.inf) if r < np.float32(-65504.0) else r
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="never")
