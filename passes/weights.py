@@ -13,6 +13,7 @@ bit-exactly and its relative RMS error against the gguf package's dequantization
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import mmap
@@ -103,13 +104,10 @@ class StreamedTensor(ir.LazyTensor):
 
     def tofile(self, file) -> None:
         sink = DirectSink.open(file, self.nbytes)
-        if sink is None:
+        with sink or contextlib.nullcontext():
+            write = file.write if sink is None else sink.write
             for chunk in self._chunks():
-                file.write(np.ascontiguousarray(chunk).data.cast("B"))
-            return
-        with sink:
-            for chunk in self._chunks():
-                sink.write(np.ascontiguousarray(chunk).data.cast("B"))
+                write(np.ascontiguousarray(chunk).data.cast("B"))
 
 
 # Tensors of at least this many bytes are written past the page cache (DirectSink)
