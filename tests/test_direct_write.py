@@ -4,6 +4,7 @@ and the staging buffer's fill, and where the file system refuses O_DIRECT (tmpfs
 
 from __future__ import annotations
 
+import errno
 import filecmp
 import os
 from pathlib import Path
@@ -50,21 +51,40 @@ def _save(folder: Path, sizes: list[int], chunk: int) -> bytes:
 SIZES = [1031, 70_001, 3 * 4096 + 17, 100_000, 4096, 2053]
 
 
-@pytest.mark.parametrize("chunk", [1, 999, 4096, 50_000])
-def test_direct_writes_give_the_buffered_bytes(tmp_path, monkeypatch, chunk):
-    opened = []
+def _direct_fds(monkeypatch) -> list[int]:
+    """The descriptors opened with O_DIRECT from now on, one entry an open (os.open watched)."""
+    fds: list[int] = []
     real_open = os.open
 
     def spy_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
         if flags & os.O_DIRECT:
-            opened.append(path)
-        return real_open(path, flags, *args)
+            fds.append(fd)
+        return fd
 
+    monkeypatch.setattr(os, "open", spy_open)
+    return fds
+
+
+def _refuse_direct_writes(monkeypatch, fds: list[int], code: int) -> None:
+    """Every write to these descriptors fails with errno `code`; the others go through."""
+    real_pwrite = os.pwrite
+
+    def refusing_pwrite(fd, data, offset):
+        if fd in fds:
+            raise OSError(code, os.strerror(code))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+
+
+@pytest.mark.parametrize("chunk", [1, 999, 4096, 50_000])
+def test_direct_writes_give_the_buffered_bytes(tmp_path, monkeypatch, chunk):
     buffered = _save(tmp_path / "buffered", SIZES, chunk)
     monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
     monkeypatch.setattr(weights, "_STAGING_BYTES", 2 * 4096)  # several flushes per tensor
     monkeypatch.setattr(weights._staging, "buffers", None, raising=False)
-    monkeypatch.setattr(os, "open", spy_open)
+    opened = _direct_fds(monkeypatch)
     assert _save(tmp_path / "direct", SIZES, chunk) == buffered
     if not opened:
         pytest.skip(f"{tmp_path}: this file system refuses O_DIRECT (the buffered path ran)")
@@ -88,27 +108,9 @@ def test_a_file_system_without_o_direct_gets_the_buffered_bytes(tmp_path, monkey
 def test_writes_refused_after_the_open_fall_back(tmp_path, monkeypatch):
     """A file system that opens with O_DIRECT but refuses the writes (EINVAL: an alignment it
     wants larger) gets the rest of the tensor through the ordinary file."""
-    import errno
-
-    real_pwrite = os.pwrite
-    direct_fds: set[int] = set()
-    real_open = os.open
-
-    def spy_open(path, flags, *args):
-        fd = real_open(path, flags, *args)
-        if flags & os.O_DIRECT:
-            direct_fds.add(fd)
-        return fd
-
-    def refusing_pwrite(fd, data, offset):
-        if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
     buffered = _save(tmp_path / "buffered", SIZES, 999)
     monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
-    monkeypatch.setattr(os, "open", spy_open)
-    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+    _refuse_direct_writes(monkeypatch, _direct_fds(monkeypatch), errno.EINVAL)
     assert _save(tmp_path / "refused", SIZES, 999) == buffered
 
 
@@ -122,29 +124,10 @@ def test_a_conversion_written_directly_is_the_same(tmp_path, make_gguf, converte
 
 def test_a_full_disk_in_the_background_write_is_raised(tmp_path, monkeypatch):
     """The staging buffers go to the disk on a thread: its error (ENOSPC) reaches the writer."""
-    import errno
-
-    real_open = os.open
-    direct_fds: set[int] = set()
-
-    def spy_open(path, flags, *args):
-        fd = real_open(path, flags, *args)
-        if flags & os.O_DIRECT:
-            direct_fds.add(fd)
-        return fd
-
-    real_pwrite = os.pwrite
-
-    def full_pwrite(fd, data, offset):
-        if fd in direct_fds:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, offset)
-
     monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
     monkeypatch.setattr(weights, "_STAGING_BYTES", 2 * 4096)
     monkeypatch.setattr(weights._staging, "buffers", None, raising=False)
-    monkeypatch.setattr(os, "open", spy_open)
-    monkeypatch.setattr(os, "pwrite", full_pwrite)
+    _refuse_direct_writes(monkeypatch, _direct_fds(monkeypatch), errno.ENOSPC)
     with pytest.raises(OSError) as raised:
         _save(tmp_path / "full", SIZES, 999)
     assert raised.value.errno == errno.ENOSPC
