@@ -34,7 +34,7 @@ import onnx_ir as ir
 from moepass.core.choices import KV_CACHE_TYPES, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import MODEL_FILE, load_model
-from moepass.core.ir_values import required_input
+from moepass.core.ir_values import folded, required_input
 
 CALIBRATION_TOKENS = 256
 INT8_MAX = 127
@@ -150,18 +150,22 @@ def cache_ranges(decoder, ids: Sequence[int], rotations: dict[str, Rotation | No
     return ranges
 
 
-def rotation_of(node: ir.Node) -> Rotation | None:
+def rotation_of(node: ir.Node, folded_tables: dict[ir.Value, np.ndarray] | None = None) -> Rotation | None:
     """A GroupQueryAttention's Rotation (None where it rotates nothing: do_rotary off, its keys
     rotated already by the graph before it, which does not say how; such a model's key channels get
-    the largest magnitudes seen)."""
+    the largest magnitudes seen). Its tables are constants, or computed from constants (rope_tables),
+    folded here once per table into `folded_tables`."""
     if not node.attributes.get_int("do_rotary", 0):
         return None
+    memo = {} if folded_tables is None else folded_tables
     tables = []
     for index in (7, 8):
-        table = required_input(node, index).const_value
-        if table is None or len(table.shape) != 2:
-            raise MoepassError(f"{node.name}: input {index}, the rotary table, is not a constant [positions, pairs]")
-        tables.append(table.numpy())
+        value = required_input(node, index)
+        if value not in memo:
+            memo[value] = folded(value)
+        if memo[value].ndim != 2:
+            raise MoepassError(f"{node.name}: input {index}, the rotary table, is not [positions, pairs]")
+        tables.append(memo[value])
     if tables[0].shape != tables[1].shape:
         raise MoepassError(f"{node.name}: the rotary cos and sin tables differ in shape")
     return Rotation(tables[0], tables[1], bool(node.attributes.get_int("rotary_interleaved", 0)))
@@ -200,7 +204,8 @@ def set_kv_cache(
         from moepass.runtime import Decoder
 
         echo("calibrating the int8 KV cache")
-        rotations = {node.outputs[1].name or "": rotation_of(node) for node in attention}
+        folded_tables: dict[ir.Value, np.ndarray] = {}
+        rotations = {node.outputs[1].name or "": rotation_of(node, folded_tables) for node in attention}
         decoder = Decoder(folder, device="cpu", threads=threads)
         length = min(CALIBRATION_TOKENS, context or CALIBRATION_TOKENS)
         ids, info["calibration"] = calibration_ids(decoder, text, length)

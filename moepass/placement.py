@@ -47,7 +47,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths, one_of
 from moepass.core.errors import MoepassError
-from moepass.core.ir_values import dim, dtype_of
+from moepass.core.ir_values import dim, dtype_of, folded, input_at
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.popularity import Popularity
 
@@ -145,6 +145,15 @@ class MemoryModel:
             raise MoepassError("the model has no QMoE/MoE node: nothing to place")
         expert_names = {v.name for m in nodes for v in m.expert_values}
         non_expert = sum(tensor_bytes(v) for v in graph.initializers.values() if v.name not in expert_names)
+        # tables the session folds from constants when it loads (RoPE: passes/lower/rope.py rope_tables)
+        computed = {
+            v
+            for node in graph
+            if node.op_type == "GroupQueryAttention"
+            for v in (input_at(node, 7), input_at(node, 8))
+            if v is not None and v.const_value is None
+        }
+        non_expert += sum(folded(v).nbytes for v in computed)
         groups = [ExpertGroup(m.name, m.experts, m.top_k, m.bytes_per_expert, m.ffn) for m in nodes]
         kv_per_token, heads, kv_heads, head_dim = 0, 0, 0, 0
         for value in graph.inputs:

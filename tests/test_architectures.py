@@ -6,14 +6,19 @@
 from __future__ import annotations
 
 import filecmp
+import types
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
+from onnx_ir import tape as ir_tape
 import make_fixtures
 
 import moepass
-from moepass.core.architectures import ARCHITECTURES
+from moepass.core.architectures import ARCHITECTURES, Rope
+from moepass.core.files import load_model
+from moepass.core.ir_values import folded
 
 
 def test_legacy_per_expert_mixtral_converts_like_stacked(make_gguf, converted, tmp_path):
@@ -151,6 +156,49 @@ def test_yarn_tables_match_the_yarn_formula():
     assert 0 < low < high < d // 2  # the ramp is exercised
 
 
+@pytest.mark.parametrize("rope, head, factors, act", [
+    (Rope(base=1000000.0), 128, None, ir.DataType.FLOAT),  # Qwen3
+    (Rope(base=10000.0, freq_scale=0.25), 64, None, ir.DataType.FLOAT),  # linear scaling
+    (Rope(base=150000.0, freq_scale=1 / 32, ext_factor=1.0, attn_factor=1.0, n_ctx_orig=4096), 64, None,
+     ir.DataType.FLOAT),  # gpt-oss's YaRN
+    (Rope(base=10000.0, attn_factor=1.5), 96, np.linspace(1.0, 40.0, 48, dtype=np.float32), ir.DataType.FLOAT),
+    (Rope(base=150000.0, freq_scale=1 / 32, ext_factor=1.0, attn_factor=1.0, n_ctx_orig=4096), 64, None,
+     ir.DataType.FLOAT16),  # the offload format's tables
+])
+def test_rope_tables_in_the_graph_are_rope_caches_to_the_bit(rope, head, factors, act):
+    """The RoPE tables a converted model computes from constants (folded by ONNX Runtime when the
+    session loads) are rope_cache's, every value of 4,096 positions, bit for bit."""
+    from moepass.passes.lower.rope import rope_cache, rope_tables
+
+    builder = types.SimpleNamespace(tape=ir_tape.Tape(), act=act, const=lambda key, array: builder.tape.initializer(
+        ir.Tensor(array, name=key), name=key), ints=lambda *v: builder.tape.initializer(
+        ir.Tensor(np.array(v, np.int64), name="ints"), name="ints"))
+    cos, sin = rope_tables(builder, 4096, head, rope, factors)
+    ir.Graph([], [cos, sin], nodes=builder.tape.nodes, initializers=builder.tape.initializers,
+             opset_imports={"": 21})
+    expected = rope_cache(4096, head, rope, factors)
+    dtype = np.float16 if act == ir.DataType.FLOAT16 else np.float32
+    for ours, theirs in zip((cos, sin), expected):
+        np.testing.assert_array_equal(folded(ours), theirs.astype(dtype))
+    assert {n.op_type for n in builder.tape.nodes} >= {"Range", "Mul", "Concat", "Cos", "Sin"}
+
+
+def test_folded_names_a_value_it_cannot_compute():
+    """ir_values.folded on a value that reads a graph input, and on constants ONNX Runtime has no
+    kernel for (a hostile model's): one MoepassError naming the value."""
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
+    reads_input = ir.node("Cos", [x], name="cos_of_input")
+    ints = ir.Value(name="ints", const_value=ir.tensor(np.arange(3, dtype=np.int64), name="ints"))
+    no_kernel = ir.node("Cos", [ints], name="cos_of_ints")
+    reads_input.outputs[0].name, no_kernel.outputs[0].name = "a", "b"
+    ir.Graph([x], [reads_input.outputs[0], no_kernel.outputs[0]], nodes=[reads_input, no_kernel],
+             initializers=[ints], opset_imports={"": 21})
+    with pytest.raises(moepass.MoepassError, match="value 'a' is not computed from at most 256 nodes on constants"):
+        folded(reads_input.outputs[0])
+    with pytest.raises(moepass.MoepassError, match="value 'b': ONNX Runtime cannot compute it from its constants"):
+        folded(no_kernel.outputs[0])
+
+
 @pytest.mark.parametrize("omit,message", [
     ({"tensors": ("blk.2.attn_sinks.weight",)}, "missing tensor 'blk.2.attn_sinks.weight'"),
     ({"tensors": ("blk.0.ffn_up_exps.bias",)}, "missing tensor 'blk.0.ffn_up_exps.bias'"),
@@ -181,8 +229,8 @@ def test_deepseek2_graph_latent_cache_dense_block_and_routing(make_gguf, convert
     assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["rotary_interleaved"]) == (4, 1, 1)
     mscale = 1 + 0.1 * 0.707 * np.log(40.0)  # YaRN x40, mscale_all_dim 0.707 (stored as 0.0707)
     assert attrs["scale"] == pytest.approx(mscale ** 2 / np.sqrt(64), rel=1e-5)
-    cos = next(t for t in model.graph.initializer if t.name == "rope.cos_cache")
-    assert list(cos.dims) == [512, 16]  # RoPE over 32 of the 96 head dims
+    gqa = next(n for n in load_model(converted("q4_0", arch="deepseek2")).graph if n.op_type == "GroupQueryAttention")
+    assert folded(gqa.inputs[7]).shape == (512, 16)  # RoPE over 32 of the 96 head dims
     # sigmoid gating: ONNX Runtime's fused group router
     routers = _ops(model, "MoEGroupRouter")
     assert len(routers) == 2

@@ -42,6 +42,61 @@ def tensor_of(value: ir.Value | None) -> ir.TensorProtocol:
     return tensor
 
 
+def folded(value: ir.Value, limit: int = 256) -> np.ndarray:
+    """The array a value computed from constants alone holds (the RoPE tables of
+    passes/lower/rope.py rope_tables), as ONNX Runtime folds it when a session loads: the nodes it
+    depends on (at most `limit`) run in a CPU session of their own. MoepassError where it depends
+    on a graph input, or on more nodes."""
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    graph = value.graph
+    if graph is None:
+        raise MoepassError(f"value {value.name!r} belongs to no graph")
+    nodes: list[ir.Node] = []  # each after the nodes it reads
+    seen: set[int] = set()
+    constants: dict[str, ir.TensorProtocol] = {}
+
+    def visit(current: ir.Value) -> None:
+        if current.const_value is not None:
+            constants[current.name or ""] = current.const_value
+            return
+        node = current.producer()
+        if node is None or len(nodes) >= limit:
+            raise MoepassError(f"value {value.name!r} is not computed from at most {limit} nodes on constants")
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for read in node.inputs:
+            if read is not None:
+                visit(read)
+        nodes.append(node)
+
+    visit(value)
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [ir.serde.serialize_node(n) for n in nodes],
+            "folded",
+            [],
+            [onnx.ValueInfoProto(name=value.name or "")],  # its type is inferred
+            [ir.serde.serialize_tensor(t) for t in constants.values()],
+        ),
+        opset_imports=[onnx.helper.make_opsetid(domain, version) for domain, version in graph.opset_imports.items()],
+    )
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return session.run([value.name or ""], {})[0]
+    except Exception as error:  # ONNX Runtime's own errors, one class per status
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise MoepassError(
+            f"value {value.name!r}: ONNX Runtime cannot compute it from its constants: {first}"
+        ) from None
+
+
 def stored_constant(value: ir.Value | None) -> ir.Value | None:
     """The initializer that holds `value`: itself, or the one a Cast widens into it (scales stored
     in float16 for a kernel that takes the activation type; ONNX Runtime folds the Cast when the

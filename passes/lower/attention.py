@@ -5,7 +5,6 @@ uses)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import onnx_ir as ir
@@ -14,7 +13,7 @@ from moepass.core.architectures import ROPE_STYLES, latent_dims
 from moepass.core.errors import MoepassError
 from moepass.core.quants import dequantize
 from moepass.passes.lower.graph_builder import GraphBuilder
-from moepass.passes.lower.rope import rope_cache
+from moepass.passes.lower.rope import rope_tables
 
 
 @dataclasses.dataclass
@@ -59,9 +58,7 @@ def attention_inputs(builder: GraphBuilder, mask: ir.Value) -> AttentionInputs:
         raise ValueError("hyperparameters without their RoPE (architectures.read_rope)")
     # LongRoPE: the factors llama.cpp takes for a context of `positions` (Rope.long_factors)
     factors = rope.freq_factors(positions)
-    tables = functools.cache(lambda: rope_cache(positions, rotary, rope, factors))  # cos and sin from one pass
-    cos = builder.lazy_initializer("rope.cos_cache", builder.act, (positions, rotary // 2), lambda: tables()[0])
-    sin = builder.lazy_initializer("rope.sin_cache", builder.act, (positions, rotary // 2), lambda: tables()[1])
+    cos, sin = rope_tables(builder, positions, rotary, rope, factors)
     multiplied = builder.arch.features.multipliers and hparams.attention_scale
     scale = hparams.attention_scale if multiplied else 1.0 / np.sqrt(head_size)
     if latent:  # llama.cpp's deepseek2: mscale^2 / sqrt(key head), mscale from YaRN's log multiplier
