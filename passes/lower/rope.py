@@ -1,9 +1,9 @@
 """RoPE tables: the cos/sin that GroupQueryAttention rotates queries and keys by, as llama.cpp computes them.
 
 rope_cache computes them in numpy; rope_tables writes the same computation into the graph, a few
-dozen nodes on constants that ONNX Runtime folds when it loads the model, so that the file does not
-hold tables of [context, rotary / 2] twice over (21 MB at a 40,960-token context, more than a
-Q4_0 file saves on its own layout; tests/test_architectures.py checks the two agree to the bit).
+dozen nodes on constants that ONNX Runtime folds when it loads the model, as llama.cpp computes its
+own at load, so that the file does not hold the two [context, rotary / 2] tables (21 MB at a
+40,960-token context; tests/test_architectures.py checks the two computations agree to the bit).
 """
 
 from __future__ import annotations
