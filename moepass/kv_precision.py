@@ -34,7 +34,7 @@ import onnx_ir as ir
 from moepass.core.choices import KV_CACHE_TYPES, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import MODEL_FILE, load_model
-from moepass.core.ir_values import folded, required_input
+from moepass.core.ir_values import dim, dtype_of, folded, required_input
 
 CALIBRATION_TOKENS = 256
 INT8_MAX = 127
@@ -57,6 +57,17 @@ def cache_type_of(model: ir.Model) -> str | None:
     names = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.INT8: "int8"}
     past = next((v for v in model.graph.inputs if (v.name or "").startswith("past_key_values.")), None)
     return None if past is None or past.dtype is None else names.get(past.dtype)
+
+
+def kv_bytes_per_position(graph: ir.Graph) -> int:
+    """Bytes the KV cache holds for one position of one sequence: every layer's keys and values, in
+    each cache input's own type (int8: 1 byte a value); 0 without a cache."""
+    total = 0
+    for value in graph.inputs:
+        if (value.name or "").startswith("past_key_values.") and value.shape is not None:
+            kv_heads, head_dim = dim(value.shape, 1, f"{value.name}"), dim(value.shape, 3, f"{value.name}")
+            total += kv_heads * head_dim * int(dtype_of(value).itemsize)
+    return total
 
 
 def calibration_ids(decoder, text: str | None, length: int) -> tuple[list[int], str]:

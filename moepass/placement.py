@@ -47,8 +47,9 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths, one_of
 from moepass.core.errors import MoepassError
-from moepass.core.ir_values import dim, dtype_of, folded, input_at
+from moepass.core.ir_values import dim, folded, input_at
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
+from moepass.kv_precision import kv_bytes_per_position
 from moepass.popularity import Popularity
 
 _UNITS = {
@@ -155,11 +156,10 @@ class MemoryModel:
         }
         non_expert += sum(folded(v).nbytes for v in computed)
         groups = [ExpertGroup(m.name, m.experts, m.top_k, m.bytes_per_expert, m.ffn) for m in nodes]
-        kv_per_token, heads, kv_heads, head_dim = 0, 0, 0, 0
+        kv_per_token, heads, kv_heads, head_dim = kv_bytes_per_position(graph), 0, 0, 0
         for value in graph.inputs:
             if (value.name or "").startswith("past_key_values.") and value.shape is not None:
                 kv_heads, head_dim = dim(value.shape, 1, f"{value.name}"), dim(value.shape, 3, f"{value.name}")
-                kv_per_token += kv_heads * head_dim * int(dtype_of(value).itemsize)  # its own type: int8 is 1
         logits = next(v for v in graph.outputs if v.name == "logits")
         act = int(logits.dtype.itemsize) if logits.dtype is not None else 4
         for node in graph:

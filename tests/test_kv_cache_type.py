@@ -53,6 +53,30 @@ def test_the_cache_type_and_scales_are_written(converted, make_gguf, tmp_path, k
     assert ours.dims["activation_bytes"] == theirs.dims["activation_bytes"] == 4
 
 
+def test_the_summary_gives_the_caches_bytes_and_points_long_contexts_to_int8(make_gguf, tmp_path):
+    """convert's summary: the KV cache's bytes a position (every layer's keys and values in the
+    cache's type) and at the model's context; a float32 cache of 8,192 positions or more is pointed
+    to --kv-cache int8, an int8 one and a shorter context are not."""
+    short = moepass.convert(make_gguf("q4_0"), tmp_path / "short")
+    hp = json.loads((short.output_dir / "moepass.json").read_text())["hparams"]
+    per_position = 2 * hp["n_layers"] * hp["n_kv_heads"] * hp["head_dim"] * 4
+    assert short.kv_bytes_per_position == per_position and short.context_length == hp["context_length"] < 8192
+    assert MemoryModel.of(load_model(short.output_dir)).kv_bytes_per_token == per_position
+    long = moepass.convert(make_gguf("q4_0"), tmp_path / "long", context=8192)
+    int8 = moepass.convert(make_gguf("q4_0"), tmp_path / "int8", context=8192, kv_cache="int8")
+    assert long.kv_bytes_per_position == per_position and int8.kv_bytes_per_position * 4 == per_position
+
+    def kv_lines(result):
+        return [line for line in result.summary_lines() if line.startswith("  KV cache") or "--kv-cache" in line]
+    (line,) = kv_lines(short)
+    assert line.startswith("  KV cache      float32, ") and f"at the model's {hp['context_length']:,} positions" in line
+    cache_line, hint = kv_lines(long)
+    assert f"{per_position * 8192 / 2**20:.2f} MiB at the model's 8,192 positions" in cache_line
+    assert "--kv-cache int8 holds a quarter of that" in hint
+    (line,) = kv_lines(int8)
+    assert line.startswith("  KV cache      int8, ") and "per-channel scales from 256 tokens" in line
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_int8_key_ranges_hold_at_every_position(interleaved):
     """A key's RoPE pair turns with its position: the range from a calibration on the first 48
