@@ -59,10 +59,9 @@ from moepass.core.moe_nodes import moe_nodes
 from moepass.core.quants import parse_form, speed_class
 from moepass.core.version import __version__
 from moepass.genai import check_speculation, genai_config, with_speculation
-from moepass.kv_precision import cache_type_of, kv_bytes_per_position, set_kv_cache
+from moepass.kv_precision import cache_type_of, describe_cache, kv_bytes_per_position, set_kv_cache
 from moepass.passes import PipelineRun, run_pipeline
 from moepass.passes.lower import LowerOptions, lower_gguf
-from moepass.placement import format_bytes
 from moepass.tokenizer import TokenizerFiles, tokenizer_from_gguf
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
@@ -195,12 +194,7 @@ class ConvertResult:
         lines.append(f"  offload       {self.offload}")
         kind = self.kv_cache.get("type")
         if kind is not None:
-            line = f"  KV cache      {kind}"
-            if self.kv_bytes_per_position:
-                line += f", {format_bytes(self.kv_bytes_per_position)} a position"
-                if self.context_length:
-                    full = self.kv_bytes_per_position * self.context_length
-                    line += f", {format_bytes(full)} at the model's {self.context_length:,} positions"
+            line = f"  KV cache      {describe_cache(kind, self.kv_bytes_per_position, self.context_length)}"
             if "calibration" in self.kv_cache:
                 line += f"; per-channel scales from {self.kv_cache['calibration']}"
             lines.append(line)

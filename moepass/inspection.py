@@ -22,6 +22,7 @@ from moepass.core.files import as_ir_model, read_report
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.core.quants import BlockForm
+from moepass.kv_precision import cache_type_of, describe_cache, kv_bytes_per_position
 from moepass.passes.fuse_moe import FuseMoePass
 
 
@@ -118,7 +119,8 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     ops = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in graph)
     dry_run = FuseMoePass(dry_run=True)
     dry_run(model)
-    fused = list(read_report(Path(label).parent).fusion) or None
+    report = read_report(Path(label).parent)
+    fused = list(report.fusion) or None
     return {
         "kind": "onnx",
         "file": label,
@@ -129,6 +131,12 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
         "bytes_by_dtype": dict(dtypes),
         "ops": dict(sorted(ops.items())),
         "inputs": [v.name for v in graph.inputs],
+        # the KV cache's type (None without one), bytes a position and the positions of the model
+        "kv_cache": {
+            "type": cache_type_of(model),
+            "bytes_per_position": kv_bytes_per_position(graph),
+            "context": report.context_length,
+        },
         "outputs": [v.name for v in graph.outputs],
         # MoE subgraphs `moepass convert` would fuse in this model, and why others would not be
         "fusion_candidates": [r.as_dict() for r in dry_run.records],
@@ -202,6 +210,9 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
             f"  {m['node']:<16}{m['op']:<6}{m['form']:<18}{m['experts']} experts, top-{m['top_k']}, "
             f"{m['bytes']:,} bytes{resident}{cuda}"
         )
+    kv = info.get("kv_cache") or {}
+    if kv.get("type"):
+        lines.append(f"KV cache      {describe_cache(kv['type'], kv['bytes_per_position'], kv['context'])}")
     refused = info.get("cuda_refused") or {}
     if refused:
         reasons = collections.Counter(refused.values())

@@ -70,6 +70,19 @@ def kv_bytes_per_position(graph: ir.Graph) -> int:
     return total
 
 
+def describe_cache(kind: str, bytes_per_position: int, context: int | None) -> str:
+    """The cache in words, as convert's summary and inspect print it: its type, its bytes a position
+    and at the model's context."""
+    from moepass.placement import format_bytes
+
+    text = kind
+    if bytes_per_position:
+        text += f", {format_bytes(bytes_per_position)} a position"
+        if context:
+            text += f", {format_bytes(bytes_per_position * context)} at the model's {context:,} positions"
+    return text
+
+
 def calibration_ids(decoder, text: str | None, length: int) -> tuple[list[int], str]:
     """The calibration prompt's tokens (at most `length`) and what they are, in words: the text
     given, else the model's own text: what it writes, sampled at temperature 1 (seed 0), after a

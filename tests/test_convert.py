@@ -15,6 +15,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
 from moepass.cli import main
+from moepass.inspection import format_inspection
 from bounds import assert_within, float_rounding_bound
 from stored import stored_matrices
 
@@ -132,6 +133,11 @@ def test_inspect_gguf_and_onnx(make_gguf, converted):
     assert [m["form"] for m in o["moe_nodes"]] == ["int4/b32"] * 2
     expert_bytes = sum(m["bytes"] for m in o["moe_nodes"])
     assert o["bytes_by_group"]["experts"] == expert_bytes > 0
+    hp = json.loads((converted("q4_0") / "moepass.json").read_text())["hparams"]
+    per_position = 2 * hp["n_layers"] * hp["n_kv_heads"] * hp["head_dim"] * 4  # float32 keys and values
+    assert o["kv_cache"] == {"type": "float32", "bytes_per_position": per_position, "context": hp["context_length"]}
+    (line,) = [line for line in format_inspection(o) if line.startswith("KV cache")]
+    assert line.endswith(f"at the model's {hp['context_length']:,} positions")
 
 
 def test_inspect_accepts_graphsurgeon_graphs(converted):
