@@ -121,6 +121,10 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     dry_run(model)
     report = read_report(Path(label).parent)
     fused = list(report.fusion) or None
+    try:
+        kv_bytes = kv_bytes_per_position(graph)
+    except MoepassError:  # a cache laid out otherwise than moepass writes it (an export's): its type only
+        kv_bytes = 0
     return {
         "kind": "onnx",
         "file": label,
@@ -134,7 +138,7 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
         # the KV cache's type (None without one), bytes a position and the positions of the model
         "kv_cache": {
             "type": cache_type_of(model),
-            "bytes_per_position": kv_bytes_per_position(graph),
+            "bytes_per_position": kv_bytes,
             "context": report.context_length,
         },
         "outputs": [v.name for v in graph.outputs],

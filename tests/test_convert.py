@@ -140,6 +140,18 @@ def test_inspect_gguf_and_onnx(make_gguf, converted):
     assert line.endswith(f"at the model's {hp['context_length']:,} positions")
 
 
+def test_inspect_names_a_cache_it_cannot_size(tmp_path):
+    """An export's cache with a symbolic head axis: inspect gives its type and no bytes, and fails
+    nothing."""
+    past = onnx.helper.make_tensor_value_info("past_key_values.0.key", onnx.TensorProto.FLOAT, ["b", "heads", "s", 64])
+    out = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", [past.name], ["y"])], "g", [past], [out])
+    onnx.save(onnx.helper.make_model(graph), tmp_path / "model.onnx")
+    info = moepass.inspect(tmp_path / "model.onnx")
+    assert info["kv_cache"] == {"type": "float32", "bytes_per_position": 0, "context": None}
+    assert "KV cache      float32" in format_inspection(info)
+
+
 def test_inspect_accepts_graphsurgeon_graphs(converted):
     import onnx_graphsurgeon as gs
 
