@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from moepass.core.choices import KV_CACHE_TYPES, one_of
+from moepass.core.choices import KV_CACHE_TYPES, format_bytes, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import MODEL_FILE, load_model
 from moepass.core.ir_values import dim, dtype_of, folded, required_input
@@ -73,8 +73,6 @@ def kv_bytes_per_position(graph: ir.Graph) -> int:
 def describe_cache(kind: str, bytes_per_position: int, context: int | None) -> str:
     """The cache in words, as convert's summary and inspect print it: its type, its bytes a position
     and at the model's context."""
-    from moepass.placement import format_bytes
-
     text = kind
     if bytes_per_position:
         text += f", {format_bytes(bytes_per_position)} a position"

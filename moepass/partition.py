@@ -35,7 +35,7 @@ import onnx_ir as ir
 from moepass.atomic import atomic_directory, atomic_file, check_destination, share_file
 from moepass.core import keys
 from moepass.core.capabilities import cuda_refusals, offload_violations
-from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths, one_of
+from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths, format_bytes, one_of, parse_bytes
 from moepass.core.errors import MoepassError
 from moepass.core.files import (
     DATA_FILE,
@@ -62,7 +62,7 @@ from moepass.genai import with_session_entries
 from moepass.kv_precision import AUTO_CHOICES, cache_type_of, set_kv_cache
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.reorder_experts import ReorderExpertsPass
-from moepass.placement import Budget, MemoryModel, Plan, format_bytes, onnxruntime_options, parse_bytes, plan_placement
+from moepass.placement import Budget, MemoryModel, Plan, onnxruntime_options, plan_placement
 from moepass.popularity import Popularity, model_identity
 
 

@@ -37,7 +37,6 @@ experts are either computed on the CPU from host memory or streamed over PCIe.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,60 +44,12 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.core import keys
-from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths, one_of
+from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths, format_bytes, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import dim, folded, input_at
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.kv_precision import kv_bytes_per_position
 from moepass.popularity import Popularity
-
-_UNITS = {
-    "": 1,
-    "k": 1024,
-    "m": 1024**2,
-    "g": 1024**3,
-    "t": 1024**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "b": 1,
-}
-_SIZE = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,15})?)\s*([a-zA-Z]*)\s*$")
-# No GPU comes near 1 PiB; a plain number below 1 MiB is a forgotten unit ("--vram 8")
-_MAX_BYTES = 1 << 50
-_MIN_PLAIN = 1 << 20
-
-
-def parse_bytes(text: str | int, what: str = "size") -> int:
-    """'8G', '8GiB', '7.5GB', '8000M' or plain bytes -> bytes. K/M/G/T and KiB/MiB/GiB/TiB are
-    binary (1024), KB/MB/GB/TB decimal (1000)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = _SIZE.match(str(text))
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _UNITS:
-            raise MoepassError(f"{what} {text!r} is not a size: use e.g. 8G, 8GiB, 7.5GB, 8000M or plain bytes")
-        value = int(float(m.group(1)) * _UNITS[unit])
-        if not unit and 0 < value < _MIN_PLAIN:
-            raise MoepassError(f"{what} {text!r} means {value} bytes; give a unit: 8G, 8GiB, 7.5GB or 8000M")
-    if value < 0:
-        raise MoepassError(f"{what} {text!r} is negative")
-    if value > _MAX_BYTES:
-        raise MoepassError(f"{what} {text!r} is more than 1 PiB; use e.g. 8G, 8GiB, 7.5GB or 8000M")
-    return value
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ from hypothesis import given, settings, strategies as st
 import moepass
 from moepass.cli import main
 from moepass.partition import partition
-from moepass.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, parse_bytes, plan_placement)
+from moepass.core.choices import parse_bytes
+from moepass.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, plan_placement)
 from moepass.core.files import OffloadState, load_model, read_plan
 from moepass.profile import profile
 from moepass.runtime import load

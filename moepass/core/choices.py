@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable
 
 from moepass.core import keys
@@ -20,6 +21,56 @@ def one_of(value: str, choices: Iterable[str], what: str) -> str:
     if value not in choices:
         raise MoepassError(f"{what} must be one of {', '.join(choices)}, not {value!r}")
     return value
+
+
+# sizes: --vram, --reserve, and the bytes every summary prints
+_UNITS = {
+    "": 1,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "b": 1,
+}
+_SIZE = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,15})?)\s*([a-zA-Z]*)\s*$")
+# No GPU comes near 1 PiB; a plain number below 1 MiB is a forgotten unit ("--vram 8")
+_MAX_BYTES = 1 << 50
+_MIN_PLAIN = 1 << 20
+
+
+def parse_bytes(text: str | int, what: str = "size") -> int:
+    """'8G', '8GiB', '7.5GB', '8000M' or plain bytes -> bytes. K/M/G/T and KiB/MiB/GiB/TiB are
+    binary (1024), KB/MB/GB/TB decimal (1000)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise MoepassError(f"{what} {text!r} is not a size: use e.g. 8G, 8GiB, 7.5GB, 8000M or plain bytes")
+        value = int(float(m.group(1)) * _UNITS[unit])
+        if not unit and 0 < value < _MIN_PLAIN:
+            raise MoepassError(f"{what} {text!r} means {value} bytes; give a unit: 8G, 8GiB, 7.5GB or 8000M")
+    if value < 0:
+        raise MoepassError(f"{what} {text!r} is negative")
+    if value > _MAX_BYTES:
+        raise MoepassError(f"{what} {text!r} is more than 1 PiB; use e.g. 8G, 8GiB, 7.5GB or 8000M")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 # convert
