@@ -59,15 +59,20 @@ def cache_type_of(model: ir.Model) -> str | None:
     return None if past is None or past.dtype is None else names.get(past.dtype)
 
 
+def cache_inputs(graph: ir.Graph) -> list[tuple[ir.Value, int, int]]:
+    """The KV cache's inputs of a known shape [batch, kv heads, positions, head size], each with its
+    (kv heads, head size); MoepassError where either is symbolic."""
+    return [
+        (value, dim(value.shape, 1, f"{value.name}"), dim(value.shape, 3, f"{value.name}"))
+        for value in graph.inputs
+        if (value.name or "").startswith("past_key_values.") and value.shape is not None
+    ]
+
+
 def kv_bytes_per_position(graph: ir.Graph) -> int:
     """Bytes the KV cache holds for one position of one sequence: every layer's keys and values, in
     each cache input's own type (int8: 1 byte a value); 0 without a cache."""
-    total = 0
-    for value in graph.inputs:
-        if (value.name or "").startswith("past_key_values.") and value.shape is not None:
-            kv_heads, head_dim = dim(value.shape, 1, f"{value.name}"), dim(value.shape, 3, f"{value.name}")
-            total += kv_heads * head_dim * int(dtype_of(value).itemsize)
-    return total
+    return sum(kv_heads * head_dim * int(dtype_of(value).itemsize) for value, kv_heads, head_dim in cache_inputs(graph))
 
 
 def describe_cache(kind: str, bytes_per_position: int, context: int | None) -> str:

@@ -48,7 +48,7 @@ from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths, format_bytes,
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import dim, folded, input_at
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
-from moepass.kv_precision import kv_bytes_per_position
+from moepass.kv_precision import cache_inputs, kv_bytes_per_position
 from moepass.popularity import Popularity
 
 
@@ -107,10 +107,9 @@ class MemoryModel:
         }
         non_expert += sum(folded(v).nbytes for v in computed)
         groups = [ExpertGroup(m.name, m.experts, m.top_k, m.bytes_per_expert, m.ffn) for m in nodes]
-        kv_per_token, heads, kv_heads, head_dim = kv_bytes_per_position(graph), 0, 0, 0
-        for value in graph.inputs:
-            if (value.name or "").startswith("past_key_values.") and value.shape is not None:
-                kv_heads, head_dim = dim(value.shape, 1, f"{value.name}"), dim(value.shape, 3, f"{value.name}")
+        caches = cache_inputs(graph)
+        kv_per_token, heads = kv_bytes_per_position(graph), 0
+        kv_heads, head_dim = caches[-1][1:] if caches else (0, 0)
         logits = next(v for v in graph.outputs if v.name == "logits")
         act = int(logits.dtype.itemsize) if logits.dtype is not None else 4
         for node in graph:
