@@ -21,7 +21,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import as_ir_model, read_report
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
-from moepass.core.quants import BlockForm
+from moepass.core.quants import BlockForm, parse_form
 from moepass.kv_precision import cache_type_of, describe_cache, kv_bytes_per_position
 from moepass.passes.fuse_moe import FuseMoePass
 
@@ -85,8 +85,11 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
     for m in found:
         attrs = {k: a.value for k, a in m.node.attributes.items()}
         bits = attrs.get("expert_weight_bits", 4)  # ONNX Runtime's default
-        if m.node.op_type == "QMoE":
+        if m.node.op_type == "QMoE":  # as the node computes it; block-sum features as recorded
             form = str(BlockForm(bits, attrs["block_size"])) if "block_size" in attrs else f"int{bits}/row"
+            recorded = m.form
+            if recorded is not None and recorded.plain == parse_form(form) and recorded.sums:
+                form = str(recorded)
         else:
             form = "float32"
         placement = {

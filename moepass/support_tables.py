@@ -23,7 +23,7 @@ from moepass.core.architectures import (
     ROUTINGS,
     Architecture,
 )
-from moepass.core.quants import QUANT_TYPES, BlockForm, QuantType, common_exact_form, expert_form, matrix_form
+from moepass.core.quants import QUANT_TYPES, BlockForm, ExpertForms, QuantType, expert_form, matrix_form
 
 # Rows of Qwen3-30B-A3B's matrices: hidden 2048 (gate/up, attention), expert ffn 768 (down). The
 # forms below are those of these sizes; other sizes take the largest block dividing their rows.
@@ -75,14 +75,23 @@ def _form_words(form: BlockForm | None, qt: QuantType) -> str:
     return f"{text}, bit-exact" if qt.keeps_codes(form) else f"{text}, requantized"
 
 
+def _expert_form_words(forms: ExpertForms, qt: QuantType) -> str:
+    node = forms.node
+    if not forms.sums:
+        return _form_words(node, qt)
+    down = "bit-exact" if qt.keeps_codes(node) else "requantized"
+    return f"{node} + block sums: gate and up their own codes, down {down}"
+
+
 def expert_words(qt: QuantType) -> str:
     """The QMoE form of a layer of this type's experts under the defaults (and `--exact`)."""
     if qt.storage == "float":
         return "float MoE, exact (`--float-experts int8\\|int4`: QMoE)"
-    text = _form_words(expert_form([qt], EXPERT_KS), qt)
-    exact = common_exact_form([qt], exact=True)
-    if exact is not None and exact != expert_form([qt], EXPERT_KS):
-        text += f"; `--exact`: {exact}, bit-exact"
+    default = expert_form([qt] * 3, EXPERT_KS)
+    text = _expert_form_words(default, qt)
+    exact = expert_form([qt] * 3, EXPERT_KS, exact=True)
+    if exact != default and (exact.sums or qt.keeps_codes(exact.node)):
+        text += f"; `--exact`: {_expert_form_words(exact, qt)}"
     return text
 
 

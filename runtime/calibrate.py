@@ -40,7 +40,7 @@ def _form_key(m: MoeNode) -> str:
     attrs = m.node.attributes
     return (
         f"{m.node.op_type}/{attrs.get_int('expert_weight_bits', 0)}/{attrs.get_int('block_size', 0)}/"
-        f"{attrs.get_int('weights_prepacked', 0)}/{m.experts}x{m.top_k}/{m.hidden}x{m.ffn}"
+        f"{attrs.get_int('weights_prepacked', 0)}/{m.experts}x{m.top_k}/{m.width}x{m.ffn}"
     )
 
 
@@ -111,7 +111,7 @@ def _time(model: ir.Model, folder: Path, feeds: list[dict[str, np.ndarray]], thr
 def _moe_seconds(m: MoeNode, dtype: ir.DataType, folder: Path, threads: int | None) -> float:
     np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
     rng = np.random.default_rng(0)
-    hidden = ir.Value(name="hidden", shape=ir.Shape([1, m.hidden]), type=ir.TensorType(dtype))
+    hidden = ir.Value(name="hidden", shape=ir.Shape([1, m.width]), type=ir.TensorType(dtype))
     inputs: list[ir.Value | None] = [hidden]
     routers = []
     for i, value in enumerate(m.node.inputs[1:], 1):
@@ -122,7 +122,7 @@ def _moe_seconds(m: MoeNode, dtype: ir.DataType, folder: Path, threads: int | No
         inputs.append(ir.Value(name=routers[-1], shape=ir.Shape([1, m.experts]), type=ir.TensorType(dtype)))
     feeds = [
         {
-            "hidden": rng.normal(0, 1, (1, m.hidden)).astype(np_dtype),
+            "hidden": rng.normal(0, 1, (1, m.width)).astype(np_dtype),
             **{name: rng.normal(0, 1, (1, m.experts)).astype(np_dtype) for name in routers},
         }
         for _ in range(STEPS)

@@ -418,6 +418,7 @@ def test_fuse_moe_quantizes_a_float_moe_node(float_experts, hidden, width, form,
     attributes = {a.name: a.value for a in qmoe.attributes.values()}
     assert attributes.pop("expert_weight_bits") == bits
     assert attributes.pop("block_size", 0) == block
+    assert attributes.pop("weights_prepacked") == 0  # row-major codes, said so (CUDA reads -1 as its own layout)
     assert attributes == {a.name: a.value for a in moe.attributes.values()}  # the rest is the MoE node's
     assert qmoe.metadata_props["moepass.fused_from"] == "blk.0.moe"
     assert qmoe.metadata_props["moepass.expert_form"] == form

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
+from stored import stored_matrices
 from make_fixtures import write_imatrix_dat as write_dat, write_imatrix_gguf as write_gguf
 from moepass.core.imatrix import load_imatrix
-from moepass.core.quants import BlockForm, unpack_values
 
 EXPERT_TENSORS = [f"blk.{i}.ffn_{k}_exps.weight" for i in range(2) for k in ("gate", "up", "down")]
 
@@ -35,23 +34,13 @@ def test_both_formats_read_alike(tmp_path, make_gguf):
 
 
 def _weighted_errors(out, source, matrices):
-    """Importance-weighted squared error of every stored expert matrix against the GGUF values."""
+    """Importance-weighted squared error of every stored expert matrix against the GGUF values
+    (gate and up as block-sum features keep them, tests/stored.py)."""
     reader = GGUFReader(source)
     values = {t.name: gguf_dequantize(np.asarray(t.data), t.tensor_type) for t in reader.tensors}
-    model = onnx.load(out / "model.onnx")
-    init = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(out)) for t in model.graph.initializer}
     total = 0.0
-    for node in model.graph.node:
-        if node.op_type != "QMoE":
-            continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        form = BlockForm(attrs["expert_weight_bits"], attrs["block_size"])
-        layer = node.name.split(".")[1]
-        zeros = [init.get(node.input[i]) if len(node.input) > i and node.input[i] else None for i in (11, 12)]
-        fc1 = unpack_values(init[node.input[2]], init[node.input[3]], form, zeros[0])
-        fc2 = unpack_values(init[node.input[5]], init[node.input[6]], form, zeros[1])
-        for ours, kind in ((fc1[:, 0::2], "gate"), (fc1[:, 1::2], "up"), (fc2, "down")):
-            name = f"blk.{layer}.ffn_{kind}_exps.weight"
+    for ours, name in stored_matrices(out):
+        if "_exps." in name:
             total += float(np.sum(matrices[name][:, None, :] * np.square(ours - values[name])))
     return total
 

@@ -55,6 +55,7 @@ def test_exact_form_table():
     assert forms["Q8_0"] == {"int8/b32", "int8/b16"}
     assert forms["Q4_0"] == {"int4/b32", "int4/b16", "int8/b32", "int8/b16"}
     assert forms["Q6_K"] == {"int8/b16"}
+    assert forms["Q3_K"] == {"int4/b16", "int8/b16"}  # symmetric codes -4..3 in blocks of 16
     assert forms["Q5_0"] == {"int8/b32", "int8/b16"}
     assert forms["IQ4_NL"] == {"int8/b32", "int8/b16"}
     assert forms["IQ4_XS"] == {"int8/b32", "int8/b16"}
@@ -203,25 +204,32 @@ def test_requantized_bytes_do_not_depend_on_the_cpu(tmp_path):
 
 
 def test_expert_form_choice():
-    q80, q40, q6k, q4k, iq4xs, q2k, q3k, q5k = (QUANT_TYPES[t] for t in (GT.Q8_0, GT.Q4_0, GT.Q6_K, GT.Q4_K, GT.IQ4_XS,
-                                                                       GT.Q2_K, GT.Q3_K, GT.Q5_K))
+    q80, q40, q6k, q4k, iq4xs, q2k, q3k, q5k, q41 = (
+        QUANT_TYPES[t] for t in (GT.Q8_0, GT.Q4_0, GT.Q6_K, GT.Q4_K, GT.IQ4_XS, GT.Q2_K, GT.Q3_K, GT.Q5_K, GT.Q4_1))
     ks = [2048, 768]
-    assert expert_form([q40, q40, q40], ks) == BlockForm(4, 32)           # exact
-    assert expert_form([q80, q80, q80], ks) == BlockForm(8, 32)           # exact
-    assert expert_form([q40, q40, q80], ks) == BlockForm(8, 32)           # Q4_0 fits int8 exactly too
-    assert expert_form([iq4xs] * 3, ks) == BlockForm(8, 32)               # exact: codebook values x d (ls - 32)
-    assert expert_form([q4k, q4k, q6k], ks) == BlockForm(8, 128)          # Q4_K_M: requantized, 8 bits
-    assert expert_form([q6k] * 3, ks) == BlockForm(8, 128)                # Q6_K's exact form is block 16 ...
-    assert expert_form([q6k] * 3, ks, exact=True) == BlockForm(8, 16)     # ... kept when asked
-    assert expert_form([q3k] * 3, [256, 96]) == BlockForm(8, 32)          # the largest block dividing both K
-    assert expert_form([q3k] * 3, [256, 40]) == BlockForm(8, 0)           # none: one scale per row
-    assert expert_form([q5k] * 3, ks) == BlockForm(8, 32)                 # 5 bits with minimums: block 32
-    assert expert_form([q4k, q4k, q5k], ks) == BlockForm(8, 32)           # the smallest block any type needs
-    assert expert_form([q2k] * 3, ks) == BlockForm(4, 32)                 # under 3 bits a weight: int4
-    assert expert_form([q2k, q2k, q3k], ks) == BlockForm(8, 128)          # ... unless a type needs 8
-    assert expert_form([q4k, q4k, q6k], ks, "int4") == BlockForm(4, 32)
-    assert expert_form([q40] * 3, ks, "int8") == BlockForm(8, 32)
-    assert expert_form([q80] * 3, ks, "offload") == BlockForm(4, 32)
+
+    def form(types, *args, **kwargs):
+        return str(expert_form(types, *args, **kwargs))
+
+    assert form([q40, q40, q40], ks) == "int4/b32"                 # exact
+    assert form([q80, q80, q80], ks) == "int8/b32"                 # exact
+    assert form([q40, q40, q80], ks) == "int8/b32"                 # Q4_0 fits int8 exactly too
+    assert form([iq4xs] * 3, ks) == "int8/b32"                     # exact: codebook values x d (ls - 32)
+    assert form([q4k, q4k, q4k], ks) == "int8/b128"                # a 4-bit Q4_K down costs KLD: 8 bits
+    assert form([q4k, q4k, q6k], ks) == "int8/b128"                # Q4_K_M's Q6_K-down layers too
+    assert form([q3k, q3k, q4k], ks) == "int4/b16"                 # beside 3.4-bit gate and up, a 4-bit down
+    assert form([q6k] * 3, ks) == "int8/b128"                      # Q6_K's exact form is block 16 ...
+    assert form([q6k] * 3, ks, exact=True) == "int8/b16"           # ... kept when asked
+    assert form([q3k] * 3, ks) == "int4/b16"                       # Q3_K: symmetric, exact at block 16
+    assert form([q2k, q2k, q3k], ks) == "int4/b16+sums"            # Q2_K: its codes and minimums kept, Q3_K exact
+    assert form([q3k] * 3, [256, 40]) == "int8/row"                # no block divides both K: one scale per row
+    assert form([q5k] * 3, ks) == "int8/b32+sums"                  # 5-bit codes with minimums: kept at 8 bits
+    assert form([q41] * 3, ks) == "int8/b32+sums"
+    assert form([q4k, q4k, q6k], ks, "int4") == "int4/b32+sums"    # every expert 4 bits
+    assert form([q6k] * 3, ks, "int4") == "int4/b32"               # 4-bit requantization at block 32, not 128
+    assert form([q40] * 3, ks, "int8") == "int8/b32"
+    assert form([q80] * 3, ks, "offload") == "int4/b32"
+    assert form([q4k, q4k, q6k], ks, "offload") == "int4/b32+sums"
 
 
 def test_matrix_form_choice():

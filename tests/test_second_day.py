@@ -26,7 +26,7 @@ def _fails(args: list[str]) -> str:
 
 def test_convert_summary_reads_as_words(make_gguf, tmp_path):
     out = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out")]).stdout
-    assert "int4/b32 in 2 layers (the fastest exact form on the CPU)" in out
+    assert "int4/b32 in 2 layers (the fastest expert form on the CPU)" in out
     assert " x2 " not in out and "the time of int4/b32)" not in out
     assert "MB/s of input)" in out and "0.00 GB/s" not in out  # a 2 MB file: megabytes, not 0.00 GB/s
 

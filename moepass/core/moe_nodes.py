@@ -16,8 +16,10 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import input_at, tensor_dims, tensor_of
+from moepass.core.quants import BlockForm, parse_form
 
 MOE_OPS = ("QMoE", "MoE")
 # Inputs that carry per-expert tensors (first axis = experts); router_weights (14) and the
@@ -102,8 +104,9 @@ def moe_node(
     attributes["expert_weight_bits"] = bits
     if block_size:
         attributes["block_size"] = block_size
-    if prepacked:
-        attributes["weights_prepacked"] = 1
+    # 0: row-major codes, 1: the SM80 layout. Never left out: -1, the default, is each EP's own
+    # layout (the CPU EP's row-major codes, the CUDA EP's SM80 layout: row-major codes read so are garbage)
+    attributes["weights_prepacked"] = int(prepacked)
     inputs: list[ir.Value | None] = [None] * (ROUTER_WEIGHTS + 1)
     inputs[:2] = hidden, router_logits
     for experts, slots in ((fc1, QMOE_SLOTS["fc1"]), (fc2, QMOE_SLOTS["fc2"])):
@@ -166,9 +169,21 @@ class MoeNode:
         return tensor_dims(tensor_of(input_at(self.node, slot)))[1]
 
     @property
-    def hidden(self) -> int:
-        """Model width: the rows of fc2."""
+    def form(self) -> BlockForm | None:
+        """The QMoE form moepass recorded on the node (None: float, or a node another tool made)."""
+        return parse_form(self.node.metadata_props.get(keys.EXPERT_FORM, ""))
+
+    @property
+    def width(self) -> int:
+        """What the node takes and gives per token: the rows of fc2 (the model width, widened by
+        block-sum features' columns where fc1 has them: passes/lower/block_sums.py)."""
         return self._rows("fc2")
+
+    @property
+    def hidden(self) -> int:
+        """Model width: the rows of fc2, less block-sum features' columns."""
+        form = self.form
+        return form.unwidened(self.width) if form is not None else self.width
 
     @property
     def ffn(self) -> int:

@@ -937,3 +937,195 @@ def quantize_rows(
         else:
             _quantize_blocks8(blocks, half_scales, codes, scales, sums)
     return codes.reshape(*lead, -1), scales.reshape(*lead, -1), float(sums[0]), float(sums[1])
+
+
+# ---- affine codes and block-sum corrections --------------------------------------------------------
+# Types whose values are an integer code times a scale less a minimum per sub-block (scale * u -
+# minimum, u >= 0): Q4_K, Q5_K, Q2_K, Q4_1, Q5_1. Each kernel gives the file's own codes u [n,
+# elements], scales and minimums [n, sub-blocks] (float32, gguf's products: d * sc, dmin * m; Q4_1 and
+# Q5_1's "+ m" as "- (-m)", the same float32 value), so that scale * u - minimum is gguf's value.
+
+
+@njit(cache=True, nogil=True)
+def _affine_q4_k(b, u, s, m, f16):
+    for i in range(b.shape[0]):
+        d, dmin = _f16(f16, b, i, 0), _f16(f16, b, i, 2)
+        for sub in range(8):
+            sc, mn = _k_scale_min(b, i, 4, sub)
+            s[i, sub], m[i, sub] = d * np.float32(sc), dmin * np.float32(mn)
+            base, shift = 16 + 32 * (sub // 2), 4 * (sub % 2)
+            for l in range(32):
+                u[i, 32 * sub + l] = (b[i, base + l] >> shift) & 0x0F
+
+
+@njit(cache=True, nogil=True)
+def _affine_q5_k(b, u, s, m, f16):
+    for i in range(b.shape[0]):
+        d, dmin = _f16(f16, b, i, 0), _f16(f16, b, i, 2)
+        for sub in range(8):
+            sc, mn = _k_scale_min(b, i, 4, sub)
+            s[i, sub], m[i, sub] = d * np.float32(sc), dmin * np.float32(mn)
+            base, shift = 48 + 32 * (sub // 2), 4 * (sub % 2)
+            for l in range(32):
+                u[i, 32 * sub + l] = ((b[i, base + l] >> shift) & 0x0F) | (((b[i, 16 + l] >> sub) & 1) << 4)
+
+
+@njit(cache=True, nogil=True)
+def _affine_q2_k(b, u, s, m, f16):
+    for i in range(b.shape[0]):
+        d, dmin = _f16(f16, b, i, 80), _f16(f16, b, i, 82)
+        for g in range(16):  # element e belongs to sub-block e // 16 (_q2_k's layout)
+            s[i, g], m[i, g] = _q2_k_scale(d, dmin, b[i, g])
+        for h in range(2):
+            for l in range(32):
+                q = b[i, 16 + 32 * h + l]
+                for j in range(4):
+                    u[i, 128 * h + 32 * j + l] = (q >> (2 * j)) & 3
+
+
+@njit(cache=True, nogil=True)
+def _affine_q4_1(b, u, s, m, f16):
+    for i in range(b.shape[0]):
+        s[i, 0], m[i, 0] = _f16(f16, b, i, 0), -_f16(f16, b, i, 2)
+        for j in range(16):
+            u[i, j], u[i, 16 + j] = b[i, 4 + j] & 0x0F, b[i, 4 + j] >> 4
+
+
+@njit(cache=True, nogil=True)
+def _affine_q5_1(b, u, s, m, f16):
+    for i in range(b.shape[0]):
+        s[i, 0], m[i, 0] = _f16(f16, b, i, 0), -_f16(f16, b, i, 2)
+        qh = _u32(b, i, 4)
+        for j in range(16):
+            q = b[i, 8 + j]
+            u[i, j] = (q & 0x0F) | ((qh >> j) & 1) << 4
+            u[i, 16 + j] = (q >> 4) | ((qh >> (j + 16)) & 1) << 4
+
+
+# type -> (kernel, elements per sub-block)
+AFFINE: dict[GT, tuple[Callable[..., None], int]] = {
+    GT.Q4_K: (_affine_q4_k, 32),
+    GT.Q5_K: (_affine_q5_k, 32),
+    GT.Q2_K: (_affine_q2_k, 16),
+    GT.Q4_1: (_affine_q4_1, 32),
+    GT.Q5_1: (_affine_q5_1, 32),
+}
+
+
+def affine_codes(raw: np.ndarray, ggml_type: GT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw rows uint8 [..., row bytes] of an affine type -> (codes u uint8 [..., K], scales float32
+    [..., K / sub-block], minimums float32 [..., K / sub-block]): value = scale * u - minimum."""
+    kernel, sub = AFFINE[GT(ggml_type)]
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    blocks = _readonly(np.ascontiguousarray(raw).reshape(-1, type_size))
+    n = blocks.shape[0]
+    u = np.empty((n, block_size), np.uint8)
+    s = np.empty((n, block_size // sub), np.float32)
+    m = np.empty((n, block_size // sub), np.float32)
+    if n:
+        kernel(blocks, u, s, m, F16)
+    lead = raw.shape[:-1]
+    k = raw.shape[-1] // type_size * block_size
+    return u.reshape(*lead, k), s.reshape(*lead, k // sub), m.reshape(*lead, k // sub)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sums_main(u, s, m, sub, block, zp, top, half, codes, scales, corrections, sums):
+    """The main part of a block-sum form: per form block j (of `block` elements, inside type sub-block
+    j * block // sub), the file's codes shifted by an integer t into the form's range (code c = u +
+    zp - t in 0..top, t the nearest to minimum / scale that keeps it there), stored into `codes`
+    [n, K] unpacked; the scale (rounded to float16 when `half`) into `scales` [n, K / block]; the
+    block's constant correction C (the mean of value - scale' (u - t): least squares, so that the
+    rest has no bias) into `corrections` [n, K / block] (float64). sums += (||rest||^2 with C exact,
+    ||value||^2, the file's own rounding: scale^2 / 12 per element), the values gguf's float32
+    scale * u - minimum."""
+    within = 0.0
+    reference = 0.0
+    own = 0.0
+    n, k = u.shape
+    for r in range(n):
+        for j in range(k // block):
+            t_sub = j * block // sub
+            scale, minimum = s[r, t_sub], m[r, t_sub]
+            lo, hi = 255, 0
+            for i in range(j * block, (j + 1) * block):
+                lo = min(lo, np.int64(u[r, i]))
+                hi = max(hi, np.int64(u[r, i]))
+            t_low, t_high = hi + zp - top, lo + zp
+            t = np.int64(np.rint(minimum / scale)) if scale != 0 else np.int64(0)
+            t = min(max(t, t_low), t_high)
+            stored = _to_half(scale) if half else scale
+            total = 0.0
+            for i in range(j * block, (j + 1) * block):
+                value = scale * np.float32(u[r, i]) - minimum
+                codes[r, i] = np.uint8(np.int64(u[r, i]) + zp - t)
+                total += np.float64(value) - np.float64(stored) * np.float64(np.int64(u[r, i]) - t)
+                reference += np.float64(value) * np.float64(value)
+            c = total / block
+            for i in range(j * block, (j + 1) * block):
+                value = scale * np.float32(u[r, i]) - minimum
+                rest = np.float64(value) - np.float64(stored) * np.float64(np.int64(u[r, i]) - t) - c
+                within += rest * rest
+            scales[r, j] = stored
+            corrections[r, j] = c
+            own += block * np.float64(scale) * np.float64(scale) / 12.0
+    sums[0] += within
+    sums[1] += reference
+    sums[2] += own
+
+
+def sums_main(
+    u: np.ndarray, s: np.ndarray, m: np.ndarray, block: int, bits: int, half: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[float, float, float]]:
+    """Rows of affine codes (u [R, K], s and m [R, K / sub]) in a `bits`-bit form of `block`
+    (dividing the type's sub-block): (unsigned codes uint8 [R, K], scales float32 [R, K / block],
+    corrections float64 [R, K / block], (rest^2, value^2, own rounding^2)); see _sums_main."""
+    r, k = u.shape
+    sub = k // s.shape[1]
+    codes = np.empty((r, k), np.uint8)
+    scales = np.empty((r, k // block), np.float32)
+    corrections = np.empty((r, k // block), np.float64)
+    sums = np.zeros(3)
+    if r:
+        _sums_main(
+            _readonly(np.ascontiguousarray(u)),
+            _readonly(np.ascontiguousarray(s)),
+            _readonly(np.ascontiguousarray(m)),
+            sub,
+            block,
+            1 << (bits - 1),
+            (1 << bits) - 1,
+            half,
+            codes,
+            scales,
+            corrections,
+            sums,
+        )
+    return codes, scales, corrections, (float(sums[0]), float(sums[1]), float(sums[2]))
+
+
+@njit(cache=True, nogil=True)
+def _q3_k_codes(b, codes, scales, f16):
+    """Q3_K as symmetric blocks of 16: codes q - 4 * (1 - hbit) in -4..3 [n, 256] and scales d * (sc
+    - 32) [n, 16] (_q3_k's value is their float32 product)."""
+    for i in range(b.shape[0]):
+        d = _f16(f16, b, i, 108)
+        for g in range(16):
+            scales[i, g] = _q3_k_scale(d, b, i, g)
+        for h in range(2):
+            for l in range(32):
+                q, mask = np.int32(b[i, 32 + 32 * h + l]), np.int32(b[i, l]) >> (4 * h)
+                for j in range(4):
+                    codes[i, 128 * h + 32 * j + l] = ((q >> (2 * j)) & 3) - ((((mask >> j) & 1) ^ 1) << 2)
+
+
+def q3_k_codes(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K rows uint8 [..., row bytes] -> (codes int8 [..., K], scales float32 [..., K / 16])."""
+    blocks = _readonly(np.ascontiguousarray(raw).reshape(-1, 110))
+    n = blocks.shape[0]
+    codes = np.empty((n, 256), np.int8)
+    scales = np.empty((n, 16), np.float32)
+    if n:
+        _q3_k_codes(blocks, codes, scales, F16)
+    k = raw.shape[-1] // 110 * 256
+    return codes.reshape(*raw.shape[:-1], k), scales.reshape(*raw.shape[:-1], k // 16)

@@ -43,10 +43,37 @@ class BlockForm:
     bits: int
     block_size: int
     offsets: bool = False  # a float offset per block besides the scale (MatMulNBits + block sums)
+    # QMoE fc1 only: levels of block-sum features (passes/lower/block_sums.py): the input widened by
+    # the sums of each block of `block_size` inputs, once per level, and the rows by the file's
+    # per-block offsets quantized in this form, the rest of each level quantized again by the next
+    sums: int = 0
 
     @property
     def zero_point(self) -> int:
         return 1 << (self.bits - 1)
+
+    @property
+    def plain(self) -> BlockForm:
+        """The form without block offsets or block-sum features: the node's bits and block size."""
+        return BlockForm(self.bits, self.block_size)
+
+    def feature_stride(self, k: int) -> int:
+        """Columns of one level of block-sum features for K inputs: K / block_size, padded to a
+        multiple of 64 (ONNX Runtime's CUDA QMoE tiles K by 64; the SM80 layout packs 64 rows)."""
+        return -(-(k // self.block_size) // 64) * 64 if self.sums else 0
+
+    def width(self, k: int) -> int:
+        """Inputs a matrix of K columns takes in this form: K, plus its block-sum features."""
+        return k + self.sums * self.feature_stride(k)
+
+    def unwidened(self, width: int) -> int:
+        """The K whose `width` this is (a widened node's model width)."""
+        if not self.sums:
+            return width
+        k = next((k for k in range(width, 0, -self.block_size) if self.width(k) == width), None)
+        if k is None:
+            raise ValueError(f"{width} columns are no {self}'s width")
+        return k
 
     @property
     def code_range(self) -> tuple[int, int]:
@@ -58,7 +85,7 @@ class BlockForm:
 
     def __str__(self) -> str:
         text = f"int{self.bits}/b{self.block_size}" if self.block_size else f"int{self.bits}/row"
-        return text + "+offsets" if self.offsets else text
+        return text + ("+offsets" if self.offsets else "") + (f"+sums x{self.sums}" if self.sums else "")
 
 
 # Forms the CPU EP runs: 4 and 8 bits; blocks are powers of two >= 16.
@@ -83,20 +110,26 @@ QMOE_CPU_DECODE_MS = {
 
 
 def parse_form(text: str) -> BlockForm | None:
-    """BlockForm of its name ("int4/b32", "int4/b32+offsets"); None for anything else ("float32")."""
-    match = re.fullmatch(r"int(\d+)/b(\d+)(\+offsets)?", text)
-    return BlockForm(int(match[1]), int(match[2]), bool(match[3])) if match else None
+    """BlockForm of its name ("int4/b32", "int4/b32+offsets", "int4/b32+sums x2"); None for anything
+    else ("float32")."""
+    match = re.fullmatch(r"int(\d+)/b(\d+)(\+offsets)?(?:\+sums x(\d+))?", text)
+    return BlockForm(int(match[1]), int(match[2]), bool(match[3]), int(match[4] or 0)) if match else None
 
 
 def speed_class(form: BlockForm) -> str:
-    """The form's CPU decode time against int4 block 32's (the common exact form), in words."""
-    ms = QMOE_CPU_DECODE_MS.get(form)
+    """The form's CPU decode time against int4 block 32's (the fastest QMoE form), in words."""
+    ms = QMOE_CPU_DECODE_MS.get(form.plain)
     if ms is None:
         return "CPU speed not measured"
-    if form == BlockForm(4, 32):
-        return "the fastest exact form on the CPU"
     base = QMOE_CPU_DECODE_MS[BlockForm(4, 32)]
-    return f"CPU decode {ms[0] / base[0]:.1f}x (AVX-512) / {ms[1] / base[1]:.1f}x (AVX2) the time of int4/b32"
+    text = (
+        "the fastest expert form on the CPU"
+        if form.plain == BlockForm(4, 32)
+        else f"CPU decode {ms[0] / base[0]:.1f}x (AVX-512) / {ms[1] / base[1]:.1f}x (AVX2) the time of int4/b32"
+    )
+    if form.sums:
+        text += f"; gate and up read {form.sums} level{'s' if form.sums > 1 else ''} of block sums besides"
+    return text
 
 
 def _blocks(raw: np.ndarray, ggml_type: GT) -> np.ndarray:
@@ -183,6 +216,14 @@ def decode_mxfp4(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = MXFP4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
     scales = np.ldexp(np.float32(1), b[..., 0].astype(np.int32) - 128).astype(np.float32)
     return codes.reshape(*raw.shape[:-1], -1), scales
+
+
+def decode_q3_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K: 16-element sub-blocks, value = d * (sc - 32) * q with q in -4..3 (2 low bits and an
+    inverted high bit), symmetric: exact in any form of block 16 (compiled: quant_kernels.q3_k_codes)."""
+    from moepass.core import quant_kernels
+
+    return quant_kernels.q3_k_codes(raw)
 
 
 _Q6_K_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(2, 2, 1)
@@ -282,6 +323,12 @@ class QuantType:
     own_codes_kernel: Callable[..., tuple[float, float]] | None = None
     # Whether every block scale is a float16 value: float16 scales then keep an exact form exact.
     fp16_scales: bool = False
+    # Affine types: values scale * u - minimum per sub-block of `affine_block` elements, u codes of
+    # `affine_bits` bits (quant_kernels.affine_codes). An expert's gate and up (fc1) keep the codes in
+    # any form of as many bits whose block divides the sub-block, the minimums through block-sum
+    # features (pack_with_sums).
+    affine_bits: int = 0
+    affine_block: int = 0
     # How the type's expert values are requantized where they move into no form exactly (or where its
     # exact form is slow, Q6_K's): the fewest bits and the largest 8-bit block that keep llama.cpp's
     # fidelity, measured by KL divergence from the unquantized model on two trained models beside
@@ -301,6 +348,11 @@ class QuantType:
     def name(self) -> str:
         return self.ggml_type.name
 
+    @property
+    def bits_per_weight(self) -> float:
+        block, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        return type_size * 8 / block
+
     def exact_forms(self) -> tuple[BlockForm, ...]:
         """Forms that hold this type's values bit-exactly."""
         if self.storage != "blocks":
@@ -310,6 +362,16 @@ class QuantType:
             f
             for f in CANDIDATE_FORMS
             if self.native_block % f.block_size == 0 and f.code_range[0] <= lo and hi <= f.code_range[1]
+        )
+
+    def takes_sums(self, form: BlockForm) -> bool:
+        """Whether fc1 can hold this type's own codes in `form` (its bits and block; any levels),
+        the minimums through block-sum features."""
+        return (
+            self.affine_bits > 0
+            and form.block_size > 0
+            and self.affine_block % form.block_size == 0
+            and self.affine_bits <= form.bits
         )
 
     def keeps_codes(self, form: BlockForm) -> bool:
@@ -336,12 +398,30 @@ QUANT_TYPES: dict[GT, QuantType] = {
         QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4, scales=None, fp16_scales=True, int8_block=32),
         # Fractional minimums or non-integer codebooks: requantized from their values, the added error
         # measured and reported (Q4_1 and Q4_K non-expert matrices keep their codes with block offsets).
-        QuantType(GT.Q4_1, "dequantize", own_codes=own_codes_q4_1, scales=(0, 2), fp16_scales=True, int8_block=32),
-        QuantType(GT.Q4_K, "dequantize", own_codes=own_codes_q4_k, own_codes_kernel=_q4_k_offsets, scales=(0, 2)),
-        QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32),
-        QuantType(GT.Q5_K, "dequantize", scales=(0, 2), int8_block=32),
-        QuantType(GT.Q2_K, "dequantize", scales=(80, 82), requantize_bits=4),
-        QuantType(GT.Q3_K, "dequantize", scales=(108,)),
+        QuantType(
+            GT.Q4_1,
+            "dequantize",
+            own_codes=own_codes_q4_1,
+            scales=(0, 2),
+            fp16_scales=True,
+            int8_block=32,
+            affine_bits=4,
+            affine_block=32,
+        ),
+        QuantType(
+            GT.Q4_K,
+            "dequantize",
+            own_codes=own_codes_q4_k,
+            own_codes_kernel=_q4_k_offsets,
+            scales=(0, 2),
+            affine_bits=4,
+            affine_block=32,
+        ),
+        QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32, affine_bits=5, affine_block=32),
+        QuantType(GT.Q5_K, "dequantize", scales=(0, 2), int8_block=32, affine_bits=5, affine_block=32),
+        QuantType(GT.Q2_K, "dequantize", scales=(80, 82), requantize_bits=4, affine_bits=2, affine_block=16),
+        # Q3_K is symmetric: its codes move exactly into any form of block 16
+        QuantType(GT.Q3_K, "blocks", 16, (-4, 3), decode_q3_k, scales=(108,)),
         QuantType(GT.IQ1_M, "dequantize", scales=None, requantize_bits=4),
         QuantType(GT.IQ1_S, "dequantize", requantize_bits=4),
         QuantType(GT.IQ2_XXS, "dequantize", requantize_bits=4),
@@ -535,6 +615,131 @@ def pack_with_offsets(
     )
 
 
+# Levels of block-sum features tried at most; a level's correction rests on the last one's remainder
+MAX_SUM_LEVELS = 4
+# The block-sum features' remainder is held below the file's own rounding: its squared error at most
+# this share of the squared rounding error the file's codes carry (a step s per element, s^2 / 12),
+# so the form adds at most 1/256 to the file's error variance (its error within 1/16 of the file's
+# rounding); --exact: below float16's precision (2^-11 of the weights' RMS) or MAX_SUM_LEVELS
+SUMS_SHARE_OF_OWN = 1 / 256
+SUMS_EXACT_RMS = 2.0**-11
+
+
+@dataclasses.dataclass
+class SumsFit:
+    """What block-sum features of 0..MAX_SUM_LEVELS levels leave of a tensor's values (sums over
+    its rows, so that chunks add up): `errors[L]` = ||W' - W||^2 with L levels; `reference` =
+    ||W||^2; `own` = the squared rounding error the file's own codes carry (scale^2 / 12 each)."""
+
+    errors: list[float]
+    reference: float
+    own: float
+
+    def __iadd__(self, other: SumsFit) -> SumsFit:
+        self.errors = [a + b for a, b in zip(self.errors, other.errors)]
+        self.reference += other.reference
+        self.own += other.own
+        return self
+
+    def levels(self, exact: bool = False) -> int:
+        """The fewest levels (1 or more) whose remainder is within the target (see SUMS_SHARE_OF_OWN)."""
+        target = self.reference * SUMS_EXACT_RMS**2 if exact else self.own * SUMS_SHARE_OF_OWN
+        return next((n for n in range(1, len(self.errors)) if self.errors[n] <= target), len(self.errors) - 1)
+
+
+def _sums_parts(
+    raw: np.ndarray, qt: QuantType, form: BlockForm, half_scales: bool, levels: int
+) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]], SumsFit]:
+    """The main codes (unsigned, unpacked [R, K]) and scales of `raw` (2-D rows of an affine type) in
+    `form`, each level's (packed codes [R, stride * bits / 8], scales [R, stride / block]) and the fit."""
+    from moepass.core import quant_kernels
+
+    u, s, m = quant_kernels.affine_codes(raw, qt.ggml_type)
+    block, k = form.block_size, u.shape[-1]
+    codes, scales, rest, (within, reference, own) = quant_kernels.sums_main(u, s, m, block, form.bits, half_scales)
+    stride, blocks = BlockForm(form.bits, block, sums=1).feature_stride(k), k // block
+    level_form = BlockForm(form.bits, block)
+    parts, errors = [], [within + block * float(np.sum(np.square(rest)))]
+    for _ in range(levels):
+        padded = np.zeros((len(rest), stride), np.float64)
+        padded[:, :blocks] = rest
+        q, q_scales = _level_codes(padded, level_form, half_scales)
+        rest = rest - unpack_values(q, q_scales, level_form)[:, :blocks]
+        parts.append((q, q_scales))
+        errors.append(within + block * float(np.sum(np.square(rest))))
+    return codes, scales, parts, SumsFit(errors, reference, own)
+
+
+def _level_codes(rest: np.ndarray, form: BlockForm, half_scales: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One level of corrections [R, stride] (float64) in `form`: per block the absmax scale, rounded
+    up to float16 for `half_scales` (so no code is clipped), codes rounded to nearest: every
+    correction within half a step of its value (the bound tests hold the levels to)."""
+    blocks = rest.reshape(len(rest), -1, form.block_size)
+    top = float(form.zero_point - 1)
+    scale = (np.abs(blocks).max(axis=-1) / top).astype(np.float32)
+    scale = np.where(scale.astype(np.float64) * top < np.abs(blocks).max(axis=-1), np.nextafter(scale, np.inf), scale)
+    if half_scales:
+        half = scale.astype(np.float16)
+        half = np.where(half.astype(np.float32) < scale, np.nextafter(half, np.float16(np.inf)), half)
+        scale = half.astype(np.float32)
+    inverse = np.divide(1.0, scale.astype(np.float64), out=np.zeros(scale.shape), where=scale > 0)
+    centered = np.clip(np.rint(blocks * inverse[..., None]), -top, top).astype(np.int8).reshape(rest.shape)
+    return pack_codes(centered, form), scale
+
+
+def sums_fit(raw: np.ndarray, qt: QuantType, form: BlockForm, half_scales: bool) -> SumsFit:
+    """How 0..MAX_SUM_LEVELS levels of block-sum features hold rows `raw` [R, row bytes] of an affine
+    type in `form` (its bits and block): what `SumsFit.levels` chooses the levels of a tensor by."""
+    return _sums_parts(raw.reshape(-1, raw.shape[-1]), qt, form, half_scales, MAX_SUM_LEVELS)[3]
+
+
+def pack_with_sums(
+    raw: np.ndarray, qt: QuantType, form: BlockForm, codes: np.ndarray, scales: np.ndarray, half_scales: bool
+) -> Packed:
+    """Rows of an affine type (value = s u - m per sub-block) into a form with block-sum features:
+    the file's own codes u, shifted by an integer t per block into the form's range, with the scale
+    s (rounded to float16 for `half_scales`), which QMoE computes as s (u - t); the rest, m' = s t - m
+    per block (plus the block's mean of the float16 rounding of s), multiplies the sum of the
+    block's inputs: `form.sums` levels of correction columns, each quantized in the form, the next
+    holding what the last left. codes [R, width * bits / 8] and scales [R, width / block] (views
+    allowed) get the main part first, then each level's columns; the error is measured against the
+    gguf package's values."""
+    flat = raw.reshape(-1, raw.shape[-1])
+    main, main_scales, parts, fit = _sums_parts(flat, qt, form, half_scales, form.sums)
+    k, block = main.shape[-1], form.block_size
+    codes[..., : form.packed_bytes(k)] = _pack_unsigned(main, form).reshape(*raw.shape[:-1], -1)
+    scales[..., : k // block] = main_scales.reshape(*raw.shape[:-1], -1)
+    at, scale_at = form.packed_bytes(k), k // block
+    for level_codes, level_scales in parts:
+        width, blocks = level_codes.shape[-1], level_scales.shape[-1]
+        codes[..., at : at + width] = level_codes.reshape(*raw.shape[:-1], -1)
+        scales[..., scale_at : scale_at + blocks] = level_scales.reshape(*raw.shape[:-1], -1)
+        at, scale_at = at + width, scale_at + blocks
+    return Packed(form, codes, scales, fit.errors[form.sums] == 0.0, fit.errors[form.sums], fit.reference)
+
+
+def _without_features(
+    raw: np.ndarray,
+    qt: QuantType,
+    form: BlockForm,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    importance: np.ndarray | None,
+    half_scales: bool,
+) -> Packed:
+    """A source without codes of its own beside affine ones in a tensor of block-sum features (a
+    Q4_0 gate beside a Q4_K up, say): its values in the plain form (exact where they are), its
+    correction columns zero."""
+    k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
+    plain = form.plain
+    main = pack(raw, qt, plain, importance=importance, half_scales=half_scales)
+    codes[..., : plain.packed_bytes(k)] = main.weights
+    codes[..., plain.packed_bytes(k) :] = np.uint8(plain.zero_point * 0x11 if form.bits == 4 else plain.zero_point)
+    scales[..., : k // form.block_size] = main.scales
+    scales[..., k // form.block_size :] = 0.0
+    return Packed(form, codes, scales, main.exact, main.error_sq, main.reference_sq)
+
+
 # Values requantized per step of pack (float32 weights: 1 MiB, about a core's L2 cache)
 REQUANTIZE_SLICE = 1 << 18
 
@@ -556,11 +761,15 @@ def pack(
     (see quantize_values); `half_scales`: a requantization's scales are chosen among float16 values.
     """
     k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
-    k_blocks = k // (form.block_size or k)
+    k_blocks = form.width(k) // (form.block_size or k)
     if codes is None:
-        codes = np.empty(raw.shape[:-1] + (form.packed_bytes(k),), dtype=np.uint8)
+        codes = np.empty(raw.shape[:-1] + (form.packed_bytes(form.width(k)),), dtype=np.uint8)
     if scales is None:
         scales = np.empty(raw.shape[:-1] + (k_blocks,), dtype=np.float32)
+    if form.sums:
+        if qt.takes_sums(form):
+            return pack_with_sums(raw, qt, form, codes, scales, half_scales)
+        return _without_features(raw, qt, form, codes, scales, importance, half_scales)
     if form in qt.exact_forms():
         repack_exact(raw, qt, form, codes, scales)
         return Packed(form, codes, scales, True)
@@ -589,6 +798,9 @@ def pack(
 
 
 # ---- form policy: which ONNX Runtime block form each weight takes ---------------------------------
+# The integer group sizes ONNX Runtime's CUDA QMoE kernel takes (contrib_ops/cuda/moe/moe_quantization.cc
+# and its design notes: 32, 64, 128 on every SM; no evidence for 16), besides one scale per row
+CUDA_QMOE_BLOCKS = (32, 64, 128)
 # What ONNX Runtime 1.32's expert offload backend requires (see runtime.providers.offload_violations).
 OFFLOAD_FORM = BlockForm(4, 32)
 # Exact forms are kept from blocks of this size up; Q6_K's only exact form, 8 bits at block 16, costs
@@ -622,17 +834,114 @@ def common_exact_form(types: list[QuantType], bits: int | None = None, exact: bo
     return min(forms, key=lambda f: (f.bits, -f.block_size)) if forms else None
 
 
-def expert_form(types: list[QuantType], ks: list[int], choice: str = "auto", exact: bool = False) -> BlockForm:
-    """The QMoE form of one layer's experts (one bit width and block size for all of them), by
-    --expert-format `choice`: the exact form when every expert matrix moves bit-exactly into one
-    (auto: Q4_0 int4/b32, Q8_0, IQ4_XS, MXFP4 int8/b32, ...; int4 / int8: of that width), else
-    requantized: auto as the types' measured QuantType.requantize says (int8/b128 for a Q4_K_M
-    layer of Qwen3-30B-A3B's sizes), int8 likewise at 8 bits, int4 into 4 bits at block 32 (half
-    the bytes of 8, more error: docs/benchmarks.md). "offload": OFFLOAD_FORM."""
+@dataclasses.dataclass(frozen=True)
+class ExpertForms:
+    """How one MoE layer's experts are stored: the node's bit width and block size (ONNX Runtime
+    1.32's CPU QMoE takes one for fc1 and fc2), and whether fc1 (gate and up) keeps affine codes
+    through block-sum features (their levels are measured on the tensors: SumsFit.levels)."""
+
+    node: BlockForm
+    sums: bool = False
+
+    def fc1(self, levels: int) -> BlockForm:
+        return dataclasses.replace(self.node, sums=levels if self.sums else 0)
+
+    def __str__(self) -> str:
+        return f"{self.node}+sums" if self.sums else str(self.node)
+
+
+# How a tensor's values fare in a form, best first: moved bit for bit; its own codes with block-sum
+# features (fc1); requantized with error far below the file's own (8 bits, or 4 for types under 3
+# bits a weight); requantized into 4 bits with error of the file's own order
+QUALITY = ("exact", "sums", "near", "lossy")
+# Candidates within this share of the fewest bytes are ranked by how many of their weights are inexact
+BYTES_SLACK = 0.02
+# A down projection may be requantized into 4 bits beside gate and up held exactly in fewer bits a
+# weight than this (docs/benchmarks.md, the Q4_K_M and Q3_K_M rows)
+LOSSY_DOWN_BESIDE = 4.0
+
+
+def role_quality(qt: QuantType, form: BlockForm, fc1: bool) -> str:
+    """The QUALITY of a tensor of type `qt` in a layer stored in `form` (fc1: gate or up; else down)."""
+    if form in qt.exact_forms():
+        return "exact"
+    if fc1 and qt.takes_sums(form):
+        return "sums"
+    near_bits = form.bits == 8 or qt.requantize_bits == 4
+    if near_bits and 0 < form.block_size <= (qt.int8_block if form.bits == 8 else 32):
+        return "near"
+    return "lossy"
+
+
+def _form_bits(qt: QuantType, form: BlockForm, quality: str, exact: bool) -> float:
+    """Bits a weight of `qt` takes in `form` (the scales' share included; block-sum features apart)."""
+    wide = quality == "exact" and not qt.fp16_scales or quality == "sums" and exact
+    return form.bits + (32 if wide else 16) / (form.block_size or 4096)
+
+
+def expert_form(types: list[QuantType], ks: list[int], choice: str = "auto", exact: bool = False) -> ExpertForms:
+    """The QMoE form of one layer's experts, `types` those of gate, up and down and `ks` the K of fc1
+    and fc2, by --expert-format `choice`:
+
+    - "auto": the fewest bytes among forms in which gate and up are exact, kept through block-sum
+      features or near (QUALITY), and down exact or near, or lossy beside gate and up held exactly
+      in fewer than LOSSY_DOWN_BESIDE bits a weight; within BYTES_SLACK of the fewest bytes, the form
+      with the fewest inexact weights. Q4_0 int4/b32, Q8_0 int8/b32 (exact); Q4_K_M int8/b128; Q5_K
+      int8/b32 with features; Q3_K int4/b16 (exact), beside a Q4_K down too; Q2_K with a Q3_K down
+      int4/b16 with features.
+    - "int4" / "int8": forms of that width, the fewest lossy weights, then bytes.
+    - "offload": OFFLOAD_FORM (ONNX Runtime's expert offload takes no other), features where gate
+      and up have affine codes.
+    - "cuda": as "auto", at the blocks ONNX Runtime's CUDA QMoE kernel takes (CUDA_QMOE_BLOCKS).
+    `exact`: the fewest inexact weights first (Q6_K's int8/b16, features' levels below float16's
+    precision with float32 scales). Blocks divide both K; where none does, one scale per row."""
+    gate, up, down = types
+    # 4 bits at blocks of 16 or 32 only (no type is exact at larger ones; requantized there, error grows)
+    blocked = [
+        f
+        for f in CANDIDATE_FORMS
+        if all(k % f.block_size == 0 for k in ks) and f.block_size <= max(REQUANTIZE_BLOCKS[f.bits])
+    ]
+    candidates = blocked or [BlockForm(4, 0), BlockForm(8, 0)]
     if choice == "offload":
-        return OFFLOAD_FORM
-    bits = {"int4": 4, "int8": 8}.get(choice)
-    return common_exact_form(types, bits, exact) or requantized_form(types, ks, bits)
+        candidates = [OFFLOAD_FORM]
+    elif choice == "cuda":  # what ONNX Runtime's CUDA QMoE kernel takes (capabilities.CUDA_KERNELS)
+        candidates = [f for f in candidates if f.block_size in CUDA_QMOE_BLOCKS] or [BlockForm(8, 0)]
+    elif choice in ("int4", "int8"):
+        candidates = [f for f in candidates if f.bits == int(choice[3:])]
+    k1, k2 = ks
+    scored = []
+    for form in candidates:
+        roles = [(gate, True, k1), (up, True, k1), (down, False, k2)]
+        quality = [role_quality(qt, form, fc1) for qt, fc1, _ in roles]
+        features = any(q == "sums" for q in quality[:2])
+        bits = sum(_form_bits(qt, form, q, exact) * k for (qt, _, k), q in zip(roles, quality))
+        if features:  # the features' columns on fc1 (about 2 levels of int4, 1 of int8) and fc2's padding
+            levels = 2 if form.bits == 4 else 1
+            bits += levels * BlockForm(form.bits, form.block_size, sums=1).feature_stride(k1) * (form.bits + 16 / 32)
+        inexact = sum(k for (_, _, k), q in zip(roles, quality) if q in ("near", "lossy"))
+        lossy = sum(k for (_, _, k), q in zip(roles, quality) if q == "lossy")
+        if choice in ("auto", "cuda") and not exact:
+            fc1_ok = all(q != "lossy" for q in quality[:2])
+            beside_exact = all(q in ("exact", "sums") for q in quality[:2])
+            # a 4-bit down beside gate and up of fewer bits a weight than that, held exactly: their own
+            # rounding dwarfs its requantization (Q3_K_M: 1.01-1.02x llama.cpp's KLD at 0.66x the bytes
+            # of int8; Q4_K_M's Q4_K downs at 4 bits cost 1.37-1.44x on the markov model)
+            fc2_ok = quality[2] != "lossy" or (
+                form.bits == 4 and beside_exact and max(gate.bits_per_weight, up.bits_per_weight) < LOSSY_DOWN_BESIDE
+            )
+            if not (fc1_ok and fc2_ok):
+                continue
+        scored.append((form, features, bits, inexact, lossy))
+    if not scored:  # auto, and nothing keeps llama.cpp's fidelity: 8 bits, requantized
+        return ExpertForms(requantized_form(types, ks))
+    if choice not in ("auto", "cuda") or exact:
+        best = min(scored, key=lambda c: (c[4], c[3], c[2]) if exact else (c[4], c[2], c[3]))
+    else:
+        fewest = min(c[2] for c in scored)
+        close = [c for c in scored if c[2] <= fewest * (1 + BYTES_SLACK)]
+        best = min(close, key=lambda c: (c[3], c[2], -c[0].block_size, c[0].bits))
+    return ExpertForms(best[0], best[1])
 
 
 def matrix_form(qt: QuantType, k: int, exact: bool = False, offsets: bool = True) -> BlockForm | None:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-
 import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
 from moepass.core.errors import MoepassError
 from moepass.core.moe_nodes import Experts, moe_node
-from moepass.core.quants import OFFLOAD_FORM, expert_form, quant_type, requantize_form, scales_in_float16
-from moepass.cuda_ops.prepack import prepack_problem
+from moepass.core.quants import OFFLOAD_FORM, ExpertForms, expert_form, quant_type, requantize_form, scales_in_float16
+from moepass.passes.lower.block_sums import measured_levels, narrow, widen
+from moepass.passes.lower.experts import expert_tensors
 from moepass.passes.lower.graph_builder import GraphBuilder
 from moepass.passes.lower.routing import renormalizes, router_input
 
@@ -43,28 +42,40 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     gate, up, down = (builder.tensor(r, layer) for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     types = [quant_type(t.ggml_type, t.name, t.path) for t in (gate, up, down)]
     name = f"blk.{layer}.moe"
-    node = functools.partial(
-        moe_node,
-        builder.tape.op,
-        name,
-        x2d,
-        router,
-        top_k=hp.n_experts_used,
-        normalize=renormalizes(feats),
-        activation=ACTIVATIONS[feats.activation],
-    )
+    hidden_in = gate.shape[-1]
+
+    def node(fc1: Experts, fc2: Experts, hidden: ir.Value = x2d, **kwargs) -> ir.Value:
+        return moe_node(
+            builder.tape.op,
+            name,
+            hidden,
+            router,
+            fc1,
+            fc2,
+            top_k=hp.n_experts_used,
+            normalize=renormalizes(feats),
+            activation=ACTIVATIONS[feats.activation],
+            **kwargs,
+        )
+
     floats = [qt.storage == "float" for qt in types]
     prefix = f"blk.{layer}.ffn_experts"
-    fc1_b = fc2_b = None
+    fc1_b = None
     if feats.expert_biases:
         fc1_b = builder.expert_bias(
             f"{prefix}.fc1_bias", [builder.tensor(f"ffn_{p}_exps_bias", layer) for p in ("gate", "up")]
         )
-        fc2_b = builder.expert_bias(f"{prefix}.fc2_bias", [builder.tensor("ffn_down_exps_bias", layer)])
+
+    def fc2_bias(pad: int = 0) -> ir.Value | None:
+        if not feats.expert_biases:
+            return None
+        return builder.expert_bias(f"{prefix}.fc2_bias", [builder.tensor("ffn_down_exps_bias", layer)], pad=pad)
+
+    pad = 0
     if all(floats) and builder.options.float_experts == "keep":
         fc1 = builder.float_experts(f"{prefix}.fc1", [gate, up])
         fc2 = builder.float_experts(f"{prefix}.fc2", [down])
-        out = node(Experts(fc1, bias=fc1_b), Experts(fc2, bias=fc2_b))
+        out = node(Experts(fc1, bias=fc1_b), Experts(fc2, bias=fc2_bias()))
         form_name = "float32"
     else:
         if any(floats) and builder.options.float_experts == "keep":
@@ -75,38 +86,49 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
             )
         ks = [gate.shape[-1], down.shape[-1]]
         if all(floats):
-            form = requantize_form(8 if builder.options.float_experts == "int8" else 4, ks)
+            forms = ExpertForms(requantize_form(8 if builder.options.float_experts == "int8" else 4, ks))
         else:
-            quantized = [qt for qt in types if qt.storage != "float"]
-            form = expert_form(quantized, ks, builder.options.expert_format, builder.options.exact)
-        prepack = builder.offload and form == OFFLOAD_FORM
-        if prepack:
-            for label, (n, k) in (
-                ("fc1 (gate and up)", (2 * gate.shape[-2], gate.shape[-1])),
-                ("fc2 (down)", (down.shape[-2], down.shape[-1])),
-            ):
-                problem = prepack_problem(n, k, form.bits)
-                if problem:
-                    raise MoepassError(
-                        f"{name}: {label} cannot take the prepacked layout expert offload needs: "
-                        f"{problem}; convert without --expert-format offload"
-                    )
+            forms = expert_form(types, ks, builder.options.expert_format, builder.options.exact)
+        node_form = forms.node
         # float16 scales in float32 graphs too (QMoE takes them: half the scale bytes), unless they
-        # would round an exact form's scales
-        scales = ir.DataType.FLOAT16 if builder.offload or scales_in_float16(types, form) else ir.DataType.FLOAT
-        fc1_w, fc1_s, _ = builder.packed_weights(f"{prefix}.fc1", [gate, up], form, prepack=prepack, scale_dtype=scales)
-        fc2_w, fc2_s, _ = builder.packed_weights(f"{prefix}.fc2", [down], form, prepack=prepack, scale_dtype=scales)
+        # would round an exact form's scales; block-sum features round theirs (--exact: float32)
+        half = builder.offload or (scales_in_float16(types, node_form) if not forms.sums else not builder.options.exact)
+        scales = ir.DataType.FLOAT16 if half else ir.DataType.FLOAT
+        levels = 0
+        if forms.sums:
+            levels = measured_levels(list(zip((gate, up), types[:2])), node_form, half, builder.options.exact)
+        fc1_form = forms.fc1(levels)
+        prepack = builder.offload and node_form == OFFLOAD_FORM
+        try:
+            tensors = expert_tensors(
+                name,
+                prefix,
+                builder.gguf_rows([gate, up]),
+                builder.gguf_rows([down]),
+                fc1_form,
+                builder.report,
+                prepack=prepack,
+                scale_dtype=scales,
+                workers=builder.options.threads,
+            )
+        except MoepassError as e:
+            raise MoepassError(f"{e}; convert without --expert-format offload" if prepack else str(e)) from None
+        pad = tensors.pad
+        fc1_w, fc1_s = builder.group_initializers(tensors.fc1)
+        fc2_w, fc2_s = builder.group_initializers(tensors.fc2)
+        widened = widen(builder.tape.op, builder.const, x2d, hidden_in, fc1_form, name) if pad else x2d
         out = node(
             Experts(fc1_w, fc1_s, bias=fc1_b),
-            Experts(fc2_w, fc2_s, bias=fc2_b),
-            bits=form.bits,
-            block_size=form.block_size,
+            Experts(fc2_w, fc2_s, bias=fc2_bias(pad)),
+            bits=node_form.bits,
+            block_size=node_form.block_size,
             prepacked=prepack,
+            hidden=widened,
         )
-        form_name = str(form)
+        form_name = str(fc1_form)
     out.name = f"{name}.output"
     out.dtype = builder.act
-    out.shape = ir.Shape(["tokens", hidden_out])
+    out.shape = ir.Shape(["tokens", hidden_out + pad])
     moe = out.producer()
     if moe is None:
         raise ValueError(f"{name}: the MoE output has no node")
@@ -127,6 +149,8 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
             "source_types": [qt.name for qt in types],
         }
     )
+    if pad:  # the features' columns of the widened output dropped
+        out = narrow(builder.tape.op, builder.const, out, hidden_out, name)
     if weight_sum is not None:  # the node renormalized weights that the model leaves as they are
         out = builder.tape.op("Mul", [out, weight_sum], name=f"{name}.weights_unnormalize")
     if hp.expert_weights_scale not in (0.0, 1.0):  # llama.cpp scales the routing weights

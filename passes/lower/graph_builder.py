@@ -110,9 +110,34 @@ class GraphBuilder:
         blob_layout: bool = False,
         prepack: bool = False,
         scale_dtype: ir.DataType | None = None,
+        pad_rows: int = 0,
     ) -> tuple[ir.Value, ir.Value, ir.Value | None]:
         """Codes, scales (in `scale_dtype`, default the activation type) and, for a form with
-        offsets, block offsets initializers of GGUF matrices in `form` (see weights.PackedGroup)."""
+        offsets, block offsets initializers of GGUF matrices in `form` (see weights.PackedGroup;
+        `pad_rows` zero rows after each matrix's own)."""
+        rows = self.gguf_rows(sources)
+        group = PackedGroup(
+            rows,
+            form,
+            name,
+            self.report,
+            blob_layout,
+            scale_dtype=scale_dtype or self.act,
+            prepack=prepack,
+            workers=self.options.threads,
+            pad_rows=pad_rows,
+            offsets_dtype=self.act,
+        )
+        offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if group.offsets is not None else None
+        return (
+            self.tape.initializer(group.codes, name=group.codes.name),
+            self.tape.initializer(group.scales, name=group.scales.name),
+            offsets,
+        )
+
+    def gguf_rows(self, sources: list[SourceTensor]) -> list[GgufRows]:
+        """GGUF tensors as RowSources, each with its importance matrix entry (checked against its
+        columns) where the conversion has one."""
         types = [quant_type(s.ggml_type, s.name, s.path) for s in sources]
         if self.options.imatrix is not None:
             for s in sources:
@@ -124,22 +149,13 @@ class GraphBuilder:
                         f"importance matrix entry '{s.name}' has {imp.size} values, not {k} columns for {per}"
                     )
         importance = self.options.imatrix or {}
-        rows = [GgufRows(s, t, importance.get(s.name)) for s, t in zip(sources, types)]
-        group = PackedGroup(
-            rows,
-            form,
-            name,
-            self.report,
-            blob_layout,
-            scale_dtype=scale_dtype or self.act,
-            prepack=prepack,
-            workers=self.options.threads,
-        )
-        offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if group.offsets is not None else None
+        return [GgufRows(s, t, importance.get(s.name)) for s, t in zip(sources, types)]
+
+    def group_initializers(self, group: PackedGroup) -> tuple[ir.Value, ir.Value]:
+        """A packed group's codes and scales as initializers of the graph."""
         return (
             self.tape.initializer(group.codes, name=group.codes.name),
             self.tape.initializer(group.scales, name=group.scales.name),
-            offsets,
         )
 
     def matrix_weights(
@@ -203,13 +219,12 @@ class GraphBuilder:
 
     def block_sums(self, x: ir.Value, k: int, block: int, name: str) -> ir.Value:
         """x's sums over each block of `block` inputs, [..., K / block], by a product with a 0/1 matrix
-        (any rank of x), computed once per input value (q, k and v share theirs)."""
+        in the activation type (any rank of x), computed once per input value (q, k and v share theirs)."""
         key = (id(x), k, block)
         if key not in self._block_sums:
-            ones = np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))  # [K, K/block]
-            self._block_sums[key] = self.tape.op(
-                "MatMul", [x, self.const(f"const.block_sums.{k}.{block}", ones)], name=name
-            )
+            ones = np.kron(np.eye(k // block, dtype=self.np_act), np.ones((block, 1), self.np_act))  # [K, K/block]
+            name_const = f"const.block_sums.{self.act.name.lower()}.{k}.{block}"
+            self._block_sums[key] = self.tape.op("MatMul", [x, self.const(name_const, ones)], name=name)
         return self._block_sums[key]
 
     def matrix_form(self, src: SourceTensor, offsets: bool = True) -> BlockForm | None:
@@ -257,16 +272,18 @@ class GraphBuilder:
             name="embed_tokens",
         )
 
-    def expert_bias(self, name: str, sources: list[SourceTensor]) -> ir.Value:
+    def expert_bias(self, name: str, sources: list[SourceTensor], pad: int = 0) -> ir.Value:
         """Per-expert biases [E, N] of one or two sources as [E, N * len(sources)] (gate and up
-        interleaved, as the fc1 rows are), in the activation type."""
+        interleaved, as the fc1 rows are), in the activation type; `pad` zeros after each expert's
+        (fc2's rows for block-sum features)."""
         e, n = sources[0].shape
 
         def make() -> np.ndarray:
             values = [dequantize(s.read_rows(), s.ggml_type).reshape(e, n) for s in sources]
-            return np.stack(values, axis=-1).reshape(e, n * len(sources))
+            stacked = np.stack(values, axis=-1).reshape(e, n * len(sources))
+            return np.concatenate([stacked, np.zeros((e, pad), np.float32)], axis=1)
 
-        return self.lazy_initializer(name, self.act, (e, n * len(sources)), make)
+        return self.lazy_initializer(name, self.act, (e, n * len(sources) + pad), make)
 
     def float_experts(self, name: str, sources: list[SourceTensor]) -> ir.Value:
         rows = [GgufRows(s, quant_type(s.ggml_type, s.name, s.path)) for s in sources]
