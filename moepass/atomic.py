@@ -31,7 +31,6 @@ from moepass.core.files import (
     read_report,
 )
 
-COPY_STEP = 256 << 20  # bytes a copy moves between progress reports
 # what convert and partition write into an output folder: --force replaces a folder of these only
 OUTPUT_FILES = frozenset(
     {
@@ -227,33 +226,6 @@ def _writing(destination: Path, make: Callable[[str], Path], overwrite: bool) ->
             _sweep_own(destination)
         else:
             _remove(tmp)
-
-
-def share_file(source: Path, destination: Path, progress: Callable[[int, int], None] | None = None) -> str:
-    """`destination` with `source`'s bytes, without copying them where the file system allows: a
-    reflink (a copy-on-write clone: Btrfs, XFS, bcachefs), else a copy in the kernel. Not a hard
-    link: onnx-ir refuses to read external data whose file has more than one link (its guard
-    against hard-link attacks), so both models would become unreadable to moepass. Says which."""
-    import fcntl
-
-    ficlone = 0x40049409  # FICLONE (linux/fs.h)
-    try:
-        with open(source, "rb") as src, open(destination, "wb") as dst:
-            fcntl.ioctl(dst.fileno(), ficlone, src.fileno())
-        return "reflink"
-    except OSError:
-        pass
-    total = source.stat().st_size
-    with open(source, "rb") as src, open(destination, "wb") as dst:
-        done = 0
-        while done < total:  # in the kernel, in steps that can report progress
-            step = os.copy_file_range(src.fileno(), dst.fileno(), min(COPY_STEP, total - done))
-            if step == 0:
-                raise MoepassError(f"{source}: shrank while it was copied")
-            done += step
-            if progress is not None:
-                progress(done, total)
-    return "copy"
 
 
 @contextlib.contextmanager

@@ -895,7 +895,13 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     help="GPU memory to use, in bytes: 8G / 8GB are decimal (8e9), 8GiB binary (8 x 2^30); 7.5GB, 8000M "
     "or a plain number work too.",
 )
-@click.option("-o", "--output", required=True, type=click.Path(), help="Directory for the annotated model and plan.")
+@click.option(
+    "-o",
+    "--output",
+    default=None,
+    type=click.Path(),
+    help="Directory for the placed model and plan (default: MODEL-placed beside the model).",
+)
 @click.option(
     "--target",
     type=click.Choice(TARGETS),
@@ -933,7 +939,11 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     help="required: fail when the non-expert weights, KV cache and buffers do not fit.",
 )
 @click.option(
-    "-c", "--context", type=click.IntRange(1, None), default=4096, show_default=True, help="Tokens the KV cache holds."
+    "-c",
+    "--context",
+    type=click.IntRange(1, None),
+    default=None,
+    help="Tokens the KV cache holds (default: the model's context, at most 4096; the summary says which).",
 )
 @click.option("--batch", type=click.IntRange(1, None), default=1, show_default=True, help="Sequences at once.")
 @click.option(
@@ -990,11 +1000,25 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     help="The KV cache's type in the placed model: the model's, another (from float32), or auto: float16 "
     "where its smaller cache buys resident experts (plan.json says what each type would buy).",
 )
+@click.option(
+    "--keep-form",
+    is_flag=True,
+    help="Annotate (or reorder) the model as it is instead of writing its GPU form: its float32 nodes, which "
+    "no CUDA kernel takes, then stay on the CPU whatever the plan.",
+)
+@click.option(
+    "--gguf",
+    "gguf_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The GGUF the model was converted from, where it is now (its GPU form is packed from the file's "
+    "blocks); default: where its moepass.json records it.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress.")
 def partition(
     model_dir: str,
     vram: str,
-    output: str,
+    output: str | None,
     target: str,
     cuda_plugin: str | None,
     profile_path: str | None,
@@ -1015,10 +1039,13 @@ def partition(
     threads: int | None,
     ignore_kernel_table: bool,
     kv_cache: str,
+    keep_form: bool,
+    gguf_path: str | None,
     quiet: bool,
 ) -> None:
-    """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the plan and an
-    annotated model."""
+    """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the model in
+    the form the GPU's EP takes (float16, each GPU node in a form its kernels take), the plan and the
+    ONNX Runtime options. MODEL_DIR: a converted model, or a GGUF file (converted here in one step)."""
     from moepass.partition import partition as run_partition
 
     card = GPU_PRESETS.get(gpu_preset) if gpu_preset else None
@@ -1059,6 +1086,8 @@ def partition(
             calibrate=not no_calibrate,
             threads=threads,
             kv_cache=kv_cache,
+            lower=not keep_form,
+            gguf=gguf_path,
         )
     finally:
         progress.close()

@@ -29,9 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import onnx_ir as ir
+
 from moepass.atomic import atomic_directory, check_destination
 from moepass.core import keys
-from moepass.core.architectures import architecture_of
+from moepass.core.architectures import Architecture, architecture_of
 from moepass.core.capabilities import offload_violations
 from moepass.core.choices import (
     ACTIVATION_MODES,
@@ -61,7 +63,8 @@ from moepass.core.version import __version__
 from moepass.genai import check_speculation, genai_config, with_speculation
 from moepass.kv_precision import cache_type_of, describe_cache, kv_bytes_per_position, set_kv_cache
 from moepass.passes import PipelineRun, run_pipeline
-from moepass.passes.lower import LowerOptions, lower_gguf
+from moepass.passes.lower import Lowered, LowerOptions, lower_gguf
+from moepass.passes.weights import WeightReport, merged_records
 from moepass.tokenizer import TokenizerFiles, tokenizer_from_gguf
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
@@ -315,11 +318,8 @@ def convert(
     if kv_calibration is not None and kv_cache != "int8":
         raise MoepassError("--kv-calibration applies to --kv-cache int8")
     calibration_text = read_text(Path(kv_calibration)) if kv_calibration is not None else None
-    gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
-    arch = architecture_of(gguf)
-    lowered = lower_gguf(
-        gguf,
-        arch,
+    conversion = lower_gguf_file(
+        source,
         LowerOptions(
             float_experts=float_experts,
             expert_format=expert_format,
@@ -328,71 +328,163 @@ def convert(
             exact=exact,
             threads=threads,
         ),
+        activations,
+        allow_non_finite=allow_non_finite,
+        print_after=print_after,
+        echo=echo,
     )
-    onnx_model = run_pipeline(lowered.model, "gguf", PipelineRun(activations=activations), print_after, echo)
-    violations = offload_violations(onnx_model)
-    offload = (
-        "eligible (int4 block 32 prepacked, float16)"
-        if not violations
-        else f"not eligible: {violations[0][0]}: {violations[0][1]}"
-        + (" (--expert-format offload makes it eligible)" if expert_format != "offload" else "")
-    )
+    with atomic_directory(output_dir, overwrite, inputs=conversion.gguf.parts) as tmp:
+        written = write_gguf_conversion(
+            conversion,
+            tmp,
+            progress,
+            kv_cache=kv_cache,
+            calibration_text=calibration_text,
+            threads=threads,
+            echo=echo,
+            genai_speculative=genai_speculative,
+            draft_tokens=draft_tokens,
+            output_dir=output_dir,
+        )
+    return conversion.result(output_dir, written, time.perf_counter() - start)
 
-    with (
-        atomic_directory(output_dir, overwrite, inputs=gguf.parts) as tmp,
-        ThreadPoolExecutor(1) as beside,
-        _collector_paused(),
-    ):
+
+@dataclasses.dataclass
+class GgufConversion:
+    """A GGUF file lowered to an ONNX decoder whose weights are not yet written (lazy tensors):
+    what `convert` writes, and what `partition` lowers further for the GPU before writing it."""
+
+    source: Path
+    gguf: GGUFModel
+    arch: Architecture
+    lowered: Lowered
+    model: ir.Model
+    activations: str
+    expert_format: str
+
+    @property
+    def offload(self) -> str:
+        """Whether ONNX Runtime's expert offload takes the model, and if not, why, in words."""
+        violations = offload_violations(self.model)
+        return (
+            "eligible (int4 block 32 prepacked, float16)"
+            if not violations
+            else f"not eligible: {violations[0][0]}: {violations[0][1]}"
+            + (" (--expert-format offload makes it eligible)" if self.expert_format != "offload" else "")
+        )
+
+    def result(self, output_dir: Path, written: WrittenConversion, seconds: float) -> ConvertResult:
+        lowered = self.lowered
+        bytes_by_target: dict[str, int] = collections.Counter()
+        for w in written.weights:
+            bytes_by_target[w["target"]] += w["bytes"]
+        return ConvertResult(
+            output_dir=output_dir,
+            source=self.source,
+            architecture=self.arch.gguf_arch,
+            n_layers=lowered.hparams.n_layers,
+            moe_layers=lowered.moe_layers,
+            bytes_by_target=dict(bytes_by_target),
+            weights=written.weights,
+            source_bytes=self.gguf.file_bytes,
+            output_bytes=written.output_bytes,
+            seconds=seconds,
+            tokenizer=written.tokenizer,
+            offload=self.offload,
+            activations=self.activations,
+            kv_cache=written.kv_cache,
+            kv_bytes_per_position=kv_bytes_per_position(self.model.graph)
+            // KV_CACHE_TYPES[cache_type_of(self.model) or "float32"]
+            * KV_CACHE_TYPES[written.kv_cache["type"] or "float32"],
+            context_length=lowered.hparams.context_length,
+        )
+
+
+@dataclasses.dataclass
+class WrittenConversion:
+    """What writing a conversion left in its folder: the report's weights, tokenizer and KV cache
+    entries, and the folder's bytes."""
+
+    weights: list[dict[str, Any]]
+    tokenizer: dict[str, Any]
+    kv_cache: dict[str, Any]
+    output_bytes: int
+    weights_how: str = "written"  # how model.onnx.data came to be (partition: shared with its source)
+
+
+def lower_gguf_file(
+    source: Path,
+    options: LowerOptions,
+    activations: str = "int8",
+    *,
+    allow_non_finite: bool = False,
+    print_after: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> GgufConversion:
+    """Read a GGUF file, lower it and run the GGUF pipeline's passes: nothing written yet."""
+    gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
+    arch = architecture_of(gguf)
+    lowered = lower_gguf(gguf, arch, options)
+    model = run_pipeline(lowered.model, "gguf", PipelineRun(activations=activations), print_after, echo)
+    return GgufConversion(source, gguf, arch, lowered, model, activations, options.expert_format)
+
+
+def write_gguf_conversion(
+    conversion: GgufConversion,
+    tmp: Path,
+    progress: ProgressFn | None = None,
+    *,
+    kv_cache: str = "float32",
+    calibration_text: str | None = None,
+    threads: int | None = None,
+    echo: Callable[[str], None] = print,
+    genai_speculative: str | None = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    output_dir: Path | None = None,
+    also: WeightReport | None = None,
+) -> WrittenConversion:
+    """The conversion's files in `tmp`: model.onnx and its weights, moepass.json (the lowering's
+    weight records, those of `also` in their place where it has them: partition's GPU form), the
+    tokenizer, the KV cache as asked and genai_config.json."""
+    gguf, lowered, model = conversion.gguf, conversion.lowered, conversion.model
+    with ThreadPoolExecutor(1) as beside, _collector_paused():
         # the tokenizer (a second of Python for a 151,936-token vocabulary) is rebuilt beside the weights,
         # whose writer mostly waits for the disk and the worker threads
         tokenizer_files = beside.submit(_write_tokenizer, gguf, tmp)
         # one writer thread, in initializer order: each tensor converted on several threads chunk by chunk
         # (moepass.passes.weights), a group's codes written before its scales
-        save_model(onnx_model, tmp / MODEL_FILE, progress)
-        weights = [r.as_dict() for r in lowered.report.records.values()]
-        bytes_by_target: dict[str, int] = collections.Counter()
-        for w in weights:
-            bytes_by_target[w["target"]] += w["bytes"]
+        save_model(model, tmp / MODEL_FILE, progress)
+        records = [r.as_dict() for r in lowered.report.records.values()]
+        if also is not None:
+            records = merged_records(records, also)
         report: dict[str, Any] = {
             "input": "gguf",
-            "source": {"file": source.name, "parts": [p.name for p in gguf.parts], "bytes": gguf.file_bytes},
-            "architecture": arch.gguf_arch,
-            "activations": activations,
+            "source": {
+                "file": conversion.source.name,
+                "parts": [p.name for p in gguf.parts],
+                "bytes": gguf.file_bytes,
+                # where the file was and what it held: partition packs a GPU form from its blocks
+                "path": str(conversion.source.resolve()),
+                "fingerprint": gguf.fingerprint(),
+            },
+            "architecture": conversion.arch.gguf_arch,
+            "activations": conversion.activations,
             "hparams": lowered.hparams.as_dict(),
             "moe_layers": lowered.moe_layers,
-            "weights": weights,
+            "weights": records,
         }
         tokenizer = tokenizer_files.result()
-        report["tokenizer"] = tokenizer.info
-        report["kv_cache"] = set_kv_cache(
-            tmp, kv_cache, cache_type_of(onnx_model), lowered.hparams.context_length, calibration_text, threads, echo
-        )
-        genai = genai_config(lowered.hparams, lowered.model, tokenizer.info)
-        if genai_speculative:
-            genai = with_speculation(genai, genai_speculative, draft_tokens, output_dir)
-        (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
-        write_report(tmp, report)
-        output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
-    return ConvertResult(
-        output_dir=output_dir,
-        source=source,
-        architecture=arch.gguf_arch,
-        n_layers=lowered.hparams.n_layers,
-        moe_layers=lowered.moe_layers,
-        bytes_by_target=dict(bytes_by_target),
-        weights=weights,
-        source_bytes=gguf.file_bytes,
-        output_bytes=output_bytes,
-        seconds=time.perf_counter() - start,
-        tokenizer=tokenizer.info,
-        offload=offload,
-        activations=activations,
-        kv_cache=report["kv_cache"],
-        kv_bytes_per_position=kv_bytes_per_position(onnx_model.graph)
-        // KV_CACHE_TYPES[cache_type_of(onnx_model) or "float32"]
-        * KV_CACHE_TYPES[report["kv_cache"]["type"] or "float32"],
-        context_length=lowered.hparams.context_length,
+    report["tokenizer"] = tokenizer.info
+    report["kv_cache"] = set_kv_cache(
+        tmp, kv_cache, cache_type_of(model), lowered.hparams.context_length, calibration_text, threads, echo
     )
+    genai = genai_config(lowered.hparams, model, tokenizer.info)
+    if genai_speculative:
+        genai = with_speculation(genai, genai_speculative, draft_tokens, output_dir or tmp)
+    (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
+    write_report(tmp, report)
+    output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
+    return WrittenConversion(records, tokenizer.info, report["kv_cache"], output_bytes)
 
 
 def physical_memory() -> int | None:

@@ -221,7 +221,7 @@ def set_kv_cache(
         return cache_entry(current)
     if current is None:
         raise MoepassError(f"{folder}: the model has no GroupQueryAttention: no KV cache to give another type")
-    if current != "float32":
+    if current != "float32" and not (current == "float16" and kind == "int8"):  # a GPU form's float16 cache: int8
         raise MoepassError(f"{folder}: the model's KV cache is {current}; --kv-cache applies to a float32 cache")
     model = load_model(folder)
     attention = [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]

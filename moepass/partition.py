@@ -27,13 +27,14 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 import onnx_ir as ir
 
-from moepass.atomic import atomic_directory, atomic_file, check_destination, share_file
+from moepass.atomic import atomic_directory, atomic_file, check_destination
 from moepass.core import keys
+from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals, offload_violations
 from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths, format_bytes, one_of, parse_bytes
 from moepass.core.errors import MoepassError
@@ -45,9 +46,10 @@ from moepass.core.files import (
     PLAN_FILE,
     PLAN_FORMAT,
     PLAN_VERSION,
-    REPORT_FILE,
+    SHARED_DATA_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    ModelReport,
     PlanReport,
     load_model,
     model_file,
@@ -56,14 +58,22 @@ from moepass.core.files import (
     save_model,
     write_report,
 )
-from moepass.core.moe_nodes import moe_nodes
+from moepass.core.gguf_reader import GGUFModel, is_gguf
+from moepass.core.moe_nodes import MoeNode, moe_nodes
+from moepass.core.quants import QuantType
 from moepass.core.version import __version__
 from moepass.genai import with_session_entries
 from moepass.kv_precision import AUTO_CHOICES, cache_type_of, set_kv_cache
 from moepass.passes.annotate_layers import AnnotateLayersPass
+from moepass.passes.gpu_form import GgufExperts, GpuFormPass, StoredExperts
+from moepass.passes.lower import LowerOptions
 from moepass.passes.reorder_experts import ReorderExpertsPass
+from moepass.passes.weights import RowSource, WeightReport, merged_records
 from moepass.placement import Budget, MemoryModel, Plan, onnxruntime_options, plan_placement
 from moepass.popularity import Popularity, model_identity
+
+if TYPE_CHECKING:
+    from moepass.convert import GgufConversion
 
 
 @dataclasses.dataclass
@@ -106,7 +116,9 @@ class PartitionResult:
             f"  VRAM budget      {format_bytes(mem.vram_bytes):>12}",
             f"  non-expert       {format_bytes(mem.non_expert_bytes):>12}",
             f"  KV cache         {format_bytes(mem.kv_cache_bytes):>12}  "
-            f"(context {plan.inputs.context}, batch {plan.inputs.batch}"
+            f"(context {plan.inputs.context:,}"
+            + (f": {plan.document['context_words']}" if plan.document.get("context_words") else "")
+            + f", batch {plan.inputs.batch}"
             + (f", {kv.type}" if kv else "")
             + ")"
             + (f"; {kv.traded}" if kv and kv.traded else ""),
@@ -211,13 +223,178 @@ def _expert_regions(model_path: Path, memory: MemoryModel, plan: Plan) -> list[d
     return regions
 
 
+# ---- read: the model, what moepass knew of it, where its experts can be packed anew from ----------
+
+
+@dataclasses.dataclass
+class PartitionSource:
+    """What partition starts from: a converted model's folder (its model read lazily, its weights
+    left on disk) or a GGUF file lowered in this run (`conversion`), with its moepass.json and the
+    GGUF its experts are packed anew from where the GPU form changes them."""
+
+    label: Path
+    folder: Path | None  # the converted model's folder; None for a GGUF lowered in this run
+    report: ModelReport
+    gguf: GgufSource
+    conversion: GgufConversion | None = None
+
+    def fresh(self) -> tuple[ir.Model, GgufConversion | None]:
+        """A fresh copy of the model (partition lowers one to plan on and another to write), and for
+        GGUF input the conversion it belongs to (whose weight report its tensors fill in)."""
+        if self.conversion is None:
+            return load_model(model_file(self.label)), None
+        from moepass.convert import lower_gguf_file
+
+        conversion = lower_gguf_file(self.conversion.source, DEFAULT_LOWERING, echo=lambda line: None)
+        return conversion.model, conversion
+
+    @property
+    def context_length(self) -> int | None:
+        if self.conversion is not None:
+            return self.conversion.lowered.hparams.context_length
+        return self.report.context_length
+
+
+# GGUF input is lowered with convert's defaults before the GPU form is made
+DEFAULT_LOWERING = LowerOptions()
+
+
+@dataclasses.dataclass
+class GgufSource:
+    """The GGUF file a model was converted from, as moepass.json records it (its path and
+    fingerprint), checked when its blocks are needed: a file that moved or changed is refused,
+    naming it, unless `override` (--gguf) names one with the same fingerprint."""
+
+    recorded: dict[str, Any]
+    model_path: Path
+    override: Path | None = None
+    _open: GgufExperts | None = None
+
+    def experts(self) -> GgufExperts | None:
+        """The file, checked; None where the model came from no GGUF (an ONNX model's)."""
+        if self._open is not None:
+            return self._open
+        if not self.recorded and self.override is None:
+            return None
+        path = self.override or (Path(self.recorded["path"]) if "path" in self.recorded else None)
+        fingerprint = self.recorded.get("fingerprint")
+        if path is None or fingerprint is None:
+            raise MoepassError(
+                f"{self.model_path}: its moepass.json records no GGUF path and fingerprint (converted by an "
+                "older moepass); its GPU form needs the file's own blocks: pass --gguf FILE"
+            )
+        if not path.is_file():
+            raise MoepassError(
+                f"{path}: the GGUF file {self.model_path.parent} was converted from is not there any more; its "
+                "GPU form needs the file's own blocks: pass --gguf FILE where it is now"
+            )
+        gguf = GGUFModel(path)
+        if gguf.fingerprint() != fingerprint:
+            raise MoepassError(
+                f"{path}: not the GGUF file {self.model_path.parent} was converted from (it changed: another "
+                "fingerprint); convert it again, or pass --gguf FILE with the file it was made from"
+            )
+        arch = architecture_of(gguf)
+        self._open = GgufExperts(gguf, arch, arch.read_hparams(gguf))
+        return self._open
+
+
+class PartitionExperts:
+    """ExpertSources for gpu-form: a node whose form holds keeps its codes (the model's own); one
+    that changes is packed from the GGUF's own blocks; a model from no GGUF, from its stored values."""
+
+    def __init__(self, gguf: GgufSource):
+        self.gguf = gguf
+        self.packed_from: dict[str, str] = {}
+
+    def rows(self, moe: MoeNode) -> tuple[list[RowSource], list[RowSource], list[QuantType] | None, bool]:
+        experts = self.gguf.experts()
+        if experts is None:
+            self.packed_from[moe.name] = "requantized from the model's own values (it came from no GGUF)"
+            return StoredExperts().rows(moe)
+        self.packed_from[moe.name] = f"packed from {experts.gguf.path.name}'s own blocks"
+        return experts.rows(moe)
+
+
+def read_source(model: str | os.PathLike, gguf: str | os.PathLike | None = None) -> PartitionSource:
+    """The model partition places: a converted folder (or its model.onnx), or a GGUF file, which is
+    lowered here with convert's defaults (nothing written until the placed model is)."""
+    label = Path(model)
+    if label.is_file() and is_gguf(label):
+        from moepass.convert import lower_gguf_file
+
+        conversion = lower_gguf_file(label, DEFAULT_LOWERING, echo=lambda line: None)
+        report = ModelReport({"input": "gguf"}, input="gguf", context_length=conversion.lowered.hparams.context_length)
+        recorded = {"path": str(label.resolve()), "fingerprint": conversion.gguf.fingerprint()}
+        return PartitionSource(
+            label, None, report, GgufSource(recorded, label, Path(gguf) if gguf else None), conversion
+        )
+    source = model_file(label)
+    report = read_report(source.parent)
+    recorded = report.document.get("source", {}) if report.input == "gguf" else {}
+    return PartitionSource(
+        source, source.parent, report, GgufSource(dict(recorded), source, Path(gguf) if gguf else None)
+    )
+
+
+# ---- lower: the GPU form of a placement -----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LoweredModel:
+    """A model lowered for a placement: the model, the GPU form's records, where experts came from
+    (and for GGUF input, the conversion the model belongs to)."""
+
+    model: ir.Model
+    report: WeightReport
+    gpu_form: GpuFormPass | None
+    experts: PartitionExperts | None
+    conversion: GgufConversion | None = None
+
+    def cpu_nodes(self) -> dict[str, str]:
+        """Non-MoE nodes no CUDA kernel takes (they run on the CPU, as the plan counts them)."""
+        return dict(self.gpu_form.cpu_refused) if self.gpu_form is not None else {}
+
+
+def lower_for(source: PartitionSource, target: str, gpu_moe: frozenset[str], lower: bool, threads: int | None):
+    """A fresh model lowered for `target` with `gpu_moe` on the GPU (lower=False: as it is)."""
+    model, conversion = source.fresh()
+    if not lower:
+        return LoweredModel(model, WeightReport(), None, None, conversion)
+    report = WeightReport()
+    experts = PartitionExperts(source.gguf)
+    gpu_form = GpuFormPass(target, gpu_moe, experts, report, workers=threads)
+    gpu_form(model)
+    return LoweredModel(model, report, gpu_form, experts, conversion)
+
+
+def check_gpu_nodes(lowered: LoweredModel, target: str, gpu_moe: frozenset[str]) -> None:
+    """Every node the plan puts on the GPU in a form its EP takes (capabilities' kernel table and,
+    for the offload target, the offload rules): otherwise partition refuses, naming node and rule,
+    before anything is written."""
+    model = lowered.model
+    cpu_moe = {m.name for m in moe_nodes(model.graph) if target == "layers" and m.name not in gpu_moe}
+    kept = set(lowered.cpu_nodes())
+    for name, why in cuda_refusals(model).items():
+        if name in cpu_moe or name in kept:
+            continue
+        node = next((n for n in model.graph if (n.name or n.op_type) == name), None)
+        if node is not None and node.op_type == "Cast":
+            continue  # the casts at a CPU layer's boundary: no weights, on either side
+        raise MoepassError(f"{name}: planned for the GPU but {why}; moepass's GPU form should have made it one (a bug)")
+    if target == "offload":
+        for moe_name, rule in offload_violations(model):
+            hint = "; convert with --float-experts int4 (or int8)" if "float MoE" in rule else ""
+            raise MoepassError(f"{moe_name}: planned for expert offload, but {rule}{hint}")
+
+
 def partition(
     model_dir: str | os.PathLike,
-    output_dir: str | os.PathLike,
+    output_dir: str | os.PathLike | None,
     vram: str | int,
     *,
     profile: str | os.PathLike | Popularity | None = None,
-    context: int = 4096,
+    context: int | None = None,
     batch: int = 1,
     prefill_tokens: int = 512,
     reserve: str | int = "512MiB",
@@ -235,90 +412,102 @@ def partition(
     calibrate: bool = True,
     threads: int | None = None,
     kv_cache: str = "keep",
+    lower: bool = True,
+    gguf: str | os.PathLike | None = None,
 ) -> PartitionResult:
-    """Plan expert placement for a GPU budget and write the annotated model, plan and options.
+    """Plan expert placement for a GPU budget and write the model lowered for it, the plan and options.
+
+    Stages: read (the converted model, or a GGUF lowered with convert's defaults), plan (the memory
+    model of the GPU form, placement, prediction: moepass.placement), lower (passes/gpu_form.py:
+    float16 on the GPU, each MoE node there in the form its EP takes, experts packed anew from the
+    GGUF's own blocks where that form differs; the layer annotations or the expert order), write
+    (what changed; the source's unchanged weights shared with it, `output_dir`/shared.onnx.data).
 
     target: "offload" (per expert, for the CUDA plugin EP's expert offload), "layers" (whole MoE
     nodes on the GPU or the CPU, through layer annotations the in-tree CUDA EP follows) or "auto":
-    offload when the model is eligible and a CUDA plugin EP is named (`cuda_plugin` or
-    $MOEPASS_CUDA_PLUGIN), layers otherwise. `kernel_table`: MoE nodes that ONNX Runtime's CUDA EP
-    has no kernel for (moepass.core.capabilities) stay on the CPU in the plan, said before planning;
-    False plans as if it took every node (an ONNX Runtime build whose kernels the table does not
-    describe). `calibrate`: time pieces of the model on this CPU (`threads`; moepass.runtime.calibrate)
-    for the CPU side of the prediction, or take them from `cpu_profile` (an earlier plan.json);
-    False: the bandwidth model alone. `kv_cache`: "keep" the model's KV cache type, give a float32
-    one another (float16, int8; moepass.kv_precision), or "auto": the type of AUTO_CHOICES with the
-    fastest predicted decode (a cheaper cache leaves room for more resident experts), the most
-    precise on a tie; plan.json says what each would have bought."""
+    offload when a CUDA plugin EP is named (`cuda_plugin` or $MOEPASS_CUDA_PLUGIN), layers otherwise.
+    `lower`=False keeps the model's form (annotations and order only): a node the GPU's EP has no
+    kernel for then stays on the CPU in the plan (`kernel_table`; False plans as if it took every
+    node: an ONNX Runtime build whose kernels the table does not describe). `context`: the KV
+    cache's tokens (default: the model's, at most DEFAULT_CONTEXT). `calibrate`: time pieces of the
+    model on this CPU (`threads`; moepass.runtime.calibrate) for the CPU side of the prediction, or
+    take them from `cpu_profile` (an earlier plan.json); False: the bandwidth model alone.
+    `kv_cache`: "keep" the model's KV cache type, give a float32 one another (float16, int8;
+    moepass.kv_precision), or "auto": the type of AUTO_CHOICES with the fastest predicted decode.
+    `gguf`: where the GGUF the model was converted from is now, if it moved."""
     one_of(target, TARGETS, "target")
-    for name, value in (("context", context), ("batch", batch), ("prefill_tokens", prefill_tokens)):
+    for name, value in (("batch", batch), ("prefill_tokens", prefill_tokens)):
         if not isinstance(value, int) or value < 1:
             raise MoepassError(f"{name} must be a positive integer, not {value!r}")
+    if context is not None and (not isinstance(context, int) or context < 1):
+        raise MoepassError(f"context must be a positive integer, not {context!r}")
     if report is not None and Path(report).suffix.lower() != ".png":
         raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
-    source = model_file(model_dir)
-    source_report = read_report(source.parent)  # copied into the output: one this moepass reads, before any work
-    check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # the outputs before any work
+    label = Path(model_dir)
+    output_dir = Path(output_dir) if output_dir is not None else default_output(label)
+    # ---- read
+    source = read_source(label, gguf)
+    inputs_of = [source.label] if source.folder is None else [model_file(source.label)]
+    check_destination(output_dir, overwrite, is_dir=True, inputs=inputs_of)  # the outputs before any work
     if report is not None:
-        check_destination(report, overwrite, is_dir=False, inputs=[source])
-    model = load_model(source)
-    identity = model_identity(model)
-    memory = MemoryModel.of(model)
-    source_cache = cache_type_of(model)
+        check_destination(report, overwrite, is_dir=False, inputs=inputs_of)
+    source_model = source.conversion.model if source.conversion is not None else source.fresh()[0]
+    identity = model_identity(source_model)
+    source_cache = cache_type_of(source_model)
     one_of(kv_cache, ("keep", "auto", *KV_CACHE_TYPES), "--kv-cache")
-    kv_kinds: list[str | None]
-    if kv_cache == "keep" or source_cache is None:
-        kv_kinds = [source_cache]
-    elif kv_cache == "auto":
-        kv_kinds = [k for k in AUTO_CHOICES if k == source_cache or source_cache == "float32"]
-    else:
-        kv_kinds = [kv_cache]
-    if kv_kinds[0] != source_cache and source_cache != "float32":
-        raise MoepassError(
-            f"{source}: the model's KV cache is {source_cache}; --kv-cache {kv_cache} applies to a "
-            "float32 cache (convert the GGUF with --kv-cache instead)"
+    if target == "auto":
+        target = (
+            "offload"
+            if (cuda_plugin or os.environ.get(PLUGIN_ENV)) and (lower or not offload_violations(source_model))
+            else "layers"
         )
+    context, context_words = planned_context(context, source.context_length)
     popularity, profile_info = None, None
     if profile is not None:
-        label = str(profile) if not isinstance(profile, Popularity) else "profile"
+        label_p = str(profile) if not isinstance(profile, Popularity) else "profile"
         popularity = profile if isinstance(profile, Popularity) else Popularity.load(profile)
-        popularity.check_fits(identity, label)
-        profile_info = {"file": Path(label).name, "tokens": popularity.tokens, "prompts": popularity.prompts}
+        popularity.check_fits(identity, label_p)
+        profile_info = {"file": Path(label_p).name, "tokens": popularity.tokens, "prompts": popularity.prompts}
     budget = Budget(parse_bytes(vram, "--vram"), context, batch, prefill_tokens, parse_bytes(reserve, "--reserve"))
     if budget.vram_bytes <= 0:
         raise MoepassError(f"--vram {vram!r}: the GPU budget must be more than 0")
     if budget.reserve_bytes >= budget.vram_bytes:
         raise MoepassError(f"--reserve {reserve!r} leaves nothing of --vram {vram!r} for the model")
-    violations = offload_violations(model)
-    cuda_refusals_of = cuda_refusals(model) if kernel_table else {}
-    if target == "auto":
-        target = "offload" if not violations and (cuda_plugin or os.environ.get(PLUGIN_ENV)) else "layers"
+    # ---- plan, on the memory model of the GPU form (every MoE node lowered for the GPU)
+    every = frozenset(m.name for m in moe_nodes(source_model.graph))
+    planning = lower_for(source, target, every, lower, threads)
+    memory = MemoryModel.of(planning.model, kernel_table=kernel_table, cpu_nodes=planning.cpu_nodes())
+    warnings_before: list[str] = []
     inactive = None
-    if violations and target == "offload":  # said before planning: the plan would not change what ONNX Runtime does
-        node, rule = violations[0]
-        inactive = (
-            f"{source.parent}: ONNX Runtime will not offload this model's experts ({node}: {rule}); "
-            "convert the GGUF with --expert-format offload for a model it will"
-        )
-        if mode == "required":
-            raise MoepassError(inactive)
-    refused = {m.name: why for m in moe_nodes(model.graph) if (why := cuda_refusals_of.get(m.name))}
-    if refused:  # said before planning; the plan keeps those layers on the CPU, where they will run
-        name, why = next(iter(refused.items()))
+    if not lower:
+        violations = offload_violations(source_model)
+        if violations and target == "offload":
+            node, rule = violations[0]
+            inactive = (
+                f"{label}: ONNX Runtime will not offload this model's experts ({node}: {rule}); let partition "
+                "lower it (without --keep-form) for a model it will"
+            )
+            if mode == "required":
+                raise MoepassError(inactive)
+    refused = set(memory.cpu_only) if not lower else set()
+    if refused:
+        name = sorted(refused)[0]
         stays = (
-            f"{source.parent}: ONNX Runtime's CUDA EP has no kernel for {len(refused)} of {len(memory.groups)} "
-            f"MoE layers ({name}: {why}): they run on the CPU whatever the plan; convert the GGUF with "
-            "--expert-format offload for a float16 graph whose every node the CUDA EP takes"
+            f"{label}: ONNX Runtime's CUDA EP has no kernel for {len(refused)} of {len(memory.groups)} MoE layers "
+            f"({name}: {cuda_refusals(planning.model)[name]}): with --keep-form they run on the CPU whatever "
+            "the plan; without it partition writes the GPU form, whose every GPU node the CUDA EP takes"
         )
         if mode == "required":
             raise MoepassError(stays)
-        if warn is not None:
-            warn(stays)
+        warnings_before.append(stays)
     costs = None
-    if calibrate or cpu_profile is not None:
+    if (calibrate or cpu_profile is not None) and source.folder is not None:
         from moepass.runtime.calibrate import cpu_costs
 
-        costs = cpu_costs(source, threads, cpu_profile)
+        costs = cpu_costs(source.label, threads, cpu_profile)
+    if lower:  # the GPU form's cache (float16 where the model's is float32)
+        source_cache = cache_type_of(planning.model)
+    kv_kinds = _kv_kinds(kv_cache, source_cache, lower)
     plans = {}
     for kind in kv_kinds:  # one plan per KV cache type, its bytes per token in the memory model
         kind_memory = (
@@ -326,7 +515,7 @@ def partition(
             if kind is None or source_cache is None or kind == source_cache
             else dataclasses.replace(
                 memory,
-                kv_bytes_per_token=memory.kv_bytes_per_token // KV_CACHE_TYPES[source_cache] * KV_CACHE_TYPES[kind],
+                kv_bytes_per_token=memory.kv_bytes_per_token // KV_CACHE_TYPES[memory.kv_type] * KV_CACHE_TYPES[kind],
             )
         )
         plans[kind] = (
@@ -351,14 +540,20 @@ def partition(
         ),
     )
     memory, plan = plans[chosen]
-    if inactive and warn is not None:  # first, once the inputs are known to be good
-        warn(inactive + "; the plan is written but inactive")
+    for message in warnings_before + ([inactive + "; the plan is written but inactive"] if inactive else []):
+        if warn is not None:
+            warn(message)
     for message in plan.warnings:
         if warn is not None:
             warn(message)
+    # ---- lower for the plan
+    gpu_moe = frozenset(g.node for g in memory.groups if plan.resident[g.node]) if target == "layers" else every
+    lowered = lower_for(source, target, gpu_moe, lower, threads)
+    if lower:
+        check_gpu_nodes(lowered, target, gpu_moe)
     options = onnxruntime_options(plan, memory.groups, mode, target)
     inputs = {
-        "model": str(source),
+        "model": str(label),
         "target": target,
         "vram": str(vram),
         "context": context,
@@ -370,10 +565,13 @@ def partition(
         "bandwidths_gbps": dataclasses.asdict(bandwidths),
     }
     document = _plan_document(plan, memory, inputs, identity, options)
+    document["warnings"] = warnings_before + ([inactive] if inactive else []) + plan.warnings
+    document["context_words"] = context_words
     if source_cache is not None and chosen is not None:
         document["kv_cache"] = _kv_cache_choice(plans, chosen, source_cache, kv_cache)
     if costs is not None:
         document["cpu_costs"] = costs
+    model = lowered.model
     if target == "layers":
         if popularity is not None:  # what per-expert placement would serve at the same budget
             per_expert = plan_placement(
@@ -385,8 +583,11 @@ def partition(
             }
         AnnotateLayersPass({g.node: bool(plan.resident[g.node]) for g in memory.groups})(model)
     else:
-        document["offload"] = {"active": inactive is None, "reason": inactive}
         ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
+    document["active"] = inactive is None
+    document["inactive_reason"] = inactive
+    if target == "offload":
+        document["offload"] = {"active": inactive is None, "reason": inactive}
     model.metadata_props[keys.PLACEMENT] = json.dumps(
         {
             "plan": PLAN_FILE,
@@ -399,31 +600,38 @@ def partition(
         },
         sort_keys=True,
     )
-    output_dir = Path(output_dir)
-    with atomic_directory(output_dir, overwrite) as tmp:
-        weights = _save(model, source, tmp, unchanged=target == "layers", progress=progress)
+    # ---- write
+    with atomic_directory(output_dir, overwrite, inputs=inputs_of) as tmp:
+        weights_how = _write_model(source, lowered, model, tmp, progress, threads)
+        document["lowering"] = _lowering_record(lowered, model, lower, weights_how)
+        if weights_how.startswith(SHARED_DATA_FILE):
+            document["shared_data"] = {"file": SHARED_DATA_FILE, "source": str((source.folder or tmp) / DATA_FILE)}
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
         placed = PlanReport.from_json(document, output_dir / PLAN_FILE)  # what readers of the file will take
-        for name in (REPORT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-            if (source.parent / name).is_file():
-                shutil.copyfile(source.parent / name, tmp / name)
+        if source.folder is not None:
+            for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+                if (source.folder / name).is_file():
+                    shutil.copyfile(source.folder / name, tmp / name)
+            _write_report(source, lowered, tmp)
         # the cache retyped once the weights are in place and before the placement options (int8 is
         # calibrated on the CPU)
         if chosen is not None and chosen != source_cache:
-            kv_cache_entry = set_kv_cache(tmp, chosen, source_cache, source_report.context_length, threads=threads)
-            write_report(tmp, {**source_report.document, "kv_cache": kv_cache_entry})
+            kv_cache_entry = set_kv_cache(tmp, chosen, source_cache, source.context_length, threads=threads)
+            report_now = read_report(tmp)
+            write_report(tmp, {**report_now.document, "kv_cache": kv_cache_entry})
         (tmp / OPTIONS_FILE).write_text(
             json.dumps({"session_config_entries": options, "placement": {"target": target, "mode": mode}}, indent=1)
             + "\n"
         )
-        if (source.parent / GENAI_CONFIG_FILE).is_file():
+        genai_source = tmp / GENAI_CONFIG_FILE if source.folder is None else source.folder / GENAI_CONFIG_FILE
+        if genai_source.is_file():
             # a per-layer plan is for onnxruntime-genai-cuda's in-tree CUDA EP; expert offload needs the
             # plugin EP, which genai is not given here (docs/gpu.md, route (c))
             genai = with_session_entries(
-                read_json_object(source.parent / GENAI_CONFIG_FILE),
+                read_json_object(genai_source),
                 options,
-                source.parent / GENAI_CONFIG_FILE,
+                genai_source,
                 provider="cuda" if target == "layers" else None,
             )
             (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
@@ -432,7 +640,106 @@ def partition(
 
             with atomic_file(report, overwrite) as picture:
                 draw_plan(placed, popularity, picture)
-    return PartitionResult(output_dir, placed, options, ([inactive] if inactive else []) + plan.warnings, weights)
+    warnings = warnings_before + ([inactive] if inactive else []) + plan.warnings
+    return PartitionResult(output_dir, placed, options, warnings, weights_how)
+
+
+DEFAULT_CONTEXT = 4096  # the KV cache partition plans for unless told: the model's context, at most this
+
+
+def planned_context(asked: int | None, model_context: int | None) -> tuple[int, str]:
+    """The KV cache's tokens a plan holds, and how it came to be, in words."""
+    if asked is not None:
+        return asked, "asked (--context)"
+    if model_context is None:
+        return DEFAULT_CONTEXT, f"{DEFAULT_CONTEXT:,} (the model records no context; --context N)"
+    if model_context <= DEFAULT_CONTEXT:
+        return model_context, "the model's"
+    return DEFAULT_CONTEXT, f"the model's {model_context:,} capped at {DEFAULT_CONTEXT:,}; --context N"
+
+
+def default_output(model: Path) -> Path:
+    """Where a plan goes when no -o is given: beside the model, MODEL-placed."""
+    folder = model.parent if model.is_file() and not is_gguf(model) else model
+    stem = folder.stem if folder.is_file() else folder.name
+    return folder.parent / f"{stem}-placed"
+
+
+def _kv_kinds(kv_cache: str, source_cache: str | None, lowered: bool) -> list[str | None]:
+    """The KV cache types a plan weighs: the model's (its GPU form's: float16 for a float32 cache,
+    whose type no CUDA kernel takes), or what --kv-cache asks of it."""
+    if kv_cache == "keep" or source_cache is None:
+        return [source_cache]
+    if lowered and source_cache == "float16":
+        if kv_cache == "float32":
+            raise MoepassError(
+                "--kv-cache float32: no CUDA kernel takes a float32 cache (GroupQueryAttention's are float16 or "
+                "bfloat16 with a float16 or int8 cache); --keep-form keeps the model's float32 cache"
+            )
+        return ["float16", "int8"] if kv_cache == "auto" else [kv_cache]
+    if kv_cache == "auto":
+        return [k for k in AUTO_CHOICES if k == source_cache or source_cache == "float32"]
+    if source_cache != "float32" and kv_cache != source_cache:
+        raise MoepassError(
+            f"the model's KV cache is {source_cache}; --kv-cache {kv_cache} applies to a float32 cache "
+            "(convert the GGUF with --kv-cache instead)"
+        )
+    return [kv_cache]
+
+
+def _write_model(
+    source: PartitionSource,
+    lowered: LoweredModel,
+    model: ir.Model,
+    tmp: Path,
+    progress: Callable[[int, int], None] | None,
+    threads: int | None,
+) -> str:
+    """The placed model's files; says how its weights came to be."""
+    if lowered.conversion is not None:  # a GGUF lowered in this run: written as convert writes it
+        from moepass.convert import write_gguf_conversion
+
+        conversion = dataclasses.replace(lowered.conversion, model=model)
+        write_gguf_conversion(conversion, tmp, progress, threads=threads, echo=lambda line: None, also=lowered.report)
+        return f"{DATA_FILE} written (converted from {source.label.name} in this run)"
+    assert source.folder is not None
+    how = save_model(model, tmp / MODEL_FILE, progress, share_from=source.folder / DATA_FILE)
+    if how == "written":
+        return f"{DATA_FILE} written anew (every weight changed)"
+    if how == "copied":
+        return (
+            f"{DATA_FILE} written anew: the GPU form changes most of {source.folder.name}'s bytes (what it keeps "
+            "copied, not linked: a link would keep the whole source file alive)"
+        )
+    new = (tmp / DATA_FILE).stat().st_size if (tmp / DATA_FILE).is_file() else 0
+    return (
+        f"{SHARED_DATA_FILE}: {source.folder}'s weights, shared ({how}); {DATA_FILE}: the {new:,} bytes "
+        "the GPU form changed"
+    )
+
+
+def _write_report(source: PartitionSource, lowered: LoweredModel, tmp: Path) -> None:
+    """The source's moepass.json, its weight records updated where the GPU form changed them."""
+    document = dict(source.report.document)
+    if not document:
+        return
+    if lowered.gpu_form is not None:
+        document["weights"] = merged_records(list(document.get("weights", [])), lowered.report)
+    write_report(tmp, document)
+
+
+def _lowering_record(lowered: LoweredModel, model: ir.Model, lower: bool, weights: str) -> dict[str, Any]:
+    gpu_form = lowered.gpu_form
+    rounded = gpu_form.rounded if gpu_form is not None else []
+    return {
+        "lowered": lower,
+        "forms": {m.name: str(m.form or "float") for m in moe_nodes(model.graph)},
+        "reformed": dict(lowered.experts.packed_from) if lowered.experts is not None else {},
+        "float16_initializers": len(rounded),
+        "max_float16_rounding": max((r.rel_rms_error for r in rounded), default=0.0),
+        "weights": weights,
+        "cpu_nodes": lowered.cpu_nodes(),
+    }
 
 
 def _kv_cache_choice(plans: dict, chosen: str, source: str, asked: str) -> dict[str, Any]:
@@ -463,35 +770,3 @@ def _kv_cache_choice(plans: dict, chosen: str, source: str, asked: str) -> dict[
                 f"hit rate {was['gpu_hit_rate_by_mass']:.0%} -> {now['gpu_hit_rate_by_mass']:.0%}"
             )
     return entry
-
-
-def _save(
-    model: ir.Model, source: Path, folder: Path, unchanged: bool, progress: Callable[[int, int], None] | None
-) -> str:
-    """Write the placed model into `folder`. A per-layer plan only annotates nodes: when every weight
-    still lies in the source's data file, that file is shared (hard link, reflink, else a copy) and
-    only model.onnx is written, pointing into it as before; otherwise (reordered experts) the
-    weights are written anew. Says which."""
-    data = source.parent / DATA_FILE
-    external = [
-        v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)
-    ]
-    if (
-        unchanged
-        and data.is_file()
-        and external
-        and all(
-            Path(t.location) == Path(DATA_FILE) and Path(t.base_dir).resolve() == source.parent.resolve()
-            for t in external
-        )
-    ):
-        how = share_file(data, folder / DATA_FILE, progress)
-        onnx.save(ir.to_proto(model), folder / MODEL_FILE)
-        return (
-            f"{DATA_FILE} shared with {source.parent} ({how}: per-layer placement changes no weight)"
-            if how != "copy"
-            else f"{DATA_FILE} copied as it is from {source.parent} (per-layer placement "
-            "changes no weight; this file system has no reflinks to share it)"
-        )
-    save_model(model, folder / MODEL_FILE, progress)
-    return f"{DATA_FILE} rewritten (experts reordered resident-first)"

@@ -44,11 +44,12 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.core import keys
+from moepass.core.capabilities import cuda_refusals
 from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths, format_bytes, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import dim, folded, input_at
-from moepass.core.moe_nodes import moe_nodes, tensor_bytes
-from moepass.kv_precision import cache_inputs, kv_bytes_per_position
+from moepass.core.moe_nodes import is_moe, moe_nodes, tensor_bytes
+from moepass.kv_precision import cache_inputs, cache_type_of, kv_bytes_per_position
 from moepass.popularity import Popularity
 
 
@@ -69,6 +70,13 @@ class MemoryModel:
     groups: list[ExpertGroup]
     kv_bytes_per_token: int  # one sequence, all layers, K and V
     dims: dict[str, int]  # hidden, vocab, heads, kv_heads, head_dim, activation_bytes
+    # What the GPU's EP does not take, by its kernel table (capabilities): MoE nodes (their experts
+    # stay in host memory and run on the CPU), the non-expert bytes other nodes read from host memory
+    # each token, and whether attention itself stays on the CPU (then every non-expert byte does)
+    cpu_only: frozenset[str] = frozenset()
+    host_non_expert_bytes: int = 0
+    attention_on_cpu: bool = False
+    kv_type: str = "float32"  # the KV cache's type (kv_precision.cache_type_of), which kv_bytes_per_token counts
 
     @property
     def expert_bytes(self) -> int:
@@ -90,7 +98,10 @@ class MemoryModel:
         )
 
     @classmethod
-    def of(cls, model: ir.Model) -> MemoryModel:
+    def of(cls, model: ir.Model, kernel_table: bool = True, cpu_nodes: dict[str, str] | None = None) -> MemoryModel:
+        """The memory model of `model` as it stands (partition gives it the GPU form); with
+        `kernel_table`, what the CUDA EP takes decides what counts on the GPU (`cpu_nodes`: more
+        nodes the GPU form keeps on the CPU)."""
         graph = model.graph
         nodes = moe_nodes(graph)
         if not nodes:
@@ -125,7 +136,34 @@ class MemoryModel:
             "head_dim": head_dim,
             "activation_bytes": act,
         }
-        return cls(non_expert, groups, kv_per_token, dims)
+        cpu_only: frozenset[str] = frozenset()
+        host, attention_on_cpu = 0, False
+        if kernel_table:
+            refused = {**cuda_refusals(model), **(cpu_nodes or {})}
+            cpu_only = frozenset(m.name for m in nodes if m.name in refused)
+            attention_on_cpu = any(
+                (n.name or n.op_type) in refused for n in graph if n.op_type == "GroupQueryAttention"
+            )
+            read_on_cpu = {
+                v.name or ""
+                for n in graph
+                if (n.name or n.op_type) in refused and not is_moe(n)
+                for v in n.inputs
+                if v is not None and v.is_initializer()
+            }
+            host = sum(
+                tensor_bytes(graph.initializers[name]) for name in sorted(read_on_cpu) if name in graph.initializers
+            )
+        return cls(
+            non_expert,
+            groups,
+            kv_per_token,
+            dims,
+            cpu_only,
+            non_expert if attention_on_cpu else host,
+            attention_on_cpu,
+            cache_type_of(model) or "float32",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,13 +362,20 @@ def _predict(
 ) -> dict[str, Any]:
     hot = sum(g.top_k * sel_hit[g.node] * g.bytes_per_expert for g in groups)
     cold = sum(g.top_k * (1 - sel_hit[g.node]) * g.bytes_per_expert for g in groups)
-    gpu_s = (memory.non_expert_bytes + hot) / (bw.gpu * 1e9)
+    # a node counts on the GPU only where its EP takes it (MemoryModel's kernel table): what stays on
+    # the CPU reads its bytes from host memory (attention there: every non-expert byte)
+    on_gpu = memory.non_expert_bytes - memory.host_non_expert_bytes
+    gpu_s = (on_gpu + hot) / (bw.gpu * 1e9) + memory.host_non_expert_bytes / (bw.host * 1e9)
     n = len(groups)
     common = {  # in plan.json after the label
         "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",
         "gpu_hit_rate_by_mass": sum(mass_hit.values()) / n,
         "gpu_hit_rate_by_selection": sum(sel_hit.values()) / n,
-        "bytes_per_token": {"gpu": int(memory.non_expert_bytes + hot), "cold_experts": int(cold)},
+        "bytes_per_token": {
+            "gpu": int(on_gpu + hot),
+            "cold_experts": int(cold),
+            "host_non_expert": int(memory.host_non_expert_bytes),
+        },
         "bandwidths_gbps": dataclasses.asdict(bw),
     }
     if cpu_costs is not None:  # measured on this CPU: the cold experts run there at the measured cost
@@ -338,6 +383,9 @@ def _predict(
 
         cold_ms = cpu_step_ms(cpu_costs, {g.node: 1 - sel_hit[g.node] for g in groups})["moe"]
         every = cpu_step_ms(cpu_costs)
+        # the non-expert part that stays on the CPU: its share of the measured dense time
+        host_share = memory.host_non_expert_bytes / memory.non_expert_bytes if memory.non_expert_bytes else 0.0
+        gpu_s = (on_gpu + hot) / (bw.gpu * 1e9) + host_share * every["dense"] / 1e3
         return {
             "label": "estimate: the GPU side from a bandwidth model, the CPU side from pieces of this model timed "
             "on this CPU",

@@ -30,7 +30,8 @@ from gguf import GGMLQuantizationType
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import SourceTensor
 from moepass.core.imatrix import importance_rows
-from moepass.core.quants import BlockForm, Packed, QuantType, dequantize, pack, rel_rms, unpack_values
+from moepass.core.ir_values import read_rows, tensor_dims
+from moepass.core.quants import BlockForm, Packed, QuantType, dequantize, pack, quantize_values, rel_rms, unpack_values
 from moepass.cuda_ops.prepack import prepack_sm80
 
 # Source bytes read and converted at a time. Small enough that temporaries are reused by the
@@ -80,6 +81,13 @@ class WeightReport:
         with self._lock:
             self.records[name].exact = exact
             self.records[name].rel_rms_error = error
+
+
+def merged_records(records: list[dict[str, Any]], newer: WeightReport) -> list[dict[str, Any]]:
+    """A report's weight records (as_dict) with `newer`'s records of the same names in their place
+    (a rewrite's: partition's GPU form), and its others after them."""
+    new = {r.onnx_name: r.as_dict() for r in newer.records.values()}
+    return [new.pop(r["onnx_name"], r) for r in records] + list(new.values())
 
 
 class StreamedTensor(ir.LazyTensor):
@@ -304,7 +312,7 @@ def float_tensor(
             err, ref = _rounding_sums(out, cast)
             report.measured(name, [err == 0.0], [rel_rms(err, ref)])
             return ir.Tensor(cast, name=name)
-        return ir.Tensor(out, name=name)
+        return ir.Tensor(out.astype(np_type, copy=False), name=name)  # an F16 file's values in a float16 graph
 
     return ir.LazyTensor(whole, dtype=dtype, shape=ir.Shape(shape), name=name)
 
@@ -317,6 +325,7 @@ class Slots:
     scales: np.ndarray  # float32, holding values of `scale_type` (rounded to them when it is narrower)
     extra: np.ndarray | None  # block offsets or zero points, when the group has them
     scale_type: type
+    offsets_type: type = np.float32  # what block offsets are stored in (rounded to it when narrower)
 
 
 class RowSource(Protocol):
@@ -374,29 +383,142 @@ class GgufRows:
         packed = pack(raw, self.qt, form, out.codes, out.scales, weights, out.extra, half_scales=half)
         if out.scale_type != np.float32:
             self._narrow(out.scales, packed, raw, out.scale_type)
+        if packed.offsets is not None and out.offsets_type != np.float32:  # the offsets' rounding counted
+            self._narrow_offsets(packed, raw, out.offsets_type)
         return packed
 
     def values(self, span: tuple[int, int]) -> np.ndarray:
         """The span's rows as float32, exactly as the gguf package dequantizes them."""
         return dequantize(self.src.read_rows(*span), self.qt.ggml_type)
 
-    def _narrow(self, scales: np.ndarray, packed: Packed, raw: np.ndarray, scale_type: type) -> None:
-        narrow: np.ndarray = scales.astype(scale_type)
-        if not np.isfinite(narrow).all():
-            raise MoepassError(
-                f"{self.src.path}: tensor '{self.src.name}' has a block scale of "
-                f"{float(np.abs(scales).max()):.3g}, beyond float16's range (65504): its "
-                f"weights are too large for any real model"
-            )
-        shift = narrow.astype(np.float32) - scales
+    def _narrow_offsets(self, packed: Packed, raw: np.ndarray, scale_type: type) -> None:
+        """Block offsets rounded to `scale_type`, each block's rounding added to the error."""
+        offsets = packed.offsets
+        if offsets is None:
+            return
+        narrow = offsets.astype(scale_type).astype(np.float32)
+        shift = narrow - offsets
         if shift.any():
-            codes = unpack_values(packed.weights, np.ones_like(scales), packed.form)
             packed.exact = False
-            block = packed.form.block_size or codes.shape[-1]
-            packed.error_sq += float(np.sum(np.square(codes * np.repeat(shift, block, axis=-1)), dtype=np.float64))
+            packed.error_sq += float(np.sum(np.square(shift), dtype=np.float64)) * packed.form.block_size
             if not packed.reference_sq:
                 packed.reference_sq = float(np.sum(np.square(dequantize(raw, self.qt.ggml_type)), dtype=np.float64))
-        scales[...] = narrow
+        offsets[...] = narrow
+
+    def _narrow(self, scales: np.ndarray, packed: Packed, raw: np.ndarray, scale_type: type) -> None:
+        narrow_scales(
+            scales,
+            packed,
+            scale_type,
+            lambda: dequantize(raw, self.qt.ggml_type),
+            f"{self.src.path}: tensor '{self.src.name}'",
+        )
+
+
+def narrow_scales(
+    scales: np.ndarray, packed: Packed, scale_type: type, values: Callable[[], np.ndarray], what: str
+) -> None:
+    """Packed scales rounded to `scale_type` (float16) in place, the rounding's error added to the
+    packing's (`values()`: the source's values, for the reference sum where the packing has none);
+    a scale beyond float16's range is refused, naming `what`."""
+    narrow: np.ndarray = scales.astype(scale_type)
+    if not np.isfinite(narrow).all():
+        raise MoepassError(
+            f"{what} has a block scale of {float(np.abs(scales).max()):.3g}, beyond float16's range (65504): "
+            "its weights are too large for any real model"
+        )
+    shift = narrow.astype(np.float32) - scales
+    if shift.any():
+        codes = unpack_values(packed.weights, np.ones_like(scales), packed.form.plain)
+        packed.exact = False
+        block = packed.form.block_size or codes.shape[-1]
+        packed.error_sq += float(np.sum(np.square(codes * np.repeat(shift, block, axis=-1)), dtype=np.float64))
+        if not packed.reference_sq:
+            packed.reference_sq = float(np.sum(np.square(values()), dtype=np.float64))
+    scales[...] = narrow
+
+
+class StoredRows:
+    """A QMoE node's stored expert matrix as a RowSource: gate or up (`part` of `parts` interleaved
+    fc1 rows) or down, [E, N, K], from its codes and scales in `form` (zero points where it has them;
+    a widened fc1's block-sum corrections added, the down's zero rows dropped). Into its own form it
+    moves unchanged (exact, but for a narrower scale type, whose rounding is measured); into another
+    it is requantized from its values, the error measured against them. For models without the GGUF
+    they came from (fuse-moe's), or whose form holds on the GPU as it is."""
+
+    def __init__(
+        self,
+        name: str,
+        codes: ir.TensorProtocol,
+        scales: ir.TensorProtocol,
+        form: BlockForm,
+        shape: tuple[int, int, int],
+        part: int = 0,
+        parts: int = 1,
+        zero_points: ir.TensorProtocol | None = None,
+    ):
+        self.name, self.codes, self.scales, self.form = name, codes, scales, form
+        self._shape, self.part, self.n_parts, self.zero_points = shape, part, parts, zero_points
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def parts(self) -> list[tuple[str, str]]:
+        return [(self.name, str(self.form))]
+
+    def spans(self, multiple: int) -> Iterator[tuple[int, int]]:
+        """Whole experts at a time (a multiple of any `multiple` a group asks: 1, or an expert's rows)."""
+        e, n, k = self._shape
+        step = max(1, CHUNK_BYTES // max(1, n * self.form.packed_bytes(self.form.width(k)))) * n
+        for first in range(0, e * n, step):
+            yield first, min(step, e * n - first)
+
+    def part_of(self, first: int) -> int:
+        return 0
+
+    def _stored(self, span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(codes, scales, zero points) of the span's rows as stored: rows of the stored tensor."""
+        e, n, _ = self._shape
+        first, rows = span
+        if first % n or rows % n:
+            raise ValueError(f"{self.name}: stored rows are read whole experts at a time")
+        experts = slice(first // n, (first + rows) // n)
+        stored_rows = tensor_dims(self.codes)[1]
+        pick = slice(self.part, n * self.n_parts, self.n_parts) if self.n_parts > 1 else slice(0, n)
+
+        def rows_of(tensor: ir.TensorProtocol) -> np.ndarray:
+            chunk = read_rows(tensor, experts.start, experts.stop - experts.start)
+            return chunk.reshape(-1, stored_rows, *chunk.shape[2:])[:, pick].reshape(rows, *chunk.shape[2:])
+
+        zero_points = None if self.zero_points is None else rows_of(self.zero_points)
+        return rows_of(self.codes), rows_of(self.scales).astype(np.float32), zero_points
+
+    def values(self, span: tuple[int, int]) -> np.ndarray:
+        codes, scales, zero_points = self._stored(span)
+        values = unpack_values(codes, scales.reshape(len(codes), -1), self.form.plain, zero_points)
+        k = self._shape[2]
+        if self.form.sums:
+            stride, blocks = self.form.feature_stride(k), k // self.form.block_size
+            corrections = sum(values[:, k + i * stride : k + i * stride + blocks] for i in range(self.form.sums))
+            values = values[:, :k] + np.repeat(corrections, self.form.block_size, axis=-1)
+        return values[:, :k]
+
+    def pack(self, span: tuple[int, int], form: BlockForm, out: Slots) -> Packed:
+        if form == self.form and self.zero_points is None:
+            codes, scales, _ = self._stored(span)
+            out.codes[...], out.scales[...] = codes, scales.reshape(out.scales.shape)
+            packed = Packed(form, out.codes, out.scales, True)
+        else:
+            if form.sums or form.offsets:
+                raise ValueError(f"{self.name}: stored values have no codes of their own to keep in {form}")
+            done = quantize_values(self.values(span), form, half_scales=out.scale_type == np.float16)
+            out.codes[...], out.scales[...] = done.weights, done.scales
+            packed = Packed(form, out.codes, out.scales, False, done.error_sq, done.reference_sq)
+        if out.scale_type != np.float32:
+            narrow_scales(out.scales, packed, out.scale_type, lambda: self.values(span), f"tensor '{self.name}'")
+        return packed
 
 
 def float_expert_stack(
@@ -535,31 +657,39 @@ class PackedGroup:
         zero_points: bool = False,
         workers: int | None = None,
         codes_name: str = "q",
+        pad_rows: int = 0,
+        offsets_dtype: ir.DataType = ir.DataType.FLOAT,
     ):
         self.sources, self.form, self.name, self.report = list(sources), form, name, report
         self.workers = workers
         self.scale_type = FLOAT_TYPES[scale_dtype][0]
+        self.offsets_type = FLOAT_TYPES[offsets_dtype][0]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
-        rows = (*lead[:-1], lead[-1] * len(sources))
-        self.k_blocks = k // (form.block_size or k)
+        self.k = form.width(k)  # the columns stored: K, and block-sum features' corrections (form.sums)
+        self.pad_rows = pad_rows  # zero rows after each matrix's (each expert's) own
+        rows = (*lead[:-1], lead[-1] * len(sources) + pad_rows)
+        self.k_blocks = self.k // (form.block_size or k)
         # prepack: per expert the SM80 mixed-GEMM layout [K, N*bits/8] (moepass.cuda_ops.prepack)
-        self.prepack_rows = lead[-1] if prepack else 0
+        self.prepack = prepack
+        self.matrix_rows = lead[-1] if prepack or pad_rows else 0  # rows packed at a time: whole matrices
         if prepack:
-            codes_shape = (*rows[:-1], k, form.packed_bytes(rows[-1]))
+            codes_shape = (*rows[:-1], self.k, form.packed_bytes(rows[-1]))
         elif blob_layout:
             codes_shape = (*rows, self.k_blocks, form.packed_bytes(form.block_size))
         else:
-            codes_shape = (*rows, form.packed_bytes(k))
+            codes_shape = (*rows, form.packed_bytes(self.k))
         scales_shape = (*rows, self.k_blocks) if form.block_size else rows
         if form.offsets and len(rows) != 1:
             raise ValueError(f"{name}: block offsets are for one matrix, not a stack {rows}")
         # the extra per block, if any, (columns, type): float32 offsets, or zero points packed to bytes
         zero_cols = -(-self.k_blocks * form.bits // 8)
         self.extra: tuple[int, np.dtype] | None = None
-        if form.offsets:
+        if form.offsets:  # float32 while packed; stored in the scales' type (the graph's activations)
             self.extra = self.k_blocks, np.dtype(np.float32)
         elif zero_points:
             self.extra = zero_cols, np.dtype(np.uint8)
+        if pad_rows and self.extra is not None:
+            raise ValueError(f"{name}: zero rows with block offsets or zero points")
         nbytes = int(np.prod(codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(scales_shape))
         if self.extra is not None:
             nbytes += self.extra[1].itemsize * int(np.prod(rows)) * self.extra[0]
@@ -581,8 +711,10 @@ class PackedGroup:
         self.offsets = self.zero_points = None
         if form.offsets:
             self.offsets = StreamedTensor(
-                lambda: iter([np.concatenate(list(once.extra(1))).reshape(-1, self.k_blocks).T]),
-                ir.DataType.FLOAT,
+                lambda: iter(
+                    [np.concatenate(list(once.extra(1))).reshape(-1, self.k_blocks).T.astype(self.offsets_type)]
+                ),
+                offsets_dtype,
                 (self.k_blocks, rows[0]),
                 f"{name}.offsets",
             )
@@ -594,8 +726,7 @@ class PackedGroup:
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, ...]]]:
         """(codes, (scales[, extra])) per chunk of rows, as stored; records exactness and error once
         all rows are done."""
-        n_src, form = len(self.sources), self.form
-        k = self.sources[0].shape[-1]
+        n_src, form, k = len(self.sources), self.form, self.k
         record = PartRecord(self.sources)  # anew for each pass (PackOnce may pack again)
 
         def pack_chunk(span: tuple[int, int]) -> tuple[int, np.ndarray, tuple[np.ndarray, ...], list[Packed]]:
@@ -607,18 +738,31 @@ class PackedGroup:
                 src.pack(
                     span,
                     form,
-                    Slots(codes[:, j], scales[:, j], None if extra is None else extra[:, j], self.scale_type),
+                    Slots(
+                        codes[:, j],
+                        scales[:, j],
+                        None if extra is None else extra[:, j],
+                        self.scale_type,
+                        self.offsets_type,
+                    ),
                 )
                 for j, src in enumerate(self.sources)
             ]
-            if self.prepack_rows:
-                n = self.prepack_rows * n_src
+            n = self.matrix_rows * n_src
+            if self.pad_rows:  # zero rows (codes at the zero point, scales 0) after each matrix's
+                codes, scales = codes.reshape(-1, n, codes.shape[-1]), scales.reshape(-1, n, scales.shape[-1])
+                zero = np.uint8(form.zero_point * 0x11 if form.bits == 4 else form.zero_point)
+                pad = (len(codes), self.pad_rows)
+                codes = np.concatenate([codes, np.full((*pad, codes.shape[-1]), zero)], axis=1)
+                scales = np.concatenate([scales, np.zeros((*pad, scales.shape[-1]), np.float32)], axis=1)
+                n += self.pad_rows
+            if self.prepack:
                 experts = codes.reshape(-1, n, form.packed_bytes(k))
                 codes = np.stack([prepack_sm80(e, n, k, form.bits) for e in experts])
             stored = scales.astype(self.scale_type, copy=False)
             return span[0], codes, (stored,) if extra is None else (stored, extra), packs
 
-        spans = self.sources[0].spans(max(1, self.prepack_rows))
+        spans = self.sources[0].spans(max(1, self.matrix_rows))
         for first, codes, extras, packs in _ordered_map(pack_chunk, spans, self.workers):
             for j, p in enumerate(packs):
                 record.add(first, j, p.exact, p.error_sq, p.reference_sq)

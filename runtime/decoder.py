@@ -38,11 +38,32 @@ if TYPE_CHECKING:
 
 
 def _import_onnxruntime():
+    both = installed_onnxruntimes()
+    if len(both) > 1:  # one module, two packages: whichever unpacked last, half of the other's files
+        raise MoepassError(
+            f"{' and '.join(both)} are both installed: they install the same onnxruntime module, which "
+            "then belongs to neither; pip uninstall -y onnxruntime onnxruntime-gpu, then install one: "
+            "pip install 'moepass[cpu]' or 'moepass[gpu]' (docs/gpu.md)"
+        )
     try:
         import onnxruntime
     except ImportError:
         raise MoepassError("onnxruntime is not installed: pip install 'moepass[cpu]' (or [gpu])") from None
     return onnxruntime
+
+
+def installed_onnxruntimes() -> list[str]:
+    """The ONNX Runtime packages installed beside moepass (onnxruntime, onnxruntime-gpu), each with
+    its version: there must be one."""
+    from importlib import metadata
+
+    found = []
+    for name in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 class Decoder:

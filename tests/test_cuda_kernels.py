@@ -31,24 +31,30 @@ def test_inspect_lists_per_node_what_the_cuda_ep_takes(converted):
     assert json.loads(CliRunner().invoke(main, ["inspect", str(converted("q4_0")), "--json"]).stdout)["cuda_refused"]
 
 
-def test_a_default_conversion_planned_for_the_gpu_says_which_form_to_convert_to(converted, tmp_path):
-    """Its MoE layers have no CUDA kernel: said before planning, naming node and rule and the form that
-    runs there; the plan keeps them on the CPU (where they will run) and spends no VRAM on them;
-    --mode required refuses; the offload form is placed."""
+def test_a_default_conversion_is_placed_in_its_gpu_form(converted, tmp_path):
+    """A default conversion's MoE layers (float32 QMoE) have no CUDA kernel. Lowered (partition's
+    default), every node the plan puts on the GPU is in a form the table says the CUDA EP takes, and
+    every layer is placed at 8G. Kept in its form (--keep-form), partition says before planning which
+    layers have no kernel, naming node and rule and the way out; the plan keeps them on the CPU,
+    spending no VRAM on them, and predicts no gain; --mode required refuses."""
+    lowered = moepass.partition(converted("q4_0"), tmp_path / "g", "8G", target="layers", mode="required")
+    assert {n.device for n in lowered.plan.nodes} == {"gpu"} and lowered.warnings == []
+    assert cuda_refusals(ir.load(tmp_path / "g" / "model.onnx")) == {}
     warnings: list[str] = []
-    plan = moepass.partition(converted("q4_0"), tmp_path / "p", "8G", target="layers", warn=warnings.append)
+    plan = moepass.partition(converted("q4_0"), tmp_path / "p", "8G", target="layers", warn=warnings.append,
+                             lower=False)
     assert warnings[0].endswith("ONNX Runtime's CUDA EP has no kernel for 2 of 2 MoE layers (blk.0.moe: QMoE in "
                                 "float32: the CUDA kernel is registered for float16/bfloat16 (onnxruntime/contrib_ops"
-                                "/cuda/moe/moe_quantization.cc)): they run on the CPU whatever the plan; convert the "
-                                "GGUF with --expert-format offload for a float16 graph whose every node the CUDA EP "
+                                "/cuda/moe/moe_quantization.cc)): with --keep-form they run on the CPU whatever the "
+                                "plan; without it partition writes the GPU form, whose every GPU node the CUDA EP "
                                 "takes")
     assert len(warnings) == 1  # not also "0 of 2 layers fit"
     assert {n.device for n in plan.plan.nodes} == {"cpu"} and plan.plan.memory.resident_expert_bytes == 0
+    decode = plan.plan.prediction.decode_ms_per_token
+    assert decode.cpu_only is not None and decode.cold_experts_on_cpu >= decode.cpu_only  # no gain promised
     with pytest.raises(moepass.MoepassError, match="CUDA EP has no kernel for 2 of 2 MoE layers"):
-        moepass.partition(converted("q4_0"), tmp_path / "r", "8G", target="layers", mode="required")
-    placed = moepass.partition(converted("q4_0", expert_format="offload"), tmp_path / "o", "8G", target="layers")
-    assert {n.device for n in placed.plan.nodes} == {"gpu"}
-    forced = moepass.partition(converted("q4_0"), tmp_path / "f", "8G", target="layers", kernel_table=False)
+        moepass.partition(converted("q4_0"), tmp_path / "r", "8G", target="layers", mode="required", lower=False)
+    forced = moepass.partition(converted("q4_0"), tmp_path / "f", "8G", target="layers", kernel_table=False, lower=False)
     assert {n.device for n in forced.plan.nodes} == {"gpu"}
 
 

@@ -93,3 +93,42 @@ def test_converter_output_matches_llama_cpp(name, file_type, hf_gguf, tmp_path):
     their = float(np.abs(theirs - file_exact)[kept].max())
     print(f"{name} {file_type}: max |logit - exact| {ours:.2e}, llama.cpp's {their:.2e}, "
           f"{ours / (DISTANCE_FACTOR * their + SPREAD_FLOOR * float(stored_exact.std())):.0%} of the bound")
+
+
+def _next_token_kld(reference: np.ndarray, ours: np.ndarray) -> float:
+    """Mean KL divergence of the next-token distributions (ours from the reference's)."""
+    def log_softmax(x):
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    p, q = log_softmax(reference.astype(np.float64)), log_softmax(ours.astype(np.float64))
+    return float(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
+
+
+@pytest.mark.parametrize("target", ["layers", "offload"])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "deepseek-v3"])
+def test_real_q4_k_m_files_are_placed_on_the_gpu(name, target, hf_gguf, tmp_path):
+    """The headline on files llama.cpp's converter and quantizer made: `convert`, then `partition
+    --vram 8G` places every MoE layer (--target layers) or expert (--target offload) on the GPU, in
+    a form the kernel table and the offload rules take (deepseek2's sigmoid router, which no CUDA
+    kernel takes, on the CPU, said in plan.json), and the placed model, run on the CPU EP, computes
+    what the unplaced one does as closely as convert's own float16 offload form of the file does."""
+    import moepass
+    from test_gpu_form import _gpu_nodes_are_taken
+
+    gguf = hf_gguf(name, QUANTIZED)
+    model = convert(gguf, tmp_path / "onnx", echo=lambda line: None).output_dir
+    half = convert(gguf, tmp_path / "half", expert_format="offload", echo=lambda line: None).output_dir
+    placed = moepass.partition(model, tmp_path / "placed", "8G", target=target, calibrate=False)
+    assert placed.plan.active and placed.warnings == [], placed.warnings
+    nodes = placed.plan.nodes
+    assert all(n.device == "gpu" for n in nodes) if target == "layers" else all(n.resident_count == n.experts
+                                                                                 for n in nodes)
+    _gpu_nodes_are_taken(placed.output_dir, target)
+    if name.startswith("deepseek"):
+        assert any("MoEGroupRouter" in why for why in placed.plan.lowering.cpu_nodes.values())
+    reference, ours, theirs = (_three_ways(load(m))["prefill"] for m in (model, placed.output_dir, half))
+    error, their_error = float(np.abs(ours - reference).max()), float(np.abs(theirs - reference).max())
+    assert error <= 1.5 * their_error + 1e-6, (error, their_error)
+    print(f"{name} {target}: max |logit diff| {error:.2e} (offload conversion {their_error:.2e}), "
+          f"mean KLD from the unplaced model {_next_token_kld(reference, ours):.2e}")

@@ -176,10 +176,17 @@ def test_kv_cache_refusals(make_gguf, converted, tmp_path):
     assert result.exit_code != 0 and "--kv-calibration applies to --kv-cache int8" in result.stderr
     result = runner.invoke(main, ["convert", str(converted("q4_0")), "-o", str(tmp_path / "b"), "--kv-cache", "int8"])
     assert result.exit_code != 0 and "--kv-cache applies to GGUF input" in result.stderr
-    result = runner.invoke(main, ["convert", gguf, "-o", str(tmp_path / "c"), "--kv-cache", "int8",
-                                  "--expert-format", "offload"])
-    assert result.exit_code != 0 and "--kv-cache applies to a float32 cache" in result.stderr
-    assert not (tmp_path / "c").exists()
+    result = runner.invoke(main, ["convert", gguf, "-o", str(tmp_path / "c"), "--kv-cache", "float16",
+                                  "--expert-format", "offload"])  # its cache is float16 already
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["convert", gguf, "-o", str(tmp_path / "c8"), "--kv-cache", "int8",
+                                  "--expert-format", "offload"])  # float16 activations, an int8 cache (CUDA takes it)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "c8" / "moepass.json").read_text())["kv_cache"]["type"] == "int8"
+    result = runner.invoke(main, ["partition", str(tmp_path / "c8"), "-o", str(tmp_path / "p"), "--vram", "1G",
+                                  "--kv-cache", "float16", "--no-calibrate"])
+    assert result.exit_code != 0 and "--kv-cache float16 applies to a float32 cache" in result.stderr
+    assert not (tmp_path / "p").exists()
     text = tmp_path / "calibration.txt"
     text.write_text("the other one, and then the one before it\n" * 20)
     result = runner.invoke(main, ["convert", gguf, "-o", str(tmp_path / "d"), "-q", "--kv-cache", "int8",
@@ -195,7 +202,9 @@ def test_partition_kv_cache_auto_buys_experts_at_a_tight_budget(converted, tmp_p
     from moepass.partition import partition
 
     source = converted("q4_0")
-    common = dict(kernel_table=False, context=2048, prefill_tokens=16, reserve=0, target="offload", calibrate=False)
+    # the model's form kept (lower=False): its float32 cache weighed against float16 and int8
+    common = dict(kernel_table=False, context=2048, prefill_tokens=16, reserve=0, target="offload", calibrate=False,
+                  lower=False)
     roomy = partition(source, tmp_path / "roomy", "1G", kv_cache="auto", **common)
     assert roomy.plan.kv_cache is not None
     assert roomy.plan.kv_cache.type == "float32" and roomy.plan.kv_cache.chosen_by == "auto"
@@ -220,6 +229,17 @@ def test_partition_kv_cache_auto_buys_experts_at_a_tight_budget(converted, tmp_p
     assert len(list(load(tmp_path / "int8", threads=2).generate([5, 6, 7], 4, stop_ids=()))) == 4
     with pytest.raises(moepass.MoepassError, match="applies to a float32 cache"):
         partition(tmp_path / "int8", tmp_path / "again", "1G", kv_cache="float16", **common)
+    # the GPU form (lowered, the default): a float16 cache, whose alternative is int8; float32 has no
+    # CUDA kernel, refused naming the way to keep it
+    lowered = {**common, "lower": True}
+    gpu = partition(source, tmp_path / "gpu", tight, kv_cache="auto", **lowered)
+    assert gpu.plan.kv_cache is not None and set(gpu.plan.kv_cache.candidates) == {"float16", "int8"}
+    assert all(n.inputs[3].dtype in (ir.DataType.FLOAT16, ir.DataType.INT8) for n in _attention(tmp_path / "gpu"))
+    partition(source, tmp_path / "gpu8", "1G", kv_cache="int8", **lowered)
+    assert all(n.inputs[3].dtype == ir.DataType.INT8 for n in _attention(tmp_path / "gpu8"))
+    assert len(list(load(tmp_path / "gpu8", threads=2).generate([5, 6, 7], 4, stop_ids=()))) == 4
+    with pytest.raises(moepass.MoepassError, match="no CUDA kernel takes a float32 cache.*--keep-form"):
+        partition(source, tmp_path / "f32", "1G", kv_cache="float32", **lowered)
 
 
 @pytest.mark.parametrize("kind", ["float16", "int8"])

@@ -1,5 +1,7 @@
-"""Per-layer placement (partition --target layers): annotations ONNX Runtime follows, exact models,
-budgets kept, the runtime's checks and fallbacks. GPU placement itself is checked by benchmarks/gpu.py."""
+"""Per-layer placement (partition --target layers): annotations ONNX Runtime follows, exact models
+(the form kept: lower=False, the annotations alone), budgets kept, the runtime's checks and
+fallbacks. The lowered GPU form: tests/test_gpu_form.py. GPU placement itself is checked by
+benchmarks/gpu.py."""
 
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ def test_layers_at_several_budgets(arch, tmp_path, converted):
     for n_gpu in sorted({0, len(sizes) // 2, len(sizes)}):
         vram = _fixed_bytes(memory) + sum(sizes[len(sizes) - n_gpu:]) + 100  # the last n_gpu layers, just
         out = tmp_path / f"{arch}-{n_gpu}"
-        result = partition(source, out, vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers")
+        result = partition(source, out, vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers",
+                           lower=False)
         nodes = result.plan.nodes
         on_gpu = [n.node for n in nodes if n.device == "gpu"]
         assert len(on_gpu) == n_gpu and {n.device for n in nodes} <= {"gpu", "cpu"}
@@ -99,7 +102,8 @@ def test_fused_onnx_models_partition_by_layer(family, exported, tmp_path):
     fused = convert(exported(family, bits=4), tmp_path / "fused").output_dir
     memory = MemoryModel.of(load_model(fused))
     vram = _fixed_bytes(memory) + _layer_bytes(memory)[-1] + 100
-    result = partition(fused, tmp_path / "placed", vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers")
+    result = partition(fused, tmp_path / "placed", vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16,
+                       target="layers", lower=False)
     assert [n.device for n in result.plan.nodes] == ["cpu", "gpu"]
     ids = {"input_ids": (np.arange(64, dtype=np.int64)[None] * 7) % 50}
     before = ort.InferenceSession(str(fused / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, ids)
@@ -113,7 +117,8 @@ def test_onnx_runtime_parses_the_rules(tmp_path, converted):
     source = converted("q4_0")
     memory = MemoryModel.of(load_model(source))
     vram = _fixed_bytes(memory) + _layer_bytes(memory)[-1] + 100  # the last layer on the GPU, the first on the CPU
-    partition(source, tmp_path / "out", vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers")
+    partition(source, tmp_path / "out", vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers",
+              lower=False)
     log = _session_log(tmp_path / "out")
     assert "Layering Rule 1 (cpu -> cpu) mapped to EP: CPUExecutionProvider" in log, log
     # a value ONNX Runtime cannot parse is refused: the check above is not vacuous
@@ -128,7 +133,7 @@ def test_profile_compares_with_per_expert_placement(tmp_path, converted):
     vram = _fixed_bytes(memory) + _layer_bytes(memory)[-1] + 100
     pop = profile(source, PROMPTS)
     result = partition(source, tmp_path / "out", vram, kernel_table=False, profile=pop, reserve=0, context=64, prefill_tokens=16,
-                       target="layers")
+                       target="layers", lower=False)
     prediction = result.plan.prediction
     other = prediction.per_expert_alternative
     # the same bytes chosen expert by expert serve at least the routing mass of whole layers
@@ -152,9 +157,9 @@ def test_cli_target_auto(tmp_path, converted, monkeypatch):
                                   str(tmp_path / "b"), "--cuda-plugin", str(plugin), *args])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "b" / "plan.json").read_text())["target"] == "offload"
-    # not offload-eligible: layers even with a plugin EP named
-    result = runner.invoke(main, ["partition", str(converted("q4_0")), "--ignore-kernel-table", "-o", str(tmp_path / "c"),
-                                  "--cuda-plugin", str(plugin), *args])
+    # kept in a form that is not offload-eligible: layers even with a plugin EP named
+    result = runner.invoke(main, ["partition", str(converted("q4_0")), "--keep-form", "--ignore-kernel-table", "-o",
+                                  str(tmp_path / "c"), "--cuda-plugin", str(plugin), *args])
     assert result.exit_code == 0 and json.loads((tmp_path / "c" / "plan.json").read_text())["target"] == "layers"
 
 
@@ -164,7 +169,7 @@ def layered(converted, tmp_path_factory):
     memory = MemoryModel.of(load_model(source))
     out = tmp_path_factory.mktemp("layers") / "model"
     vram = _fixed_bytes(memory) + _layer_bytes(memory)[-1] + 100
-    partition(source, out, vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers")
+    partition(source, out, vram, kernel_table=False, reserve=0, context=64, prefill_tokens=16, target="layers", lower=False)
     return out
 
 

@@ -13,8 +13,14 @@ from moepass.cuda_ops.prepack import prepack_sm80
 from moepass.runtime.providers import PLUGIN_EP, offload_violations, plan_session
 
 
+# (N, K) of the experts the converter emits: the test fixture's and Qwen3-30B-A3B's gate/up and down,
+# and both widened by block-sum features (fc1's K and fc2's N: the model width plus 64 a level)
+PREPACKED_SHAPES = [(64, 64), (256, 128), (1536, 2048), (2048, 768), (512, 256 + 3 * 64), (256 + 3 * 64, 256),
+                    (1536, 2048 + 2 * 64), (2048 + 2 * 64, 768)]
+
+
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n,k", [(64, 64), (256, 128), (1536, 2048), (2048, 768)])
+@pytest.mark.parametrize("n,k", PREPACKED_SHAPES)
 def test_prepacked_layout_is_onnxruntimes(bits, n, k):
     """Byte for byte against ONNX Runtime's own packer (onnxruntime.quantization.cuda_quantizer, torch)."""
     from onnxruntime.quantization.cuda_quantizer import _pack_weights_for_cuda_mixed_gemm

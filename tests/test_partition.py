@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 
 import numpy as np
 import onnx
@@ -17,7 +18,9 @@ from moepass.cli import main
 from moepass.partition import partition
 from moepass.core.choices import parse_bytes
 from moepass.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, plan_placement)
-from moepass.core.files import OffloadState, load_model, read_plan
+from moepass.core.capabilities import offload_violations
+from moepass.core.files import PLAN_VERSION, SHARED_DATA_FILE, OffloadState, load_model, read_plan
+from moepass.core.moe_nodes import moe_nodes
 from moepass.profile import profile
 from moepass.runtime import load
 import make_fixtures
@@ -78,14 +81,19 @@ def test_memory_model_counts_every_byte(converted):
 
 def _five_resident(source, out):
     """`source` profiled and partitioned with five experts resident (the experts reordered, resident
-    first); the placed model's directory."""
+    first; the model's form kept, lower=False: the reordering alone); the placed model's directory."""
     memory = MemoryModel.of(load_model(source))
     vram = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16) + \
         5 * memory.groups[0].bytes_per_expert
     result = partition(source, out, vram, kernel_table=False, profile=profile(source, PROMPTS), reserve=0, context=64,
-                       prefill_tokens=16, target="offload")
+                       prefill_tokens=16, target="offload", lower=False)
     assert sum(n.resident_count for n in result.plan.nodes) == 5
     return out
+
+
+def _logits(model_dir, ids):
+    decoder = load(model_dir)
+    return decoder.forward(ids, decoder.empty_cache())[0][0].astype(np.float64)
 
 
 def _prefill_and_step(model_dir):
@@ -157,7 +165,8 @@ def test_outputs_plan_and_options_accepted_by_onnxruntime(tmp_path, converted, p
                                                       "tokenizer.json", "tokenizer_config.json"]
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plan = read_plan(out)
-    assert plan.document["format"] == "moepass-plan" and plan.version == 1 and plan == result.plan
+    assert plan.document["format"] == "moepass-plan" and plan.version == PLAN_VERSION and plan == result.plan
+    assert plan.active and plan.lowering is not None and plan.lowering.lowered
     mem = plan.memory
     used = mem.non_expert_bytes + mem.kv_cache_bytes + mem.work_bytes + mem.reserve_bytes + mem.resident_expert_bytes
     assert used + mem.free_bytes == mem.vram_bytes == 2 << 20
@@ -194,7 +203,7 @@ def test_outputs_plan_and_options_accepted_by_onnxruntime(tmp_path, converted, p
 
 
 def test_required_mode_fails_with_missing_bytes(tmp_path, converted):
-    memory = _memory(converted)
+    memory = MemoryModel.of(load_model(converted("q4_0", expert_format="offload")))  # the GPU form's
     need = memory.non_expert_bytes + memory.kv_bytes(64, 1) + memory.work_bytes(64, 1, 16)
     out = tmp_path / "placed"
     offloadable = converted("q4_0", expert_format="offload")
@@ -207,7 +216,8 @@ def test_required_mode_fails_with_missing_bytes(tmp_path, converted):
     warnings = []
     result = partition(converted("q4_0"), out, 1000, kernel_table=False, mode="auto", context=64, prefill_tokens=16, reserve=0,
                        warn=warnings.append, target="offload")
-    assert f"{need - 1000:,} bytes" in warnings[1] and "missing; no expert is placed on the GPU" in warnings[1]
+    short = next(w for w in warnings if "missing" in w)
+    assert f"{need - 1000:,} bytes" in short and "missing; no expert is placed on the GPU" in short
     assert result.plan.fits is False
     assert all(n.resident_count == 0 for n in result.plan.nodes)
 
@@ -220,20 +230,28 @@ def test_everything_fits(tmp_path, converted):
 
 
 def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, converted, popularity):
-    """A default conversion (int4 experts in the raw layout) is not offload-eligible: partition says so
-    before planning, names the node and rule and the way out; required mode refuses it."""
+    """Kept in its form (--keep-form), a default conversion (int4 experts in the raw layout, float32) is
+    not offload-eligible: partition says so before planning, names the node and rule and the way out;
+    required mode refuses it. Lowered (the default), the same model is offloaded: every node in the
+    offload form, the plan active."""
     warnings = []
-    result = partition(converted("q4_0"), tmp_path / "placed", "1G", kernel_table=False, profile=popularity, warn=warnings.append,
-                       target="offload")
+    result = partition(converted("q4_0"), tmp_path / "placed", "1G", kernel_table=False, profile=popularity,
+                       warn=warnings.append, target="offload", lower=False)
     assert "ONNX Runtime will not offload this model's experts (blk.0.moe: int4 experts need weights_prepacked=1" \
-        in warnings[0] and "--expert-format offload" in warnings[0] and warnings[0].endswith("inactive")
+        in warnings[0] and "without --keep-form" in warnings[0] and warnings[0].endswith("inactive")
     assert result.plan.offload is not None and "blk.0.moe" in (result.plan.offload.reason or "")
-    assert read_plan(tmp_path / "placed").offload_active is False
+    plan = read_plan(tmp_path / "placed")
+    assert plan.offload_active is False and plan.active is False and "blk.0.moe" in (plan.inactive_reason or "")
     assert "(inactive: ONNX Runtime will not offload this model)" in result.summary_lines()[0]
     with pytest.raises(moepass.MoepassError, match="will not offload this model's experts"):
-        partition(converted("q4_0"), tmp_path / "required", "1G", kernel_table=False, profile=popularity, mode="required", target="offload")
+        partition(converted("q4_0"), tmp_path / "required", "1G", kernel_table=False, profile=popularity,
+                  mode="required", target="offload", lower=False)
     assert not (tmp_path / "required").exists()
     assert result.plan.prediction.gpu_hit_rate_by_mass == pytest.approx(1.0)
+    lowered = partition(converted("q4_0"), tmp_path / "lowered", "1G", profile=popularity, mode="required",
+                        target="offload")
+    assert lowered.plan.active and lowered.plan.offload_active and lowered.warnings == []
+    assert offload_violations(load_model(tmp_path / "lowered")) == []
 
 
 def test_policies(converted, popularity):
@@ -338,27 +356,37 @@ def test_more_budget_never_serves_less(problem, extra, policy):
 
 
 
-def test_a_per_layer_plan_shares_the_weights_unchanged(converted, tmp_path, monkeypatch):
-    """--target layers changes no weight: model.onnx.data is the source's, shared by a reflink where
-    the file system has them, else copied in the kernel, never rewritten tensor by tensor; the placed
-    model computes what the source does. --target offload reorders experts and rewrites them."""
-    import onnx_ir
-
+def test_a_per_layer_plan_shares_the_weights_unchanged(converted, tmp_path):
+    """--target layers lowers the GPU side to float16 and leaves the experts as they are (a Q4_0
+    model's int4/b32 is a form the CUDA kernel takes): the source's data file is shared, hard-linked
+    into the placed folder (the same inode, no copy), and only what the GPU form changed (float16
+    norms, scales) is written: the placed folder adds that to the disk, nothing more. Both models
+    still load (their data files have two links now). --target offload reorders the experts and
+    packs them for the SM80 layout: written anew."""
     source = converted("q4_0")
-    monkeypatch.setattr(onnx_ir, "save", lambda *a, **k: pytest.fail("the weights were rewritten"))
-    placed = moepass.partition(source, tmp_path / "layers", "8G", kernel_table=False, target="layers")
-    assert filecmp.cmp(source / "model.onnx.data", placed.output_dir / "model.onnx.data", shallow=False)
-    assert placed.weights.startswith("model.onnx.data shared with") or \
-        placed.weights.startswith("model.onnx.data copied as it is from")
+    placed = moepass.partition(source, tmp_path / "layers", "8G", target="layers")
+    shared = placed.output_dir / SHARED_DATA_FILE
+    assert os.stat(shared).st_ino == os.stat(source / "model.onnx.data").st_ino
+    added = sum(p.stat().st_size for p in placed.output_dir.iterdir() if p.name != SHARED_DATA_FILE)
+    assert (placed.output_dir / "model.onnx.data").stat().st_size < 0.1 * shared.stat().st_size
+    assert added < 0.2 * shared.stat().st_size
+    assert placed.weights.startswith(f"{SHARED_DATA_FILE}: ") and "(hard link)" in placed.weights
     assert f"  weights          {placed.weights}" in placed.summary_lines()
-    prompt = np.array([[1, 2, 3, 4]])
-    a, _ = load(source).forward(prompt, load(source).empty_cache())
-    decoder = load(placed.output_dir)
-    b, _ = decoder.forward(prompt, decoder.empty_cache())
-    assert np.array_equal(a, b)
-    monkeypatch.undo()
-    moved = moepass.partition(source, tmp_path / "offload", "8G", kernel_table=False, target="offload")
-    assert moved.weights == "model.onnx.data rewritten (experts reordered resident-first)"
+    assert read_plan(placed.output_dir).document["shared_data"]["source"] == str(source / "model.onnx.data")
+    # float16 on the GPU side: as far from the source as convert's own float16 graph (the offload
+    # form, the same Q4_0 weights) is, and the same greedy token wherever the source's margin is wider
+    ids = np.array([[1, 2, 3, 4, 90, 7]])
+    theirs, half, ours = (_logits(m, ids) for m in (source, converted("q4_0", expert_format="offload"), placed.output_dir))
+    bound = 2 * np.abs(half - theirs).max()
+    assert np.abs(ours - theirs).max() <= bound
+    top2 = np.sort(theirs, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * bound
+    assert clear.any() and (ours.argmax(-1) == theirs.argmax(-1))[clear].all()
+    assert moe_nodes(load_model(source).graph) and moe_nodes(load_model(placed.output_dir).graph)
+    again = moepass.partition(placed.output_dir, tmp_path / "again", "8G", target="layers")  # a placed model's plan
+    assert again.plan.active
+    moved = moepass.partition(source, tmp_path / "offload", "8G", target="offload")
+    assert moved.weights.startswith("model.onnx.data written anew")
 
 
 def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, converted, popularity):
@@ -369,7 +397,8 @@ def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, conv
     matplotlib.use("Agg")
     from moepass.plan_report import plan_figure
 
-    inactive = partition(converted("q4_0"), tmp_path / "placed", "8G", kernel_table=False, profile=popularity, target="offload")
+    inactive = partition(converted("q4_0"), tmp_path / "placed", "8G", kernel_table=False, profile=popularity,
+                         target="offload", lower=False)
     assert inactive.plan.offload_active is False
     figure = plan_figure(inactive.plan, popularity)
     heatmap = figure.axes[0]

@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from moepass.core.ir_values import input_at, required_input, tensor_dims
 from moepass.core.moe_nodes import QMOE_SLOTS, moe_nodes
+from moepass.core.quants import CUDA_QMOE_BLOCKS
 
 CONTRIB = "onnxruntime/contrib_ops/cuda/"
 REGISTRY = CONTRIB + "cuda_contrib_kernels.cc"
@@ -63,6 +64,50 @@ def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
     return found
 
 
+def layout_problems(model: ir.Model) -> list[tuple[str, str]]:
+    """(node, why) for every QMoE node whose codes' shape contradicts its weights_prepacked: the
+    row-major layout is fc1 [E, N, K*bits/8], the SM80 layout [E, K, N*bits/8] (N the rows of its
+    scales, K its blocks times block_size). ONNX Runtime takes either as labelled and computes garbage
+    for the other without a word (row-major codes labelled weights_prepacked=1: relative error 1.25;
+    the CUDA EP reads an absent label, -1, as the SM80 layout)."""
+    found = []
+    for moe in moe_nodes(model.graph):
+        node = moe.node
+        block = node.attributes.get_int("block_size", 0)
+        if node.op_type != "QMoE" or block <= 0:
+            continue
+        bits = node.attributes.get_int("expert_weight_bits", 4)
+        prepacked = node.attributes.get_int("weights_prepacked", -1)
+        for projection in ("fc1", "fc2"):
+            codes, scales = (input_at(node, QMOE_SLOTS[projection][i]) for i in (0, 1))
+            if codes is None or scales is None or codes.shape is None or scales.shape is None:
+                continue
+            dims, scale_dims = list(codes.shape), list(scales.shape)
+            if len(dims) != 3 or len(scale_dims) != 3 or not all(isinstance(d, int) for d in dims + scale_dims):
+                continue
+            n, k = scale_dims[1], scale_dims[2] * block
+            row_major = dims[1:] == [n, k * bits // 8]
+            sm80 = dims[1:] == [k, n * bits // 8]
+            if prepacked == 1 and not sm80:
+                found.append(
+                    (
+                        moe.name,
+                        f"{projection}'s codes {dims} are row-major ([E, {n}, {k * bits // 8}]) but "
+                        "labelled weights_prepacked=1 (the SM80 layout): ONNX Runtime would compute "
+                        "garbage",
+                    )
+                )
+            elif prepacked in (0, -1) and sm80 and not row_major:
+                found.append(
+                    (
+                        moe.name,
+                        f"{projection}'s codes {dims} are in the SM80 layout but labelled "
+                        f"weights_prepacked={prepacked}: ONNX Runtime would compute garbage",
+                    )
+                )
+    return found
+
+
 def activation_dtype(model: ir.Model) -> ir.DataType:
     """The type the graph computes in: its KV cache's (GroupQueryAttention's past and present, the
     type of the attention and MoE inputs in moepass's graphs), else its logits', else float32."""
@@ -100,6 +145,13 @@ def _qmoe(node: ir.Node) -> str | None:
     if bits not in (4, 8):  # mixed and 2-bit widths: merged per ONNX Runtime's plans, not in the source read
         return f"expert_weight_bits {bits}: the CUDA QMoE kernel takes 4 or 8"
     block = attrs.get_int("block_size", -1)
+    if block > 0 and block not in CUDA_QMOE_BLOCKS:
+        return f"block_size {block}: the CUDA kernel's integer group sizes are {', '.join(map(str, CUDA_QMOE_BLOCKS))}"
+    if attrs.get_int("weights_prepacked", -1) not in (0, 1):
+        return (
+            "weights_prepacked is absent (-1): the CUDA kernel reads the codes as its SM80 layout; row-major "
+            "codes need weights_prepacked=0"
+        )
     zero_points = any(
         i < len(node.inputs) and node.inputs[i] is not None for i in (QMOE_SLOTS["fc1"][3], QMOE_SLOTS["fc2"][3])
     )
@@ -178,6 +230,14 @@ def cuda_refusal(node: ir.Node, graph_dtype: ir.DataType = ir.DataType.FLOAT) ->
         return f"{node.op_type} in {_name(dtype)}: the CUDA kernel is registered for {names} ({kernel.source})"
     rule = kernel.check(node)
     return f"{node.op_type}: {rule} ({kernel.source})" if rule else None
+
+
+def cuda_form_refusal(node: ir.Node) -> str | None:
+    """What the CUDA EP's kernel refuses of a node's form (its attributes and shapes), whatever
+    its activation type: the form a float16 lowering may keep (None: it takes it)."""
+    kernel = CUDA_KERNELS.get((node.domain or "", node.op_type))
+    rule = kernel.check(node) if kernel is not None else None
+    return f"{node.op_type}: {rule} ({kernel.source})" if rule and kernel is not None else None
 
 
 def cuda_refusals(model: ir.Model) -> dict[str, str]:

@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"  # every weight, as ONNX external data
+# partition: the source model's data file, hard-linked (or cloned) into the placed model's folder:
+# the weights the placement leaves as they are, not copied
+SHARED_DATA_FILE = "shared.onnx.data"
+COPY_STEP = 256 << 20  # bytes a copy moves between progress reports
+# a source data file is shared when the placed model still reads at least this share of its bytes
+SHARE_MIN_SHARE = 0.5
+INLINE_BYTES = 256  # initializers smaller than this stay inside model.onnx (onnx-ir's save's threshold)
 REPORT_FILE = "moepass.json"  # hyperparameters, MoE layers, per-weight conversion report
 PLAN_FILE = "plan.json"  # partition: memory breakdown, residency, predictions
 OPTIONS_FILE = "onnxruntime_options.json"  # partition: session config entries for ONNX Runtime
@@ -65,24 +72,122 @@ def load_model(model_dir: str | os.PathLike) -> onnx_ir.Model:
     if not model.graph.outputs or not len(model.graph):
         raise MoepassError(f"{path}: not an ONNX model with a graph (empty or not ONNX)")
     check_external_data(model, path)
+    _accept_shared_data(model, path)
     return model
 
 
-def save_model(model: onnx_ir.Model, path: Path, progress: Callable[[int, int], None] | None = None) -> None:
-    """`model` as model.onnx at `path` with every weight in DATA_FILE beside it, one writer thread;
-    `progress(bytes written, total bytes)` as the tensors go out."""
+def _accept_shared_data(model: onnx_ir.Model, path: Path) -> None:
+    """partition shares a source model's data file with the placed model by a hard link
+    (SHARED_DATA_FILE there), so both files have more than one link, which onnx-ir refuses to read
+    (its guard against a hard link planted to a file outside the folder, which no containment check
+    can see). moepass accepts its own two data file names with several links, inside the folder (the
+    containment check_external_data made); ONNX Runtime 1.32 reads them as well. Their tensors are
+    then read past onnx-ir's link check; any other file with several links stays refused by it."""
     import onnx_ir
 
+    folder = path.parent
+    linked = {
+        name
+        for name in (DATA_FILE, SHARED_DATA_FILE)
+        if (folder / name).is_file() and (folder / name).stat().st_nlink > 1
+    }
+    if not linked:
+        return
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, onnx_ir.ExternalTensor) and str(tensor.location) in linked:
+            value.const_value = _SharedExternalTensor(
+                tensor.location,
+                tensor.offset,
+                tensor.length,
+                tensor.dtype,
+                shape=tensor.shape,
+                name=tensor.name,
+                base_dir=tensor.base_dir,
+            )
+
+
+def _shared_tensor_class():
+    import onnx_ir
+
+    class SharedExternalTensor(onnx_ir.ExternalTensor):
+        """An external tensor in a placed model's SHARED_DATA_FILE (see _accept_shared_data)."""
+
+        def _check_path_containment(self) -> None:  # checked by check_external_data and the plan's record
+            return None
+
+    return SharedExternalTensor
+
+
+def _SharedExternalTensor(*args, **kwargs):
+    return _shared_tensor_class()(*args, **kwargs)
+
+
+def save_model(
+    model: onnx_ir.Model,
+    path: Path,
+    progress: Callable[[int, int], None] | None = None,
+    share_from: Path | None = None,
+) -> str:
+    """`model` as model.onnx at `path` with every weight in DATA_FILE beside it, one writer thread;
+    `progress(bytes written, total bytes)` as the tensors go out. `share_from`: a data file whose
+    tensors the model still reads unchanged (partition's source): it is hard-linked into the folder
+    as SHARED_DATA_FILE (a reflink, else a copy, where no link can be made) and those tensors point
+    into it; only the others are written. Says how the weights came to be."""
+    import onnx
+    import onnx_ir
+    from onnx_ir.external_data import convert_tensors_to_external
+
+    tensors = {v: v.const_value for v in model.graph.initializers.values() if v.const_value is not None}
+    source = os.path.realpath(share_from) if share_from is not None else ""
+    shared = {
+        v: t for v, t in tensors.items() if source and isinstance(t, onnx_ir.ExternalTensor) and _lies_in(t, source)
+    }
+    declined = bool(shared) and sum(t.nbytes for t in shared.values()) < SHARE_MIN_SHARE * os.path.getsize(source)
+    if declined:  # most of the file is no longer read: a link would keep it all alive; copy what is
+        shared = {}
+    # small tensors stay inside model.onnx, as onnx-ir's save keeps them (ONNX Runtime's shape
+    # inference reads constants such as a ReduceSum's axes only from there)
+    written = {v: t for v, t in tensors.items() if v not in shared and t.nbytes >= INLINE_BYTES}
+    total = sum(t.nbytes for t in written.values())
     callback = None
     if progress is not None:
-        total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
         def callback(_tensor, info) -> None:  # called as each tensor starts: what lies before it is written
             progress(info.offset, total)
 
-    onnx_ir.save(model, path, external_data=DATA_FILE, callback=callback, max_workers=1)
+    if not shared:
+        onnx_ir.save(
+            model, path, external_data=DATA_FILE, callback=callback, max_workers=1, size_threshold_bytes=INLINE_BYTES
+        )
+        how = "copied" if declined else "written"
+    else:
+        how = link_or_share(Path(source), path.parent / SHARED_DATA_FILE)
+        for value, tensor in shared.items():
+            value.const_value = onnx_ir.ExternalTensor(
+                SHARED_DATA_FILE,
+                tensor.offset,
+                tensor.length,
+                tensor.dtype,
+                shape=onnx_ir.Shape(tensor.shape),
+                name=tensor.name or value.name or "",
+                base_dir=path.parent,
+            )
+        if written:
+            externals = convert_tensors_to_external(
+                list(written.values()), path.parent, DATA_FILE, callback=callback, max_workers=1
+            )
+            for value, external in zip(written, externals):
+                value.const_value = external
+        onnx.save(onnx_ir.to_proto(model), path)
     if progress is not None:
         progress(total, total)
+    return how
+
+
+def _lies_in(tensor: onnx_ir.ExternalTensor, data_file: str) -> bool:
+    """Whether an external tensor's bytes are in `data_file` (a real path)."""
+    return os.path.realpath(tensor.path) == data_file
 
 
 def check_external_data(model: onnx_ir.Model, path: Path) -> None:
@@ -240,7 +345,7 @@ def write_report(folder: Path, report: dict) -> None:
 
 
 PLAN_FORMAT = "moepass-plan"  # plan.json's "format"
-PLAN_VERSION = 1  # and the newest "version" this moepass reads and writes
+PLAN_VERSION = 2  # and the newest "version" this moepass reads and writes (2: active, lowering)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +474,22 @@ class OffloadState:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lowering:
+    """What partition lowered for the GPU (passes/gpu_form.py): each MoE node's form now (and
+    whether its experts changed: packed anew from the GGUF or the model's own values), the float32
+    initializers stored anew in float16 and the largest rounding, how the weights came to be, and
+    which nodes stay on the CPU because no CUDA kernel takes them."""
+
+    lowered: bool  # False: annotated only (--keep-form), the model's form as it was
+    forms: dict[str, str]  # MoE node -> its form in the placed model
+    reformed: dict[str, str]  # MoE node -> where its changed experts were packed from
+    float16_initializers: int
+    max_float16_rounding: float
+    weights: str
+    cpu_nodes: dict[str, str]  # node -> why it stays on the CPU (the kernel table)
+
+
+@dataclasses.dataclass(frozen=True)
 class ExpertRegion:
     """Where one expert tensor lies in the placed model's data file, and its resident prefix."""
 
@@ -398,14 +519,18 @@ class PlanReport:
     warnings: tuple[str, ...]
     onnxruntime_options: dict[str, str]
     kv_cache: KvCacheChoice | None = None
-    offload: OffloadState | None = None  # per-expert plans only
+    offload: OffloadState | None = None  # per-expert plans only (version 1)
     cpu_costs: dict[str, Any] | None = None  # runtime.calibrate's document, when timed
     expert_regions: tuple[ExpertRegion, ...] = ()
+    # version 2: whether ONNX Runtime will carry out the plan on a GPU (either target), and why not
+    active: bool = True
+    inactive_reason: str | None = None
+    lowering: Lowering | None = None
 
     @property
     def offload_active(self) -> bool:
-        """False for a per-expert plan ONNX Runtime will not carry out (written, but inactive)."""
-        return self.offload is None or self.offload.active
+        """False for a plan ONNX Runtime will not carry out (written, but inactive)."""
+        return self.active and (self.offload is None or self.offload.active)
 
     @classmethod
     def from_json(cls, document: Any, path: Path) -> PlanReport:
@@ -491,3 +616,41 @@ def as_ir_model(source: Any) -> tuple[onnx_ir.Model, str]:
         return ir.from_proto(gs.export_onnx(source)), "<onnx_graphsurgeon.Graph>"
     path = model_file(source)
     return load_model(path), str(path)
+
+
+def link_or_share(source: Path, destination: Path, progress: Callable[[int, int], None] | None = None) -> str:
+    """`destination` as a hard link to `source` (the same bytes, no copy: ONNX Runtime reads
+    external data with several links; moepass's loader accepts the one partition records), else
+    as share_file shares it. Says which."""
+    try:
+        os.link(source, destination)
+        return "hard link"
+    except OSError:
+        return share_file(source, destination, progress)
+
+
+def share_file(source: Path, destination: Path, progress: Callable[[int, int], None] | None = None) -> str:
+    """`destination` with `source`'s bytes, without copying them where the file system allows: a
+    reflink (a copy-on-write clone: Btrfs, XFS, bcachefs), else a copy in the kernel. Not a hard
+    link: onnx-ir refuses to read external data whose file has more than one link (its guard
+    against hard-link attacks), so both models would become unreadable to moepass. Says which."""
+    import fcntl
+
+    ficlone = 0x40049409  # FICLONE (linux/fs.h)
+    try:
+        with open(source, "rb") as src, open(destination, "wb") as dst:
+            fcntl.ioctl(dst.fileno(), ficlone, src.fileno())
+        return "reflink"
+    except OSError:
+        pass
+    total = source.stat().st_size
+    with open(source, "rb") as src, open(destination, "wb") as dst:
+        done = 0
+        while done < total:  # in the kernel, in steps that can report progress
+            step = os.copy_file_range(src.fileno(), dst.fileno(), min(COPY_STEP, total - done))
+            if step == 0:
+                raise MoepassError(f"{source}: shrank while it was copied")
+            done += step
+            if progress is not None:
+                progress(done, total)
+    return "copy"

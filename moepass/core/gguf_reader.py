@@ -12,6 +12,7 @@ Every structural problem is reported as a `MoepassError` naming the file and the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -302,6 +303,11 @@ def split_parts(path: Path) -> list[Path]:
     return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
+# A fingerprint reads at most this much of a part's header and of each tensor's data
+FINGERPRINT_HEADER = 64 << 20
+FINGERPRINT_SAMPLE = 4096
+
+
 class GGUFModel:
     """A GGUF model, possibly split over several files, read as one.
 
@@ -373,6 +379,22 @@ class GGUFModel:
     @property
     def file_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.parts)
+
+    def fingerprint(self) -> str:
+        """A digest of what the model's weights are, cheap to take at any size: each part's size
+        and header (metadata and tensor index), and the first FINGERPRINT_SAMPLE bytes of every
+        tensor. A file re-quantized, re-written or cut short gives another; one copied or moved,
+        the same."""
+        digest = hashlib.sha256()
+        for part in self.parts:
+            tensors = sorted((t for t in self.tensors.values() if t.path == part), key=lambda t: t.offset)
+            start = tensors[0].offset if tensors else part.stat().st_size
+            digest.update(f"{part.stat().st_size}\n".encode())
+            with open(part, "rb") as f:
+                digest.update(f.read(min(start, FINGERPRINT_HEADER)))
+                for t in tensors:
+                    digest.update(t.name.encode() + os.pread(f.fileno(), min(t.nbytes, FINGERPRINT_SAMPLE), t.offset))
+        return digest.hexdigest()
 
     def require(self, key: str) -> Any:
         if key not in self.metadata:

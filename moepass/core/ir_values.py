@@ -144,6 +144,8 @@ def read_rows(tensor: ir.TensorProtocol, first: int = 0, count: int | None = Non
     with pread, as the GGUF path reads: pages read that way stay in the page cache and out of this
     process's RSS, where onnx-ir's memory map of the whole file would count every page touched."""
     shape = tensor_dims(tensor)
+    if not shape:  # a scalar: no rows to read
+        return tensor.numpy()
     count = shape[0] - first if count is None else count
     if not isinstance(tensor, ir.ExternalTensor) or tensor.dtype.itemsize != int(tensor.dtype.itemsize):
         return tensor.numpy()[first : first + count]
@@ -154,3 +156,98 @@ def read_rows(tensor: ir.TensorProtocol, first: int = 0, count: int | None = Non
     if len(data) != row * count:
         raise MoepassError(f"{tensor.path}: external data of tensor '{tensor.name}' ends early")
     return np.frombuffer(data, dtype=dtype).reshape((count, *shape[1:]))
+
+
+# (domain, op) -> for each output, the input whose type it takes (None: float32 whatever the inputs):
+# ONNX Runtime's contrib schemas as moepass's graphs use them (ONNX's own ops: their schemas)
+CONTRIB_OUTPUT_TYPES: dict[tuple[str, str], tuple[int | None, ...]] = {
+    ("com.microsoft", "GroupQueryAttention"): (0, 3, 3, 0),
+    ("com.microsoft", "QMoE"): (0,),
+    ("com.microsoft", "MoE"): (0,),
+    ("com.microsoft", "MatMulNBits"): (0,),
+    ("com.microsoft", "GatherBlockQuantized"): (2,),
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"): (0, None, None, 0),
+    ("", "SimplifiedLayerNormalization"): (1, None),
+    ("com.microsoft", "MoEGroupRouter"): (0, None, None),
+}
+_BOOLEAN_OPS = {
+    "Equal",
+    "Less",
+    "Greater",
+    "LessOrEqual",
+    "GreaterOrEqual",
+    "Not",
+    "And",
+    "Or",
+    "Xor",
+    "IsNaN",
+    "IsInf",
+}
+
+
+def infer_dtypes(graph: ir.Graph) -> None:
+    """Element types of the values a graph's nodes make and that carry none (onnx-ir tapes leave
+    them unset), propagated from the graph's inputs and initializers in topological order: ONNX's
+    operator schemas for its own ops, CONTRIB_OUTPUT_TYPES for ONNX Runtime's."""
+    import onnx.defs
+
+    for node in graph:
+        domain = node.domain or ""
+        key = (domain, node.op_type)
+        for index, out in enumerate(node.outputs):
+            if out.dtype is not None:
+                continue
+            dtype = _output_dtype(node, index, key, onnx.defs)
+            if dtype is not None:
+                out.dtype = dtype
+
+
+def _output_dtype(node: ir.Node, index: int, key: tuple[str, str], defs) -> ir.DataType | None:
+    def input_type(i: int) -> ir.DataType | None:
+        value = node.inputs[i] if i < len(node.inputs) else None
+        return value.dtype if value is not None else None
+
+    if key in CONTRIB_OUTPUT_TYPES:
+        sources = CONTRIB_OUTPUT_TYPES[key]
+        source = sources[index] if index < len(sources) else None
+        return ir.DataType.FLOAT if source is None else input_type(source)
+    op = node.op_type
+    if op == "Cast":
+        return ir.DataType(node.attributes.get_int("to", 1))
+    if op in _BOOLEAN_OPS:
+        return ir.DataType.BOOL
+    if op in ("ConstantOfShape", "Constant"):
+        value = node.attributes.get("value")
+        if value is not None and hasattr(value.value, "dtype"):
+            return ir.DataType(value.value.dtype)
+        return ir.DataType.FLOAT if op == "ConstantOfShape" else None
+    if key[0] not in ("", "ai.onnx") or not defs.has(op, key[0]):
+        return input_type(0)
+    schema = defs.get_schema(op, 21, key[0])
+    formal = schema.outputs[min(index, len(schema.outputs) - 1)].type_str
+    allowed = {t.type_param_str: t.allowed_type_strs for t in schema.type_constraints}.get(formal, [formal])
+    if len(allowed) == 1:  # a fixed type: tensor(int64), or a constraint of one (Shape's T1)
+        return _ONNX_TYPES.get(allowed[0])
+    for i, param in enumerate(schema.inputs):
+        if param.type_str == formal:
+            last = len(node.inputs) if param.option == param.option.Variadic else i + 1
+            for j in range(i, last):
+                found = input_type(j)
+                if found is not None:
+                    return found
+    return None
+
+
+_ONNX_TYPES = {
+    f"tensor({name})": dtype
+    for name, dtype in (
+        ("float", ir.DataType.FLOAT),
+        ("float16", ir.DataType.FLOAT16),
+        ("double", ir.DataType.DOUBLE),
+        ("int64", ir.DataType.INT64),
+        ("int32", ir.DataType.INT32),
+        ("bool", ir.DataType.BOOL),
+        ("uint8", ir.DataType.UINT8),
+        ("int8", ir.DataType.INT8),
+    )
+}
