@@ -90,6 +90,8 @@ def inspect_onnx(source: Any) -> dict[str, Any]:
             recorded = m.form
             if recorded is not None and recorded.plain == parse_form(form) and recorded.sums:
                 form = str(recorded)
+        elif m.node.op_type == "MoEPacked":  # the GGUF's own blocks, as recorded
+            form = m.node.metadata_props.get(keys.EXPERT_FORM, "packed")
         else:
             form = "float32"
         placement = {

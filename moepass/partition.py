@@ -734,7 +734,7 @@ def _lowering_record(lowered: LoweredModel, model: ir.Model, lower: bool, weight
     return {
         "lowered": lower,
         "forms": {m.name: str(m.form or "float") for m in moe_nodes(model.graph)},
-        "reformed": dict(lowered.experts.packed_from) if lowered.experts is not None else {},
+        "reformed": dict(gpu_form.packed_from) if gpu_form is not None else {},
         "float16_initializers": len(rounded),
         "max_float16_rounding": max((r.rel_rms_error for r in rounded), default=0.0),
         "weights": weights,

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 import onnx_ir as ir
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -34,9 +35,29 @@ from moepass.core.capabilities import CUDA_KERNELS, cuda_form_refusal, cuda_refu
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel
 from moepass.core.ir_values import input_at, read_rows, tensor_dims, tensor_of
-from moepass.core.moe_nodes import QMOE_SLOTS, MoeNode, NodeList, moe_nodes
-from moepass.core.quants import OFFLOAD_FORM, BlockForm, ExpertForms, QuantType, expert_form, parse_form, quant_type
-from moepass.passes.float16 import HALF, Float16Pass
+from moepass.core.moe_nodes import (
+    PACKED_ROUTER_WEIGHTS,
+    PACKED_SLOTS,
+    QMOE_SLOTS,
+    ROUTER_WEIGHTS,
+    Activation,
+    Experts,
+    MoeNode,
+    NodeList,
+    moe_node,
+    moe_nodes,
+)
+from moepass.core.quants import (
+    OFFLOAD_FORM,
+    BlockForm,
+    ExpertForms,
+    QuantType,
+    expert_form,
+    parse_form,
+    quant_type,
+    scales_in_float16,
+)
+from moepass.passes.float16 import FLOAT, HALF, Float16Pass
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
 from moepass.passes.weights import GgufRows, RowSource, StoredRows, WeightReport
@@ -102,6 +123,56 @@ class StoredExperts:
         return list(up_down), [down], None, False
 
 
+@dataclasses.dataclass(frozen=True)
+class BlobTensor:
+    """A MoEPacked node's blob as a GGUF tensor (what GgufRows reads): the file's own blocks,
+    [E, rows, row bytes], of one GGML type."""
+
+    name: str
+    tensor: ir.TensorProtocol
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    path: str = "the model"
+
+    @property
+    def row_bytes(self) -> int:
+        return tensor_dims(self.tensor)[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(tensor_dims(self.tensor)))
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+    def read_rows(self, first: int = 0, count: int | None = None) -> np.ndarray:
+        e, rows, row_bytes = tensor_dims(self.tensor)
+        count = e * rows - first if count is None else count
+        start, stop = first // rows, -(-(first + count) // rows)
+        chunk = read_rows(self.tensor, start, stop - start).reshape(-1, row_bytes)
+        return chunk[first - start * rows : first - start * rows + count]
+
+
+def packed_rows(moe: MoeNode) -> tuple[list[RowSource], list[RowSource], list[QuantType], bool]:
+    """A MoEPacked node's gate, up and down as RowSources over its own blobs (the GGUF's blocks)."""
+    node = moe.node
+    rows: list[RowSource] = []
+    types = []
+    for role in ("gate", "up", "down"):
+        value = input_at(node, PACKED_SLOTS[role])
+        if value is None:
+            raise MoepassError(f"{moe.name}: MoEPacked without {role} weights")
+        ggml_type = GGMLQuantizationType(node.attributes.get_int(f"{role}_type", node.attributes.get_int("gate_type")))
+        qt = quant_type(ggml_type, value.name or role)
+        tensor = tensor_of(value)
+        e, n, _ = tensor_dims(tensor)
+        k = tensor_dims(tensor)[-1] // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
+        rows.append(GgufRows(BlobTensor(value.name or role, tensor, ggml_type, (e, n, k)), qt))  # type: ignore[arg-type]
+        types.append(qt)
+    return rows[:2], rows[2:], types, True
+
+
 def stored_form(moe: MoeNode) -> BlockForm:
     """The QMoE form a node stores its experts in (block-sum features' levels as recorded)."""
     attrs = moe.node.attributes
@@ -123,8 +194,10 @@ def _types_of(moe: MoeNode) -> list[QuantType] | None:
 def gpu_forms(moe: MoeNode, target: str, types: list[QuantType] | None) -> ExpertForms | None:
     """The forms a GPU node takes, or None where the stored form holds as it is (its float16 scales
     and weights_prepacked aside)."""
-    if moe.node.op_type != "QMoE":
+    if moe.node.op_type == "MoE":
         return None  # float experts: the MoE node computes them in float16 as they are
+    if moe.node.op_type == "MoEPacked":  # the GGUF's own blocks: as they are for CUDA, else the offload form
+        return expert_form(types, [moe.hidden, moe.ffn], "offload") if target == "offload" and types else None
     current = stored_form(moe)
     prepacked = moe.node.attributes.get_int("weights_prepacked", 0) == 1
     ks = [moe.hidden, moe.ffn]
@@ -173,6 +246,7 @@ class GpuFormPass(InPlacePass):
         self.reformed: dict[str, str] = {}  # node -> the form it takes now, where it changed
         self.rounded: list = []
         self.cpu_refused: dict[str, str] = {}  # non-MoE node -> why no CUDA kernel takes it (it stays on the CPU)
+        self.packed_from: dict[str, str] = {}  # MoE node -> where its changed experts were packed from
 
     def on_gpu(self, moe: MoeNode) -> bool:
         return self.target == "offload" or moe.name in self.gpu_moe
@@ -188,6 +262,9 @@ class GpuFormPass(InPlacePass):
                 forms = gpu_forms(moe, self.target, _types_of(moe))
                 if forms is not None:
                     self._reform(graph, moe, forms)
+            elif moe.node.op_type == "MoEPacked":  # no CPU kernel: a CPU layer takes the conversion's CPU form
+                types = packed_rows(moe)[2]
+                self._reform(graph, moe, expert_form(types, [moe.hidden, moe.ffn]), cpu=True)
         cpu = {m.node for m in moe_nodes(graph) if not self.on_gpu(m)}
         # what no CUDA kernel takes stays on the CPU (and float32): MoEGroupRouter, say
         refused = {n for n in graph if n not in cpu and _no_kernel(n)}
@@ -201,32 +278,57 @@ class GpuFormPass(InPlacePass):
         RemoveUnusedNodesPass()(model)
         return PassResult(model, modified=True)
 
-    def _reform(self, graph: ir.Graph, moe: MoeNode, forms: ExpertForms) -> None:
-        """The node rebuilt in `forms`: its experts packed anew, its input widened by block-sum
-        features where fc1 keeps affine codes (and no longer where it does not), its output narrowed."""
+    def _reform(self, graph: ir.Graph, moe: MoeNode, forms: ExpertForms, cpu: bool = False) -> None:
+        """The node rebuilt as a QMoE node in `forms`: its experts packed anew, its input widened by
+        block-sum features where fc1 keeps affine codes (and no longer where it does not), its output
+        narrowed. `cpu`: a CPU layer's node (a MoEPacked one, which no CPU kernel runs), in its CPU
+        form: the conversion's scale types, row-major codes."""
         node, hidden = moe.node, moe.hidden
         stored = stored_form(moe)
-        if forms.node == stored.plain and forms.sums == bool(stored.sums):
+        types = _types_of(moe)
+        if node.op_type == "MoEPacked":  # the GGUF's own blocks are in the model: no file needed
+            fc1_rows, fc2_rows, types, own_blocks = packed_rows(moe)
+            self.packed_from[moe.name] = "packed from the model's MoEPacked blobs (the GGUF's own blocks)"
+        elif forms.node == stored.plain and forms.sums == bool(stored.sums):
             # the same codes (and features' levels), another layout or scale type: from what it stores
-            fc1_rows, fc2_rows, _, _ = StoredExperts().rows(moe)
-            fc1_form = stored
+            fc1_rows, fc2_rows, _, own_blocks = StoredExperts().rows(moe)
+            self.packed_from[moe.name] = "its own codes, laid out anew"
         else:
             fc1_rows, fc2_rows, _, own_blocks = self.experts.rows(moe)
+            self.packed_from[moe.name] = getattr(self.experts, "packed_from", {}).get(moe.name, "packed anew")
+        if node.op_type != "MoEPacked" and forms.node == stored.plain and forms.sums == bool(stored.sums):
+            fc1_form = stored
+        else:
             if not own_blocks:  # a model's stored values hold no affine codes: no block-sum features
                 forms = ExpertForms(forms.node)
+            half = not cpu or not types or forms.sums or scales_in_float16(types, forms.node)
             levels = 0
             if forms.sums:
                 sources = [(r.src, r.qt) for r in fc1_rows if isinstance(r, GgufRows)]
-                levels = measured_levels(sources, forms.node, half_scales=True, exact=self.exact)
+                levels = measured_levels(sources, forms.node, half_scales=half, exact=self.exact)
             fc1_form = forms.fc1(levels)
-        codes = input_at(node, QMOE_SLOTS["fc1"][0])
-        prefix = ((codes.name if codes is not None else None) or f"{moe.name}.fc1").rsplit(".fc1", 1)[0]
+        scale_dtype = (
+            HALF if not cpu or not types or fc1_form.sums or scales_in_float16(types, fc1_form.plain) else FLOAT
+        )
+        prefix = f"{moe.name.removesuffix('.moe')}.ffn_experts"
         hidden_in, final = _unwidened_input(node), _narrowed_output(node)
-        for slot in (*QMOE_SLOTS["fc1"][:2], *QMOE_SLOTS["fc2"][:2], QMOE_SLOTS["fc1"][3], QMOE_SLOTS["fc2"][3]):
-            old = input_at(node, slot)
-            if old is not None and old.is_initializer() and len(old.uses()) == 1:
-                node.replace_input_with(slot, None)
-                graph.initializers.pop(old.name or "")
+        router = input_at(node, 1)
+        if router is None:
+            raise MoepassError(f"{moe.name}: no router logits")
+        weights_slot = PACKED_ROUTER_WEIGHTS if node.op_type == "MoEPacked" else ROUTER_WEIGHTS
+        router_weights = input_at(node, weights_slot)
+        biases = [input_at(node, QMOE_SLOTS[p][2]) if node.op_type == "QMoE" else None for p in ("fc1", "fc2")]
+        attrs = node.attributes
+        activation = Activation(
+            attrs.get_float("activation_alpha", 1.0),
+            attrs.get_float("activation_beta", 0.0),
+            attrs.get_float("swiglu_limit") if "swiglu_limit" in attrs else None,
+        )
+        for value in list(node.inputs)[2:]:  # the old experts go; a new group takes their names
+            if value is not None and value.is_initializer() and value in moe.expert_values and len(value.uses()) == 1:
+                graph.initializers.pop(value.name or "")
+        for slot in range(len(node.inputs)):
+            node.replace_input_with(slot, None)
         tensors = expert_tensors(
             moe.name,
             prefix,
@@ -234,52 +336,44 @@ class GpuFormPass(InPlacePass):
             fc2_rows,
             fc1_form,
             self.report,
-            prepack=self.target == "offload",
-            scale_dtype=HALF,
+            prepack=self.target == "offload" and not cpu,
+            scale_dtype=scale_dtype,
             workers=self.workers,
         )
-        values = {}
-        for group, slots in ((tensors.fc1, QMOE_SLOTS["fc1"]), (tensors.fc2, QMOE_SLOTS["fc2"])):
-            for tensor, slot in ((group.codes, slots[0]), (group.scales, slots[1])):
-                value = ir.Value(
-                    name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor
-                )
-                graph.register_initializer(value)
-                values[slot] = value
-        bias = input_at(node, QMOE_SLOTS["fc2"][2])
-        if bias is not None:
-            bias = self._padded_bias(graph, bias, hidden, tensors.pad)
+        values = []
+        for tensor in (tensors.fc1.codes, tensors.fc1.scales, tensors.fc2.codes, tensors.fc2.scales):
+            value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
+            graph.register_initializer(value)
+            values.append(value)
+        fc2_bias = self._padded_bias(graph, biases[1], hidden, tensors.pad) if biases[1] is not None else None
         ops = NodeList()
-        x = widen(ops.op, _Consts(graph), hidden_in, hidden, fc1_form, moe.name) if tensors.pad else hidden_in
-        inputs = list(node.inputs) + [None] * max(0, 15 - len(node.inputs))
-        inputs[0] = x
-        for slot, value in values.items():
-            inputs[slot] = value
-        inputs[QMOE_SLOTS["fc1"][3]] = inputs[QMOE_SLOTS["fc2"][3]] = None
-        inputs[QMOE_SLOTS["fc2"][2]] = bias
-        while inputs and inputs[-1] is None:
-            inputs.pop()
-        attributes = {a.name: a for a in node.attributes.values()}
-        attributes["expert_weight_bits"] = ir.AttrInt64("expert_weight_bits", fc1_form.bits)
-        attributes["weights_prepacked"] = ir.AttrInt64("weights_prepacked", int(tensors.prepacked))
-        if fc1_form.block_size:
-            attributes["block_size"] = ir.AttrInt64("block_size", fc1_form.block_size)
-        else:
-            attributes.pop("block_size", None)
+        consts = _Consts(graph)
+        x = widen(ops.op, consts, hidden_in, hidden, fc1_form, moe.name) if tensors.pad else hidden_in
         old_out = node.outputs[0]
         name, old_out.name = old_out.name, f"{old_out.name}.replaced"
-        rebuilt = ir.Node(
-            "com.microsoft", "QMoE", inputs, attributes=list(attributes.values()), name=moe.name, num_outputs=1
+        out = moe_node(
+            ops.op,
+            moe.name,
+            x,
+            router,
+            Experts(values[0], values[1], bias=biases[0]),
+            Experts(values[2], values[3], bias=fc2_bias),
+            top_k=moe.top_k,
+            normalize=moe.normalize,
+            activation=activation,
+            bits=fc1_form.bits,
+            block_size=fc1_form.block_size,
+            prepacked=tensors.prepacked,
+            router_weights=router_weights,
         )
+        rebuilt = ops.nodes[-1]
         rebuilt.metadata_props.update(node.metadata_props)
         rebuilt.metadata_props[keys.EXPERT_FORM] = str(fc1_form)
-        out = rebuilt.outputs[0]
         out.name = name
         if old_out.dtype is not None:
             out.dtype = old_out.dtype
         out.shape = ir.Shape(["tokens", hidden + tensors.pad])
-        ops.nodes.append(rebuilt)
-        result = narrow(ops.op, _Consts(graph), out, hidden, moe.name) if tensors.pad else out
+        result = narrow(ops.op, consts, out, hidden, moe.name) if tensors.pad else out
         if final is not old_out:  # the old Slice's output name and type go to the new one
             slice_name, final.name = final.name, f"{final.name}.replaced"
             result.name = slice_name

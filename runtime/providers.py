@@ -118,6 +118,13 @@ def plan_session(
     else:
         provider = CPU_EP
 
+    packed = [m.name for m in moe_nodes(model.graph) if m.node.op_type == "MoEPacked"]
+    if packed and provider == CPU_EP:
+        raise MoepassError(
+            f"MoE node {packed[0]} is a com.microsoft::MoEPacked node (the GGUF's own blocks), which ONNX Runtime "
+            f"runs on CUDA only, and {'the device is cpu' if device == 'cpu' else 'this ONNX Runtime has no CUDA EP'} "
+            f"({', '.join(ort.get_available_providers())}): convert without --expert-format packed to run here"
+        )
     if offload_mode != "disabled":
         reasons = []
         if _ort_version(ort) < OFFLOAD_MIN_ORT:

@@ -31,6 +31,15 @@ def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
     found = []
     for moe in moe_nodes(model.graph):
         node, attrs = moe.node, moe.node.attributes
+        if node.op_type == "MoEPacked":
+            found.append(
+                (
+                    moe.name,
+                    "a MoEPacked node (the GGUF's own blocks) has its own offload (ep.cuda.moe_packed_gpu_experts), "
+                    "which moepass does not plan; partition lowers it to the offload form",
+                )
+            )
+            continue
         if node.op_type != "QMoE":
             found.append((moe.name, "only QMoE nodes are offloaded (this is a float MoE node)"))
             continue
@@ -172,6 +181,15 @@ def _qmoe(node: ir.Node) -> str | None:
     return None
 
 
+def _moe_packed(node: ir.Node) -> str | None:
+    attrs = node.attributes
+    if attrs.get_string("activation_type", "swiglu") not in ("swiglu", "relu2", "relu_squared"):
+        return f"activation {attrs.get_string('activation_type', '')}: MoEPacked takes swiglu or relu2"
+    if not 1 <= attrs.get_int("k", 1) <= 16:
+        return f"k {attrs.get_int('k', 1)}: MoEPacked's softmax routing takes 1 to 16"
+    return None
+
+
 def _gqa(node: ir.Node) -> str | None:
     if len(node.inputs) > 10 and node.inputs[10] is not None:
         return "attention_bias is refused"
@@ -204,6 +222,11 @@ def _gather_block_quantized(node: ir.Node) -> str | None:
 CUDA_KERNELS: dict[tuple[str, str], CudaKernel | None] = {
     ("com.microsoft", "QMoE"): CudaKernel(HALF, CONTRIB + "moe/moe_quantization.cc", _qmoe),
     ("com.microsoft", "MoE"): CudaKernel(FLOATS, CONTRIB + "moe/moe.cc"),
+    # ONNX Runtime 1.32's schema: float16/bfloat16, CUDA only ("CUDA execution requires weights in device
+    # memory"); which GGML type ids its CUDA kernel decodes is not known here (docs/gpu.md)
+    ("com.microsoft", "MoEPacked"): CudaKernel(
+        HALF, "the 1.32 MoEPacked schema (docs/PackedWeightFormats.md)", _moe_packed
+    ),
     ("com.microsoft", "GroupQueryAttention"): CudaKernel(HALF, CONTRIB + "bert/group_query_attention.cc", _gqa),
     ("com.microsoft", "MatMulNBits"): CudaKernel(FLOATS, CONTRIB + "quantization/matmul_nbits.cc", _matmul_nbits),
     ("com.microsoft", "GatherBlockQuantized"): CudaKernel(

@@ -75,7 +75,8 @@ def format_bytes(n: float) -> str:
 
 # convert
 FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")  # F32/F16/BF16 experts: kept float (MoE) or quantized (QMoE)
-EXPERT_FORMATS = ("auto", "int4", "int8", "offload")  # quantized experts (moepass.core.quants.expert_form)
+# quantized experts (moepass.core.quants.expert_form); packed: the GGUF's own blocks in MoEPacked (CUDA only)
+EXPERT_FORMATS = ("auto", "int4", "int8", "offload", "packed")
 # activations mode -> accuracy_level of every quantized matrix product (None: the attribute is absent,
 # ONNX Runtime's float default; 4: int8 activations inside the product, as llama.cpp)
 ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}

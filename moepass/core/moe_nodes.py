@@ -21,10 +21,14 @@ from moepass.core.errors import MoepassError
 from moepass.core.ir_values import input_at, tensor_dims, tensor_of
 from moepass.core.quants import BlockForm, parse_form
 
-MOE_OPS = ("QMoE", "MoE")
+MOE_OPS = ("QMoE", "MoE", "MoEPacked")
 # Inputs that carry per-expert tensors (first axis = experts); router_weights (14) and the
 # global FP4/FP8 scales (15..) are per token or per tensor.
-EXPERT_INPUTS = {"QMoE": range(2, 14), "MoE": range(2, 8)}
+EXPERT_INPUTS = {"QMoE": range(2, 14), "MoE": range(2, 8), "MoEPacked": range(2, 5)}
+# com.microsoft::MoEPacked (ONNX Runtime 1.32, CUDA only): the GGUF's own expert blocks, one blob
+# [E, rows, row bytes] per projection, typed by GGML type id; router_weights at 5
+PACKED_SLOTS = {"gate": 2, "up": 3, "down": 4}
+PACKED_ROUTER_WEIGHTS = 5
 ROUTER_LOGITS = 1
 # weights, scales, bias, zero points
 QMOE_SLOTS: dict[str, tuple[int, ...]] = {"fc1": (2, 3, 4, 11), "fc2": (5, 6, 7, 12), "fc3": (8, 9, 10, 13)}
@@ -119,6 +123,31 @@ def moe_node(
     return op("QMoE", _trimmed(inputs), attributes, domain="com.microsoft", name=name)
 
 
+def packed_moe_node(
+    op: MakeOp,
+    name: str,
+    hidden: ir.Value,
+    router_logits: ir.Value,
+    blobs: tuple[ir.Value, ir.Value, ir.Value],
+    types: tuple[int, int, int],
+    *,
+    top_k: int,
+    normalize: bool,
+) -> ir.Value:
+    """One MoE layer as a com.microsoft::MoEPacked node over the GGUF's own expert blocks: gate, up
+    and down blobs [E, rows, row bytes] with their GGML type ids, SwiGLU, the legacy routing (softmax
+    of the logits, top-k, renormalized over the k where `normalize`)."""
+    attributes = {
+        "k": top_k,
+        "activation_type": "swiglu",
+        "gate_type": types[0],
+        "up_type": types[1],
+        "down_type": types[2],
+        "normalize_routing_weights": int(normalize),
+    }
+    return op("MoEPacked", [hidden, router_logits, *blobs], attributes, domain="com.microsoft", name=name)
+
+
 def _trimmed(inputs: list[ir.Value | None]) -> list[ir.Value | None]:
     """Trailing absent inputs dropped (ONNX Runtime counts the inputs a node has)."""
     while inputs and inputs[-1] is None:
@@ -164,8 +193,13 @@ class MoeNode:
 
     def _rows(self, projection: str) -> int:
         """Output rows of fc1 or fc2: axis 1 of QMoE's scales ([E, N, blocks] in the raw and the
-        prepacked layout alike, whose codes are [E, N, K/2] and [E, K, N/2]) or of MoE's weights."""
-        slot = QMOE_SLOTS[projection][1] if self.node.op_type == "QMoE" else MOE_SLOTS[projection][0]
+        prepacked layout alike, whose codes are [E, N, K/2] and [E, K, N/2]), of MoE's weights, or
+        of MoEPacked's gate (its fc1 rows, half the interleaved fc1's) and down blobs."""
+        op = self.node.op_type
+        if op == "MoEPacked":
+            slot = PACKED_SLOTS["gate" if projection == "fc1" else "down"]
+            return tensor_dims(tensor_of(input_at(self.node, slot)))[1] * (2 if projection == "fc1" else 1)
+        slot = QMOE_SLOTS[projection][1] if op == "QMoE" else MOE_SLOTS[projection][0]
         return tensor_dims(tensor_of(input_at(self.node, slot)))[1]
 
     @property

@@ -7,7 +7,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
 from moepass.core.errors import MoepassError
-from moepass.core.moe_nodes import Experts, moe_node
+from moepass.core.moe_nodes import Experts, moe_node, packed_moe_node
 from moepass.core.quants import OFFLOAD_FORM, ExpertForms, expert_form, quant_type, requantize_form, scales_in_float16
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
@@ -72,7 +72,10 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
         return builder.expert_bias(f"{prefix}.fc2_bias", [builder.tensor("ffn_down_exps_bias", layer)], pad=pad)
 
     pad = 0
-    if all(floats) and builder.options.float_experts == "keep":
+    if builder.options.expert_format == "packed" and not any(floats):
+        out = _packed(builder, name, x2d, router, (gate, up, down), types, renormalizes(feats))
+        form_name = "packed " + "/".join(qt.name for qt in types)
+    elif all(floats) and builder.options.float_experts == "keep":
         fc1 = builder.float_experts(f"{prefix}.fc1", [gate, up])
         fc2 = builder.float_experts(f"{prefix}.fc2", [down])
         out = node(Experts(fc1, bias=fc1_b), Experts(fc2, bias=fc2_bias()))
@@ -156,6 +159,24 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     if hp.expert_weights_scale not in (0.0, 1.0):  # llama.cpp scales the routing weights
         out = builder.scale(out, hp.expert_weights_scale, f"{name}.weights_scale")
     return out
+
+
+def _packed(builder: GraphBuilder, name: str, x2d: ir.Value, router: ir.Value, sources, types, normalize: bool):
+    """A MoE layer as MoEPacked over the GGUF's own gate, up and down blocks (--expert-format
+    packed): what it has no input for (expert biases, a clamped or shifted SwiGLU) is refused."""
+    feats = builder.arch.features
+    activation = ACTIVATIONS[feats.activation]
+    if feats.expert_biases or (activation.alpha, activation.beta, activation.limit) != (1.0, 0.0, None):
+        raise MoepassError(
+            f"{name}: --expert-format packed: MoEPacked has no expert biases and computes the plain SwiGLU; "
+            f"this {builder.arch.gguf_arch} model's experts need them (convert with --expert-format offload)"
+        )
+    prefix = f"{name.removesuffix('.moe')}.ffn_experts"
+    blobs = tuple(builder.gguf_blob(f"{prefix}.{role}", src) for role, src in zip(("gate", "up", "down"), sources))
+    ids = tuple(int(qt.ggml_type) for qt in types)
+    return packed_moe_node(
+        builder.tape.op, name, x2d, router, blobs, ids, top_k=builder.hp.n_experts_used, normalize=normalize
+    )
 
 
 def gated_mlp(builder: GraphBuilder, x2d: ir.Value, roles: tuple[str, str, str], layer: int, prefix: str) -> ir.Value:

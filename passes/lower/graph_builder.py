@@ -21,7 +21,16 @@ from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, SourceTensor
 from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type, scales_in_float16
-from moepass.passes.weights import GgufRows, PackedGroup, WeightReport, float_expert_stack, float_tensor
+from moepass.passes.weights import (
+    GgufRows,
+    PackedGroup,
+    StreamedTensor,
+    WeightRecord,
+    WeightReport,
+    float_expert_stack,
+    float_tensor,
+    row_chunks,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +39,10 @@ class LowerOptions:
     or quantize them into QMoE int8 / int4. `expert_format`: "auto" (see moepass.core.quants.expert_form),
     or force "int4" / "int8" for quantized experts. "offload": what ONNX Runtime's expert offload
     requires: int4 block 32 experts prepacked in the SM80 layout (weights_prepacked=1) and a float16
-    graph. `exact`: keep every tensor whose blocks move bit-exactly in its exact form, even where a
-    requantized one is faster (Q6_K's int8 block 16; see quants.EXACT_MIN_BLOCK)."""
+    graph. "packed": the GGUF's own expert blocks in com.microsoft::MoEPacked nodes (ONNX Runtime 1.32
+    runs them on CUDA only) and a float16 graph. `exact`: keep every tensor whose blocks move
+    bit-exactly in its exact form, even where a requantized one is faster (Q6_K's int8 block 16; see
+    quants.EXACT_MIN_BLOCK)."""
 
     float_experts: str = "keep"
     expert_format: str = "auto"
@@ -55,9 +66,10 @@ class GraphBuilder:
         self._block_sums: dict[tuple, ir.Value] = {}
         self.moe_layers: list[dict[str, Any]] = []
         self.offload = options.expert_format == "offload"
-        # activations, float weights and scales: float16 for the offload format, else float32
-        self.act = ir.DataType.FLOAT16 if self.offload else ir.DataType.FLOAT
-        self.np_act = np.float16 if self.offload else np.float32
+        # activations, float weights and scales: float16 for the GPU's formats (offload, packed), else float32
+        half = options.expert_format in ("offload", "packed")
+        self.act = ir.DataType.FLOAT16 if half else ir.DataType.FLOAT
+        self.np_act = np.float16 if half else np.float32
 
     # ---- initializers -------------------------------------------------------------------------
     def lazy_initializer(
@@ -150,6 +162,19 @@ class GraphBuilder:
                     )
         importance = self.options.imatrix or {}
         return [GgufRows(s, t, importance.get(s.name)) for s, t in zip(sources, types)]
+
+    def gguf_blob(self, name: str, src: SourceTensor) -> ir.Value:
+        """A GGUF tensor's own blocks as a uint8 initializer [..., rows, row bytes] (MoEPacked's
+        blob), streamed as read: exact, the file's size."""
+        shape = (*src.shape[:-1], src.row_bytes)
+        qt = quant_type(src.ggml_type, src.name, src.path)
+        self.report.add(
+            WeightRecord(
+                name, [src.name], [qt.name], f"packed {qt.name}", src.nbytes, qt.bits_per_weight, [True], [0.0]
+            )
+        )
+        blob = StreamedTensor(lambda: (raw for _, raw in row_chunks(src)), ir.DataType.UINT8, shape, name)
+        return self.tape.initializer(blob, name=name)
 
     def group_initializers(self, group: PackedGroup) -> tuple[ir.Value, ir.Value]:
         """A packed group's codes and scales as initializers of the graph."""
