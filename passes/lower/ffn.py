@@ -172,8 +172,9 @@ def _packed(builder: GraphBuilder, name: str, x2d: ir.Value, router: ir.Value, s
             f"this {builder.arch.gguf_arch} model's experts need them (convert with --expert-format offload)"
         )
     prefix = f"{name.removesuffix('.moe')}.ffn_experts"
-    blobs = tuple(builder.gguf_blob(f"{prefix}.{role}", src) for role, src in zip(("gate", "up", "down"), sources))
-    ids = tuple(int(qt.ggml_type) for qt in types)
+    gate, up, down = (builder.gguf_blob(f"{prefix}.{role}", src) for role, src in zip(("gate", "up", "down"), sources))
+    blobs = (gate, up, down)
+    ids = (int(types[0].ggml_type), int(types[1].ggml_type), int(types[2].ggml_type))
     return packed_moe_node(
         builder.tape.op, name, x2d, router, blobs, ids, top_k=builder.hp.n_experts_used, normalize=normalize
     )
