@@ -95,10 +95,8 @@ def check_destination(
         if overwrite:
             raise MoepassError(f"{path}: is a symbolic link; give the real path, or remove the link")
         raise MoepassError(f"{path}: already exists (a symbolic link); pass --force to replace it")
-    if is_dir and not path.is_dir():
-        if overwrite:
-            raise MoepassError(f"{path}: exists and is not a directory; --force replaces only a directory")
-        raise MoepassError(f"{path}: already exists (a file); pass --force to replace it")
+    if is_dir and not path.is_dir():  # a file of the user's is never replaced by a folder, --force or not
+        raise MoepassError(f"{path}: is a file, and the output is a folder; name another -o")
     if not is_dir and path.is_dir():
         raise MoepassError(f"{path}: is a directory")
     if is_dir and overwrite:

@@ -21,6 +21,7 @@ import click
 from moepass.core import keys
 from moepass.core.choices import (
     ACTIVATION_MODES,
+    BYTES_RULE,
     DEFAULT_DRAFT_TOKENS,
     DEVICES,
     EXPERT_FORMATS,
@@ -39,6 +40,7 @@ from moepass.core.choices import (
     Sampling,
 )
 from moepass.core.errors import MoepassError, expected_failure
+from moepass.core.terminal import terminal_safe
 
 
 class _Group(click.Group):
@@ -595,8 +597,9 @@ def run(
     if prompt is not None:
         text = decoder.apply_chat_template(prompt, system, **_template_variables(decoder, think)) if chat else prompt
         stream = decoder.generate_text(text, max_new_tokens, sampling, stop)
+        shown = terminal_safe if sys.stdout.isatty() else (lambda piece: piece)
         for piece in stream:
-            click.echo(piece, nl=False)
+            click.echo(shown(piece), nl=False)
         click.echo()
         count, ended = stream.completion_tokens, stream.ended_by
     else:
@@ -733,6 +736,7 @@ def bench(
     --speculative, decode with and without it and the share of drafts kept."""
     from moepass.runtime import load
     from moepass.runtime.bench import measure, operator_shares
+    from moepass.runtime.decoder import default_threads
 
     if prompt_file is not None and depth is not None:
         raise click.UsageError("--depth applies to pseudo-random prompts; with --prompt-file decode follows the text")
@@ -756,11 +760,10 @@ def bench(
         progress=None if as_json else lambda text: click.echo(text, err=True),
         prompt=prompt,
     )
-    threads = load_options["threads"]
     result.update(
         model=str(model_dir),
         backend=decoder.plan.provider,
-        threads=threads or 0,
+        threads=decoder.threads or default_threads(),
         activations=decoder.report.activations,
         size_bytes=sum(f.stat().st_size for f in decoder.model_dir.iterdir() if f.is_file())
         if decoder.model_dir.is_dir()
@@ -791,9 +794,10 @@ def bench(
             f"speculation: {spec['speedup']:.2f}x with it; {spec['acceptance']:.0%} of drafts kept, "
             f"{spec['tokens_per_step']:.2f} tokens per step)"
         )
+    used = str(decoder.threads) if decoder.threads else f"{default_threads()} (ONNX Runtime's default)"
     click.echo(
         f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({decoder.plan.provider}, "
-        f"{threads or 'default'} threads, {result['activations']} activations)"
+        f"{used} threads, {result['activations']} activations)"
     )
     for op, share in result.get("decode_operator_shares", {}).items():
         if share >= 0.01:
@@ -892,8 +896,7 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     "--vram",
     default=None,
     show_default="the --gpu card's memory",
-    help="GPU memory to use, in bytes: 8G / 8GB are decimal (8e9), 8GiB binary (8 x 2^30); 7.5GB, 8000M "
-    "or a plain number work too.",
+    help=f"GPU memory to use: {BYTES_RULE}.",
 )
 @click.option(
     "-o",

@@ -279,6 +279,12 @@ def convert(
             f"--print-after {print_after}: no such step for {kind.upper()} input; its steps: "
             f"{', '.join(PASS_NAMES[kind])}"
         )
+    if kind == "onnx" and isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
+        if not (Path(model) / MODEL_FILE).is_file():
+            raise MoepassError(
+                f"{model}: a folder without {MODEL_FILE}; convert takes a .gguf file, an .onnx file or a folder "
+                f"holding {MODEL_FILE}"
+            )
     if kind == "onnx":
         given = [
             option
@@ -577,6 +583,12 @@ def convert_onnx(
     if fuse is None:
         raise RuntimeError("the ONNX pipeline ran without fuse-moe")
     fused = [r for r in fuse.records if r.fused]
+    decoder = any(v.name == "input_ids" for v in onnx_model.graph.inputs)
+    if not fuse.records and not existing and not decoder:
+        raise MoepassError(
+            f"{label}: neither a MoE model (no router over experts to fuse, no QMoE or MoE node) nor a decoder "
+            "moepass runs (no input 'input_ids'); nothing written"
+        )
     onnx_model.metadata_props[keys.VERSION] = __version__
     onnx_model.metadata_props[keys.SOURCE] = source.name
     onnx_model.metadata_props[keys.MOE_LAYERS] = str(len(fused))

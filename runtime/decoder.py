@@ -419,6 +419,21 @@ def usable_threads(requested: int | None) -> int | None:
     return requested
 
 
+def default_threads() -> int:
+    """The intra-op threads ONNX Runtime starts when not told: one per physical core (of those this
+    process may run on), as its own count finds them; the CPUs where the system does not say."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as a, open(f"{topology}/core_id") as b:
+                cores.add((a.read().strip(), b.read().strip()))
+        except OSError:
+            return len(cpus)
+    return len(cores) or len(cpus)
+
+
 def _layer_key(name: str) -> tuple[int, str]:
     _, layer, kind = name.split(".")
     return int(layer), kind

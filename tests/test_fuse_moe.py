@@ -137,20 +137,26 @@ def test_export_missing_experts_is_left_untouched_and_reported(tmp_path, capsys)
     del torch
 
 
-def test_model_without_moe_passes_through_unchanged(tmp_path):
+def test_a_model_neither_moe_nor_a_decoder_is_refused(tmp_path):
+    """A dense network with no router and no input_ids: nothing moepass could fuse or run. One error
+    line naming the file, exit 2, nothing written (it once converted "unchanged" and failed at run)."""
     import torch
+    from click.testing import CliRunner
+
+    from moepass.cli import main
 
     dense = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
     path = tmp_path / "dense.onnx"
     torch.onnx.export(dense, (torch.zeros(1, 16),), str(path), input_names=["x"], output_names=["y"], dynamo=False)
-    result = moepass.convert(path, tmp_path / "out")
-    assert result.fusion == [] and result.moe_layers == []
-    assert "none found: the model is written unchanged" in "\n".join(result.summary_lines())
-    before, after = onnx.load(str(path)), onnx.load(str(result.output_dir / "model.onnx"))
-    assert before.graph.node == after.graph.node
-    x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
-    run = [ort.InferenceSession(str(p)).run(None, {"x": x})[0] for p in (path, result.output_dir / "model.onnx")]
-    np.testing.assert_array_equal(run[0], run[1])
+    result = CliRunner().invoke(main, ["convert", str(path), "-o", str(tmp_path / "out")])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"{path}: neither a MoE model" in lines[0] and "no input 'input_ids'" in lines[0]
+    assert not (tmp_path / "out").exists()
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    result = CliRunner().invoke(main, ["convert", str(folder), "-o", str(tmp_path / "out2")])
+    assert result.exit_code == 2 and "a folder without model.onnx; convert takes a .gguf file" in result.stderr
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])

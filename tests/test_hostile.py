@@ -385,7 +385,7 @@ def _foreign_report(env: Env) -> str:
     return str(env.tmp / "out")
 
 
-case("out-existing-file", _convert_to(_existing_file), "already exists", out="out")
+case("out-existing-file", _convert_to(_existing_file), "is a file, and the output is a folder", out="out")
 # --force replaces a folder moepass wrote, never one holding anything else (the user's files)
 case("out-foreign-folder-force", _convert_to(_foreign_folder, "--force"),
      "--force replaces only a folder that moepass wrote", "it holds 'notes.txt'", out="out")
@@ -393,7 +393,8 @@ case("out-converted-plus-foreign-file-force", _convert_to(_converted_with_a_fore
      "it holds 'notes.txt', which moepass does not write", out="out")
 case("out-foreign-report-force", _convert_to(_foreign_report, "--force"), "its moepass.json is not moepass's",
      out="out")
-case("out-existing-file-force", _convert_to(_existing_file, "--force"), "not a directory", out="out")
+case("out-existing-file-force", _convert_to(_existing_file, "--force"), "is a file, and the output is a folder",
+     out="out")
 case("out-symlink", _convert_to(_symlink_to_dir), "already exists", out="out")
 case("out-symlink-force", _convert_to(_symlink_to_dir, "--force"), "symbolic link", out="out")
 case("out-dangling-symlink", _convert_to(_dangling), "already exists", out="out")

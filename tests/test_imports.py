@@ -128,7 +128,8 @@ def test_no_module_cycle():
 
 
 def test_help_imports_only_the_cli(tmp_path):
-    """`moepass --help` loads click, the CLI and the option tables: none of the compiler, numpy or ONNX."""
+    """`moepass --help` loads click, the CLI, the option tables and the terminal's escaping (a few
+    lines): none of the compiler, numpy or ONNX."""
     script = ("import sys; from moepass.cli import main\n"
               "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
               "print(' '.join(sorted(m for m in sys.modules if m.startswith(('moepass', 'numpy', 'onnx')))))")
@@ -137,4 +138,5 @@ def test_help_imports_only_the_cli(tmp_path):
     assert "Usage: " in out
     modules = set(out.splitlines()[-1].split())
     assert modules == {"moepass", "moepass.cli", "moepass.core", "moepass.core.choices",
-                                  "moepass.core.errors", "moepass.core.keys", "moepass.core.version"}, modules
+                                  "moepass.core.errors", "moepass.core.keys", "moepass.core.terminal",
+                                  "moepass.core.version"}, modules

@@ -46,9 +46,13 @@ _MAX_BYTES = 1 << 50
 _MIN_PLAIN = 1 << 20
 
 
+# The one rule for sizes, as every help text and document words it
+BYTES_RULE = "8G and 8GiB are binary (8 x 2^30), 8GB decimal (8 x 10^9); 7.5GB, 8000M or plain bytes work too"
+
+
 def parse_bytes(text: str | int, what: str = "size") -> int:
-    """'8G', '8GiB', '7.5GB', '8000M' or plain bytes -> bytes. K/M/G/T and KiB/MiB/GiB/TiB are
-    binary (1024), KB/MB/GB/TB decimal (1000)."""
+    """'8G', '8GiB', '7.5GB', '8000M' or plain bytes -> bytes (BYTES_RULE): K/M/G/T and
+    KiB/MiB/GiB/TiB are binary (1024), KB/MB/GB/TB decimal (1000)."""
     if isinstance(text, int):
         value = text
     else:

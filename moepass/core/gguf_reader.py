@@ -270,6 +270,15 @@ def _power_of_two(value) -> bool:
     return isinstance(value, int) and 0 < value <= MAX_ALIGNMENT and not value & (value - 1)
 
 
+# magic, version, tensor count, metadata key count: the least a GGUF file holds
+GGUF_HEADER_BYTES = 24
+# numpy's words when a memmapped field runs past the end of the file
+_NUMPY_SHORT_READ = re.compile(
+    r"^(buffer is smaller than requested size|index \d+ is out of bounds.*|"
+    r"mmap length is greater than file size|cannot reshape array.*)$"
+)
+
+
 def _open_part(path: Path) -> _CheckedReader:
     if not path.is_file():
         raise MoepassError(f"{path}: no such file")
@@ -282,7 +291,13 @@ def _open_part(path: Path) -> _CheckedReader:
     except MoepassError as e:
         raise MoepassError(f"{path}: {e}") from None
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, MemoryError) as e:
-        raise MoepassError(f"{path}: truncated or malformed GGUF ({type(e).__name__}: {e})") from None
+        size = path.stat().st_size
+        if size < GGUF_HEADER_BYTES:
+            raise MoepassError(
+                f"{path}: truncated: {size} bytes, shorter than a GGUF header ({GGUF_HEADER_BYTES})"
+            ) from None
+        words = _NUMPY_SHORT_READ.sub("a field runs past the end of the file", str(e))
+        raise MoepassError(f"{path}: truncated or malformed GGUF ({size:,} bytes; {words})") from None
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
