@@ -7,7 +7,8 @@
   token with the rank of that token's score, as SentencePiece's BPE does), spaces as "▁", a leading
   "▁" added, byte fallback through the <0xNN> tokens.
 Control and user-defined tokens become added (special) tokens. The chat template, BOS/EOS and the
-stop tokens go to tokenizer_config.json and moepass.json.
+stop tokens (the end-of-generation tokens as llama.cpp finds them: eog_token_ids) go to
+tokenizer_config.json and moepass.json.
 
 Tokenization is checked against llama.cpp's own tokenizer on the same file in the tests.
 """
@@ -49,6 +50,55 @@ PRE_TOKENIZERS = {
 IGNORE_MERGES = {"llama-bpe", "llama3"}  # llama 3's tokenizer takes whole words found in the vocabulary
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# End of generation as llama.cpp decides it from the vocabulary (src/llama-vocab.cpp, the vocabulary
+# loader, llama.cpp b7800 as vendored by llama-cpp-python 0.3.36): every token whose text is one of
+# EOG_TEXTS; the tokens metadata names for eos (else the tokenizer model's default), eot and eom; the
+# fill-in-the-middle pad, repo and file-separator tokens (metadata, else the first of FIM_EOG_TEXTS'
+# texts in the vocabulary); then two exceptions (eog_token_ids).
+EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+        "<｜end▁of▁sentence｜>", "[e~[",
+    }
+)  # fmt: skip
+FIM_EOG_TEXTS = {
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}
+# tokenizer.ggml.model -> the eos id llama.cpp assumes when the file names none (within the vocabulary)
+DEFAULT_EOS = {"llama": 2, "gpt2": 11, "t5": 1, "plamo2": 2}
+# gpt-oss's (and solar-open's) <|end|> closes a message, not the generation, where these are there too
+_END_IS_NOT_EOG: tuple[set[str], ...] = (
+    {"<|return|>", "<|call|>"}, {"<|return|>", "<|calls|>"}, {"<|call|>", "<|flush|>"}, {"<|calls|>", "<|flush|>"},
+)  # fmt: skip
+# where one of these is an EOG token, </s> is an ordinary token (gemma4, plamo)
+_S_IS_NORMAL = ("<|tool_response>", "<|plamo:eos|>")
+
+
+def eog_token_ids(tokens: list[str], kind: str | None, named: dict[str, int | None]) -> list[int]:
+    """The end-of-generation tokens llama.cpp stops at, for a vocabulary `tokens` of tokenizer
+    model `kind`; `named`: the ids the metadata gives (tokenizer.ggml.eos_token_id, eot_, eom_ and
+    the fim_ keys), None where absent or outside the vocabulary."""
+    index = {t: i for i, t in enumerate(tokens)}
+    eog = {i for t, i in index.items() if t in EOG_TEXTS}
+    eos = named.get("tokenizer.ggml.eos_token_id")
+    if eos is None and DEFAULT_EOS.get(kind or "", len(tokens)) < len(tokens):
+        eos = DEFAULT_EOS[kind or ""]
+    found = [eos, named.get("tokenizer.ggml.eot_token_id"), named.get("tokenizer.ggml.eom_token_id")]
+    for key, candidates in FIM_EOG_TEXTS.items():
+        given = named.get(key)
+        found.append(given if given is not None else next((index[t] for t in candidates if t in index), None))
+    eog |= {i for i in found if i is not None}
+    texts = {tokens[i] for i in eog}
+    if "<|end|>" in texts and any(pair <= texts for pair in _END_IS_NOT_EOG):
+        eog.discard(index["<|end|>"])
+    if "</s>" in texts and any(t in texts for t in _S_IS_NORMAL):
+        eog.discard(index["</s>"])
+    return sorted(eog)
 
 
 @dataclasses.dataclass
@@ -141,14 +191,10 @@ def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
             return None
         return value
 
-    stop_ids = sorted(
-        {
-            i
-            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if (i := token_id(k)) is not None
-        }
-    )
-    bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
+    named = {k: token_id(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                      "tokenizer.ggml.eom_token_id", *FIM_EOG_TEXTS)}  # fmt: skip
+    stop_ids = eog_token_ids(tokens, kind, named)
+    bos, eos = token_id("tokenizer.ggml.bos_token_id"), named["tokenizer.ggml.eos_token_id"]
     info.update(
         bos_token_id=bos,
         stop_token_ids=stop_ids,
