@@ -6,6 +6,7 @@ Python API (the same capabilities as the CLI):
     result = moepass.convert("model.gguf", "out/")    # ConvertResult, .summary_lines()
     info = moepass.inspect("out/")                     # dict: MoE layers, formats, bytes per group
     decoder = moepass.load("out/")                     # moepass.runtime.Decoder
+    decoder = moepass.load("model.gguf")               # a GGUF: converted once into a cache, then reused
     new_ids = list(decoder.generate([1, 2, 3], max_new_tokens=8))
     text = "".join(decoder.generate_text("Hi", 32, moepass.Sampling(temperature=0.8, min_p=0.05), stop=["\n"]))
     chat = moepass.Conversation(decoder, system="Be brief.")  # chat.say("Hi", 64): streamed; history cached
@@ -42,17 +43,18 @@ _API = {
     "profile": "moepass.profile",
     "Sampling": "moepass.runtime",
     "Conversation": "moepass.runtime",
-    "load": "moepass.runtime",
+    "load": "moepass.gguf_cache",
 }
 
 if TYPE_CHECKING:
     from moepass.convert import ConvertResult, convert
     from moepass.core.files import PlanReport, read_plan
+    from moepass.gguf_cache import load
     from moepass.inspection import inspect
     from moepass.partition import PartitionResult, partition
     from moepass.popularity import Popularity
     from moepass.profile import profile
-    from moepass.runtime import Conversation, Sampling, load
+    from moepass.runtime import Conversation, Sampling
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ import collections
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -396,6 +397,13 @@ def _runtime_options(f):
                 help=f"ONNX Runtime CUDA plugin EP library (default: ${PLUGIN_ENV}).",
             ),
             click.option(
+                "--cache-dir",
+                type=click.Path(file_okay=False),
+                default=None,
+                help="For a GGUF MODEL: where its conversion is kept (default: $MOEPASS_CACHE, else "
+                "$XDG_CACHE_HOME/moepass, else ~/.cache/moepass).",
+            ),
+            click.option(
                 "--offload",
                 "mode",
                 type=click.Choice(keys.OFFLOAD_MODES),
@@ -506,10 +514,33 @@ def _require(extra: str, what: str, *modules: str) -> None:
         raise MoepassError(f"{what} needs {', '.join(missing)}: pip install 'moepass[{extra}]'")
 
 
+def _converted(model: str, options: dict) -> str:
+    """MODEL itself, or for a GGUF file its conversion, made once into the cache (said in one line)."""
+    from moepass.gguf_cache import resolve
+
+    cache_dir = options.pop("cache_dir")
+    # a bar on a terminal; a log gets the one line resolve says
+    progress = _Progress(f"converting {os.path.basename(model)}", enabled=sys.stderr.isatty())
+    try:
+        folder = resolve(model, cache_dir, echo=_stderr, progress=progress)
+    finally:
+        progress.close()
+    speculative = options.get("speculative")
+    if speculative and speculative.startswith("draft:"):
+        options["speculative"] = "draft:" + str(resolve(speculative[len("draft:") :], cache_dir, echo=_stderr))
+    return str(folder)
+
+
+def _stderr(line: str) -> None:
+    click.echo(line, err=True)
+
+
 def _load(model_dir: str, options: dict):
-    """The model as run, chat and serve load it (a partitioned model with its placement)."""
+    """The model as run, chat and serve load it (a partitioned model with its placement; a GGUF
+    through the cache)."""
     from moepass.runtime import load
 
+    model_dir = _converted(model_dir, options)
     start = time.perf_counter()
     click.echo(f"loading {model_dir} ...", err=True)
     decoder = load(model_dir, **_load_options(options))
@@ -544,7 +575,7 @@ _STOP = click.option("--stop", multiple=True, help="Stop when the text reaches t
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path())
+@click.argument("model_dir", metavar="MODEL", type=click.Path())
 @click.option("-p", "--prompt", default=None, help="Prompt text (needs the tokenizer.json convert writes).")
 @click.option(
     "-f",
@@ -580,7 +611,9 @@ def run(
     stop: tuple[str, ...],
     **options,
 ) -> None:
-    """Generate: text in, text out (streamed), or token ids in, token ids out."""
+    """Generate: text in, text out (streamed), or token ids in, token ids out.
+
+    MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     if prompt_file is not None:
         if prompt is not None or prompt_ids is not None:
             raise click.UsageError("give one of --prompt, --prompt-file or --prompt-ids")
@@ -618,7 +651,7 @@ def run(
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path())
+@click.argument("model_dir", metavar="MODEL", type=click.Path())
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @_think_option
 @click.option(
@@ -635,7 +668,9 @@ def run(
 def chat(
     model_dir: str, system: str | None, think: bool | None, max_new_tokens: int, stop: tuple[str, ...], **options
 ) -> None:
-    """Talk to the model in the terminal, turn after turn (the KV cache keeps the history)."""
+    """Talk to the model in the terminal, turn after turn (the KV cache keeps the history).
+
+    MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from moepass.chat import chat_loop
 
     _require("chat", "moepass chat", "jinja2")
@@ -645,7 +680,7 @@ def chat(
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path())
+@click.argument("model_dir", metavar="MODEL", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
 @click.option(
@@ -664,7 +699,9 @@ def chat(
 )
 @_runtime_options
 def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size: int, **options) -> None:
-    """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).
+
+    MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from pathlib import Path
 
     from moepass.server import listen
@@ -673,13 +710,13 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
     _require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
     listener = listen(host, port)  # before the model loads: a busy port says so at once
     decoder = _load(model_dir, options)
-    folder = Path(model_dir).resolve()
-    model_id = (folder.parent if folder.is_file() else folder).name
+    given = Path(model_dir).resolve()  # a GGUF goes by its file's name, as in llama-server
+    model_id = given.stem if given.suffix == ".gguf" else (given.parent if given.is_file() else given).name
     run_server(decoder, model_id, listener, api_key, queue_size, echo=lambda text: click.echo(text, err=True))
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path())
+@click.argument("model_dir", metavar="MODEL", type=click.Path())
 @click.option(
     "-p",
     "--prompt-tokens",
@@ -733,13 +770,16 @@ def bench(
     **options,
 ) -> None:
     """Prefill and decode speed (tokens/s of the best of --repeats; min/median/max), peak RSS; with
-    --speculative, decode with and without it and the share of drafts kept."""
+    --speculative, decode with and without it and the share of drafts kept.
+
+    MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from moepass.runtime import load
     from moepass.runtime.bench import measure, operator_shares
     from moepass.runtime.decoder import default_threads
 
     if prompt_file is not None and depth is not None:
         raise click.UsageError("--depth applies to pseudo-random prompts; with --prompt-file decode follows the text")
+    model_dir = _converted(model_dir, options)
     load_options = _load_options(options)
     start = time.perf_counter()
     decoder = load(model_dir, **load_options)

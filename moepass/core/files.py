@@ -53,6 +53,13 @@ def model_file(model_dir: str | os.PathLike) -> Path:
     path = path / MODEL_FILE if path.is_dir() else path
     if not path.is_file():
         raise MoepassError(f"{path}: no such model (run `moepass convert` first)")
+    from moepass.core.gguf_reader import is_gguf
+
+    if is_gguf(path):
+        raise MoepassError(
+            f"{path}: a GGUF file, not a converted model: moepass.load (and run, chat, serve, bench) "
+            "convert it into a cache; moepass.runtime.load takes a converted folder"
+        )
     return path
 
 
