@@ -8,9 +8,12 @@ bounded queue: a request that finds it full is answered 503 at once. A client th
 stops its generation. Request fields beyond OpenAI's, as llama-server has them: `top_k`, `min_p`,
 `repeat_penalty`, `repeat_last_n`, `cache_prompt` (default true: the prefix a prompt shares with
 the previous request's is not computed again), `chat_template_kwargs` (e.g.
-`{"enable_thinking": false}`); absent sampling fields take llama-server's defaults. Bad requests
-get OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`) with a 4xx status,
-and the server goes on serving.
+`{"enable_thinking": false}`); absent sampling fields take llama-server's defaults. `tools` reach
+the chat template and the answer's tool calls and reasoning are read out of it (moepass.answers)
+into OpenAI's `tool_calls` and llama-server's `reasoning_content`; `logprobs` are the model's own
+(chat: `logprobs`/`top_logprobs`; completions: `logprobs` N). Bad requests, and fields the server
+does not take, get OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`) with a
+4xx status naming the field, and the server goes on serving.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' parameter types (Request) at runtime
@@ -21,9 +24,10 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
+from moepass.answers import HARMONY, HERMES, AnswerReader, answer_format
 from moepass.core.choices import Sampling
 from moepass.core.errors import MoepassError
 
@@ -42,6 +46,23 @@ _RANGES = {
     "repeat_penalty": (0, 10),
 }
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+# the request fields each endpoint takes; any other is answered 400, naming it (never ignored)
+_COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n", "user",
+                  "cache_prompt", "logprobs", *_SAMPLING_FIELDS}  # fmt: skip
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls",
+                                "top_logprobs"}  # fmt: skip
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+# what some clients send that moepass cannot do, and why (the 400's words)
+_UNSUPPORTED = {
+    "response_format": "structured output needs grammar-constrained sampling, which moepass does not have",
+    "logit_bias": "logit biases are not applied yet",
+    "functions": "the deprecated functions field: send tools",
+    "function_call": "the deprecated function_call field: send tool_choice",
+    "echo": "the prompt is not echoed",
+    "suffix": "fill-in-the-middle suffixes are not supported",
+    "best_of": "best_of needs several generations; only n = 1 is supported",
+}
 
 
 class RequestError(Exception):
@@ -105,9 +126,86 @@ def stop_strings(body: dict) -> list[str]:
     return stops
 
 
+def check_fields(body: dict, allowed: set[str]) -> None:
+    """A field the endpoint does not take is a 400 naming it."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        name = unknown[0]
+        why = _UNSUPPORTED.get(name, "moepass serve does not take it")
+        raise RequestError(400, f"'{name}' is not supported: {why}", name, "unsupported_parameter")
+
+
+def logprobs_wanted(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token a request asks log probabilities for (None: no logprobs).
+    Chat: `logprobs` true and `top_logprobs` N; completions: `logprobs` N."""
+    value = body.get("logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(400, "'logprobs' must be true or false", "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and not value:
+            raise RequestError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        name, value = "top_logprobs", (top if top is not None else 0) if value else None
+    else:
+        name = "logprobs"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RequestError(400, f"'{name}' must be an integer from 0 to {MAX_TOP_LOGPROBS}", name)
+    return value
+
+
+def tool_choice(body: dict) -> bool:
+    """Whether the request's tools reach the template: `tool_choice` "auto" (the default) or "none".
+    A forced call ("required", a named function) needs constrained sampling: refused."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return True
+    if choice == "none":
+        return False
+    raise RequestError(
+        400,
+        f"'tool_choice' {json.dumps(choice)} is not supported: moepass cannot force a tool call (no "
+        'grammar-constrained sampling); send "auto" or "none"',
+        "tool_choice",
+    )
+
+
+def _tools(body: dict) -> list | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(400, "'tools' must be a list of objects", "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):  # fmt: skip
+            raise RequestError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                               f"tools[{i}]")  # fmt: skip
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError(400, "'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    return tools
+
+
+def _call_for_template(call: Any) -> Any:
+    """An assistant message's tool call as templates read it: OpenAI sends the arguments as JSON
+    text; templates iterate over them or pass them to tojson (llama-server parses them too)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            return call
+        if isinstance(arguments, dict):
+            return {**call, "function": {**function, "arguments": arguments}}
+    return call
+
+
 def message_text(message: Any, i: int) -> dict:
     """One chat message as the template gets it: role and content as strings (a list of text parts
-    is joined, as llama-server does)."""
+    is joined, as llama-server does), tool calls' arguments as mappings."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(400, f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
     content = message.get("content")
@@ -121,7 +219,10 @@ def message_text(message: Any, i: int) -> dict:
         raise RequestError(
             400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
         )
-    return {**{k: v for k, v in message.items() if k != "content"}, "content": content}
+    message = {**{k: v for k, v in message.items() if k != "content"}, "content": content}
+    if isinstance(message.get("tool_calls"), list):
+        message["tool_calls"] = [_call_for_template(c) for c in message["tool_calls"]]
+    return message
 
 
 class ModelServer:
@@ -184,9 +285,7 @@ class ModelServer:
         extra = body.get("chat_template_kwargs") or {}
         if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
             raise RequestError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        tools = body.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise RequestError(400, "'tools' must be a list of objects", "tools")
+        tools = _tools(body) if tool_choice(body) else None
         reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(extra)
         if reserved:
             raise RequestError(400, f"chat_template_kwargs may not set {sorted(reserved)[0]}", "chat_template_kwargs")
@@ -195,6 +294,14 @@ class ModelServer:
         except MoepassError as e:  # the template refused these messages (e.g. raise_exception)
             raise RequestError(400, str(e), "messages") from None
         return self.decoder.encode(text)
+
+    def answer_reader(self, body: dict) -> AnswerReader | None:
+        """What reads a chat answer's tool calls and reasoning for this model's template: gpt-oss's
+        channels always; Hermes-style calls when the request gave tools."""
+        fmt = answer_format(self.decoder.chat_template.source)
+        if fmt == HARMONY or (fmt == HERMES and body.get("tools") and tool_choice(body)):
+            return AnswerReader(fmt)
+        return None
 
     def completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -211,12 +318,13 @@ class ModelServer:
         raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", "prompt")
 
     async def answer(self, prompt_ids: list[int], body: dict, disconnected: Callable) -> AsyncGenerator[tuple, None]:
-        """Yields ("piece", text) as the answer comes, then ("end", stream). Waits its turn in the
+        """Yields ("piece", text, stream) as the answer comes, then ("end", stream). Waits its turn in the
         queue (503 when it is full); stops when `disconnected()` says the client went away."""
         from moepass.runtime import KVCache
 
         if body.get("n", 1) != 1:
             raise RequestError(400, "only n = 1 is supported", "n")
+        top = logprobs_wanted(body, chat="messages" in body)
         sampling = sampling_of(body, self.defaults)
         stops = stop_strings(body)
         max_new = self.max_tokens(body, len(prompt_ids))
@@ -243,7 +351,7 @@ class ModelServer:
             if self._cache is None or not reuse:
                 capacity = len(prompt_ids) + max_new
                 self._cache = await loop.run_in_executor(self._worker, lambda: KVCache(self.decoder, capacity))
-            stream = self.decoder.generate_text(prompt_ids, max_new, sampling, stops, cache=self._cache)
+            stream = self.decoder.generate_text(prompt_ids, max_new, sampling, stops, cache=self._cache, logprobs=top)
             pieces = iter(stream)
             end = object()
             while not await disconnected():
@@ -251,7 +359,7 @@ class ModelServer:
                 if piece is end:
                     finished = True
                     break
-                yield "piece", piece
+                yield "piece", piece, stream
             if finished:
                 yield "end", stream
         finally:
@@ -363,7 +471,9 @@ def create_app(server: ModelServer, api_key: str | None = None):
     async def respond(request: Request, chat: bool):
         try:
             body = await read_body(request)
+            check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             prompt = server.chat_prompt(body) if chat else server.completion_prompt(body)
+            reader = server.answer_reader(body) if chat else None
             answer = server.answer(prompt, body, request.is_disconnected)
             first = await anext(answer)  # the request's own errors (queue full, bad fields) before any byte
         except RequestError as e:
@@ -371,38 +481,34 @@ def create_app(server: ModelServer, api_key: str | None = None):
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         kind = "chat.completion" if chat else "text_completion"
         created = int(time.time())
-
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
-            if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            content = {"content": text} if text is not None else {}
-            if delta:
-                return {"index": 0, "delta": content, "finish_reason": finish, "logprobs": None}
-            return {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": None,
-            }
+        single_call = body.get("parallel_tool_calls") is False
+        answer_parts = AnswerParts(reader, chat, single_call)
+        tokens = TokenLogprobs(server.decoder, chat)
 
         if not body.get("stream"):
-            text = []
             event = first
             try:
                 async for event in _with_first(first, answer):
                     if event[0] == "piece":
-                        text.append(event[1])
+                        answer_parts.feed(event[1])
             finally:
                 await answer.aclose()  # its turn ends now, whatever ended the request
             if event[0] != "end":  # the client left
                 return JSONResponse({}, status_code=499)
             stream = event[1]
+            answer_parts.finish()
+            logprobs = tokens.take(stream)
+            if chat:
+                choice = {"index": 0, "message": answer_parts.message(), "logprobs": logprobs}
+            else:
+                choice = {"index": 0, "text": answer_parts.text(), "logprobs": logprobs}
+            choice["finish_reason"] = answer_parts.finish_reason(stream)
             return {
                 "id": ident,
                 "object": kind,
                 "created": created,
                 "model": server.model_id,
-                "choices": [choice("".join(text), stream.finish_reason, delta=False)],
+                "choices": [choice],
                 "usage": _usage(stream),
                 "timings": _timings(stream),
             }
@@ -425,27 +531,32 @@ def create_app(server: ModelServer, api_key: str | None = None):
             }
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
+        def chunks(deltas: list[dict], stream) -> Iterator[str]:
+            """One chunk per delta, the log probabilities of the tokens so far on the first (tokens
+            whose text is still held back wait for the chunk that shows it)."""
+            if not deltas:
+                return
+            logprobs = tokens.take(stream)
+            for i, delta in enumerate(deltas):
+                choice = {"index": 0, "delta": delta} if chat else {"index": 0, **delta}
+                yield sse([{**choice, "logprobs": logprobs if i == 0 else None, "finish_reason": None}])
+
         async def events():
             if chat:
-                yield sse(
-                    [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None,
-                            "logprobs": None,
-                        }
-                    ]
-                )
+                yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                            "logprobs": None}])  # fmt: skip
             try:
                 async for event in _with_first(first, answer):
                     if event[0] == "piece":
-                        yield sse([choice(event[1], None, delta=True)])
+                        for chunk in chunks(answer_parts.feed(event[1]), event[2]):
+                            yield chunk
                     else:
                         stream = event[1]
-                        yield sse(
-                            [choice(None if chat else "", stream.finish_reason, delta=True)], timings=_timings(stream)
-                        )
+                        for chunk in chunks(answer_parts.finish(), stream):
+                            yield chunk
+                        final = {"index": 0, **({"delta": {}} if chat else {"text": ""})}
+                        final.update(logprobs=tokens.take(stream), finish_reason=answer_parts.finish_reason(stream))
+                        yield sse([final], timings=_timings(stream))
                         if include_usage:
                             yield sse([], usage=_usage(stream))
             finally:  # also when the client went away mid-stream: generation stops, the next request's turn comes
@@ -465,6 +576,92 @@ def create_app(server: ModelServer, api_key: str | None = None):
         return await respond(request, chat=False)
 
     return app
+
+
+class AnswerParts:
+    """An answer as it streams: the deltas each new piece of text makes (content, reasoning_content,
+    tool_calls: `reader` reads them out of the text; without one, all is content), and at the end
+    the message, the text and the finish reason. `single_call`: parallel_tool_calls false, so
+    calls after the first are dropped."""
+
+    def __init__(self, reader: AnswerReader | None, chat: bool = True, single_call: bool = False):
+        self.reader, self.single_call = reader, single_call
+        self.text_key = "content" if chat else "text"  # completions' deltas are text
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list = []
+
+    def feed(self, piece: str) -> list[dict]:
+        return self._deltas(self.reader.feed(piece) if self.reader else [("content", piece)])
+
+    def finish(self) -> list[dict]:
+        return self._deltas(self.reader.finish()) if self.reader else []
+
+    def _deltas(self, events: list) -> list[dict]:
+        deltas = []
+        for what, value in events:
+            if what == "tool_call":
+                if self.single_call and self.calls:
+                    continue
+                deltas.append({"tool_calls": [value.openai(index=len(self.calls))]})
+                self.calls.append(value)
+            elif what == "reasoning":
+                self.reasoning.append(value)
+                deltas.append({"reasoning_content": value})
+            else:
+                self.content.append(value)
+                deltas.append({self.text_key: value})
+        return deltas
+
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def message(self) -> dict:
+        content = self.text()
+        message: dict[str, Any] = {"role": "assistant", "content": (content.strip() or None) if self.calls else content}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = [c.openai() for c in self.calls]
+        return message
+
+    def finish_reason(self, stream) -> str:
+        return "tool_calls" if self.calls and stream.finish_reason == "stop" else stream.finish_reason
+
+
+class TokenLogprobs:
+    """The log probabilities of an answer's tokens in OpenAI's shapes (chat: `content` entries with
+    `top_logprobs`; completions: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`), each
+    token once: `take` gives those not given yet (None when the request asked for none)."""
+
+    def __init__(self, decoder, chat: bool):
+        self.decoder, self.chat = decoder, chat
+        self.given = 0
+        self.offset = 0
+
+    def _token(self, token: int, logprob: float) -> dict:
+        return {"id": token, "token": self.decoder.decode([token]), "logprob": logprob,
+                "bytes": list(self.decoder.token_bytes(token))}  # fmt: skip
+
+    def take(self, stream) -> dict | None:
+        if stream.top_logprobs is None:
+            return None
+        new = stream.logprobs[self.given :]
+        self.given += len(new)
+        if self.chat:
+            return {"content": [{**self._token(t, lp), "top_logprobs": [self._token(i, p) for i, p in top]}
+                                for t, lp, top in new]}  # fmt: skip
+        texts = [self.decoder.decode([t]) for t, _, _ in new]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp for _, lp, _ in new],
+            "top_logprobs": [{self.decoder.decode([i]): p for i, p in top} for _, _, top in new],
+            "text_offset": offsets,
+        }
 
 
 async def _with_first(first, rest: AsyncIterator) -> AsyncIterator:

@@ -141,6 +141,7 @@ class Decoder:
         # positions the model has RoPE tables for (GGUF conversions; None where unknown)
         self.context_length = self.report.context_length
         self._tokenizer = None
+        self._token_bytes: Any = None
         self._chat_template: ChatTemplate | None = None
         self._tokenizer_path = folder / TOKENIZER_FILE
         # drafts checked K at a time (moepass.runtime.speculative); None: one token per step
@@ -183,6 +184,13 @@ class Decoder:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a piece of a character for some: what `decode` of the
+        token alone shows as U+FFFD)."""
+        if self._token_bytes is None:
+            self._token_bytes = _token_bytes_table(self.tokenizer)
+        return self._token_bytes(token)
 
     def empty_cache(self, batch: int = 1, length: int = 0) -> dict[str, np.ndarray]:
         """Zero KV cache tensors of `length` positions (0: an empty cache for `forward`)."""
@@ -237,6 +245,19 @@ class Decoder:
         soon as it is chosen, and stops after a stop token (default: the GGUF's). `cache`: a
         `KVCache` kept between calls (a chat, a server): the prefix it shares with `prompt_ids` is
         not computed again. With a `speculator` (`speculate`), several tokens per step."""
+        for token, _ in self.generate_steps(prompt_ids, max_new_tokens, stop_ids, sampling, cache):
+            yield token
+
+    def generate_steps(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_ids: Sequence[int] | None = None,
+        sampling: Sampling = Sampling(),
+        cache: KVCache | None = None,
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """`generate`, each token with the logits `[V]` it was chosen from (the model's own, before
+        sampling's penalties)."""
         history = list(prompt_ids)
         if not history:
             raise MoepassError("the prompt is empty: give at least one token id")
@@ -257,7 +278,7 @@ class Decoder:
             return
         for i in range(max_new_tokens):
             token = choose_token(logits, sampling, rng, history)
-            yield token
+            yield token, logits
             if token in stops or i == max_new_tokens - 1:  # no step for a token nobody will read
                 return
             history.append(token)
@@ -310,14 +331,16 @@ class Decoder:
         sampling: Sampling = Sampling(),
         stop: Sequence[str] = (),
         cache: KVCache | None = None,
+        logprobs: int | None = None,
     ) -> TextStream:
         """Text (or token ids) in, text out, streamed: iterating yields pieces of text as tokens
         complete them; a stop string ends the answer and is not shown. Afterwards the stream tells
-        its `finish_reason` ("stop" or "length") and token counts."""
+        its `finish_reason` ("stop" or "length") and token counts. `logprobs`: record each token's
+        log probability and the `logprobs` likeliest alternatives' (stream.logprobs)."""
         if isinstance(prompt, str) and not prompt:
             raise MoepassError("the prompt is empty: give some text")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return TextStream(self, ids, max_new_tokens, sampling, stop, cache)
+        return TextStream(self, ids, max_new_tokens, sampling, stop, cache, logprobs)
 
 
 class ContextOverflow(MoepassError):
@@ -335,8 +358,13 @@ class TextStream:
         sampling: Sampling,
         stop: Sequence[str],
         cache: KVCache | None,
+        logprobs: int | None = None,
     ):
         self._decoder = decoder
+        self.top_logprobs = logprobs  # alternatives recorded per token; None: no log probabilities
+        # with `logprobs`: per generated token but a stop token, (id, log probability, the
+        # likeliest tokens' (id, log probability)), under the model's own distribution
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         self._cache = cache if cache is not None else KVCache(decoder, len(prompt_ids) + max_new_tokens)
         self._args = (prompt_ids, max_new_tokens, None, sampling, self._cache)
         self._stop = StopStrings(stop)
@@ -354,13 +382,15 @@ class TextStream:
     def __iter__(self) -> Generator[str, None, None]:
         d = self._decoder
         shown = ""
-        for token in d.generate(*self._args):
+        for token, logits in d.generate_steps(*self._args):
             if not self.token_ids:
                 self.prefilled_tokens = self._cache.prefilled
             self.token_ids.append(token)
             if token in d.stop_ids:
                 self.finish_reason, self.ended_by = "stop", f"the stop token {d.decode([token])!r}"
                 break
+            if self.top_logprobs is not None:
+                self.logprobs.append(token_logprobs(logits, token, self.top_logprobs))
             text = d.decode([t for t in self.token_ids if t not in d.stop_ids])
             if text.endswith("\ufffd"):  # a character split over tokens: wait for the rest
                 continue
@@ -378,6 +408,43 @@ class TextStream:
         if rest:
             self.text += rest
             yield rest
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """`token`'s log probability under softmax(`logits`), and the `top` likeliest tokens' (most
+    likely first; ties by id)."""
+    z = logits.astype(np.float64)
+    shifted = z - z.max()
+    log_probs = shifted - np.log(np.exp(shifted).sum())
+    best = np.argsort(-log_probs, kind="stable")[:top]
+    return token, float(log_probs[token]), [(int(i), float(log_probs[i])) for i in best]
+
+
+def _token_bytes_table(tokenizer):
+    """id -> bytes for a tokenizer convert wrote: added tokens as their text; byte-level BPE through
+    GPT-2's byte <-> character map; SentencePiece pieces with "▁" as a space and <0xNN> as byte NN."""
+    import json as json_module
+
+    spec = json_module.loads(tokenizer.to_str())
+    added = {t["id"]: t["content"].encode() for t in spec.get("added_tokens", [])}
+    decoder = spec.get("decoder") or {}
+    byte_level = decoder.get("type") == "ByteLevel"
+    if byte_level:
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        others = [b for b in range(256) if b not in printable]  # GPT-2 moves these to U+0100 on
+        chars = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+    def of(token: int) -> bytes:
+        if token in added:
+            return added[token]
+        piece = tokenizer.id_to_token(token) or ""
+        if byte_level:
+            return bytes(chars[c] for c in piece if c in chars)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("▁", " ").encode()
+
+    return of
 
 
 FED_INPUTS = ("input_ids", "attention_mask", "position_ids")

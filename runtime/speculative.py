@@ -216,12 +216,13 @@ def generate(
     stops: set[int],
     sampling: Sampling,
     rng: np.random.Generator,
-) -> Iterator[int]:
-    """The tokens after `history` (whose next-token logits are `first_logits`; `cache` holds it):
-    the first chosen as plain decoding chooses it, then speculative steps."""
+) -> Iterator[tuple[int, np.ndarray]]:
+    """The tokens after `history` (whose next-token logits are `first_logits`; `cache` holds it),
+    each with the model's logits it was chosen from: the first as plain decoding chooses it, then
+    speculative steps."""
     token = choose_token(first_logits, sampling, rng, history)
     produced = 1
-    yield token
+    yield token, first_logits
     if token in stops or produced == max_new_tokens:
         return
     history.append(token)  # the cache holds history[:-1]: each step runs the last token with the drafts
@@ -234,9 +235,9 @@ def generate(
         speculator.drafted += len(drafts)
         speculator.accepted += kept
         cache.truncate(len(history) + kept)  # the rejected drafts' positions are written over next
-        for token in (*drafts[:kept], extra):
+        for row, token in enumerate((*drafts[:kept], extra)):
             produced += 1
-            yield token
+            yield token, rows[row]
             if token in stops or produced == max_new_tokens:
                 return
             history.append(token)
