@@ -1099,10 +1099,14 @@ def partition(
     def given(value: float | None, preset: float | None, default: float) -> float:
         return value if value is not None else preset if preset is not None else default
 
+    figures = [f"--gpu {gpu_preset}'s data sheet"] if card else []
+    figures += [f"--{name}-bandwidth" for name, value in (("gpu", gpu_bandwidth), ("host", host_bandwidth),
+                                                          ("pcie", pcie_bandwidth)) if value is not None]  # fmt: skip
     bandwidths = Bandwidths(
         given(gpu_bandwidth, card.bandwidth if card else None, Bandwidths.gpu),
         given(host_bandwidth, None, Bandwidths.host),
         given(pcie_bandwidth, card.pcie if card else None, Bandwidths.pcie),
+        **({"source": "from " + ", ".join(figures)} if figures and (card or gpu_bandwidth) else {}),
     )
     progress = _Progress("writing the placed model", enabled=not quiet)
     try:

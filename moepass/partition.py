@@ -111,6 +111,7 @@ class PartitionResult:
                 + ("" if plan.offload_active else " (inactive: ONNX Runtime will not offload this model)")
             )
         kv = plan.kv_cache
+        bandwidth = pred.bandwidths_gbps
         lines = [
             head,
             f"  VRAM budget      {format_bytes(mem.vram_bytes):>12}",
@@ -141,6 +142,9 @@ class PartitionResult:
                 if pred.cpu
                 else "(bandwidth model, not a measurement)"
             ),
+            f"  GPU figures      {bandwidth.get('gpu', 0):g} GB/s, link {bandwidth.get('pcie', 0):g}"
+            f" GB/s ({pred.bandwidths_from or 'given'}); a step at least {pred.gpu_step_floor_ms:.3g} ms "
+            "(launches of its GPU nodes and a synchronisation, assumed)",
         ]
         if decode.cpu_only is not None and pred.cpu is not None:
             lines.append(
@@ -562,7 +566,8 @@ def partition(
         "policy": plan.policy,
         "mode": mode,
         "profile": profile_info,
-        "bandwidths_gbps": dataclasses.asdict(bandwidths),
+        "bandwidths_gbps": bandwidths.gbps(),
+        "bandwidths_from": bandwidths.source,
     }
     document = _plan_document(plan, memory, inputs, identity, options)
     document["warnings"] = warnings_before + ([inactive] if inactive else []) + plan.warnings

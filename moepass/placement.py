@@ -45,7 +45,7 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.capabilities import cuda_refusals
-from moepass.core.choices import PLAN_MODES, POLICIES, Bandwidths, format_bytes, one_of
+from moepass.core.choices import GPU_NODE_US, GPU_STEP_US, PLAN_MODES, POLICIES, Bandwidths, format_bytes, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import dim, folded, input_at
 from moepass.core.moe_nodes import is_moe, moe_nodes, tensor_bytes
@@ -77,6 +77,12 @@ class MemoryModel:
     host_non_expert_bytes: int = 0
     attention_on_cpu: bool = False
     kv_type: str = "float32"  # the KV cache's type (kv_precision.cache_type_of), which kv_bytes_per_token counts
+    gpu_nodes: int = 0  # the nodes a step runs on the GPU (each pays a launch: the step's floor)
+
+    def gpu_floor_s(self) -> float:
+        """The least a step's GPU side takes however few bytes it reads: a launch per node it runs
+        there, and one synchronisation (choices.GPU_NODE_US, GPU_STEP_US: assumed)."""
+        return (self.gpu_nodes * GPU_NODE_US + GPU_STEP_US) * 1e-6 if self.gpu_nodes else 0.0
 
     @property
     def expert_bytes(self) -> int:
@@ -138,6 +144,7 @@ class MemoryModel:
         }
         cpu_only: frozenset[str] = frozenset()
         host, attention_on_cpu = 0, False
+        refused: dict[str, str] = {}
         if kernel_table:
             refused = {**cuda_refusals(model), **(cpu_nodes or {})}
             cpu_only = frozenset(m.name for m in nodes if m.name in refused)
@@ -154,6 +161,7 @@ class MemoryModel:
             host = sum(
                 tensor_bytes(graph.initializers[name]) for name in sorted(read_on_cpu) if name in graph.initializers
             )
+        gpu_nodes = sum(1 for n in graph if n.op_type != "Constant" and (n.name or n.op_type) not in refused)
         return cls(
             non_expert,
             groups,
@@ -163,6 +171,7 @@ class MemoryModel:
             non_expert if attention_on_cpu else host,
             attention_on_cpu,
             cache_type_of(model) or "float32",
+            gpu_nodes,
         )
 
 
@@ -365,7 +374,11 @@ def _predict(
     # a node counts on the GPU only where its EP takes it (MemoryModel's kernel table): what stays on
     # the CPU reads its bytes from host memory (attention there: every non-expert byte)
     on_gpu = memory.non_expert_bytes - memory.host_non_expert_bytes
-    gpu_s = (on_gpu + hot) / (bw.gpu * 1e9) + memory.host_non_expert_bytes / (bw.host * 1e9)
+    # the GPU's part: its bytes at its bandwidth, or the launches of its nodes where those take longer
+    gpu_part = max((on_gpu + hot) / (bw.gpu * 1e9), memory.gpu_floor_s() - GPU_STEP_US * 1e-6) + (
+        GPU_STEP_US * 1e-6 if memory.gpu_nodes else 0.0
+    )
+    gpu_s = gpu_part + memory.host_non_expert_bytes / (bw.host * 1e9)
     n = len(groups)
     common = {  # in plan.json after the label
         "based_on": "measured popularity" if profiled else "uniform popularity (no profile)",
@@ -376,7 +389,9 @@ def _predict(
             "cold_experts": int(cold),
             "host_non_expert": int(memory.host_non_expert_bytes),
         },
-        "bandwidths_gbps": dataclasses.asdict(bw),
+        "bandwidths_gbps": bw.gbps(),
+        "bandwidths_from": bw.source,
+        "gpu_step_floor_ms": 1e3 * memory.gpu_floor_s(),
     }
     if cpu_costs is not None:  # measured on this CPU: the cold experts run there at the measured cost
         from moepass.runtime.calibrate import cpu_step_ms
@@ -385,7 +400,7 @@ def _predict(
         every = cpu_step_ms(cpu_costs)
         # the non-expert part that stays on the CPU: its share of the measured dense time
         host_share = memory.host_non_expert_bytes / memory.non_expert_bytes if memory.non_expert_bytes else 0.0
-        gpu_s = (on_gpu + hot) / (bw.gpu * 1e9) + host_share * every["dense"] / 1e3
+        gpu_s = gpu_part + host_share * every["dense"] / 1e3
         return {
             "label": "estimate: the GPU side from a bandwidth model, the CPU side from pieces of this model timed "
             "on this CPU",
@@ -401,9 +416,10 @@ def _predict(
                 "cold_experts_over_pcie": 1e3 * (gpu_s + cold / (bw.pcie * 1e9)),
                 "cpu_only": every["moe"] + every["dense"],
             },
-            "formula": "t = (non-expert bytes + selected hot expert bytes) / gpu_bw + the measured CPU time of "
-            "each MoE layer x its cold share (or selected cold bytes / pcie_bw); cpu_only = every MoE "
-            "layer's measured time + the non-expert bytes a step reads at the measured CPU rate",
+            "formula": "t = max((non-expert bytes + selected hot expert bytes) / gpu_bw, GPU nodes x "
+            f"{GPU_NODE_US:g} us) + {GPU_STEP_US:g} us + the measured CPU time of each MoE layer x its cold "
+            "share (or selected cold bytes / pcie_bw); cpu_only = every MoE layer's measured time + the "
+            "non-expert bytes a step reads at the measured CPU rate",
         }
     return {
         "label": "estimate from a bandwidth model, not a measurement",
@@ -412,9 +428,9 @@ def _predict(
             "cold_experts_on_cpu": 1e3 * (gpu_s + cold / (bw.host * 1e9)),
             "cold_experts_over_pcie": 1e3 * (gpu_s + cold / (bw.pcie * 1e9)),
         },
-        "formula": "t = (non-expert bytes + selected hot expert bytes) / gpu_bw "
-        "+ selected cold expert bytes / (host_bw | pcie_bw); selected bytes per layer = "
-        "top_k * hit_rate * bytes_per_expert",
+        "formula": f"t = max((non-expert bytes + selected hot expert bytes) / gpu_bw, GPU nodes x {GPU_NODE_US:g} "
+        f"us) + {GPU_STEP_US:g} us + selected cold expert bytes / (host_bw | pcie_bw); selected bytes per "
+        "layer = top_k * hit_rate * bytes_per_expert",
     }
 
 

@@ -111,11 +111,16 @@ TARGETS = ("auto", "offload", "layers")
 @dataclasses.dataclass(frozen=True)
 class Bandwidths:
     """GB/s used by partition's decode-time estimate (defaults: a desktop GPU with GDDR6X,
-    dual-channel DDR5 host memory, PCIe 4.0 x16)."""
+    dual-channel DDR5 host memory, PCIe 4.0 x16), and where the figures come from (`source`, said
+    beside the estimate)."""
 
     gpu: float = 900.0
     host: float = 60.0
     pcie: float = 25.0
+    source: str = "assumed, a desktop GDDR6X card: give --gpu NAME or --gpu-bandwidth"
+
+    def gbps(self) -> dict[str, float]:
+        return {"gpu": self.gpu, "host": self.host, "pcie": self.pcie}
 
     def __post_init__(self) -> None:
         for name in ("gpu", "host", "pcie"):
@@ -133,6 +138,12 @@ class GpuPreset:
     pcie: float  # GB/s, one direction: PCIe 4.0 x16 31.5, x8 15.8; PCIe 5.0 x16 63
     source: str
 
+
+# What a decode step costs on a GPU besides reading its bytes, assumed (not measured here: no GPU was
+# lent): ONNX Runtime's dispatch and the kernel launch of each node the GPU runs, which a step pays in
+# turn however small the node; and the step's synchronisation with the host (the logits copied back).
+GPU_NODE_US = 8.0
+GPU_STEP_US = 30.0
 
 # partition --gpu NAME (NVIDIA's product pages, read 2026-12-01)
 GPU_PRESETS = {

@@ -370,6 +370,7 @@ class PlanInputs:
     mode: str
     profile: dict[str, Any] | None
     bandwidths_gbps: dict[str, float]
+    bandwidths_from: str = ""  # the card whose data sheet gave them, the options, or "assumed: ..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,6 +446,8 @@ class Prediction:
     bandwidths_gbps: dict[str, float]
     decode_ms_per_token: DecodeEstimate
     formula: str
+    bandwidths_from: str = ""
+    gpu_step_floor_ms: float = 0.0  # launches of the GPU's nodes and a synchronisation (assumed costs)
     cpu: CpuTiming | None = None
     per_expert_alternative: PlacementAlternative | None = None
 
