@@ -516,7 +516,7 @@ def _require(extra: str, what: str, *modules: str) -> None:
 
 def _converted(model: str, options: dict) -> str:
     """MODEL itself, or for a GGUF file its conversion, made once into the cache (said in one line)."""
-    from moepass.gguf_cache import resolve
+    from moepass.gguf_cache import resolve, resolve_draft
 
     cache_dir = options.pop("cache_dir")
     # a bar on a terminal; a log gets the one line resolve says
@@ -525,9 +525,8 @@ def _converted(model: str, options: dict) -> str:
         folder = resolve(model, cache_dir, echo=_stderr, progress=progress)
     finally:
         progress.close()
-    speculative = options.get("speculative")
-    if speculative and speculative.startswith("draft:"):
-        options["speculative"] = "draft:" + str(resolve(speculative[len("draft:") :], cache_dir, echo=_stderr))
+    if options.get("speculative"):
+        options["speculative"] = resolve_draft(options["speculative"], cache_dir, echo=_stderr)
     return str(folder)
 
 

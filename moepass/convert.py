@@ -50,6 +50,7 @@ from moepass.core.files import (
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     as_ir_model,
+    model_file,
     read_report,
     read_text,
     save_model,
@@ -280,7 +281,10 @@ def convert(
             f"{', '.join(PASS_NAMES[kind])}"
         )
     if kind == "onnx" and isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
-        if not (Path(model) / MODEL_FILE).is_file():
+        folder = Path(model)
+        if not (folder / MODEL_FILE).is_file():
+            if any(folder.glob("*.gguf")) or any(folder.glob("*.onnx")):
+                model_file(folder)  # says what the folder holds, as every command says it
             raise MoepassError(
                 f"{model}: a folder without {MODEL_FILE}; convert takes a .gguf file, an .onnx file or a folder "
                 f"holding {MODEL_FILE}"

@@ -130,10 +130,20 @@ def load(model: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None
     the defaults the first time; moepass.gguf_cache)."""
     from moepass.runtime import load as load_converted
 
-    speculative = options.get("speculative")
-    if isinstance(speculative, str) and speculative.startswith("draft:"):
-        options["speculative"] = "draft:" + str(resolve(speculative[len("draft:") :], cache_dir))
+    if options.get("speculative"):
+        options["speculative"] = resolve_draft(options["speculative"], cache_dir)
     return load_converted(resolve(model, cache_dir), **options)
+
+
+def resolve_draft(
+    speculative: str, cache_dir: str | os.PathLike | None = None, echo: Callable[[str], None] | None = None
+) -> str:
+    """--speculative draft:PATH with a GGUF PATH as its cached conversion (anything else as it is:
+    speculation.parse judges it)."""
+    kind, _, path = speculative.partition(":")
+    if kind != "draft" or not path:
+        return speculative
+    return f"draft:{resolve(path, cache_dir, echo)}"
 
 
 def _safe(stem: str) -> str:

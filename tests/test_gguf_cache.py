@@ -121,3 +121,12 @@ def test_an_unwritable_cache_is_one_line(gguf, tmp_path):
     result = CliRunner().invoke(main, ["run", str(gguf), "--prompt-ids", "1", "--cache-dir", str(blocker / "c")])
     assert result.exit_code != 0 and "cannot make the GGUF cache folder" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_gguf_draft_model_goes_through_the_cache(gguf, cache):
+    """--speculative draft:MODEL.gguf: the draft is the cached conversion too (here the model itself:
+    greedy tokens are plain decoding's)."""
+    plain = _run(gguf)
+    drafted = _run(gguf, "--speculative", f"draft:{gguf}")
+    assert drafted.stdout == plain.stdout and drafted.stderr.count("using its conversion in") == 2
+    assert len(_entries(cache)) == 1

@@ -86,7 +86,8 @@ def test_seeded_sampling_repeats_and_stops(converted):
     greedy = list(decoder.generate([1, 2, 3], 10, stop_ids=()))
     stopped = list(decoder.generate([1, 2, 3], 10, stop_ids=(greedy[3],)))
     assert stopped == greedy[: greedy.index(greedy[3]) + 1]
-    assert decoder.stop_ids == (319,)  # the fixture's <|im_end|>, from tokenizer.ggml.eos_token_id
+    # the fixture's <|endoftext|> and <|im_end|> (tokenizer.ggml.eos_token_id): llama.cpp's end of generation
+    assert decoder.stop_ids == (317, 319)
 
 
 def test_text_and_chat_cli(converted):
