@@ -751,7 +751,7 @@ class PackedGroup:
             n = self.matrix_rows * n_src
             if self.pad_rows:  # zero rows (codes at the zero point, scales 0) after each matrix's
                 codes, scales = codes.reshape(-1, n, codes.shape[-1]), scales.reshape(-1, n, scales.shape[-1])
-                zero = np.uint8(form.zero_point * 0x11 if form.bits == 4 else form.zero_point)
+                zero = np.uint8(form.zero_byte)
                 pad = (len(codes), self.pad_rows)
                 codes = np.concatenate([codes, np.full((*pad, codes.shape[-1]), zero)], axis=1)
                 scales = np.concatenate([scales, np.zeros((*pad, scales.shape[-1]), np.float32)], axis=1)

@@ -53,6 +53,11 @@ class BlockForm:
         return 1 << (self.bits - 1)
 
     @property
+    def zero_byte(self) -> int:
+        """A byte of packed codes whose every code is the zero point (value 0): two nibbles at 4 bits."""
+        return self.zero_point * 0x11 if self.bits == 4 else self.zero_point
+
+    @property
     def plain(self) -> BlockForm:
         """The form without block offsets or block-sum features: the node's bits and block size."""
         return BlockForm(self.bits, self.block_size)
@@ -60,11 +65,11 @@ class BlockForm:
     def feature_stride(self, k: int) -> int:
         """Columns of one level of block-sum features for K inputs: K / block_size, padded to a
         multiple of 64 (ONNX Runtime's CUDA QMoE tiles K by 64; the SM80 layout packs 64 rows)."""
-        return -(-(k // self.block_size) // 64) * 64 if self.sums else 0
+        return -(-(k // self.block_size) // 64) * 64
 
     def width(self, k: int) -> int:
         """Inputs a matrix of K columns takes in this form: K, plus its block-sum features."""
-        return k + self.sums * self.feature_stride(k)
+        return k + self.sums * self.feature_stride(k) if self.sums else k
 
     def unwidened(self, width: int) -> int:
         """The K whose `width` this is (a widened node's model width)."""
@@ -657,7 +662,7 @@ def _sums_parts(
     u, s, m = quant_kernels.affine_codes(raw, qt.ggml_type)
     block, k = form.block_size, u.shape[-1]
     codes, scales, rest, (within, reference, own) = quant_kernels.sums_main(u, s, m, block, form.bits, half_scales)
-    stride, blocks = BlockForm(form.bits, block, sums=1).feature_stride(k), k // block
+    stride, blocks = form.feature_stride(k), k // block
     level_form = BlockForm(form.bits, block)
     parts, errors = [], [within + block * float(np.sum(np.square(rest)))]
     for _ in range(levels):
@@ -734,7 +739,7 @@ def _without_features(
     plain = form.plain
     main = pack(raw, qt, plain, importance=importance, half_scales=half_scales)
     codes[..., : plain.packed_bytes(k)] = main.weights
-    codes[..., plain.packed_bytes(k) :] = np.uint8(plain.zero_point * 0x11 if form.bits == 4 else plain.zero_point)
+    codes[..., plain.packed_bytes(k) :] = np.uint8(plain.zero_byte)
     scales[..., : k // form.block_size] = main.scales
     scales[..., k // form.block_size :] = 0.0
     return Packed(form, codes, scales, main.exact, main.error_sq, main.reference_sq)
@@ -918,7 +923,7 @@ def expert_form(types: list[QuantType], ks: list[int], choice: str = "auto", exa
         bits = sum(_form_bits(qt, form, q, exact) * k for (qt, _, k), q in zip(roles, quality))
         if features:  # the features' columns on fc1 (about 2 levels of int4, 1 of int8) and fc2's padding
             levels = 2 if form.bits == 4 else 1
-            bits += levels * BlockForm(form.bits, form.block_size, sums=1).feature_stride(k1) * (form.bits + 16 / 32)
+            bits += levels * form.feature_stride(k1) * (form.bits + 16 / 32)
         inexact = sum(k for (_, _, k), q in zip(roles, quality) if q in ("near", "lossy"))
         lossy = sum(k for (_, _, k), q in zip(roles, quality) if q == "lossy")
         if choice in ("auto", "cuda") and not exact:
