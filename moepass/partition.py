@@ -60,15 +60,14 @@ from moepass.core.files import (
 )
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.moe_nodes import MoeNode, moe_nodes
-from moepass.core.quants import QuantType
 from moepass.core.version import __version__
 from moepass.genai import with_session_entries
 from moepass.kv_precision import AUTO_CHOICES, cache_type_of, set_kv_cache
 from moepass.passes.annotate_layers import AnnotateLayersPass
-from moepass.passes.gpu_form import GgufExperts, GpuFormPass, StoredExperts
+from moepass.passes.gpu_form import ExpertRows, GgufExperts, GpuFormPass, StoredExperts
 from moepass.passes.lower import LowerOptions
 from moepass.passes.reorder_experts import ReorderExpertsPass
-from moepass.passes.weights import RowSource, WeightReport, merged_records
+from moepass.passes.weights import WeightReport, merged_records
 from moepass.placement import Budget, MemoryModel, Plan, onnxruntime_options, plan_placement
 from moepass.popularity import Popularity, model_identity
 
@@ -309,14 +308,12 @@ class PartitionExperts:
 
     def __init__(self, gguf: GgufSource):
         self.gguf = gguf
-        self.packed_from: dict[str, str] = {}
 
-    def rows(self, moe: MoeNode) -> tuple[list[RowSource], list[RowSource], list[QuantType] | None, bool]:
+    def rows(self, moe: MoeNode) -> ExpertRows:
         experts = self.gguf.experts()
         if experts is None:
-            self.packed_from[moe.name] = "requantized from the model's own values (it came from no GGUF)"
-            return StoredExperts().rows(moe)
-        self.packed_from[moe.name] = f"packed from {experts.gguf.path.name}'s own blocks"
+            stored = StoredExperts().rows(moe)
+            return dataclasses.replace(stored, origin=f"{stored.origin} (it came from no GGUF)")
         return experts.rows(moe)
 
 
@@ -346,13 +343,12 @@ def read_source(model: str | os.PathLike, gguf: str | os.PathLike | None = None)
 
 @dataclasses.dataclass
 class LoweredModel:
-    """A model lowered for a placement: the model, the GPU form's records, where experts came from
-    (and for GGUF input, the conversion the model belongs to)."""
+    """A model lowered for a placement: the model, the GPU form's records (where experts came from
+    among them), and for GGUF input the conversion the model belongs to."""
 
     model: ir.Model
     report: WeightReport
     gpu_form: GpuFormPass | None
-    experts: PartitionExperts | None
     conversion: GgufConversion | None = None
 
     def cpu_nodes(self) -> dict[str, str]:
@@ -364,12 +360,11 @@ def lower_for(source: PartitionSource, target: str, gpu_moe: frozenset[str], low
     """A fresh model lowered for `target` with `gpu_moe` on the GPU (lower=False: as it is)."""
     model, conversion = source.fresh()
     if not lower:
-        return LoweredModel(model, WeightReport(), None, None, conversion)
+        return LoweredModel(model, WeightReport(), None, conversion)
     report = WeightReport()
-    experts = PartitionExperts(source.gguf)
-    gpu_form = GpuFormPass(target, gpu_moe, experts, report, workers=threads)
+    gpu_form = GpuFormPass(target, gpu_moe, PartitionExperts(source.gguf), report, workers=threads)
     gpu_form(model)
-    return LoweredModel(model, report, gpu_form, experts, conversion)
+    return LoweredModel(model, report, gpu_form, conversion)
 
 
 def check_gpu_nodes(lowered: LoweredModel, target: str, gpu_moe: frozenset[str]) -> None:
@@ -552,7 +547,8 @@ def partition(
             warn(message)
     # ---- lower for the plan
     gpu_moe = frozenset(g.node for g in memory.groups if plan.resident[g.node]) if target == "layers" else every
-    lowered = lower_for(source, target, gpu_moe, lower, threads)
+    # the model planned on is the one to write where the plan puts every MoE node on the GPU (or lowers none)
+    lowered = planning if gpu_moe == every or not lower else lower_for(source, target, gpu_moe, lower, threads)
     if lower:
         check_gpu_nodes(lowered, target, gpu_moe)
     options = onnxruntime_options(plan, memory.groups, mode, target)
@@ -609,7 +605,7 @@ def partition(
     with atomic_directory(output_dir, overwrite, inputs=inputs_of) as tmp:
         weights_how = _write_model(source, lowered, model, tmp, progress, threads)
         document["lowering"] = _lowering_record(lowered, model, lower, weights_how)
-        if weights_how.startswith(SHARED_DATA_FILE):
+        if (tmp / SHARED_DATA_FILE).is_file():
             document["shared_data"] = {"file": SHARED_DATA_FILE, "source": str((source.folder or tmp) / DATA_FILE)}
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")

@@ -65,11 +65,23 @@ from moepass.passes.weights import GgufRows, RowSource, StoredRows, WeightReport
 TARGETS = ("layers", "offload")
 
 
-class ExpertSources(Protocol):
-    """Where a MoE node's experts are packed anew from: (gate and up rows, down rows, their GGUF
-    types or None, and whether the rows are the GGUF's own blocks)."""
+@dataclasses.dataclass(frozen=True)
+class ExpertRows:
+    """A MoE node's experts as RowSources to pack anew: gate and up, down, their GGUF types (None
+    where unknown), whether they are the GGUF's own blocks, and where they come from, in words
+    (plan.json's lowering.reformed)."""
 
-    def rows(self, moe: MoeNode) -> tuple[list[RowSource], list[RowSource], list[QuantType] | None, bool]: ...
+    fc1: list[RowSource]
+    fc2: list[RowSource]
+    types: list[QuantType] | None
+    own_blocks: bool
+    origin: str
+
+
+class ExpertSources(Protocol):
+    """Where a MoE node's experts are packed anew from."""
+
+    def rows(self, moe: MoeNode) -> ExpertRows: ...
 
 
 @dataclasses.dataclass
@@ -81,7 +93,7 @@ class GgufExperts:
     arch: Architecture
     hp: HParams
 
-    def rows(self, moe: MoeNode) -> tuple[list[RowSource], list[RowSource], list[QuantType] | None, bool]:
+    def rows(self, moe: MoeNode) -> ExpertRows:
         layer = moe.node.metadata_props.get(keys.LAYER)
         if layer is None:
             return StoredExperts().rows(moe)
@@ -91,13 +103,15 @@ class GgufExperts:
         if any(t.storage == "float" for t in types):  # float experts: from what the model stores
             return StoredExperts().rows(moe)
         rows: list[RowSource] = [GgufRows(s, t) for s, t in zip(sources, types)]
-        return rows, [GgufRows(down, types[2])], types, True
+        return ExpertRows(
+            rows, [GgufRows(down, types[2])], types, True, f"packed from {self.gguf.path.name}'s own blocks"
+        )
 
 
 class StoredExperts:
     """A node's experts from its own stored codes and scales (zero points included)."""
 
-    def rows(self, moe: MoeNode) -> tuple[list[RowSource], list[RowSource], list[QuantType] | None, bool]:
+    def rows(self, moe: MoeNode) -> ExpertRows:
         node = moe.node
         form = stored_form(moe)
         if node.attributes.get_int("weights_prepacked", 0) == 1:
@@ -120,7 +134,7 @@ class StoredExperts:
         down = StoredRows(
             fc2[0].name or "", tensor_of(fc2[0]), tensor_of(fc2[1]), form.plain, shapes["fc2"], 0, 1, zero2
         )
-        return list(up_down), [down], None, False
+        return ExpertRows(list(up_down), [down], None, False, "requantized from the model's own values")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +168,7 @@ class BlobTensor:
         return chunk[first - start * rows : first - start * rows + count]
 
 
-def packed_rows(moe: MoeNode) -> tuple[list[RowSource], list[RowSource], list[QuantType], bool]:
+def packed_rows(moe: MoeNode) -> ExpertRows:
     """A MoEPacked node's gate, up and down as RowSources over its own blobs (the GGUF's blocks)."""
     node = moe.node
     rows: list[RowSource] = []
@@ -170,7 +184,9 @@ def packed_rows(moe: MoeNode) -> tuple[list[RowSource], list[RowSource], list[Qu
         k = tensor_dims(tensor)[-1] // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
         rows.append(GgufRows(BlobTensor(value.name or role, tensor, ggml_type, (e, n, k)), qt))  # type: ignore[arg-type]
         types.append(qt)
-    return rows[:2], rows[2:], types, True
+    return ExpertRows(
+        rows[:2], rows[2:], types, True, "packed from the model's MoEPacked blobs (the GGUF's own blocks)"
+    )
 
 
 def stored_form(moe: MoeNode) -> BlockForm:
@@ -263,7 +279,8 @@ class GpuFormPass(InPlacePass):
                 if forms is not None:
                     self._reform(graph, moe, forms)
             elif moe.node.op_type == "MoEPacked":  # no CPU kernel: a CPU layer takes the conversion's CPU form
-                types = packed_rows(moe)[2]
+                types = packed_rows(moe).types
+                assert types is not None  # a MoEPacked node's attributes type every blob
                 self._reform(graph, moe, expert_form(types, [moe.hidden, moe.ffn]), cpu=True)
         cpu = {m.node for m in moe_nodes(graph) if not self.on_gpu(m)}
         # what no CUDA kernel takes stays on the CPU (and float32): MoEGroupRouter, say
@@ -286,20 +303,21 @@ class GpuFormPass(InPlacePass):
         node, hidden = moe.node, moe.hidden
         stored = stored_form(moe)
         types = _types_of(moe)
+        # the same codes (and features' levels) in another layout or scale type: from what it stores
+        same_codes = node.op_type != "MoEPacked" and forms.node == stored.plain and forms.sums == bool(stored.sums)
         if node.op_type == "MoEPacked":  # the GGUF's own blocks are in the model: no file needed
-            fc1_rows, fc2_rows, types, own_blocks = packed_rows(moe)
-            self.packed_from[moe.name] = "packed from the model's MoEPacked blobs (the GGUF's own blocks)"
-        elif forms.node == stored.plain and forms.sums == bool(stored.sums):
-            # the same codes (and features' levels), another layout or scale type: from what it stores
-            fc1_rows, fc2_rows, _, own_blocks = StoredExperts().rows(moe)
-            self.packed_from[moe.name] = "its own codes, laid out anew"
+            rows = packed_rows(moe)
+            types = rows.types
+        elif same_codes:
+            rows = dataclasses.replace(StoredExperts().rows(moe), origin="its own codes, laid out anew")
         else:
-            fc1_rows, fc2_rows, _, own_blocks = self.experts.rows(moe)
-            self.packed_from[moe.name] = getattr(self.experts, "packed_from", {}).get(moe.name, "packed anew")
-        if node.op_type != "MoEPacked" and forms.node == stored.plain and forms.sums == bool(stored.sums):
+            rows = self.experts.rows(moe)
+        self.packed_from[moe.name] = rows.origin
+        fc1_rows, fc2_rows = rows.fc1, rows.fc2
+        if same_codes:
             fc1_form = stored
         else:
-            if not own_blocks:  # a model's stored values hold no affine codes: no block-sum features
+            if not rows.own_blocks:  # a model's stored values hold no affine codes: no block-sum features
                 forms = ExpertForms(forms.node)
             half = not cpu or not types or forms.sums or scales_in_float16(types, forms.node)
             levels = 0
