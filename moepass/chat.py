@@ -8,13 +8,12 @@ leaves; Ctrl-C stops the answer being written and returns to the prompt.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 
 import click
 
-from moepass.core.terminal import terminal_safe
+from moepass.core.terminal import for_stdout
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "leave (or Ctrl-D)", "/help": "this list"}
 
@@ -62,7 +61,7 @@ def chat_loop(
         stopped = ""
         try:
             for piece in conversation.say(line, max_new_tokens, sampling, stop):
-                click.echo(terminal_safe(piece) if sys.stdout.isatty() else piece, nl=False)
+                click.echo(for_stdout(piece), nl=False)
         except KeyboardInterrupt:
             stopped = "stopped; "
         seconds = time.perf_counter() - start

@@ -41,7 +41,7 @@ from moepass.core.choices import (
     Sampling,
 )
 from moepass.core.errors import MoepassError, expected_failure
-from moepass.core.terminal import terminal_safe
+from moepass.core.terminal import for_stdout
 
 
 class _Group(click.Group):
@@ -629,9 +629,8 @@ def run(
     if prompt is not None:
         text = decoder.apply_chat_template(prompt, system, **_template_variables(decoder, think)) if chat else prompt
         stream = decoder.generate_text(text, max_new_tokens, sampling, stop)
-        shown = terminal_safe if sys.stdout.isatty() else (lambda piece: piece)
         for piece in stream:
-            click.echo(shown(piece), nl=False)
+            click.echo(for_stdout(piece), nl=False)
         click.echo()
         count, ended = stream.completion_tokens, stream.ended_by
     else:
@@ -711,7 +710,7 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
     decoder = _load(model_dir, options)
     given = Path(model_dir).resolve()  # a GGUF goes by its file's name, as in llama-server
     model_id = given.stem if given.suffix == ".gguf" else (given.parent if given.is_file() else given).name
-    run_server(decoder, model_id, listener, api_key, queue_size, echo=lambda text: click.echo(text, err=True))
+    run_server(decoder, model_id, listener, api_key, queue_size, echo=_stderr)
 
 
 @main.command()
@@ -796,7 +795,7 @@ def bench(
         new_tokens,
         repeats,
         depth,
-        progress=None if as_json else lambda text: click.echo(text, err=True),
+        progress=None if as_json else _stderr,
         prompt=prompt,
     )
     result.update(

@@ -419,7 +419,6 @@ class WrittenConversion:
     tokenizer: dict[str, Any]
     kv_cache: dict[str, Any]
     output_bytes: int
-    weights_how: str = "written"  # how model.onnx.data came to be (partition: shared with its source)
 
 
 def lower_gguf_file(

@@ -79,10 +79,13 @@ class MemoryModel:
     kv_type: str = "float32"  # the KV cache's type (kv_precision.cache_type_of), which kv_bytes_per_token counts
     gpu_nodes: int = 0  # the nodes a step runs on the GPU (each pays a launch: the step's floor)
 
-    def gpu_floor_s(self) -> float:
-        """The least a step's GPU side takes however few bytes it reads: a launch per node it runs
-        there, and one synchronisation (choices.GPU_NODE_US, GPU_STEP_US: assumed)."""
-        return (self.gpu_nodes * GPU_NODE_US + GPU_STEP_US) * 1e-6 if self.gpu_nodes else 0.0
+    def gpu_step_s(self, bytes_s: float) -> float:
+        """A step's GPU side, whose bytes take `bytes_s` at the GPU's bandwidth: that or the launches
+        of the nodes it runs there, whichever is longer, and one synchronisation (choices.GPU_NODE_US,
+        GPU_STEP_US: assumed). gpu_step_s(0): the least a step takes however few bytes it reads."""
+        if not self.gpu_nodes:
+            return bytes_s
+        return max(bytes_s, self.gpu_nodes * GPU_NODE_US * 1e-6) + GPU_STEP_US * 1e-6
 
     @property
     def expert_bytes(self) -> int:
@@ -374,10 +377,7 @@ def _predict(
     # a node counts on the GPU only where its EP takes it (MemoryModel's kernel table): what stays on
     # the CPU reads its bytes from host memory (attention there: every non-expert byte)
     on_gpu = memory.non_expert_bytes - memory.host_non_expert_bytes
-    # the GPU's part: its bytes at its bandwidth, or the launches of its nodes where those take longer
-    gpu_part = max((on_gpu + hot) / (bw.gpu * 1e9), memory.gpu_floor_s() - GPU_STEP_US * 1e-6) + (
-        GPU_STEP_US * 1e-6 if memory.gpu_nodes else 0.0
-    )
+    gpu_part = memory.gpu_step_s((on_gpu + hot) / (bw.gpu * 1e9))
     gpu_s = gpu_part + memory.host_non_expert_bytes / (bw.host * 1e9)
     n = len(groups)
     common = {  # in plan.json after the label
@@ -391,7 +391,7 @@ def _predict(
         },
         "bandwidths_gbps": bw.gbps(),
         "bandwidths_from": bw.source,
-        "gpu_step_floor_ms": 1e3 * memory.gpu_floor_s(),
+        "gpu_step_floor_ms": 1e3 * memory.gpu_step_s(0.0),
     }
     if cpu_costs is not None:  # measured on this CPU: the cold experts run there at the measured cost
         from moepass.runtime.calibrate import cpu_step_ms

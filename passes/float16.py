@@ -117,7 +117,7 @@ class Float16Pass(InPlacePass):
                     return stored
             if value not in copies:
                 if value.const_value is not None and not value.is_graph_input():
-                    copy, error = _half_copy(value, self._free(graph, f"{value.name}.float16", value))
+                    copy, error = _half_copy(value, self._free(graph, f"{value.name}.float16"))
                     graph.register_initializer(copy)
                     self.rounded.append(Rounded(value.name or "", error))
                 else:  # computed in float32 (a kept node's, a graph input kept float32): cast
@@ -174,7 +174,7 @@ class Float16Pass(InPlacePass):
         return ir.DataType(node.attributes.get_int("to", 0))
 
     @staticmethod
-    def _free(graph: ir.Graph, name: str, value: ir.Value) -> str:
+    def _free(graph: ir.Graph, name: str) -> str:
         taken = graph.initializers
         if name not in taken:
             return name

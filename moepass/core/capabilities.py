@@ -251,16 +251,20 @@ def cuda_refusal(node: ir.Node, graph_dtype: ir.DataType = ir.DataType.FLOAT) ->
     if dtype not in kernel.types:
         names = "/".join(_name(t) for t in kernel.types)
         return f"{node.op_type} in {_name(dtype)}: the CUDA kernel is registered for {names} ({kernel.source})"
-    rule = kernel.check(node)
-    return f"{node.op_type}: {rule} ({kernel.source})" if rule else None
+    return _broken_rule(node, kernel)
 
 
 def cuda_form_refusal(node: ir.Node) -> str | None:
     """What the CUDA EP's kernel refuses of a node's form (its attributes and shapes), whatever
     its activation type: the form a float16 lowering may keep (None: it takes it)."""
     kernel = CUDA_KERNELS.get((node.domain or "", node.op_type))
-    rule = kernel.check(node) if kernel is not None else None
-    return f"{node.op_type}: {rule} ({kernel.source})" if rule and kernel is not None else None
+    return _broken_rule(node, kernel) if kernel is not None else None
+
+
+def _broken_rule(node: ir.Node, kernel: CudaKernel) -> str | None:
+    """The kernel's constructor check on `node`, in words naming its source (None: it passes)."""
+    rule = kernel.check(node)
+    return f"{node.op_type}: {rule} ({kernel.source})" if rule else None
 
 
 def cuda_refusals(model: ir.Model) -> dict[str, str]:

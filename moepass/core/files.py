@@ -4,6 +4,7 @@ model given as a directory or a model.onnx path is found and loaded."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 import typing
@@ -114,7 +115,8 @@ def _accept_shared_data(model: onnx_ir.Model, path: Path) -> None:
             )
 
 
-def _shared_tensor_class():
+@functools.cache
+def _shared_tensor_class():  # made once, on first use (onnx-ir is imported lazily here)
     import onnx_ir
 
     class SharedExternalTensor(onnx_ir.ExternalTensor):
@@ -641,9 +643,8 @@ def link_or_share(source: Path, destination: Path, progress: Callable[[int, int]
 
 def share_file(source: Path, destination: Path, progress: Callable[[int, int], None] | None = None) -> str:
     """`destination` with `source`'s bytes, without copying them where the file system allows: a
-    reflink (a copy-on-write clone: Btrfs, XFS, bcachefs), else a copy in the kernel. Not a hard
-    link: onnx-ir refuses to read external data whose file has more than one link (its guard
-    against hard-link attacks), so both models would become unreadable to moepass. Says which."""
+    reflink (a copy-on-write clone: Btrfs, XFS, bcachefs), else a copy in the kernel; what
+    link_or_share falls back to where no hard link can be made. Says which."""
     import fcntl
 
     ficlone = 0x40049409  # FICLONE (linux/fs.h)
