@@ -298,9 +298,10 @@ def test_logits_to_keep(converted):
 
 
 def test_deepened_fixture_repeats_layers_by_llamas_layer_rule(tmp_path):
-    """make_fixtures.deepen_gguf (benchmarks' full-size files): layer i holds a source layer's bytes,
-    of the attn_v / ffn_down types llama.cpp's Q4_K_M rule gives layer i of the new depth, and the
-    file converts."""
+    """make_fixtures.deepen_gguf (benchmarks' full-size files): layer i holds a source layer's rows,
+    of the attn_v / ffn_down types llama.cpp's Q4_K_M rule gives layer i of the new depth, rotated
+    by how often that source layer was used before (experts and router rows alike), so no two layers
+    hold the same bytes; and the file converts."""
     import dataclasses
 
     import make_fixtures
@@ -314,13 +315,20 @@ def test_deepened_fixture_repeats_layers_by_llamas_layer_rule(tmp_path):
     src_tensors = {t.name: t for t in src.tensors}
     out_tensors = {t.name: t for t in out.tensors}
     assert len(out_tensors) == len(src_tensors) + 13 * sum(n.startswith("blk.0.") for n in src_tensors)
+    uses = {0: 0, 1: 0, 2: 0}
+    seen: dict[str, list[bytes]] = {}
     for layer in range(16):
         down = out_tensors[f"blk.{layer}.ffn_down_exps.weight"]
         assert down.tensor_type == (GT.Q6_K if make_fixtures.use_more_bits(layer, 16) else GT.Q4_K)
         source_layer = 2 if make_fixtures.use_more_bits(layer, 16) else layer % 2
-        for suffix in ("attn_q.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight", "attn_v.weight"):
+        for suffix in ("attn_q.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight",
+                       "attn_v.weight"):
             a, b = out_tensors[f"blk.{layer}.{suffix}"], src_tensors[f"blk.{source_layer}.{suffix}"]
-            assert a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data)
+            assert a.tensor_type == b.tensor_type
+            assert np.array_equal(a.data, np.roll(b.data, uses[source_layer], axis=0)), (layer, suffix)
+            assert a.data.tobytes() not in seen.setdefault(suffix, []), (layer, suffix)
+            seen[suffix].append(a.data.tobytes())
+        uses[source_layer] += 1
     assert np.array_equal(out_tensors["token_embd.weight"].data, src_tensors["token_embd.weight"].data)
     result = moepass.convert(deep, tmp_path / "out", echo=lambda _: None)
     assert result.n_layers == 16 and len(result.moe_layers) == 16
