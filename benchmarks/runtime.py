@@ -11,8 +11,9 @@ defaults (or --expert-format). For each file and side: prefill of 128 and of 512
 --new-tokens steps after 128 and after 2,048 cached tokens. Each side runs in its own process
 (moepass.runtime's generation path, as `moepass bench` measures it; llama-cpp-python with its
 default settings: logits of the last token only, F16 KV cache, n_batch 512), same thread count,
-after a short warm-up; the two alternate for --rounds rounds and each figure is the best of them,
-so both sides see the same machine state. Peak RSS is GNU time's, per process, the largest over
+after a short warm-up; the two alternate for --rounds rounds; the table gives each figure's best
+over the rounds, and the lines below it each round's pair and the median of the rounds' ratios
+(this VM is noisy: the paired ratio is the figure to quote). Peak RSS is GNU time's, per process, the largest over
 the rounds.
 
 The bandwidth floor: bytes of expert weights a decode step reads (top-k experts per layer) and of
@@ -172,10 +173,71 @@ def bytes_per_decode_step(model_dir: Path) -> tuple[int, int]:
     return expert, other
 
 
+def node_weight_bytes(model_dir: Path) -> dict[str, int]:
+    """Weight bytes a decode step reads per node of model.onnx, as stored: each initializer input
+    (also through a Cast of one, which ONNX Runtime folds at load); a QMoE node's top-k of its
+    experts; a Gather's one row of its table."""
+    import onnx
+
+    model = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
+    sizes = {}
+    for t in model.graph.initializer:
+        external = {e.key: e.value for e in t.external_data}
+        sizes[t.name] = int(external["length"]) if "length" in external else len(t.raw_data)
+    cast_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast" and n.input[0] in sizes}
+    rows_of = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
+    out = {}
+    for n in model.graph.node:
+        if n.op_type == "Cast":
+            continue
+        read = sum(sizes.get(cast_of.get(i, i), 0) for i in n.input)
+        if n.op_type == "QMoE":
+            k = next(a.i for a in n.attribute if a.name == "k")
+            experts = next(d for t in model.graph.initializer if t.name == n.input[2] for d in t.dims[:1])
+            read = read * k // experts
+        elif n.op_type.startswith("Gather") and cast_of.get(n.input[0], n.input[0]) in rows_of:
+            read //= rows_of[cast_of.get(n.input[0], n.input[0])]
+        if read:
+            out[n.name] = read
+    return out
+
+
 def profile(model_dir: Path, args) -> dict:
+    """ONNX Runtime's profile of 16 decode steps after 128 tokens (`moepass bench --profile`)."""
     text, _ = timed([sys.executable, "-m", "moepass.cli", "bench", str(model_dir), "--json", "--profile", "--threads",
                      str(args.threads), "--prompt-tokens", "128", "--new-tokens", "4", "--repeats", "1"])
-    return json.loads(text)["decode_operator_shares"]
+    return json.loads(text)["decode_profile"]
+
+
+def profile_table(row: dict, bandwidth: float) -> None:
+    """The step by operator type beside the weight bytes each reads and their floor at the copy
+    bandwidth; then the layers' spread and the executor's share."""
+    where, weights = row["profile"], row["node_bytes"]
+    op_bytes: dict[str, int] = {}
+    op_of = row["op_of"]
+    for name, nbytes in weights.items():
+        op_bytes[op_of.get(name, "?")] = op_bytes.get(op_of.get(name, "?"), 0) + nbytes
+    print(f"\n{row['preset']}: a decode step after 128 tokens under ONNX Runtime's profiler, "
+          f"{where['step_ms']:.1f} ms ({where['steps']} steps; the profiler adds its own cost to each node)")
+    print("| operator | nodes a step | ms a step | share of the step | weight MiB a step | floor at copy bandwidth | "
+          "ms over the floor |")
+    print("|---|---|---|---|---|---|---|")
+    for op, v in where["operators"].items():
+        nbytes = op_bytes.get(op, 0)
+        floor = nbytes / bandwidth * 1e3
+        cells = (f"{nbytes / 2**20:.0f} | {floor:.1f} ms | {v['ms'] - floor:+.1f}") if nbytes else "0 | | "
+        if v["ms"] >= 0.05:
+            print(f"| {op} | {v['nodes']:.0f} | {v['ms']:.2f} | {v['ms'] / where['step_ms']:.1%} | {cells} |")
+    print(f"| the executor between kernels | | {where['framework_ms']:.2f} | "
+          f"{where['framework_ms'] / where['step_ms']:.1%} | | | |")
+    total = sum(weights.values())
+    print(f"| **step** | {sum(v['nodes'] for v in where['operators'].values()):.0f} | {where['step_ms']:.2f} | | "
+          f"{total / 2**20:.0f} | {total / bandwidth * 1e3:.1f} ms | {where['step_ms'] - total / bandwidth * 1e3:+.1f} |")
+    layers = sorted(ms for layer, ms in where["layers"].items() if int(layer) >= 0)
+    if layers:
+        print(f"layers: {len(layers)}, ms a step each min / median / max {layers[0]:.2f} / "
+              f"{layers[len(layers) // 2]:.2f} / {layers[-1]:.2f}; outside them (embedding, LM head) "
+              f"{where['layers'].get('-1', 0.0):.2f} ms")
 
 
 def main() -> None:
@@ -187,6 +249,9 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile", action="store_true",
+                    help="Also profile 16 decode steps after 128 tokens: time by operator beside its weight bytes "
+                         "and their floor at the copy bandwidth, the layers' spread, the executor's share")
     ap.add_argument("--expert-format", default="auto", help="moepass convert --expert-format (default: auto)")
     ap.add_argument("--workdir", type=Path, default=None, help="Keep the generated files here (default: a temp dir).")
     ap.add_argument("--llama-python", default=sys.executable,
@@ -220,10 +285,19 @@ def main() -> None:
             expert_bytes, other_bytes = bytes_per_decode_step(out)
             rows.append({"preset": preset, "gguf_bytes": gguf.stat().st_size,
                          "onnx_bytes": sum(f.stat().st_size for f in out.iterdir()),
-                         "ours": best(our_runs), "theirs": best(their_runs), "ours_rss": our_rss,
+                         "ours": best(our_runs), "theirs": best(their_runs), "our_runs": our_runs,
+                         "their_runs": their_runs, "ours_rss": our_rss,
                          "theirs_rss": their_rss, "expert_bytes": expert_bytes, "other_bytes": other_bytes,
-                         "profile": profile(out, args)})
-    report(rows, args, bandwidth)
+                         "model_dir": out})
+        report(rows, args, bandwidth)  # before the profiles: a profile that fails loses no timing
+        if args.profile:
+            import onnx
+
+            for row in rows:
+                graph = onnx.load(str(row["model_dir"] / "model.onnx"), load_external_data=False).graph
+                row.update(profile=profile(row["model_dir"], args), node_bytes=node_weight_bytes(row["model_dir"]),
+                           op_of={n.name: n.op_type for n in graph.node})
+                profile_table(row, bandwidth)
 
 
 def report(rows: list[dict], args, bandwidth: float) -> None:
@@ -242,17 +316,23 @@ def report(rows: list[dict], args, bandwidth: float) -> None:
                   for n in depths]
         print(f"| {PRESET_NAMES[r['preset']]} | {r['gguf_bytes'] / 2**30:.2f} / {r['onnx_bytes'] / 2**30:.2f} GiB | "
               + " | ".join(cells) + f" | {r['ours_rss'] / 2**20:.0f} / {r['theirs_rss'] / 2**20:.0f} MiB |")
-    print("\nmoepass / llama.cpp, tokens/s. Where a decode step goes (moepass, ONNX Runtime profiler, after 128 "
-          "tokens) and the memory-bandwidth floor of a step:")
-    print("| file | expert bytes / other bytes per step | floor at copy bandwidth | measured step (after 128) | "
-          "kernel time by operator |")
+    print("\nPer round (moepass / llama.cpp of the same round), and the median of those ratios:")
+    for r in rows:
+        for kind, sizes in (("prefill", prompts), ("decode after", depths)):
+            key = kind.split()[0]
+            for n in sizes:
+                ratios = [o[key][n] / t[key][n] for o, t in zip(r["our_runs"], r["their_runs"])]
+                rounds = ", ".join(f"{o[key][n]:.2f} / {t[key][n]:.2f}" for o, t in zip(r["our_runs"], r["their_runs"]))
+                print(f"- {r['preset']} {kind} {n}: {rounds}; median ratio **{float(np.median(ratios)):.2f}x**")
+    print(f"\nmoepass / llama.cpp, tokens/s. A decode step (after {depths[0]} tokens) against the memory-bandwidth "
+          "floor, the weight bytes it reads over the copy bandwidth:")
+    print("| file | expert bytes / other bytes per step | floor at copy bandwidth | moepass step | llama.cpp step |")
     print("|---|---|---|---|---|")
     for r in rows:
         floor = (r["expert_bytes"] + r["other_bytes"]) / bandwidth
-        step = 1 / r["ours"]["decode"][depths[0]]
-        shares = ", ".join(f"{op} {s:.0%}" for op, s in r["profile"].items() if s >= 0.02)
         print(f"| {r['preset']} | {r['expert_bytes'] / 2**20:.0f} / {r['other_bytes'] / 2**20:.0f} MiB | "
-              f"{floor * 1e3:.1f} ms | {step * 1e3:.1f} ms | {shares} |")
+              f"{floor * 1e3:.1f} ms | {1e3 / r['ours']['decode'][depths[0]]:.1f} ms | "
+              f"{1e3 / r['theirs']['decode'][depths[0]]:.1f} ms |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Bad input ends with one line `moepass: error: ...` on stderr and exit status 2.
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import logging
 import math
@@ -753,7 +754,11 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
     help="Measure on this text's tokens instead of -p pseudo-random ones (for --speculative, whose drafts "
     "depend on the text).",
 )
-@click.option("--profile", is_flag=True, help="Also profile 16 decode steps: kernel time per operator type.")
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="Also profile 16 decode steps: kernel time per operator type, and the executor's time between kernels.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout (llama-bench-like fields).")
 @_runtime_options
 def bench(
@@ -772,7 +777,7 @@ def bench(
 
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from moepass.runtime import load
-    from moepass.runtime.bench import measure, operator_shares
+    from moepass.runtime.bench import decode_profile, measure
     from moepass.runtime.decoder import default_threads
 
     if prompt_file is not None and depth is not None:
@@ -810,9 +815,15 @@ def bench(
             round(w["bytes"] * 8 / w["bits_per_weight"]) for w in decoder.report.weights if w.get("bits_per_weight")
         ),
     )
+    used = str(decoder.threads) if decoder.threads else f"{default_threads()} (ONNX Runtime's default)"
+    provider = decoder.plan.provider
     if profile:
         del load_options["speculative"], load_options["draft_tokens"]
-        result["decode_operator_shares"] = operator_shares(model_dir, depth=depth or prompt_tokens, **load_options)
+        del decoder  # the profiling session loads the model again: not two copies of its weights at once
+        gc.collect()
+        where = decode_profile(model_dir, depth=depth or prompt_tokens, **load_options)
+        result["decode_profile"] = where
+        result["decode_operator_shares"] = where["operator_shares"]
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))
         return
@@ -832,14 +843,21 @@ def bench(
             f"speculation: {spec['speedup']:.2f}x with it; {spec['acceptance']:.0%} of drafts kept, "
             f"{spec['tokens_per_step']:.2f} tokens per step)"
         )
-    used = str(decoder.threads) if decoder.threads else f"{default_threads()} (ONNX Runtime's default)"
     click.echo(
-        f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({decoder.plan.provider}, "
+        f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({provider}, "
         f"{used} threads, {result['activations']} activations)"
     )
-    for op, share in result.get("decode_operator_shares", {}).items():
-        if share >= 0.01:
-            click.echo(f"  {op:<36}{share:7.1%} of decode kernel time")
+    if "decode_profile" in result:
+        where = result["decode_profile"]
+        click.echo(
+            f"profile  {where['step_ms']:10.2f} ms a decode step under the profiler: kernels "
+            f"{where['nodes_ms']:.2f} ms, the executor between them {where['framework_ms']:.2f} ms"
+        )
+        for op, v in where["operators"].items():
+            if v["ms"] >= 0.01 * where["nodes_ms"]:
+                click.echo(
+                    f"  {op:<36}{v['ms'] / where['nodes_ms']:7.1%} of decode kernel time ({v['nodes']:.0f} nodes)"
+                )
 
 
 @main.command()

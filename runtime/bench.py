@@ -7,8 +7,8 @@ after `depth` cached tokens (default: after the prompt). Each figure is given as
 over `repeats`; tokens/s come from the best (the least disturbed) run, as llama-bench reports its
 mean over quiet runs. The prompt is a fixed pseudo-random token sequence (seed 0) so runs compare.
 
-`operator_shares` runs a few decode steps under ONNX Runtime's profiler and adds up the kernel
-time per operator type, to say which operator a decode step spends its time in.
+`decode_profile` runs a few decode steps under ONNX Runtime's profiler and adds up the kernel
+time per operator type, node and layer, and what the executor takes between kernels.
 """
 
 from __future__ import annotations
@@ -115,23 +115,50 @@ def measure(
     return result
 
 
-def operator_shares(model_dir, new_tokens: int = 16, depth: int = 128, **load_options) -> dict[str, float]:
-    """Share of the kernel time of `new_tokens` decode steps (after `depth` cached tokens) per
-    operator type, from ONNX Runtime's profiler; the prefill is left out."""
+def decode_profile(model_dir, new_tokens: int = 16, depth: int = 128, **load_options) -> dict[str, Any]:
+    """Where `new_tokens` decode steps (after `depth` cached tokens) spend their time, from ONNX
+    Runtime's profiler (the prefill left out), per step in milliseconds: `step_ms` (the session's
+    run), `nodes_ms` (the kernels' sum), `framework_ms` (the rest: the executor between kernels),
+    `operators` (op type -> ms and nodes a step), `layers` (layer index, or -1 for nodes outside
+    the layers, -> ms), `node_ms` (node name -> ms), `operator_shares` (op type -> share of the
+    kernel time)."""
     from moepass.runtime import Decoder
 
     with tempfile.TemporaryDirectory(prefix="moepass-profile-") as tmp:
         decoder = Decoder(model_dir, profile_prefix=str(Path(tmp) / "run"), **load_options)
         prompt = _prompt(decoder, depth)
-        tokens = decoder.generate(prompt, new_tokens + 1, stop_ids=())
-        list(tokens)
+        list(decoder.generate(prompt, new_tokens + 1, stop_ids=()))  # a prefill, then new_tokens steps
         events = json.loads(Path(decoder.session.end_profiling()).read_text())
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    decode_from = runs[1]["ts"] if len(runs) > 1 else 0  # the first run is the prefill
-    totals: dict[str, float] = {}
+    steps = runs[-new_tokens:] if len(runs) > new_tokens else runs
+    decode_from = steps[0]["ts"] if steps else 0
+    operators: dict[str, dict[str, float]] = {}
+    layers: dict[int, float] = {}
+    node_ms: dict[str, float] = {}
+    suffix = "_kernel_time"
     for e in events:
-        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= decode_from:
-            op = e.get("args", {}).get("op_name", "?")
-            totals[op] = totals.get(op, 0.0) + e["dur"]
-    whole = sum(totals.values()) or 1.0
-    return {op: t / whole for op, t in sorted(totals.items(), key=lambda kv: -kv[1])}
+        if e.get("cat") != "Node" or not e.get("name", "").endswith(suffix) or e["ts"] < decode_from:
+            continue
+        name = e["name"][: -len(suffix)]
+        ms = e["dur"] / 1e3 / max(len(steps), 1)
+        op = operators.setdefault(e.get("args", {}).get("op_name", "?"), {"ms": 0.0, "nodes": 0.0})
+        op["ms"] += ms
+        op["nodes"] += 1 / max(len(steps), 1)
+        node_ms[name] = node_ms.get(name, 0.0) + ms
+        layer = int(name.split(".")[1]) if name.startswith("blk.") and name.split(".")[1].isdigit() else -1
+        layers[layer] = layers.get(layer, 0.0) + ms
+    step_ms = sum(r["dur"] for r in steps) / 1e3 / max(len(steps), 1)
+    nodes_ms = sum(op["ms"] for op in operators.values())
+    whole = nodes_ms or 1.0
+    ordered = dict(sorted(operators.items(), key=lambda kv: -kv[1]["ms"]))
+    return {
+        "steps": len(steps),
+        "depth": depth,
+        "step_ms": step_ms,
+        "nodes_ms": nodes_ms,
+        "framework_ms": step_ms - nodes_ms,
+        "operators": ordered,
+        "layers": dict(sorted(layers.items())),
+        "node_ms": node_ms,
+        "operator_shares": {op: v["ms"] / whole for op, v in ordered.items()},
+    }

@@ -126,6 +126,17 @@ def test_bench_cli(converted):
     assert decode["tokens_per_s"] == pytest.approx(max(rates))
     shares = report["decode_operator_shares"]
     assert {"QMoE", "MatMulNBits", "GroupQueryAttention"} <= set(shares) and sum(shares.values()) == pytest.approx(1)
+    where = report["decode_profile"]
+    assert where["steps"] == 16 and where["depth"] == 20
+    # the parts add up: kernels by operator, by node and by layer; the executor's share is the rest
+    assert sum(v["ms"] for v in where["operators"].values()) == pytest.approx(where["nodes_ms"])
+    assert sum(where["node_ms"].values()) == pytest.approx(where["nodes_ms"])
+    assert sum(where["layers"].values()) == pytest.approx(where["nodes_ms"])
+    assert 0 < where["nodes_ms"] < where["step_ms"]
+    assert where["framework_ms"] == pytest.approx(where["step_ms"] - where["nodes_ms"])
+    assert where["operators"]["QMoE"]["nodes"] == pytest.approx(2)  # one a layer, two layers
+    assert set(where["layers"]) == {"-1", "0", "1"} and where["node_ms"]["blk.1.moe"] > 0
+
 
 
 # ---- execution providers, offload options: every fallback and refusal ---------------------------
