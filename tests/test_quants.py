@@ -15,8 +15,8 @@ from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 import cpu_family
 import make_fixtures
 from moepass.core.errors import MoepassError
-from moepass.core.quants import (QUANT_TYPES, BlockForm, expert_form, matrix_form, pack, pack_codes, quant_type,
-                                 quantize_values, scales_in_float16, unpack_codes, unpack_values)
+from moepass.core.quants import (QMOE_CPU_HELD, QUANT_TYPES, BlockForm, expert_form, matrix_form, pack, pack_codes,
+                                 quant_type, quantize_values, scales_in_float16, unpack_codes, unpack_values)
 
 BLOCK_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage == "blocks"]
 
@@ -242,12 +242,28 @@ def test_matrix_form_choice():
     assert str(BlockForm(4, 32, offsets=True)) == "int4/b32+offsets"
 
 
-def test_float16_scales_where_they_keep_exact_forms_exact():
+def test_float16_scales_where_they_hold_no_more_and_keep_exact_forms_exact():
     q80, q6k, q4k, iq4xs = (QUANT_TYPES[t] for t in (GT.Q8_0, GT.Q6_K, GT.Q4_K, GT.IQ4_XS))
-    assert scales_in_float16([q80] * 3, BlockForm(8, 32))           # fp16 d: exact either way
+    assert not scales_in_float16([q80] * 3, BlockForm(8, 32))       # exact either way, held twice at 32
     assert not scales_in_float16([q6k] * 3, BlockForm(8, 16))       # d * sc would round
     assert not scales_in_float16([iq4xs] * 3, BlockForm(8, 32))     # d * (ls - 32) would round
-    assert scales_in_float16([q4k, q4k, q6k], BlockForm(8, 128))    # requantized anyway
+    assert scales_in_float16([q4k, q4k, q6k], BlockForm(8, 128))    # requantized anyway, block 128
+    assert not scales_in_float16([q4k, q4k, q6k], BlockForm(4, 32))
+    assert scales_in_float16([q80] * 3, BlockForm(4, 128))
+
+
+@pytest.mark.parametrize("form", sorted({f for f, _ in QMOE_CPU_HELD}, key=str))
+def test_float16_scales_only_where_onnx_runtime_holds_no_more_for_them(form):
+    """The rule agrees with what ONNX Runtime's CPU QMoE was measured to hold (QMOE_CPU_HELD), at
+    both accuracy levels: float16 scales where they take no more memory than float32 ones (within
+    the table's 1 %: a tie goes to the smaller file), float32 where float16 would take more."""
+    requantized = [QUANT_TYPES[GT.Q4_K]] * 3  # no exact form: the memory alone decides
+    half_bytes = form.bits * form.block_size / 8 + 2
+    full_bytes = form.bits * form.block_size / 8 + 4
+    for level in (0, 1):
+        half = QMOE_CPU_HELD[(form, "float16")][level] * half_bytes
+        full = QMOE_CPU_HELD[(form, "float32")][level] * full_bytes
+        assert scales_in_float16(requantized, form) == (half <= 1.01 * full), (form, level, half, full)
 
 
 @pytest.mark.parametrize("ggml_type", [GT.Q4_K, GT.Q4_1])

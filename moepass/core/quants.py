@@ -114,6 +114,35 @@ QMOE_CPU_DECODE_MS = {
 }
 
 
+# What ONNX Runtime 1.32's CPU EP holds in anonymous memory once it has prepacked a QMoE node's
+# experts, over the bytes the model stores for them (codes and scales), per form and scale type:
+# (int8 activations, accuracy_level 4; float activations). The int8 kernels keep a float32 scale
+# and a float32 block sum beside every block's codes, and with float16 scales in the model also a
+# float32 copy of every scale that they never read on x86: a model takes more memory to run than
+# its file's size, and float16 scales more than float32 ones at blocks under 128 (scales_in_float16).
+# Measured on the AVX-512 EPYC (2026-12-04): one 128-expert node of Qwen3-30B-A3B's sizes (external
+# data) in a fresh process, anonymous memory (/proc/self/smaps_rollup) after the session against
+# before; a single node, so the model's other weights and the runtime's own come on top.
+QMOE_CPU_HELD = {
+    (BlockForm(4, 16), "float16"): (2.01, 1.20),
+    (BlockForm(4, 32), "float16"): (1.52, 1.08),
+    (BlockForm(4, 64), "float16"): (1.30, 1.06),
+    (BlockForm(4, 128), "float16"): (1.09, 0.97),
+    (BlockForm(8, 16), "float16"): (1.56, 1.56),
+    (BlockForm(8, 32), "float16"): (1.30, 1.30),
+    (BlockForm(8, 64), "float16"): (1.15, 1.15),
+    (BlockForm(8, 128), "float16"): (1.05, 1.05),
+    (BlockForm(4, 16), "float32"): (1.29, 0.62),
+    (BlockForm(4, 32), "float32"): (1.17, 0.77),
+    (BlockForm(4, 64), "float32"): (1.11, 0.89),
+    (BlockForm(4, 128), "float32"): (1.06, 0.94),
+    (BlockForm(8, 16), "float32"): (1.17, 1.17),
+    (BlockForm(8, 32), "float32"): (1.09, 1.09),
+    (BlockForm(8, 64), "float32"): (1.06, 1.06),
+    (BlockForm(8, 128), "float32"): (1.03, 1.03),
+}
+
+
 def parse_form(text: str) -> BlockForm | None:
     """BlockForm of its name ("int4/b32", "int4/b32+offsets", "int4/b32+sums x2"); None for anything
     else ("float32")."""
@@ -971,9 +1000,14 @@ def qmoe_takes(form: BlockForm | None, ks: list[int]) -> bool:
 
 
 def scales_in_float16(types: list[QuantType], form: BlockForm) -> bool:
-    """Whether weights of these types in `form` store float16 scales in a float32 graph (ONNX
-    Runtime's CPU QMoE takes them, at the same speed; MatMulNBits and GatherBlockQuantized through
-    a Cast folded at load: half the scale bytes): always, but for a form that keeps the file's
-    codes where float16 would round its scales (Q6_K's d * sc, IQ4_XS's d * (ls - 32), Q4_K's
-    d * sc beside its block offsets)."""
-    return not all(qt.keeps_codes(form) for qt in types) or all(qt.fp16_scales for qt in types)
+    """Whether weights of these types in `form` store float16 scales in a float32 graph: at blocks
+    of 128 and up, but for a form that keeps the file's codes where float16 would round its scales
+    (Q6_K's d * sc, IQ4_XS's d * (ls - 32), Q4_K's d * sc beside its block offsets). Below 128,
+    float32 scales: ONNX Runtime's CPU kernels take float32 scales for float32 activations, and hold
+    float16 ones twice, as stored and widened (QMoE's prepacked copy, QMOE_CPU_HELD; the Cast that
+    MatMulNBits and GatherBlockQuantized need, folded at load onto the heap), so the smaller file
+    would take more memory to run (int4/b32: 1.30x the float16 form's bytes against 1.52x); at 128
+    the two hold the same and float16 is the smaller file."""
+    return form.block_size >= 128 and (
+        not all(qt.keeps_codes(form) for qt in types) or all(qt.fp16_scales for qt in types)
+    )

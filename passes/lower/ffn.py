@@ -93,8 +93,8 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
         else:
             forms = expert_form(types, ks, builder.options.expert_format, builder.options.exact)
         node_form = forms.node
-        # float16 scales in float32 graphs too (QMoE takes them: half the scale bytes), unless they
-        # would round an exact form's scales; block-sum features round theirs (--exact: float32)
+        # scales of the activation type but where float16 holds no more in memory (blocks of 128:
+        # quants.scales_in_float16); block-sum features round theirs to float16 (--exact: float32)
         half = builder.offload or (scales_in_float16(types, node_form) if not forms.sums else not builder.options.exact)
         scales = ir.DataType.FLOAT16 if half else ir.DataType.FLOAT
         levels = 0

@@ -186,15 +186,16 @@ class GraphBuilder:
     def matrix_weights(
         self, name: str, src: SourceTensor, form: BlockForm, blob_layout: bool = False
     ) -> tuple[ir.Value, ir.Value, ir.Value | None]:
-        """packed_weights of one non-expert matrix, its scales stored in float16 where the form keeps
-        the file's codes and scales and float16 holds them (quants.scales_in_float16) and widened to
-        the activation type by a Cast of the initializer, which ONNX Runtime folds when the session
-        loads: MatMulNBits and GatherBlockQuantized take scales of the activation type only. Half
-        the scale bytes: a Q4_0 or Q8_0 file's weights take no more bytes than in the file. A
-        requantized matrix keeps float32 scales: scales chosen among float16 values add error that
-        the trained models' Q6_K file shows (markov, trained on an AVX2 EPYC: mean KLD 1.44x
-        llama.cpp's, 90 % interval [1.01, 2.05]; with float32 scales within the tests' bound), for
-        1/8 bit a weight at block 128."""
+        """packed_weights of one non-expert matrix, its scales stored in float16 where
+        quants.scales_in_float16 says (blocks of 128 whose scales float16 holds) and widened to the
+        activation type by a Cast of the initializer, which ONNX Runtime folds when the session
+        loads: MatMulNBits and GatherBlockQuantized take scales of the activation type only. At
+        smaller blocks the scales are stored as float32: the folded Cast's float32 copy would sit on
+        the heap beside the mapped file (int4/b32 q_proj-sized matrices: 10.3 bytes a block held
+        against 1.6). A requantized matrix keeps float32 scales: scales chosen among float16 values
+        add error that the trained models' Q6_K file shows (markov, trained on an AVX2 EPYC: mean
+        KLD 1.44x llama.cpp's, 90 % interval [1.01, 2.05]; with float32 scales within the tests'
+        bound), for 1/8 bit a weight at block 128."""
         qt = quant_type(src.ggml_type, src.name, src.path)
         narrow = self.act == ir.DataType.FLOAT and qt.keeps_codes(form) and scales_in_float16([qt], form)
         codes, scales, offsets = self.packed_weights(
