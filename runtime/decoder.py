@@ -27,8 +27,16 @@ from moepass.core.files import (
 )
 from moepass.runtime import speculative
 from moepass.runtime.chat_template import ChatTemplate
+from moepass.runtime.host_memory import check_fits
 from moepass.runtime.kv_cache import KVCache
-from moepass.runtime.providers import SessionPlan, check_layer_placement, log, plan_session, provider_in_effect
+from moepass.runtime.providers import (
+    CPU_EP,
+    SessionPlan,
+    check_layer_placement,
+    log,
+    plan_session,
+    provider_in_effect,
+)
 from moepass.runtime.sampling import Sampling, StopStrings, choose_token
 
 if TYPE_CHECKING:
@@ -98,6 +106,8 @@ class Decoder:
             one_of(placement_mode, keys.OFFLOAD_MODES, f"{folder / OPTIONS_FILE}: placement.mode")
         structure = graph if graph is not None else load_model(model_path)
         self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode, placement_mode)
+        if self.plan.provider == CPU_EP:  # every MoE node's experts are packed in host memory
+            check_fits(structure, model_path)
         options = ort.SessionOptions()
         self.threads = usable_threads(threads)
         if self.threads:

@@ -138,6 +138,40 @@ def test_bench_cli(converted):
     assert set(where["layers"]) == {"-1", "0", "1"} and where["node_ms"]["blk.1.moe"] > 0
 
 
+def test_a_model_larger_than_memory_is_refused_before_onnx_runtime_packs_it(converted, monkeypatch, tmp_path):
+    """The CPU EP prepacks every QMoE node's experts into anonymous memory at 1.03-2x their bytes:
+    a model past MemAvailable is refused in one line before the session (which the kernel would
+    kill while packing), and loads with MOEPASS_SKIP_MEMORY_CHECK=1."""
+    from moepass.core.errors import MoepassError
+    from moepass.core.moe_nodes import QMOE_SLOTS, moe_nodes
+    from moepass.core.quants import QMOE_CPU_HELD
+    from moepass.runtime import host_memory
+
+    model_dir = converted("q4_0")
+    model = ir.load(str(model_dir / "model.onnx"))
+    nodes = list(moe_nodes(model.graph))
+    # Q4_0 at block 32: float32 scales everywhere (float16 ones would be held twice), no Casts
+    assert {m.node.inputs[QMOE_SLOTS["fc1"][1]].dtype for m in nodes} == {ir.DataType.FLOAT}
+    assert not any(n.op_type == "Cast" and n.inputs[0].is_initializer() for n in model.graph)
+    experts = sum(m.bytes_per_expert * m.experts * QMOE_CPU_HELD[(m.form, "float32")][0] for m in nodes)
+    need = host_memory.cpu_held_bytes(model)
+    assert need == pytest.approx(experts, rel=0.01) and need > 0
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: need - 1)
+    with pytest.raises(MoepassError, match=r"model\.onnx: ONNX Runtime's CPU kernels would hold at least .* GiB"):
+        load(model_dir, device="cpu", threads=2)
+    monkeypatch.setenv(host_memory.SKIP_ENV, "1")
+    assert load(model_dir, device="cpu", threads=2).vocab_size > 0
+    monkeypatch.delenv(host_memory.SKIP_ENV)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: need)
+    assert load(model_dir, device="cpu", threads=2).vocab_size > 0
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   1234 kB\n")
+    monkeypatch.undo()
+    assert host_memory.available_bytes(meminfo) == 1234 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")
+    assert host_memory.available_bytes(meminfo) is None
+    assert host_memory.available_bytes(tmp_path / "absent") is None
+
 
 # ---- execution providers, offload options: every fallback and refusal ---------------------------
 

@@ -1,0 +1,87 @@
+"""Whether the machine has the memory ONNX Runtime's CPU kernels will take for a model, asked
+before the session is made: past it the kernel kills the process while ONNX Runtime packs the
+experts, with no message. The CPU EP prepacks every QMoE node's experts into anonymous memory,
+more than the file holds (moepass.core.quants.QMOE_CPU_HELD: int4/b32 experts with float32 scales
+take 1.17x their bytes with int8 activations), so a model whose file fits the memory may not run in
+it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx_ir as ir
+
+from moepass.core.errors import MoepassError
+from moepass.core.moe_nodes import QMOE_SLOTS, input_at, moe_nodes, tensor_bytes
+from moepass.core.quants import QMOE_CPU_HELD
+
+# set to 1 to load a model the check finds too large (the estimate is a lower bound, but the
+# kernel's swap or overcommit settings are the user's to know)
+SKIP_ENV = "MOEPASS_SKIP_MEMORY_CHECK"
+GIB = 2**30
+
+
+def cpu_held_bytes(model: ir.Model) -> int:
+    """At least the anonymous bytes the CPU EP holds for the model's weights once it has prepacked
+    them: QMoE experts by QMOE_CPU_HELD for their form and scale type (other forms as stored), and
+    the float32 copy of every float16 scale a folded Cast widens for MatMulNBits or
+    GatherBlockQuantized (what MLAS packs from the mapped file besides, measured 0.1-0.5 bytes a
+    block, is left out: a lower bound)."""
+    total = 0
+    for node in model.graph:
+        if node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
+            scales = input_at(node, 2)  # both take (weights, activations or indices, scales, ...)
+            stored = _stored(scales)
+            if (
+                scales is not None and stored is not None and not scales.is_initializer()
+            ):  # widened by a Cast: folded on the heap
+                total += 2 * tensor_bytes(stored)
+    for moe in moe_nodes(model.graph):
+        if moe.node.op_type != "QMoE":
+            continue
+        scales = input_at(moe.node, QMOE_SLOTS["fc1"][1])
+        stored_scales = _stored(scales)
+        dtype = stored_scales.dtype if stored_scales is not None else None
+        kind = "float16" if dtype == ir.DataType.FLOAT16 else "float32"
+        factors = QMOE_CPU_HELD.get((moe.form, kind)) if moe.form is not None else None
+        int8 = moe.node.attributes.get_int("accuracy_level", 0) == 4
+        total += int(moe.bytes_per_expert * moe.experts * (factors[0 if int8 else 1] if factors else 1.0))
+    return total
+
+
+def _stored(value: ir.Value | None) -> ir.Value | None:
+    """The initializer behind a weight input: itself, or the one a Cast widens (float16 scales,
+    which ONNX Runtime folds into float32 at load)."""
+    if value is not None and not value.is_initializer():
+        producer = value.producer()
+        value = producer.inputs[0] if producer is not None and producer.op_type == "Cast" else None
+    return value if value is not None and value.is_initializer() else None
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable (free memory and the page cache the kernel can reclaim), or None where the
+    system does not say (not Linux)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_fits(model: ir.Model, model_path: Path) -> None:
+    """Refuse, in one line, a model whose prepacked experts need more memory than is available."""
+    if os.environ.get(SKIP_ENV) == "1":
+        return
+    need, have = cpu_held_bytes(model), available_bytes()
+    if have is None or need <= have:
+        return
+    raise MoepassError(
+        f"{model_path}: ONNX Runtime's CPU kernels would hold at least {need / GIB:.1f} GiB for its weights "
+        f"once packed (more than the file: a float32 scale and block sum beside each block's codes), and "
+        f"{have / GIB:.1f} GiB are available: the process would be killed while loading. Place experts on a "
+        f"GPU (moepass partition), free memory, or set {SKIP_ENV}=1 to try anyway"
+    )
