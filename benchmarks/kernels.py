@@ -39,14 +39,20 @@ Cases (--cases, comma-separated; default all):
   f16       float16 scales with float32 activations (MatMulNBits, QMoE); the float16 graph (Cast in,
             float16 scales, Cast out) timed and checked.
   overhead  the fixed cost of a node: Identity, one MatMulNBits 64 x 64, a chain of 16.
+  stream    decode's kernels with their weights coming from DRAM, as in a model of many layers: one
+            model of several nodes of distinct weights (QMoE int4/b32, 5 nodes; MatMulNBits int4/b32
+            at q_proj's shape, 24 nodes; float32 scales, as moepass stores them at block 32), M=1,
+            accuracy_level 0 and 4; per node the time, the bytes as stored and as ONNX Runtime holds
+            them after prepacking (the session's anonymous memory, measured), and each one's floor
+            at the copy bandwidth.
 
 `--family both` (the default) runs itself twice, natively and under tests/cpu_family.py's AVX2-only
 shim (CPUID hides AVX-512/AVX-VNNI/AMX, so MLAS takes its AVX2 kernels), and prints one set of
 tables per family, each headed by the measuring process's CPU line and the date, then checks that
 the two families' accuracy_level 4 outputs differ (proof the shim took effect).
 
-The weights stay in cache between runs (a 4096 x 2048 int4 matrix is 4 MiB); at decode a model's
-weights come from DRAM, so the GB/s here are an upper bound for the small matrices.
+Outside `stream`, the weights stay in cache between runs (a 4096 x 2048 int4 matrix is 4 MiB); at
+decode a model's weights come from DRAM, so the GB/s there are an upper bound for the small matrices.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ H, E, TOP_K, I_FFN = 2048, 128, 8, 768
 SHAPES = {"q_proj": (4096, 2048), "kv_proj": (512, 2048), "o_proj": (2048, 4096), "lm_head": (151936, 2048)}  # (N, K)
 PREFILL = 128
 ort.set_default_logger_severity(4)  # refusals are reported in the tables, not logged
-CASES = ("mnb", "q4k", "qmoe", "aug", "f16", "overhead")
+CASES = ("mnb", "q4k", "qmoe", "aug", "f16", "overhead", "stream")
 FINGERPRINT = "FINGERPRINT "  # a line a child prints for the parent of --family both
 
 
@@ -121,13 +127,17 @@ class Timing:
     output: np.ndarray
 
 
-def session(model: bytes, threads: int) -> ort.InferenceSession:
+def session_options(threads: int) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 4
+    return options
+
+
+def session(model: bytes, threads: int) -> ort.InferenceSession:
     try:
-        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT's own exception types
         raise Refused(f"load: {one_line(e)}") from None
 
@@ -730,6 +740,104 @@ def case_overhead(args) -> None:
             times[chain] = timing.ms
             table.add(f"{chain} x MatMulNBits 64x64", acc, f"{timing.ms * 1e3:.1f}", timing.runs,
                       f"{(times[16] - times[1]) / 15 * 1e3:.1f} (marginal)" if chain == 16 else "")
+
+
+# ---------------------------------------------------------------- case 7: weights from DRAM
+
+def anonymous_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Anonymous:"))
+
+
+def stream_timed(model: bytes, feeds: dict[str, np.ndarray], args) -> tuple[float, int]:
+    """(median ms per run over every output, anonymous bytes the session added when it loaded). The
+    model is written with external data, as moepass writes models, so ONNX Runtime maps the weights
+    from the file and the anonymous memory it adds is what it prepacks."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="moepass-stream-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        proto = onnx.load_from_string(model)
+        del model
+        onnx.save_model(proto, str(path), save_as_external_data=True, location="model.onnx.data",
+                        size_threshold=1024)
+        del proto
+        before = anonymous_bytes()
+        try:
+            sess = ort.InferenceSession(str(path), session_options(args.threads), providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT's own exception types
+            raise Refused(f"load: {one_line(e)}") from None
+        added = anonymous_bytes() - before
+    binding = sess.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array)))
+    for out in sess.get_outputs():
+        binding.bind_output(out.name)
+    for _ in range(3):
+        sess.run_with_iobinding(binding)
+    times = []
+    start = time.perf_counter()
+    while len(times) < 20 or time.perf_counter() - start < args.min_time:
+        t0 = time.perf_counter()
+        sess.run_with_iobinding(binding)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3, added
+
+
+def case_stream(args) -> None:
+    bandwidth = copy_bandwidth() * 1e9
+    cols = ["kernel", "acc", "nodes", "ms a node", "MB a node as stored", "MB as held after prepack",
+            "GB/s of stored", "floor of stored", "floor of held"]
+    table = Table("7. Decode kernels with weights from DRAM (distinct weights per node, M=1)", cols)
+    rng = np.random.default_rng(7)
+    # QMoE: top-8 of 128 experts per node; the same routing everywhere, distinct tensors per node
+    layers = 5
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    logits = rng.standard_normal((1, E)).astype(np.float32)
+    inits, blobs = [], {}
+    for i in range(layers):
+        for fc, (n, k) in (("fc1", (2 * I_FFN, H)), ("fc2", (H, I_FFN))):
+            blobs[f"{i}.{fc}.w"] = random_bytes(rng, (E, n, k // 2))
+            inits.append(tensor(f"{i}.{fc}.s", scale_for(rng, (E, n, k // 32), 4, k).astype(np.float32)))
+    blob = weights_blob(blobs)
+    used = used_experts(logits)
+    per_node = used * sum(blobs[f"0.{fc}.w"][0].nbytes + inits[j].dims[1] * inits[j].dims[2] * 4
+                          for j, fc in ((0, "fc1"), (1, "fc2")))
+    for acc in (0, 4):
+        nodes = [helper.make_node("QMoE", ["x", "logits", f"{i}.fc1.w", f"{i}.fc1.s", "", f"{i}.fc2.w", f"{i}.fc2.s"],
+                                  [f"y{i}"], domain="com.microsoft", name=f"moe{i}", k=TOP_K, activation_type="swiglu",
+                                  swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                                  normalize_routing_weights=1, expert_weight_bits=4, block_size=32, accuracy_level=acc)
+                 for i in range(layers)]
+        model = model_bytes(nodes, [value("x", np.float32, (1, H)), value("logits", np.float32, (1, E))],
+                            [value(f"y{i}", np.float32, (1, H)) for i in range(layers)], inits, blob)
+        try:
+            ms, added = stream_timed(model, {"x": x, "logits": logits}, args)
+        except Refused as why:
+            table.add("QMoE int4/b32", acc, layers, *REFUSED(why, 6))
+            continue
+        held = max(added / layers * used / E, per_node)  # the packed experts a node's routing reads
+        table.add("QMoE int4/b32", acc, layers, fmt_ms(ms / layers), f"{per_node / 1e6:.1f}", f"{held / 1e6:.1f}",
+                  f"{per_node / (ms / layers * 1e-3) / 1e9:.1f}", fmt_ms(per_node / bandwidth * 1e3),
+                  fmt_ms(held / bandwidth * 1e3))
+    del blob, blobs
+    n, k = SHAPES["q_proj"]
+    count = 24
+    a = activations(1, k)
+    for acc in (0, 4):
+        nodes, inits, arrays = [], [], {}
+        for i in range(count):
+            nodes.append(mnb_node(f"w{i}", "x", f"y{i}", n, k, 4, 32, acc))
+            arrays[f"w{i}.B"] = random_bytes(np.random.default_rng([n, k, i]), (n, k // 32, 16))
+            inits.append(tensor(f"w{i}.scales", scale_for(np.random.default_rng([i]), (n, k // 32), 4, k)))
+        stored = arrays["w0.B"].nbytes + inits[0].dims[0] * inits[0].dims[1] * 4
+        model = model_bytes(nodes, [value("x", np.float32, (1, k))], [value(f"y{i}", np.float32, (1, n))
+                                                                    for i in range(count)], inits, weights_blob(arrays))
+        ms, added = stream_timed(model, {"x": a}, args)
+        held = max(added / count, stored)  # at level 0 the float32 scales stay where they were
+        table.add(f"MatMulNBits int4/b32 {n} x {k}", acc, count, fmt_ms(ms / count), f"{stored / 1e6:.2f}",
+                  f"{held / 1e6:.2f}", f"{stored / (ms / count * 1e-3) / 1e9:.1f}",
+                  fmt_ms(stored / bandwidth * 1e3), fmt_ms(held / bandwidth * 1e3))
 
 
 # ---------------------------------------------------------------- driver
