@@ -45,7 +45,9 @@ def cpu_held_bytes(model: ir.Model) -> int:
         stored_scales = _stored(scales)
         dtype = stored_scales.dtype if stored_scales is not None else None
         kind = "float16" if dtype == ir.DataType.FLOAT16 else "float32"
-        factors = QMOE_CPU_HELD.get((moe.form, kind)) if moe.form is not None else None
+        # by the node's bits and block size: block-sum features and offsets widen the rows, not the
+        # bytes held per block
+        factors = QMOE_CPU_HELD.get((moe.form.plain, kind)) if moe.form is not None else None
         int8 = moe.node.attributes.get_int("accuracy_level", 0) == 4
         total += int(moe.bytes_per_expert * moe.experts * (factors[0 if int8 else 1] if factors else 1.0))
     return total

@@ -173,6 +173,24 @@ def test_a_model_larger_than_memory_is_refused_before_onnx_runtime_packs_it(conv
     assert host_memory.available_bytes(tmp_path / "absent") is None
 
 
+def test_the_memory_check_counts_block_sum_experts_by_their_bits_and_block(converted):
+    """Block-sum forms (Q4_K's int4 form: int4/b32 with its sums as extra inputs, float16 scales)
+    are held as their plain form's blocks are: a 48-layer one was killed while loading (24.3 GB)
+    where the check, which knew no such form, had counted its bytes once."""
+    from moepass.core.moe_nodes import QMOE_SLOTS, moe_nodes
+    from moepass.core.quants import QMOE_CPU_HELD
+    from moepass.runtime import host_memory
+
+    model = ir.load(str(converted("q4_k_m", expert_format="int4") / "model.onnx"))
+    nodes = list(moe_nodes(model.graph))
+    assert nodes and all(m.form.sums for m in nodes)
+    kinds = {m.node.inputs[QMOE_SLOTS["fc1"][1]].dtype for m in nodes}
+    assert kinds == {ir.DataType.FLOAT16}
+    stored = sum(m.bytes_per_expert * m.experts for m in nodes)
+    experts = sum(m.bytes_per_expert * m.experts * QMOE_CPU_HELD[(m.form.plain, "float16")][0] for m in nodes)
+    assert host_memory.cpu_held_bytes(model) >= experts - len(nodes) and experts > 1.4 * stored  # int() per node
+
+
 # ---- execution providers, offload options: every fallback and refusal ---------------------------
 
 @pytest.fixture(scope="module")
