@@ -127,17 +127,14 @@ class Timing:
     output: np.ndarray
 
 
-def session_options(threads: int) -> ort.SessionOptions:
+def session(model: bytes | str, threads: int) -> ort.InferenceSession:
+    """A CPU session of the model (bytes, or a path: external data is mapped from beside it)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 4
-    return options
-
-
-def session(model: bytes, threads: int) -> ort.InferenceSession:
     try:
-        return ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT's own exception types
         raise Refused(f"load: {one_line(e)}") from None
 
@@ -161,6 +158,12 @@ def run_timed(model: bytes, feeds: dict[str, np.ndarray], out_shape, out_dtype, 
             e = plain
         raise Refused(f"run: {one_line(e)}") from None
     result = binding.get_outputs()[0].numpy().copy()
+    return Timing(*median_ms(sess, binding, first, args), result)
+
+
+def median_ms(sess: ort.InferenceSession, binding, first: float, args) -> tuple[float, int]:
+    """(median ms per run, runs) after a warm-up of twice the first run's `first` seconds (at most
+    0.2 s): at least 50 runs and --min-time, or 3 runs once a second has passed."""
     warm_until = time.perf_counter() + min(0.2, 2 * first)
     while time.perf_counter() < warm_until:
         sess.run_with_iobinding(binding)
@@ -174,7 +177,7 @@ def run_timed(model: bytes, feeds: dict[str, np.ndarray], out_shape, out_dtype, 
         spent = t1 - start
         if (len(times) >= 50 and spent >= args.min_time) or (spent >= max(1.0, args.min_time) and len(times) >= 3):
             break
-    return Timing(float(np.median(times)) * 1e3, len(times), result)
+    return float(np.median(times)) * 1e3, len(times)
 
 
 def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
@@ -513,6 +516,12 @@ def used_experts(logits: np.ndarray) -> int:
     return len({int(e) for ids, _ in routing(logits) for e in ids})
 
 
+def qmoe_attrs(bits: int, bs: int, acc: int) -> dict:
+    """A QMoE node's attributes at these sizes: top-8 SwiGLU (interleaved), renormalized routing."""
+    return dict(k=TOP_K, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                normalize_routing_weights=1, expert_weight_bits=bits, block_size=bs, accuracy_level=acc)
+
+
 def qmoe_model(t, h_in, fc1: Experts, fc2: Experts, acc, *, dtype=np.float32, scale_dtype=None, h_out=None,
                extra_attrs=None, augmented=0, casts=False):
     """QMoE node (plus Concat / Cast around it where asked)."""
@@ -524,9 +533,7 @@ def qmoe_model(t, h_in, fc1: Experts, fc2: Experts, acc, *, dtype=np.float32, sc
     if fc1.zp is not None:
         ins += ["", "", "", "", "fc1.zp", "fc2.zp"]
         inits += [tensor("fc1.zp", fc1.zp), tensor("fc2.zp", fc2.zp)]
-    attrs = dict(k=TOP_K, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                 normalize_routing_weights=1, expert_weight_bits=fc1.bits, block_size=fc1.bs, accuracy_level=acc)
-    attrs.update(extra_attrs or {})
+    attrs = {**qmoe_attrs(fc1.bits, fc1.bs, acc), **(extra_attrs or {})}
     nodes = []
     graph_in = [value("x_in", np.float32, (t, h_in - augmented)), value("logits_in", np.float32, (t, E))]
     if augmented:
@@ -763,25 +770,16 @@ def stream_timed(model: bytes, feeds: dict[str, np.ndarray], args) -> tuple[floa
                         size_threshold=1024)
         del proto
         before = anonymous_bytes()
-        try:
-            sess = ort.InferenceSession(str(path), session_options(args.threads), providers=["CPUExecutionProvider"])
-        except Exception as e:  # ORT's own exception types
-            raise Refused(f"load: {one_line(e)}") from None
+        sess = session(str(path), args.threads)
         added = anonymous_bytes() - before
     binding = sess.io_binding()
     for name, array in feeds.items():
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array)))
     for out in sess.get_outputs():
         binding.bind_output(out.name)
-    for _ in range(3):
-        sess.run_with_iobinding(binding)
-    times = []
-    start = time.perf_counter()
-    while len(times) < 20 or time.perf_counter() - start < args.min_time:
-        t0 = time.perf_counter()
-        sess.run_with_iobinding(binding)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3, added
+    t0 = time.perf_counter()
+    sess.run_with_iobinding(binding)
+    return median_ms(sess, binding, time.perf_counter() - t0, args)[0], added
 
 
 def case_stream(args) -> None:
@@ -805,9 +803,7 @@ def case_stream(args) -> None:
                           for j, fc in ((0, "fc1"), (1, "fc2")))
     for acc in (0, 4):
         nodes = [helper.make_node("QMoE", ["x", "logits", f"{i}.fc1.w", f"{i}.fc1.s", "", f"{i}.fc2.w", f"{i}.fc2.s"],
-                                  [f"y{i}"], domain="com.microsoft", name=f"moe{i}", k=TOP_K, activation_type="swiglu",
-                                  swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                                  normalize_routing_weights=1, expert_weight_bits=4, block_size=32, accuracy_level=acc)
+                                  [f"y{i}"], domain="com.microsoft", name=f"moe{i}", **qmoe_attrs(4, 32, acc))
                  for i in range(layers)]
         model = model_bytes(nodes, [value("x", np.float32, (1, H)), value("logits", np.float32, (1, E))],
                             [value(f"y{i}", np.float32, (1, H)) for i in range(layers)], inits, blob)

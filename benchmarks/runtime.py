@@ -157,26 +157,20 @@ def copy_bandwidth() -> float:
     return 2 * src.nbytes / min(times)
 
 
+MOE_OPS = ("QMoE", "MoE")
+
+
 def bytes_per_decode_step(model_dir: Path) -> tuple[int, int]:
-    """(expert bytes, other weight bytes) one decode step reads: top-k of each MoE layer's experts;
-    every other weight except the embedding table (one row of it)."""
-    report = json.loads((model_dir / "moepass.json").read_text())
-    layers = {m["node"].rsplit(".", 1)[0]: m for m in report["moe_layers"]}
-    expert = other = 0
-    for w in report["weights"]:
-        name = w["onnx_name"]
-        layer = name.split(".ffn_experts")[0] if ".ffn_experts" in name else None
-        if layer in layers:
-            expert += w["bytes"] * layers[layer]["top_k"] // layers[layer]["experts"]
-        elif not name.startswith("token_embd"):
-            other += w["bytes"]
-    return expert, other
+    """(expert bytes, other weight bytes) one decode step reads (weight_bytes_by_operator)."""
+    by_op = weight_bytes_by_operator(model_dir)
+    expert = sum(by_op.get(op, 0) for op in MOE_OPS)
+    return expert, sum(by_op.values()) - expert
 
 
-def node_weight_bytes(model_dir: Path) -> dict[str, int]:
-    """Weight bytes a decode step reads per node of model.onnx, as stored: each initializer input
-    (also through a Cast of one, which ONNX Runtime folds at load); a QMoE node's top-k of its
-    experts; a Gather's one row of its table."""
+def weight_bytes_by_operator(model_dir: Path) -> dict[str, int]:
+    """Weight bytes a decode step reads per operator type of model.onnx, as stored: each node's
+    initializer inputs (also through a Cast of one, which ONNX Runtime folds at load); of a MoE
+    node its top-k experts; of a Gather one row of its table."""
     import onnx
 
     model = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
@@ -186,19 +180,18 @@ def node_weight_bytes(model_dir: Path) -> dict[str, int]:
         sizes[t.name] = int(external["length"]) if "length" in external else len(t.raw_data)
     cast_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast" and n.input[0] in sizes}
     rows_of = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
-    out = {}
+    out: dict[str, int] = {}
     for n in model.graph.node:
         if n.op_type == "Cast":
             continue
         read = sum(sizes.get(cast_of.get(i, i), 0) for i in n.input)
-        if n.op_type == "QMoE":
+        if n.op_type in MOE_OPS:  # inputs (x, router logits, fc1 weights, ...): experts on the first axis
             k = next(a.i for a in n.attribute if a.name == "k")
-            experts = next(d for t in model.graph.initializer if t.name == n.input[2] for d in t.dims[:1])
-            read = read * k // experts
+            read = read * k // rows_of[n.input[2]]
         elif n.op_type.startswith("Gather") and cast_of.get(n.input[0], n.input[0]) in rows_of:
             read //= rows_of[cast_of.get(n.input[0], n.input[0])]
         if read:
-            out[n.name] = read
+            out[n.op_type] = out.get(n.op_type, 0) + read
     return out
 
 
@@ -212,11 +205,7 @@ def profile(model_dir: Path, args) -> dict:
 def profile_table(row: dict, bandwidth: float) -> None:
     """The step by operator type beside the weight bytes each reads and their floor at the copy
     bandwidth; then the layers' spread and the executor's share."""
-    where, weights = row["profile"], row["node_bytes"]
-    op_bytes: dict[str, int] = {}
-    op_of = row["op_of"]
-    for name, nbytes in weights.items():
-        op_bytes[op_of.get(name, "?")] = op_bytes.get(op_of.get(name, "?"), 0) + nbytes
+    where, op_bytes = row["profile"], row["op_bytes"]
     print(f"\n{row['preset']}: a decode step after 128 tokens under ONNX Runtime's profiler, "
           f"{where['step_ms']:.1f} ms ({where['steps']} steps; the profiler adds its own cost to each node)")
     print("| operator | nodes a step | ms a step | share of the step | weight MiB a step | floor at copy bandwidth | "
@@ -230,7 +219,7 @@ def profile_table(row: dict, bandwidth: float) -> None:
             print(f"| {op} | {v['nodes']:.0f} | {v['ms']:.2f} | {v['ms'] / where['step_ms']:.1%} | {cells} |")
     print(f"| the executor between kernels | | {where['framework_ms']:.2f} | "
           f"{where['framework_ms'] / where['step_ms']:.1%} | | | |")
-    total = sum(weights.values())
+    total = sum(op_bytes.values())
     print(f"| **step** | {sum(v['nodes'] for v in where['operators'].values()):.0f} | {where['step_ms']:.2f} | | "
           f"{total / 2**20:.0f} | {total / bandwidth * 1e3:.1f} ms | {where['step_ms'] - total / bandwidth * 1e3:+.1f} |")
     layers = sorted(ms for layer, ms in where["layers"].items() if int(layer) >= 0)
@@ -291,12 +280,8 @@ def main() -> None:
                          "model_dir": out})
         report(rows, args, bandwidth)  # before the profiles: a profile that fails loses no timing
         if args.profile:
-            import onnx
-
             for row in rows:
-                graph = onnx.load(str(row["model_dir"] / "model.onnx"), load_external_data=False).graph
-                row.update(profile=profile(row["model_dir"], args), node_bytes=node_weight_bytes(row["model_dir"]),
-                           op_of={n.name: n.op_type for n in graph.node})
+                row.update(profile=profile(row["model_dir"], args), op_bytes=weight_bytes_by_operator(row["model_dir"]))
                 profile_table(row, bandwidth)
 
 

@@ -132,6 +132,7 @@ def decode_profile(model_dir, new_tokens: int = 16, depth: int = 128, **load_opt
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
     steps = runs[-new_tokens:] if len(runs) > new_tokens else runs
     decode_from = steps[0]["ts"] if steps else 0
+    per_step = 1 / max(len(steps), 1)
     operators: dict[str, dict[str, float]] = {}
     layers: dict[int, float] = {}
     node_ms: dict[str, float] = {}
@@ -140,14 +141,14 @@ def decode_profile(model_dir, new_tokens: int = 16, depth: int = 128, **load_opt
         if e.get("cat") != "Node" or not e.get("name", "").endswith(suffix) or e["ts"] < decode_from:
             continue
         name = e["name"][: -len(suffix)]
-        ms = e["dur"] / 1e3 / max(len(steps), 1)
+        ms = e["dur"] / 1e3 * per_step
         op = operators.setdefault(e.get("args", {}).get("op_name", "?"), {"ms": 0.0, "nodes": 0.0})
         op["ms"] += ms
-        op["nodes"] += 1 / max(len(steps), 1)
+        op["nodes"] += per_step
         node_ms[name] = node_ms.get(name, 0.0) + ms
         layer = int(name.split(".")[1]) if name.startswith("blk.") and name.split(".")[1].isdigit() else -1
         layers[layer] = layers.get(layer, 0.0) + ms
-    step_ms = sum(r["dur"] for r in steps) / 1e3 / max(len(steps), 1)
+    step_ms = sum(r["dur"] for r in steps) / 1e3 * per_step
     nodes_ms = sum(op["ms"] for op in operators.values())
     whole = nodes_ms or 1.0
     ordered = dict(sorted(operators.items(), key=lambda kv: -kv[1]["ms"]))

@@ -34,9 +34,7 @@ def cpu_held_bytes(model: ir.Model) -> int:
         if node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
             scales = input_at(node, 2)  # both take (weights, activations or indices, scales, ...)
             stored = _stored(scales)
-            if (
-                scales is not None and stored is not None and not scales.is_initializer()
-            ):  # widened by a Cast: folded on the heap
+            if stored is not None and stored is not scales:  # widened by a Cast: folded on the heap
                 total += 2 * tensor_bytes(stored)
     for moe in moe_nodes(model.graph):
         if moe.node.op_type != "QMoE":
