@@ -35,6 +35,7 @@ from moepass.core.choices import KV_CACHE_TYPES, format_bytes, one_of
 from moepass.core.errors import MoepassError
 from moepass.core.files import MODEL_FILE, load_model
 from moepass.core.ir_values import dim, dtype_of, folded, required_input
+from moepass.core.onnx_format import stamp
 
 CALIBRATION_TOKENS = 256
 INT8_MAX = 127
@@ -263,5 +264,6 @@ def set_kv_cache(
         for key in ("k_quant_type", "v_quant_type"):
             node.attributes[key] = ir.AttrString(key, "PER_CHANNEL")
         node.attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", 8)
+    stamp(model, str(folder / MODEL_FILE))
     onnx.save(ir.to_proto(model), folder / MODEL_FILE)  # external weights stay where they are
     return info

@@ -30,6 +30,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import load_model, model_file
 from moepass.core.ir_values import dims, required_input, stored_constant, tensor_of
 from moepass.core.moe_nodes import MoeNode, moe_nodes, tensor_bytes
+from moepass.core.onnx_format import OPSETS, stamp
 
 FORMAT = "moepass-cpu-costs"
 STEPS = 24  # timed one-token steps per piece (after warm-up); the median counts
@@ -81,9 +82,9 @@ def _single_node_model(node: ir.Node, inputs: list[ir.Value | None], outputs: in
         [copy.outputs[0]],
         nodes=[copy],
         initializers=initializers,
-        opset_imports={"": 21, "com.microsoft": 1},
+        opset_imports=dict(OPSETS),
     )
-    return ir.Model(graph, ir_version=10)
+    return stamp(ir.Model(graph, ir_version=0))
 
 
 def _time(model: ir.Model, folder: Path, feeds: list[dict[str, np.ndarray]], threads: int | None) -> float:

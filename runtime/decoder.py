@@ -25,6 +25,7 @@ from moepass.core.files import (
     read_json_object,
     read_report,
 )
+from moepass.core.onnx_format import stamp
 from moepass.runtime import speculative
 from moepass.runtime.chat_template import ChatTemplate
 from moepass.runtime.host_memory import check_fits
@@ -112,7 +113,11 @@ class Decoder:
         self.threads = usable_threads(threads)
         if self.threads:
             options.intra_op_num_threads = self.threads
-        options.log_severity_level = 3
+        # ONNX Runtime's own start-up lines (a CUDA EP it could not create, a layering rule with no
+        # EP) only at FATAL: moepass says what happened in one line (provider_in_effect), and a
+        # failure raises with ONNX Runtime's message
+        ort.set_default_logger_severity(4)
+        options.log_severity_level = 4
         if profile_prefix:
             options.enable_profiling = True
             options.profile_file_prefix = profile_prefix
@@ -120,7 +125,7 @@ class Decoder:
             options.add_session_config_entry(key, value)
         source: str | bytes = str(model_path)
         if graph is not None:
-            source = onnx_ir.to_proto(graph).SerializeToString()
+            source = onnx_ir.to_proto(stamp(graph, str(model_path))).SerializeToString()
             options.add_session_config_entry(keys.EXTERNAL_DATA_FOLDER_KEY, str(folder))
         try:
             if self.plan.plugin_devices:

@@ -25,7 +25,7 @@ from typing import Any
 import onnx_ir as ir
 
 from moepass.core import keys
-from moepass.core.capabilities import layout_problems, offload_violations
+from moepass.core.capabilities import layout_problems, offload_violations, release_refusal
 from moepass.core.choices import DEVICES, PLUGIN_ENV, one_of
 from moepass.core.errors import MoepassError, first_line
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
@@ -93,6 +93,9 @@ def plan_session(
     if mislabelled:
         node, why = mislabelled[0]
         raise MoepassError(f"MoE node {node}: {why}; refused")
+    lacking = release_refusal(model, _ort_version(ort), f"ONNX Runtime {ort.__version__}")
+    if lacking:
+        raise MoepassError(lacking)
     entries = dict(options_file_entries)
     layered = LAYER_SETTINGS_KEY in entries
     layer_mode = (mode or placement_mode or "auto") if layered else "disabled"

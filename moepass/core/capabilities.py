@@ -276,3 +276,49 @@ def cuda_refusals(model: ir.Model) -> dict[str, str]:
         if why:
             found[node.name or node.op_type] = why
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseGap:
+    """A form the ONNX Runtime releases before `since` cannot run as moepass writes it: `form`, in
+    words, with the flag that makes it, and what goes wrong (probed on 1.31.1, the newest
+    onnxruntime-gpu, on the CPU EP: tests/test_ort_releases.py runs every form on both releases)."""
+
+    since: tuple[int, int]
+    form: str
+    what: str
+    applies: Callable[[ir.Node], bool]
+
+
+RELEASE_GAPS = (
+    ReleaseGap(
+        (1, 32),
+        "SM80-prepacked QMoE experts (weights_prepacked=1: --expert-format offload, partition --target offload)",
+        "its CPU EP computes other values without a word (other greedy tokens) or crashes creating the session",
+        lambda node: node.op_type == "QMoE" and node.attributes.get_int("weights_prepacked", 0) == 1,
+    ),
+    ReleaseGap(
+        (1, 32),
+        "com.microsoft::MoEPacked nodes (the GGUF's own blocks: --expert-format packed)",
+        "the operator is new in 1.32",
+        lambda node: node.op_type == "MoEPacked",
+    ),
+)
+
+
+def release_refusal(model: ir.Model, version: tuple[int, int], label: str) -> str | None:
+    """Why ONNX Runtime `label` (of `version`) cannot run `model` as written, naming the form and a
+    node; None where it can."""
+    for gap in RELEASE_GAPS:
+        if version >= gap.since:
+            continue
+        nodes = [m.name for m in moe_nodes(model.graph) if m.node.domain == "com.microsoft" and gap.applies(m.node)]
+        if nodes:
+            since = ".".join(map(str, gap.since))
+            more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
+            return (
+                f"{gap.form} need ONNX Runtime {since} or newer; {label} is installed, and {gap.what} "
+                f"({nodes[0]}{more}): convert with the default expert format (or partition --target layers) "
+                f"to run on {label}, or install moepass[cpu] (onnxruntime {since})"
+            )
+    return None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from moepass.core.choices import ACTIVATION_MODES, PASS_NAMES
 from moepass.core.errors import MoepassError, first_line
+from moepass.core.onnx_format import stamp
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -147,6 +148,7 @@ def save_model(
     import onnx_ir
     from onnx_ir.external_data import convert_tensors_to_external
 
+    stamp(model, str(path))  # an IR version every supported ONNX Runtime loads
     tensors = {v: v.const_value for v in model.graph.initializers.values() if v.const_value is not None}
     source = os.path.realpath(share_from) if share_from is not None else ""
     shared = {

@@ -14,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moepass.core.errors import MoepassError
+from moepass.core.onnx_format import ir_version_for
 
 
 def input_at(node: ir.Node, index: int) -> ir.Value | None:
@@ -84,6 +85,7 @@ def folded(value: ir.Value, limit: int = 256) -> np.ndarray:
             [ir.serde.serialize_tensor(t) for t in constants.values()],
         ),
         opset_imports=[onnx.helper.make_opsetid(domain, version) for domain, version in graph.opset_imports.items()],
+        ir_version=ir_version_for(graph.opset_imports),  # not onnx's newest: ONNX Runtime 1.31 loads up to 13
     )
     options = ort.SessionOptions()
     options.log_severity_level = 3

@@ -29,15 +29,12 @@ from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTE
 from moepass.core.errors import MoepassError
 from moepass.core.files import LOGITS_TO_KEEP
 from moepass.core.gguf_reader import GGUFModel
+from moepass.core.onnx_format import OPSETS, ir_version_for
 from moepass.core.version import __version__
 from moepass.passes.lower.attention import attention, attention_inputs
 from moepass.passes.lower.ffn import feed_forward
 from moepass.passes.lower.graph_builder import GraphBuilder, LowerOptions
 from moepass.passes.weights import WeightReport
-
-OPSETS = {"": 21, "com.microsoft": 1}
-IR_VERSION = 10
-
 
 # ---- recipes ----------------------------------------------------------------------------------------
 
@@ -167,7 +164,7 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
     graph = RECIPES[arch.recipe](b)
     model = ir.Model(
         graph,
-        ir_version=IR_VERSION,
+        ir_version=ir_version_for(OPSETS),
         producer_name="moepass",
         producer_version=__version__,
         metadata_props={
