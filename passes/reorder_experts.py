@@ -35,13 +35,26 @@ def _permuted(value: ir.Value, order: list[int], axis: int, name: str) -> ir.Val
     """A new initializer: `value` permuted along `axis`, streamed one slice at a time when saved."""
     source = tensor_of(value)
     shape = tensor_dims(source)
+    if axis == 0 and isinstance(source, StreamedTensor) and source.in_expert_order is not None:
+        # packed in this run (the GPU form, a GGUF lowered here): packed once, in the new order
+        return ir.Value(
+            name=name,
+            type=value.type,
+            shape=ir.Shape(shape),
+            const_value=StreamedTensor(source.in_expert_order(order), source.dtype, shape, name),
+        )
 
     def chunks() -> Iterator[np.ndarray]:
-        if axis == 0:  # an expert at a time, read as fuse-moe reads (out of this process's RSS)
+        if axis != 0:  # a router's columns: one small matrix
+            yield np.ascontiguousarray(np.take(source.numpy(), order, axis=axis))
+        elif isinstance(source, (ir.ExternalTensor, ir.Tensor)):
+            # an expert at a time, read as fuse-moe reads (out of this process's RSS)
             for e in order:
                 yield np.ascontiguousarray(read_rows(source, e, 1)[0])
-        else:  # a router's columns: one small matrix
-            yield np.ascontiguousarray(np.take(source.numpy(), order, axis=axis))
+        else:  # computed on each read: computed once, then taken an expert at a time
+            whole = source.numpy()
+            for e in order:
+                yield np.ascontiguousarray(whole[e])
 
     tensor = StreamedTensor(chunks, source.dtype, shape, name)
     return ir.Value(name=name, type=value.type, shape=ir.Shape(shape), const_value=tensor)

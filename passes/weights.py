@@ -97,12 +97,21 @@ class StreamedTensor(ir.LazyTensor):
     consumers) concatenate them.
     """
 
-    __slots__ = ("_chunks",)
+    __slots__ = ("_chunks", "in_expert_order")
 
     def __init__(
-        self, chunks: Callable[[], Iterator[np.ndarray]], dtype: ir.DataType, shape: tuple[int, ...], name: str
+        self,
+        chunks: Callable[[], Iterator[np.ndarray]],
+        dtype: ir.DataType,
+        shape: tuple[int, ...],
+        name: str,
+        in_expert_order: Callable[[list[int]], Callable[[], Iterator[np.ndarray]]] | None = None,
     ):
         self._chunks = chunks
+        # for an expert stack [E, ...]: its chunks with the experts in another order (slot i holds
+        # expert order[i]) at the cost of streaming it once (a PackedGroup packs its sources in that
+        # order: reorder-experts on a model lowered in this run); None: read whole to reorder
+        self.in_expert_order = in_expert_order
 
         def whole() -> ir.TensorProtocol:
             parts = [np.ascontiguousarray(c).reshape(-1) for c in chunks()]
@@ -521,6 +530,48 @@ class StoredRows:
         return packed
 
 
+class ExpertOrder:
+    """A RowSource of an expert stack [E, N, K] with its experts in `order` (slot i holds expert
+    order[i]): spans of one expert, each packed from that expert's own rows of `source`, so a stack
+    is packed in another order in one pass (reorder-experts on a model lowered in this run)."""
+
+    def __init__(self, source: RowSource, order: Sequence[int]):
+        e = source.shape[0]
+        if len(source.shape) != 3 or sorted(order) != list(range(e)):
+            raise ValueError(f"{source.parts[0][0]}: the expert order is not a permutation of its {e} experts")
+        self.source, self.order = source, list(order)
+        self.n = source.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    @property
+    def parts(self) -> list[tuple[str, str]]:
+        return self.source.parts
+
+    def spans(self, multiple: int) -> Iterator[tuple[int, int]]:
+        if self.n % multiple:
+            raise ValueError(f"{self.parts[0][0]}: experts of {self.n} rows packed {multiple} rows at a time")
+        return ((slot * self.n, self.n) for slot in range(len(self.order)))
+
+    def _source_span(self, span: tuple[int, int]) -> tuple[int, int]:
+        first, rows = span
+        slot, offset = divmod(first, self.n)
+        if offset + rows > self.n:
+            raise ValueError(f"{self.parts[0][0]}: a span of experts in another order crosses an expert")
+        return self.order[slot] * self.n + offset, rows
+
+    def part_of(self, first: int) -> int:
+        return self.source.part_of(self._source_span((first, 1))[0])
+
+    def pack(self, span: tuple[int, int], form: BlockForm, out: Slots) -> Packed:
+        return self.source.pack(self._source_span(span), form, out)
+
+    def values(self, span: tuple[int, int]) -> np.ndarray:
+        return self.source.values(self._source_span(span))
+
+
 def float_expert_stack(
     sources: Sequence[RowSource],
     name: str,
@@ -659,9 +710,22 @@ class PackedGroup:
         codes_name: str = "q",
         pad_rows: int = 0,
         offsets_dtype: ir.DataType = ir.DataType.FLOAT,
+        record: bool = True,
     ):
         self.sources, self.form, self.name, self.report = list(sources), form, name, report
         self.workers = workers
+        self._options: dict[str, Any] = {
+            "blob_layout": blob_layout,
+            "scale_dtype": scale_dtype,
+            "prepack": prepack,
+            "zero_points": zero_points,
+            "workers": workers,
+            "codes_name": codes_name,
+            "pad_rows": pad_rows,
+            "offsets_dtype": offsets_dtype,
+        }
+        self._orders: dict[tuple[int, ...], PackedGroup] = {}  # the group packed in another expert order
+        self._order_lock = threading.Lock()
         self.scale_type = FLOAT_TYPES[scale_dtype][0]
         self.offsets_type = FLOAT_TYPES[offsets_dtype][0]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
@@ -695,19 +759,31 @@ class PackedGroup:
             nbytes += self.extra[1].itemsize * int(np.prod(rows)) * self.extra[0]
         elements = sum(int(np.prod(s.shape)) for s in sources)
         parts = PartRecord(self.sources)
-        report.add(
-            WeightRecord(
-                name,
-                parts.names(),
-                parts.types(),
-                str(form),
-                nbytes,
-                round(nbytes * 8 / elements, 4),
+        if record:  # a group packed again in another expert order shares its record
+            report.add(
+                WeightRecord(
+                    name,
+                    parts.names(),
+                    parts.types(),
+                    str(form),
+                    nbytes,
+                    round(nbytes * 8 / elements, 4),
+                )
             )
-        )
+        stack = len(lead) == 2  # an expert stack [E, N, K]: experts on axis 0 of every tensor
+
+        def reorder(tensor: str) -> Callable[[list[int]], Callable[[], Iterator[np.ndarray]]] | None:
+            if not stack:
+                return None
+            return lambda order: getattr(self._in_order(order), tensor)._chunks
+
         once = PackOnce(self._packed_chunks, 1 if self.extra is None else 2)
-        self.codes = StreamedTensor(once.codes, ir.DataType.UINT8, codes_shape, f"{name}.{codes_name}")
-        self.scales = StreamedTensor(lambda: once.extra(0), scale_dtype, scales_shape, f"{name}.scales")
+        self.codes = StreamedTensor(
+            once.codes, ir.DataType.UINT8, codes_shape, f"{name}.{codes_name}", in_expert_order=reorder("codes")
+        )
+        self.scales = StreamedTensor(
+            lambda: once.extra(0), scale_dtype, scales_shape, f"{name}.scales", in_expert_order=reorder("scales")
+        )
         self.offsets = self.zero_points = None
         if form.offsets:
             self.offsets = StreamedTensor(
@@ -720,8 +796,24 @@ class PackedGroup:
             )
         elif zero_points:
             self.zero_points = StreamedTensor(
-                lambda: once.extra(1), ir.DataType.UINT8, (*rows, zero_cols), f"{name}.zero_points"
+                lambda: once.extra(1),
+                ir.DataType.UINT8,
+                (*rows, zero_cols),
+                f"{name}.zero_points",
+                in_expert_order=reorder("zero_points"),
             )
+
+    def _in_order(self, order: list[int]) -> PackedGroup:
+        """This group with its experts in `order`, packed once for all its tensors (its weight
+        record is this group's: filled in when that one is written)."""
+        with self._order_lock:
+            key = tuple(order)
+            if key not in self._orders:
+                sources = [ExpertOrder(s, order) for s in self.sources]
+                self._orders[key] = PackedGroup(
+                    sources, self.form, self.name, self.report, **self._options, record=False
+                )
+            return self._orders[key]
 
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, ...]]]:
         """(codes, (scales[, extra])) per chunk of rows, as stored; records exactness and error once

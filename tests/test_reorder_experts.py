@@ -192,3 +192,51 @@ def test_reorder_experts_refuses_an_expert_tensor_from_a_constant_node():
     with pytest.raises(MoepassError, match=r"node blk.0.moe: expert input 5 \('fc2_bias'\) is computed"):
         ReorderExpertsPass({"blk.0.moe": ORDER}, {})(built.model)
     np.testing.assert_array_equal(run_model(built.model, {"x": built.x})[0], before)  # nothing was changed
+
+
+class _CountingRows:
+    """A RowSource that counts the rows it packs (every call goes to the GGUF rows it wraps)."""
+
+    def __init__(self, source):
+        self.source, self.rows_packed = source, 0
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def pack(self, span, form, out):
+        self.rows_packed += span[1]
+        return self.source.pack(span, form, out)
+
+
+def test_experts_packed_in_this_run_are_packed_once_in_the_new_order(make_gguf, tmp_path):
+    """A model lowered in this run (partition's GPU form, a GGUF partitioned in one step) holds its
+    experts as packings to come: reordering them packs each expert once, in the new order, codes and
+    scales from one pass; the bytes are the original packing's, permuted. (Read an expert at a time
+    from the packed whole, the offload form of a 2-layer Qwen3-30B-A3B-sized model took over 23 minutes.)"""
+    from moepass.core.architectures import architecture_of
+    from moepass.core.gguf_reader import GGUFModel
+    from moepass.core.quants import OFFLOAD_FORM, quant_type
+    from moepass.passes.reorder_experts import _permuted
+    from moepass.passes.weights import GgufRows, PackedGroup, WeightReport
+
+    gguf = GGUFModel(make_gguf("q4_0"))
+    arch = architecture_of(gguf)
+    hp = arch.read_hparams(gguf)
+    tensors = [arch.tensor(gguf, role, 0, hp) for role in ("ffn_gate_exps", "ffn_up_exps")]
+    sources = [_CountingRows(GgufRows(t, quant_type(t.ggml_type, t.name))) for t in tensors]
+    experts, rows = tensors[0].shape[0], tensors[0].shape[1]
+    order = [int(e) for e in np.random.default_rng(0).permutation(experts)]
+    report = WeightReport()
+    group = PackedGroup(sources, OFFLOAD_FORM, "fc1", report, scale_dtype=ir.DataType.FLOAT16, prepack=True)
+    original_codes, original_scales = group.codes.numpy(), group.scales.numpy()
+    assert [s.rows_packed for s in sources] == [experts * rows] * 2
+    values = {
+        name: ir.Value(name=name, shape=ir.Shape(t.shape), type=ir.TensorType(t.dtype), const_value=t)
+        for name, t in (("codes", group.codes), ("scales", group.scales))
+    }
+    codes = _permuted(values["codes"], order, 0, "codes").const_value.numpy()
+    scales = _permuted(values["scales"], order, 0, "scales").const_value.numpy()
+    assert [s.rows_packed for s in sources] == [2 * experts * rows] * 2  # once more, not once per expert
+    np.testing.assert_array_equal(codes, original_codes[order])
+    np.testing.assert_array_equal(scales, original_scales[order])
+    assert list(report.records) == ["fc1"]  # the packing in the new order shares the group's record
