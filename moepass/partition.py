@@ -157,7 +157,8 @@ class PartitionResult:
             lines.append(
                 f"  per expert       {other.gpu_hit_rate_by_mass:.1%} of routing mass, "
                 f"{other.decode_ms_per_token.cold_experts_on_cpu:.3g} ms/token at the same budget "
-                "(what the CUDA plugin EP's expert offload would add: --target offload)"
+                "(what the CUDA plugin EP's expert offload would add: --target offload, which runs on "
+                "onnxruntime 1.32 with that EP only; onnxruntime-gpu 1.31.1 refuses its form)"
             )
         return lines
 
