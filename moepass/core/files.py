@@ -4,6 +4,7 @@ model given as a directory or a model.onnx path is found and loaded."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import os
 import types
@@ -657,13 +658,31 @@ def share_file(source: Path, destination: Path, progress: Callable[[int, int], N
     except OSError:
         pass
     total = source.stat().st_size
+    in_kernel = True
     with open(source, "rb") as src, open(destination, "wb") as dst:
         done = 0
-        while done < total:  # in the kernel, in steps that can report progress
-            step = os.copy_file_range(src.fileno(), dst.fileno(), min(COPY_STEP, total - done))
+        while done < total:  # in the kernel where it can, in steps that can report progress
+            size = min(COPY_STEP, total - done)
+            if in_kernel:
+                try:
+                    step = os.copy_file_range(src.fileno(), dst.fileno(), size)
+                except OSError as e:
+                    if e.errno not in _NO_KERNEL_COPY:
+                        raise
+                    in_kernel = False  # another file system (EXDEV) or none: read and write, from here
+                    src.seek(done)
+                    dst.seek(done)
+                    continue
+            else:
+                step = dst.write(src.read(size))
             if step == 0:
                 raise MoepassError(f"{source}: shrank while it was copied")
             done += step
             if progress is not None:
                 progress(done, total)
     return "copy"
+
+
+# copy_file_range's refusals that a plain read and write does not share: across file systems
+# (EXDEV: partition -o /dev/shm/...), no such call or not for these files
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM)
