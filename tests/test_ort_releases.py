@@ -116,3 +116,21 @@ def test_the_installed_release_runs_what_it_is_not_refused(converted):
     else:
         with pytest.raises(MoepassError, match="need ONNX Runtime 1.32"):
             moepass.load(folder, device="cpu", threads=1)
+
+
+@pytest.mark.parametrize("top_k", [0, -1, "experts + 1"])
+def test_a_top_k_outside_the_experts_is_refused_before_onnx_runtime(top_k):
+    """ONNX Runtime's MoE kernels do not check k against the experts (a public report: an
+    out-of-bounds read): a model whose k is 0, negative or past its experts is refused when read."""
+    from hand_built import E, make_moe_model
+
+    from moepass.core.moe_nodes import moe_nodes
+
+    built = make_moe_model(("QMoE", "matmul", True))
+    node = next(n for n in built.model.graph if n.op_type == "QMoE")
+    k = E + 1 if top_k == "experts + 1" else top_k
+    node.attributes["k"] = ir.AttrInt64("k", k)
+    with pytest.raises(MoepassError, match=rf"k={k} experts per token, but it has {E} experts"):
+        moe_nodes(built.model.graph)
+    with pytest.raises(MoepassError, match=rf"k={k}"):
+        plan_session(_ort_of("1.32.0"), built.model, {}, device="cpu")

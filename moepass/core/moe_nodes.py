@@ -249,11 +249,14 @@ def moe_nodes(graph: ir.Graph) -> list[MoeNode]:
         experts = tensor_dims(tensor_of(values[0]))[0]
         if any(tensor_dims(tensor_of(v))[0] != experts for v in values):
             raise MoepassError(f"MoE node {node.name}: expert tensors disagree on the number of experts")
+        top_k = node.attributes.get_int("k", 1)
+        if not 1 <= top_k <= experts:  # ONNX Runtime's MoE kernels do not check k (an out-of-bounds read)
+            raise MoepassError(f"MoE node {node.name}: k={top_k} experts per token, but it has {experts} experts")
         found.append(
             MoeNode(
                 node,
                 experts,
-                node.attributes.get_int("k", 1),
+                top_k,
                 bool(node.attributes.get_int("normalize_routing_weights", 0)),
                 values,
             )
