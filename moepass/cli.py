@@ -703,10 +703,11 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from pathlib import Path
 
-    from moepass.server import listen
+    from moepass.server import check_api_key, listen
     from moepass.server import serve as run_server
 
     _require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
+    check_api_key(api_key)  # before the port and the model
     listener = listen(host, port)  # before the model loads: a busy port says so at once
     decoder = _load(model_dir, options)
     given = Path(model_dir).resolve()  # a GGUF goes by its file's name, as in llama-server

@@ -20,6 +20,8 @@ does not take, get OpenAI's error object (`{"error": {"message", "type", "param"
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
+import ipaddress
 import json
 import math
 import time
@@ -389,6 +391,15 @@ def _timings(stream) -> dict:
     }
 
 
+def check_api_key(api_key: str | None) -> None:
+    """An empty key (a blank $MOEPASS_API_KEY) is refused: it would serve with no key at all."""
+    if api_key is not None and not api_key.strip():
+        raise MoepassError(
+            "the API key is empty (--api-key or $MOEPASS_API_KEY): it would serve without one; "
+            "give a key, or unset it for a server open to whoever reaches it"
+        )
+
+
 def create_app(server: ModelServer, api_key: str | None = None):
     """The FastAPI application over `server`."""
     import anyio
@@ -396,6 +407,8 @@ def create_app(server: ModelServer, api_key: str | None = None):
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.datastructures import Headers
 
+    check_api_key(api_key)
+    expected = f"Bearer {api_key}".encode()
     app = FastAPI(title="moepass", version=_version())
 
     def error(e: RequestError) -> JSONResponse:
@@ -416,7 +429,8 @@ def create_app(server: ModelServer, api_key: str | None = None):
 
         async def __call__(self, scope, receive, send) -> None:
             if scope["type"] == "http" and scope["path"] != "/health":
-                if Headers(scope=scope).get("authorization", "") != f"Bearer {api_key}":
+                given = Headers(scope=scope).get("authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(given, expected):  # in a time that does not tell how much matched
                     refused = RequestError(
                         401,
                         "invalid or missing API key (Authorization: Bearer ...)",
@@ -699,6 +713,11 @@ def serve(decoder, model_id: str, listener, api_key: str | None, queue_size: int
     except ImportError:
         raise MoepassError("moepass serve needs FastAPI and uvicorn: pip install 'moepass[serve]'") from None
     host, port = listener.getsockname()[:2]
+    if not api_key and not ipaddress.ip_address(host).is_loopback:
+        echo(
+            f"warning: serving on {host}, beyond this machine, without an API key: anyone who reaches "
+            "the port can use the model (--api-key KEY or $MOEPASS_API_KEY)"
+        )
 
     async def main() -> None:
         app = create_app(ModelServer(decoder, model_id, queue_size, echo=echo), api_key)

@@ -381,3 +381,54 @@ def test_a_speculative_server_gives_the_same_greedy_answers(converted, tmp_path)
     finally:
         assert running.stop() == 0, running.log.read_text()
     assert "speculative decoding: n-gram lookup, 3 draft tokens per step" in running.log.read_text()
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_an_empty_api_key_is_refused_before_the_model_loads(model, monkeypatch, how):
+    """An empty key (--api-key "" or a blank $MOEPASS_API_KEY) served without one and said nothing."""
+    import moepass.runtime
+
+    monkeypatch.setattr(moepass.runtime, "load", lambda *a, **k: pytest.fail("the model loaded first"))
+    args = ["serve", str(model), "--port", str(_free_port())]
+    if how == "flag":
+        result = CliRunner().invoke(main, [*args, "--api-key", ""])
+    else:
+        result = CliRunner().invoke(main, args, env={"MOEPASS_API_KEY": " "})
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("moepass: error: the API key is empty") and result.stderr.count("\n") == 1
+
+
+def test_with_a_key_the_docs_pages_need_it_too(model):
+    """Every path but /health, FastAPI's /docs and /openapi.json included, answers 401 without the key."""
+    from starlette.testclient import TestClient
+
+    from moepass.runtime import load
+    from moepass.server import ModelServer, create_app
+
+    app = create_app(ModelServer(load(model, device="cpu", threads=1), "m", 4), "sesame")
+    with TestClient(app) as client:
+        for path in ("/docs", "/openapi.json", "/redoc", "/v1/models"):
+            assert client.get(path).status_code == 401, path
+            assert client.get(path, headers={"authorization": "Bearer sesame"}).status_code == 200, path
+        assert client.get("/v1/models", headers={"authorization": "Bearer sesame "}).status_code == 401
+        assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(("host", "key", "warned"), [("0.0.0.0", None, True), ("0.0.0.0", "k", False),
+                                                     ("127.0.0.1", None, False), ("::1", None, False)])
+def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, host, key, warned):
+    import asyncio
+
+    import moepass.server as server
+
+    class Listener:
+        def getsockname(self):
+            return (host, 8080)
+
+    def run(main):
+        main.close()  # the server itself is not started here
+
+    monkeypatch.setattr(asyncio, "run", run)
+    said: list[str] = []
+    server.serve(None, "m", Listener(), key, 4, echo=said.append)
+    assert any("without an API key" in line for line in said) == warned, said
