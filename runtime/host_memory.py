@@ -60,9 +60,17 @@ def _stored(value: ir.Value | None) -> ir.Value | None:
     return value if value is not None and value.is_initializer() else None
 
 
-def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """MemAvailable (free memory and the page cache the kernel can reclaim), or None where the
-    system does not say (not Linux)."""
+def available_bytes(
+    meminfo: Path = Path("/proc/meminfo"), cgroups: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """What this process can still take: MemAvailable (free memory and the page cache the kernel
+    can reclaim), and inside a container the least its memory cgroups leave (MemAvailable there
+    shows the host's memory); None where the system says neither (not Linux)."""
+    found = [h for h in (_meminfo_available(meminfo), _cgroup_headroom(cgroups, own)) if h is not None]
+    return min(found, default=None)
+
+
+def _meminfo_available(meminfo: Path) -> int | None:
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -70,6 +78,59 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+# (limit, usage, the reclaimable page cache in memory.stat) per cgroup version: v2 (the unified
+# hierarchy) and v1's memory controller
+_CGROUP_FILES = (("memory.max", "memory.current", "inactive_file"),
+                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))  # fmt: skip
+_NO_LIMIT = 1 << 60  # v1 writes "no limit" as a page-rounded 2^63 - 1
+
+
+def _cgroup_headroom(cgroups: Path, own: Path) -> int | None:
+    """The least limit - (usage - reclaimable page cache) over this process's memory cgroups and
+    their parents (a container sees its own as the root of the mount); None where none has a limit."""
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        return None
+    folders = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        base = (
+            cgroups
+            if parts[0] == "0" and not parts[1]
+            else cgroups / "memory"
+            if "memory" in parts[1].split(",")
+            else None
+        )
+        if base is None:
+            continue
+        relative = Path(parts[2].lstrip("/"))
+        folders += [base / relative, *(base / p for p in relative.parents)]
+    headroom = None
+    for folder in dict.fromkeys(folders):
+        for limit_file, usage_file, cache_key in _CGROUP_FILES:
+            try:
+                text = (folder / limit_file).read_text().strip()
+                if text == "max" or int(text) >= _NO_LIMIT:
+                    continue
+                limit, usage = int(text), int((folder / usage_file).read_text())
+            except (OSError, ValueError):
+                continue
+            cache = 0
+            try:
+                for line in (folder / "memory.stat").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == cache_key:
+                        cache = int(value)
+            except (OSError, ValueError):
+                pass
+            room = max(0, limit - max(0, usage - cache))
+            headroom = room if headroom is None else min(headroom, room)
+    return headroom
 
 
 def check_fits(model: ir.Model, model_path: Path) -> None:

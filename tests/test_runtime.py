@@ -167,10 +167,38 @@ def test_a_model_larger_than_memory_is_refused_before_onnx_runtime_packs_it(conv
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   1234 kB\n")
     monkeypatch.undo()
-    assert host_memory.available_bytes(meminfo) == 1234 * 1024
+    no_cgroup = {"cgroups": tmp_path / "absent", "own": tmp_path / "absent"}
+    assert host_memory.available_bytes(meminfo, **no_cgroup) == 1234 * 1024
     meminfo.write_text("MemTotal:       24000000 kB\n")
-    assert host_memory.available_bytes(meminfo) is None
-    assert host_memory.available_bytes(tmp_path / "absent") is None
+    assert host_memory.available_bytes(meminfo, **no_cgroup) is None
+    assert host_memory.available_bytes(tmp_path / "absent", **no_cgroup) is None
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_memory_check_reads_the_containers_limit(tmp_path, version):
+    """Inside a container MemAvailable shows the host's memory: the cgroup's limit, less what it
+    uses beyond reclaimable page cache, is what the process can take (the least over its parents)."""
+    from moepass.runtime import host_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:   20000000 kB\n")  # the host's 19 GiB
+    root = tmp_path / "cgroup"
+    names = host_memory._CGROUP_FILES[0 if version == "v2" else 1]
+    own = tmp_path / "own"
+    if version == "v2":
+        own.write_text("0::/pod/box\n")
+        base = root
+    else:
+        own.write_text("4:memory:/pod/box\n3:cpu:/x\n")
+        base = root / "memory"
+    for folder, limit in ((base / "pod", 3 << 30), (base / "pod" / "box", "max" if version == "v2" else 1 << 62)):
+        folder.mkdir(parents=True)
+        (folder / names[0]).write_text(f"{limit}\n")
+        (folder / names[1]).write_text(f"{2 << 30}\n")
+        (folder / "memory.stat").write_text(f"anon 1\n{names[2]} {512 << 20}\n")
+    # the pod's 3 GiB, of which 2 GiB used, 512 MiB of them page cache: 1.5 GiB left
+    assert host_memory.available_bytes(meminfo, root, own) == (3 << 30) - (2 << 30) + (512 << 20)
+    assert host_memory.available_bytes(meminfo, root, tmp_path / "absent") == 20000000 * 1024
 
 
 def test_the_memory_check_counts_block_sum_experts_by_their_bits_and_block(converted):
