@@ -26,6 +26,7 @@ from moepass.core.files import (
     OPTIONS_FILE,
     PLAN_FILE,
     REPORT_FILE,
+    SHARED_DATA_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     read_report,
@@ -36,6 +37,7 @@ OUTPUT_FILES = frozenset(
     {
         MODEL_FILE,
         DATA_FILE,
+        SHARED_DATA_FILE,
         REPORT_FILE,
         PLAN_FILE,
         OPTIONS_FILE,

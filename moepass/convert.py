@@ -22,7 +22,6 @@ import dataclasses
 import gc
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +49,7 @@ from moepass.core.files import (
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     as_ir_model,
+    copy_companion,
     model_file,
     read_report,
     read_text,
@@ -625,8 +625,7 @@ def convert_onnx(
         if earlier is not None:  # a model moepass converted before: its tokenizer and genai config still hold
             report.update({k: known[k] for k in ("architecture", "hparams", "tokenizer") if k in known})
             for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENAI_CONFIG_FILE):
-                if (earlier / name).is_file():
-                    shutil.copyfile(earlier / name, tmp / name)
+                copy_companion(earlier, name, tmp)
         write_report(tmp, report)
         output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
     bytes_by_target: dict[str, int] = collections.Counter()

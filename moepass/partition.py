@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,11 +50,14 @@ from moepass.core.files import (
     TOKENIZER_FILE,
     ModelReport,
     PlanReport,
+    copy_companion,
     load_model,
     model_file,
     read_json_object,
     read_report,
+    refuse_linked,
     save_model,
+    shared_data_identity,
     write_report,
 )
 from moepass.core.gguf_reader import GGUFModel, is_gguf
@@ -447,6 +449,8 @@ def partition(
     output_dir = Path(output_dir) if output_dir is not None else default_output(label)
     # ---- read
     source = read_source(label, gguf)
+    if source.folder is not None:  # before minutes of work: the files copied at the end
+        refuse_linked(source.folder, (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE))
     inputs_of = [source.label] if source.folder is None else [model_file(source.label)]
     check_destination(output_dir, overwrite, is_dir=True, inputs=inputs_of)  # the outputs before any work
     if report is not None:
@@ -607,14 +611,17 @@ def partition(
         weights_how = _write_model(source, lowered, model, tmp, progress, threads)
         document["lowering"] = _lowering_record(lowered, model, lower, weights_how)
         if (tmp / SHARED_DATA_FILE).is_file():
-            document["shared_data"] = {"file": SHARED_DATA_FILE, "source": str((source.folder or tmp) / DATA_FILE)}
+            document["shared_data"] = {
+                "file": SHARED_DATA_FILE,
+                "source": str((source.folder or tmp) / DATA_FILE),
+                "identity": shared_data_identity(tmp / SHARED_DATA_FILE),  # checked at every load
+            }
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
         (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
         placed = PlanReport.from_json(document, output_dir / PLAN_FILE)  # what readers of the file will take
         if source.folder is not None:
             for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-                if (source.folder / name).is_file():
-                    shutil.copyfile(source.folder / name, tmp / name)
+                copy_companion(source.folder, name, tmp)
             _write_report(source, lowered, tmp)
         # the cache retyped once the weights are in place and before the placement options (int8 is
         # calibrated on the CPU)

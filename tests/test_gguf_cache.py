@@ -3,13 +3,15 @@ the defaults into the cache, reused, rebuilt when the file changes or the entry 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 
 import pytest
 from click.testing import CliRunner
-from make_fixtures import DEMO_FIXTURE
+from gguf import GGUFWriter
+from make_fixtures import DEMO_DIMS, DEMO_FIXTURE, write_moe_gguf
 
 import moepass
 from moepass.cli import main
@@ -57,18 +59,99 @@ def test_run_converts_once_then_reuses_and_matches_an_explicit_conversion(gguf, 
     assert explicit.stdout == first.stdout
 
 
-def test_a_changed_file_is_converted_again_and_the_old_entry_removed(gguf, cache):
+def test_a_touched_file_is_converted_again(gguf, cache):
     _run(gguf)
-    (old,) = _entries(cache)
+    (entry,) = _entries(cache)
+    before = json.loads((cache / f"{entry}.json").read_text())
     stat = gguf.stat()
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place: same size
     result = _run(gguf)
     assert "converted with the defaults" in result.stderr
-    (new,) = _entries(cache)
-    assert new != old and not (cache / f"{old}.json").exists()
+    assert _entries(cache) == [entry]
+    assert json.loads((cache / f"{entry}.json").read_text())["parts"] != before["parts"]
 
 
-@pytest.mark.parametrize("damage", ["no record", "cut data", "foreign record", "empty folder"])
+def _tokens(result) -> str:
+    return result.stdout.strip()
+
+
+MIB = 1 << 20
+LARGER = dataclasses.replace(DEMO_DIMS, n_layers=8)  # past the first MiB: the key moepass had read no further
+
+
+def _past_first_mib(path, seed, tmp_path):
+    """The bytes `path` would hold past its first MiB had it been written with another seed (the
+    same header: same sizes, other weights)."""
+    other = tmp_path / f"other-{seed}.gguf"
+    write_moe_gguf(other, "q4_0", LARGER, seed=seed)
+    assert other.stat().st_size == path.stat().st_size > 2 * MIB
+    return other.read_bytes()[MIB:]
+
+
+def _converted_now(gguf, tmp_path) -> str:
+    fresh = tmp_path / f"fresh-{gguf.parent.name}"
+    assert CliRunner().invoke(main, ["convert", str(gguf), "-o", str(fresh), "-q"]).exit_code == 0
+    return _tokens(CliRunner().invoke(main, ["run", str(fresh), "--prompt-ids", "1,2,3", "-n", "4"]))
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_restored_gets_its_own_conversion(tmp_path, cache):
+    """cp -p, rsync -t and tar keep size and mtime: the bytes past the first MiB changed, the cache
+    must see it (ctime, and the sampled data blocks)."""
+    gguf = tmp_path / "m" / "model.gguf"
+    gguf.parent.mkdir()
+    write_moe_gguf(gguf, "q4_0", LARGER, seed=0)
+    first = _run(gguf)
+    rest = _past_first_mib(gguf, 7, tmp_path)
+    stat = gguf.stat()
+    with open(gguf, "r+b") as f:
+        f.seek(MIB)
+        f.write(rest)
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = _run(gguf)
+    assert "converted with the defaults" in second.stderr, second.stderr
+    assert _tokens(second) == _converted_now(gguf, tmp_path) != _tokens(first)
+
+
+def test_two_files_of_the_same_name_size_and_mtime_each_get_their_own(tmp_path, cache):
+    x, y = tmp_path / "x" / "model.gguf", tmp_path / "y" / "model.gguf"
+    x.parent.mkdir()
+    y.parent.mkdir()
+    write_moe_gguf(x, "q4_0", LARGER, seed=0)
+    y.write_bytes(x.read_bytes()[:MIB] + _past_first_mib(x, 7, tmp_path))  # the same first MiB
+    os.utime(y, ns=(x.stat().st_atime_ns, x.stat().st_mtime_ns))
+    from_x, from_y = _run(x), _run(y)
+    assert "converted with the defaults" in from_y.stderr and len(_entries(cache)) == 2
+    assert _tokens(from_y) == _converted_now(y, tmp_path) != _tokens(from_x)
+
+
+def test_content_digest_covers_the_whole_header_past_the_first_mib(tmp_path):
+    """A 151,936-token vocabulary puts the tensor index past 3.9 MB: a change there is seen."""
+    import numpy as np
+
+    from moepass.gguf_cache import content_digest
+
+    path = tmp_path / "big-vocab.gguf"
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_token_list([f"tok{i:06d}" for i in range(151_936)])
+    writer.add_tensor("a", np.zeros(64, np.float32))
+    writer.add_tensor("b", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    view = path.read_bytes()
+    name_at = view.rindex(b"b\x01\x00\x00\x00")  # the last tensor's entry in the index
+    assert name_at > 1 << 20
+    before = content_digest(path)
+    patched = bytearray(view)
+    patched[name_at] = ord("c")  # another tensor name, deep in the index
+    path.write_bytes(bytes(patched))
+    assert content_digest(path) != before
+
+
+@pytest.mark.parametrize(
+    "damage", ["no record", "cut data", "foreign record", "empty folder", "damaged data", "record of another source"]
+)
 def test_an_entry_not_whole_is_rebuilt_never_used(gguf, cache, damage):
     _run(gguf)
     (entry,) = _entries(cache)
@@ -80,6 +163,14 @@ def test_an_entry_not_whole_is_rebuilt_never_used(gguf, cache, damage):
         os.truncate(data, data.stat().st_size // 2)
     elif damage == "foreign record":
         record.write_text(json.dumps({"format": "something else"}))
+    elif damage == "damaged data":  # the same size, other bytes
+        data = next(p for p in (cache / entry).iterdir() if p.name.endswith(".data"))
+        with open(data, "r+b") as f:
+            f.seek(data.stat().st_size // 2)
+            f.write(b"\x7f" * 64)
+    elif damage == "record of another source":
+        forged = json.loads(record.read_text())
+        record.write_text(json.dumps({**forged, "source": "/elsewhere/tiny.gguf"}))
     else:
         shutil.rmtree(cache / entry)
         (cache / entry).mkdir()
@@ -130,3 +221,123 @@ def test_a_gguf_draft_model_goes_through_the_cache(gguf, cache):
     drafted = _run(gguf, "--speculative", f"draft:{gguf}")
     assert drafted.stdout == plain.stdout and drafted.stderr.count("using its conversion in") == 2
     assert len(_entries(cache)) == 1
+
+
+# ---- a cache folder others can write to: nothing followed, nothing trusted that moepass did not write
+
+
+def test_a_planted_lock_link_is_refused_and_its_target_not_made(gguf, cache, tmp_path):
+    from moepass.gguf_cache import entry_name
+
+    cache.mkdir()
+    name = entry_name(gguf.resolve())
+    victim = tmp_path / "victim"
+    (cache / f"{name}.lock").symlink_to(victim)
+    result = CliRunner().invoke(main, ["run", str(gguf), "--prompt-ids", "1", "-n", "1"])
+    assert result.exit_code != 0 and "a symbolic link in the GGUF cache" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not victim.exists()
+
+
+def test_a_planted_record_link_is_replaced_not_followed(gguf, cache, tmp_path):
+    from moepass.gguf_cache import entry_name
+
+    cache.mkdir()
+    name = entry_name(gguf.resolve())
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the victim's own\n")
+    (cache / f"{name}.json").symlink_to(victim)
+    _run(gguf)
+    assert victim.read_text() == "the victim's own\n"
+    assert not (cache / f"{name}.json").is_symlink() and json.loads((cache / f"{name}.json").read_text())["source"]
+
+
+def test_a_lock_of_another_user_is_refused(gguf, cache, monkeypatch):
+    """A lock planted by someone else (here: our own, seen from another uid)."""
+    import moepass.gguf_cache as gguf_cache
+
+    _run(gguf)
+    (entry,) = _entries(cache)
+    monkeypatch.setattr(gguf_cache.os, "getuid", lambda: os.geteuid() + 4242)
+    result = CliRunner().invoke(main, ["run", str(gguf), "--prompt-ids", "1", "-n", "1"])
+    assert result.exit_code != 0 and "not a file of this user's in the GGUF cache" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and _entries(cache) == [entry]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
+def test_an_entry_of_another_user_is_neither_used_nor_removed(gguf, cache):
+    """A forged entry planted by someone else in a shared (sticky) cache folder."""
+    _run(gguf)
+    (entry,) = _entries(cache)
+    for path in (cache / entry, cache / f"{entry}.json", *(cache / entry).iterdir()):
+        os.lchown(path, 4242, 4242)
+    result = CliRunner().invoke(main, ["run", str(gguf), "--prompt-ids", "1", "-n", "1"])
+    assert result.exit_code != 0 and "not this user's" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and _entries(cache) == [entry]
+    assert "another user's" in CliRunner().invoke(main, ["cache", "list"]).stdout
+    assert CliRunner().invoke(main, ["cache", "clear"]).exit_code == 0 and _entries(cache) == [entry]
+
+
+def test_a_record_named_dot_dot_json_removes_nothing(gguf, cache):
+    _run(gguf)
+    (entry,) = _entries(cache)
+    forged = json.loads((cache / f"{entry}.json").read_text())
+    (cache / "..json").write_text(json.dumps({**forged, "moepass": "0.0.1"}))  # an "older" entry of the file
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    _run(gguf)  # rebuilt: older entries of the same source removed
+    assert CliRunner().invoke(main, ["cache", "prune"]).exit_code == 0
+    assert cache.is_dir() and _entries(cache) == [entry] and (cache / "..json").exists()
+
+
+@pytest.mark.parametrize("sticky", [False, True])
+def test_a_cache_folder_others_can_write_is_used_only_when_sticky(gguf, tmp_path, sticky):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777 if sticky else 0o777)
+    result = CliRunner().invoke(main, ["run", str(gguf), "--prompt-ids", "1", "-n", "1", "--cache-dir", str(shared)])
+    if sticky:
+        assert result.exit_code == 0, result.output
+    else:
+        assert result.exit_code != 0 and "writable by other users and not sticky" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and not os.listdir(shared)
+
+
+def test_a_run_waiting_on_another_conversion_says_so(gguf, cache):
+    import fcntl
+    import threading
+
+    from moepass.gguf_cache import converted, entry_name
+
+    converted(gguf)
+    lock = cache / f"{entry_name(gguf.resolve())}.lock"
+    said = []
+    with open(lock, "r+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("12345\n")
+        held.flush()
+        threading.Timer(1.0, fcntl.flock, (held, fcntl.LOCK_UN)).start()
+        entry = converted(gguf, echo=said.append)
+    assert not entry.built and len(said) == 1 and "waiting for another moepass (pid 12345)" in said[0], said
+
+
+def test_cache_list_prune_clear(gguf, cache, tmp_path):
+    _run(gguf)
+    gone = tmp_path / "gone" / "gone.gguf"
+    gone.parent.mkdir()
+    shutil.copy(gguf, gone)
+    _run(gone)
+    gone.unlink()
+    (cache / ".left-by-a-killed-run.json.0123.tmp").write_text("{}")
+    listed = CliRunner().invoke(main, ["cache", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    states = {e["source"]: e["state"] for e in json.loads(listed.stdout)["entries"]}
+    assert states == {str(gguf.resolve()): "current", str(gone.resolve()): "source gone"}
+    text = CliRunner().invoke(main, ["cache", "list"]).stdout
+    assert "2 entries" in text and "source gone" in text and str(gone.resolve()) in text
+    pruned = CliRunner().invoke(main, ["cache", "prune"])
+    assert pruned.exit_code == 0 and "removed 1 stale entry" in pruned.stdout, pruned.output
+    assert len(_entries(cache)) == 1 and not (cache / ".left-by-a-killed-run.json.0123.tmp").exists()
+    assert "using its conversion" in _run(gguf).stderr
+    cleared = CliRunner().invoke(main, ["cache", "clear"])
+    assert cleared.exit_code == 0 and "removed 1 entry" in cleared.stdout and _entries(cache) == []
+    assert [p.name for p in cache.iterdir()] == []

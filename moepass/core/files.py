@@ -82,6 +82,7 @@ def load_model(model_dir: str | os.PathLike) -> onnx_ir.Model:
     if not model.graph.outputs or not len(model.graph):
         raise MoepassError(f"{path}: not an ONNX model with a graph (empty or not ONNX)")
     check_external_data(model, path)
+    check_shared_data(path.parent)
     _accept_shared_data(model, path)
     return model
 
@@ -686,3 +687,89 @@ def share_file(source: Path, destination: Path, progress: Callable[[int, int], N
 # copy_file_range's refusals that a plain read and write does not share: across file systems
 # (EXDEV: partition -o /dev/shm/...), no such call or not for these files
 _NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM)
+
+
+def sampled_digest(path: Path, blocks: int, block_bytes: int, whole_up_to: int) -> str:
+    """A digest of the file at `path`: all of it up to `whole_up_to` bytes, else its size and
+    `blocks` blocks of `block_bytes` spread evenly from its start to its end. Cheap at any size;
+    finds a file cut short, replaced, or damaged where it is read."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(f"{size}\n".encode())
+        if size <= whole_up_to:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        else:
+            for i in range(blocks):
+                digest.update(os.pread(f.fileno(), block_bytes, max(size - block_bytes, 0) * i // max(blocks - 1, 1)))
+    return digest.hexdigest()
+
+
+# the placed model's SHARED_DATA_FILE as plan.json records it: a hard link shares the source's file,
+# so a rewrite of the source's data is a rewrite of the placed model's; its ctime is not kept (each
+# link made or removed, another partition of the same source, changes it)
+SHARED_DATA_BLOCKS = 16
+SHARED_DATA_BLOCK_BYTES = 64 << 10
+
+
+def shared_data_identity(path: Path) -> dict[str, Any]:
+    """What identifies the shared data file at `path`: device, inode, size, mtime and a digest of
+    SHARED_DATA_BLOCKS blocks."""
+    st = path.stat()
+    return {
+        "device": st.st_dev,
+        "inode": st.st_ino,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "digest": sampled_digest(path, SHARED_DATA_BLOCKS, SHARED_DATA_BLOCK_BYTES, 0),
+    }
+
+
+def check_shared_data(folder: Path) -> None:
+    """Refuses a placed model whose SHARED_DATA_FILE is not the file partition recorded in plan.json
+    (the source's data rewritten, replaced or cut short since: the placed model's weights would be
+    another model's), naming the file and what changed. A plan without the record (written before
+    moepass recorded it) is taken as it is."""
+    shared = folder / SHARED_DATA_FILE
+    plan = folder / PLAN_FILE
+    if not shared.is_file() or not plan.is_file():
+        return
+    document = read_json_object(plan)
+    entry = document.get("shared_data")
+    if not isinstance(entry, dict) or entry.get("identity") is None:
+        return
+    recorded = entry["identity"]
+    if not isinstance(recorded, dict):
+        raise MoepassError(f"{plan}: 'shared_data.identity' must be a JSON object")
+    now = shared_data_identity(shared)
+    changed = [key for key in ("device", "inode", "size", "mtime_ns", "digest") if recorded.get(key) != now[key]]
+    if changed:
+        source = entry.get("source", "the source model's data file")
+        raise MoepassError(
+            f"{shared}: changed since partition wrote this model ({', '.join(changed)} differ): it shares "
+            f"{source}, which was rewritten or replaced; partition the source again"
+        )
+
+
+def refuse_linked(folder: Path, names: tuple[str, ...]) -> None:
+    """Refuses `folder`'s files `names` (the tokenizer and config files convert wrote) where one is a
+    link: moepass copies them into its outputs and does not follow a link to whatever it names."""
+    for name in names:
+        if (folder / name).is_symlink():
+            raise MoepassError(
+                f"{folder / name}: a symbolic link, not the file convert wrote; moepass does not copy what a "
+                "link points to (replace it with the file)"
+            )
+
+
+def copy_companion(folder: Path, name: str, destination: Path) -> None:
+    """`folder`/`name` (a tokenizer or config file convert wrote) copied into `destination`, where
+    it is there; never through a link (refuse_linked)."""
+    import shutil
+
+    refuse_linked(folder, (name,))
+    if (folder / name).is_file():
+        shutil.copyfile(folder / name, destination / name)
