@@ -28,6 +28,7 @@ def chat_loop(
     read: Callable[[str], str] = input,
 ) -> None:
     """Turns until /exit or end of input; `variables` reach the template (e.g. enable_thinking)."""
+    from moepass.runtime import ContextOverflow
     from moepass.runtime.conversation import Conversation
 
     decoder.chat_template  # noqa: B018 - no template: one clear error before the first prompt
@@ -64,6 +65,9 @@ def chat_loop(
                 click.echo(for_stdout(piece), nl=False)
         except KeyboardInterrupt:
             stopped = "stopped; "
+        except ContextOverflow as e:  # this turn is not sent; the conversation goes on as it was
+            click.echo(f"(not sent: with this message {e}; /reset forgets the conversation)", err=True)
+            continue
         seconds = time.perf_counter() - start
         stream = conversation.last
         click.echo()

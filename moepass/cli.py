@@ -42,6 +42,7 @@ from moepass.core.choices import (
     Bandwidths,
     Sampling,
     format_bytes,
+    parse_bytes,
 )
 from moepass.core.errors import MoepassError, expected_failure
 from moepass.core.terminal import for_stdout
@@ -682,7 +683,10 @@ def run(
     decoder = _load(model_dir, options)
     start = time.perf_counter()
     if prompt is not None:
-        text = decoder.apply_chat_template(prompt, system, **_template_variables(decoder, think)) if chat else prompt
+        text: str | list[int] = prompt
+        if chat:
+            variables = _template_variables(decoder, think)
+            text = decoder.encode_chat(decoder.apply_chat_template(prompt, system, **variables))
         stream = decoder.generate_text(text, max_new_tokens, sampling, stop)
         for piece in stream:
             click.echo(for_stdout(piece), nl=False)
@@ -750,8 +754,31 @@ def chat(
     show_default=True,
     help="Requests that may wait while one is answered; more get 503.",
 )
+@click.option(
+    "--max-body",
+    default="8M",
+    show_default=True,
+    help="The largest request body taken (K, M, G); a larger one is answered 413 before it is read.",
+)
+@click.option(
+    "--timeout",
+    "body_seconds",
+    type=click.FloatRange(0.1, None),
+    default=30.0,
+    show_default=True,
+    help="Seconds a request's body may take to arrive; a slower one is answered 408.",
+)
 @_runtime_options
-def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size: int, **options) -> None:
+def serve(
+    model_dir: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    queue_size: int,
+    max_body: str,
+    body_seconds: float,
+    **options,
+) -> None:
     """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).
 
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
@@ -762,11 +789,14 @@ def serve(model_dir: str, host: str, port: int, api_key: str | None, queue_size:
 
     _require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
     check_api_key(api_key)  # before the port and the model
+    body_limit = parse_bytes(max_body, "--max-body")
     listener = listen(host, port)  # before the model loads: a busy port says so at once
     decoder = _load(model_dir, options)
     given = Path(model_dir).resolve()  # a GGUF goes by its file's name, as in llama-server
     model_id = given.stem if given.suffix == ".gguf" else (given.parent if given.is_file() else given).name
-    run_server(decoder, model_id, listener, api_key, queue_size, echo=_stderr)
+    run_server(
+        decoder, model_id, listener, api_key, queue_size, echo=_stderr, max_body=body_limit, body_seconds=body_seconds
+    )
 
 
 @main.command()

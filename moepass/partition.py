@@ -493,14 +493,28 @@ def partition(
             )
             if mode == "required":
                 raise MoepassError(inactive)
-    refused = set(memory.cpu_only) if not lower else set()
+    # MoE layers no CUDA kernel takes even in the GPU form (a hidden or expert size the QMoE kernel's
+    # tiles do not divide): the plan keeps them on the CPU, and says so
+    refused = set(memory.cpu_only)
     if refused:
         name = sorted(refused)[0]
-        stays = (
-            f"{label}: ONNX Runtime's CUDA EP has no kernel for {len(refused)} of {len(memory.groups)} MoE layers "
-            f"({name}: {cuda_refusals(planning.model)[name]}): with --keep-form they run on the CPU whatever "
-            "the plan; without it partition writes the GPU form, whose every GPU node the CUDA EP takes"
-        )
+        why = cuda_refusals(planning.model)[name]
+        if not lower:
+            stays = (
+                f"{label}: ONNX Runtime's CUDA EP has no kernel for {len(refused)} of {len(memory.groups)} MoE "
+                f"layers ({name}: {why}): with --keep-form they run on the CPU whatever the plan; without it "
+                "partition writes the GPU form, whose every GPU node the CUDA EP takes"
+            )
+        elif target == "offload":
+            raise MoepassError(
+                f"{name}: ONNX Runtime's CUDA EP has no kernel for this MoE layer ({why}), and --target offload "
+                "places experts of layers on the GPU; --target layers keeps such layers on the CPU"
+            )
+        else:
+            stays = (
+                f"{label}: {len(refused)} of {len(memory.groups)} MoE layers stay on the CPU: ONNX Runtime's CUDA "
+                f"EP has no kernel for them ({name}: {why})"
+            )
         if mode == "required":
             raise MoepassError(stays)
         warnings_before.append(stays)

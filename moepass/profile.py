@@ -114,7 +114,7 @@ def profile(
     vocab = decoder.vocab_size
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            prompt = decoder.encode(decoder.apply_chat_template(prompt) if chat else prompt)
+            prompt = decoder.encode_chat(decoder.apply_chat_template(prompt)) if chat else decoder.encode(prompt)
             if not prompt:
                 raise MoepassError(f"prompt {i + 1}: no tokens after tokenization")
         elif chat:

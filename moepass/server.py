@@ -14,6 +14,16 @@ into OpenAI's `tool_calls` and llama-server's `reasoning_content`; `logprobs` ar
 (chat: `logprobs`/`top_logprobs`; completions: `logprobs` N). Bad requests, and fields the server
 does not take, get OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`) with a
 4xx status naming the field, and the server goes on serving.
+
+Requests are untrusted input, and the server stays up under them: a body past `max_body` bytes
+(`--max-body`, default MAX_BODY) is answered 413 from its Content-Length, before it is read (or as
+soon as a chunked one passes the limit); one that does not arrive within BODY_SECONDS
+(`--timeout`), 408; JSON nested too deep or holding lone surrogates, 400; a text longer than the
+model's context could hold is refused before it is tokenized; chat templates are rendered, and
+prompts tokenized, off the event loop (a template bounded in time and size:
+moepass.runtime.chat_template), so /health and the other clients are answered meanwhile. Every
+status, 404 and 405 too, comes as OpenAI's error object, and a failed request is one line in the
+log.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' parameter types (Request) at runtime
@@ -31,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from moepass.answers import HARMONY, HERMES, AnswerReader, answer_format
 from moepass.core.choices import Sampling
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, first_line
 
 if TYPE_CHECKING:
     from moepass.runtime import KVCache
@@ -47,6 +57,8 @@ _RANGES = {
     "frequency_penalty": (-2, 2),
     "repeat_penalty": (0, 10),
 }
+MAX_BODY = 8 << 20  # bytes: a 2-million-token prompt as text, several times over
+BODY_SECONDS = 30.0
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 # the request fields each endpoint takes; any other is answered 400, naming it (never ignored)
@@ -200,6 +212,8 @@ def _call_for_template(call: Any) -> Any:
             arguments = json.loads(function["arguments"])
         except ValueError:
             return call
+        except RecursionError:
+            raise RequestError(400, "a tool call's arguments are JSON nested too deep", "messages") from None
         if isinstance(arguments, dict):
             return {**call, "function": {**function, "arguments": arguments}}
     return call
@@ -252,6 +266,7 @@ class ModelServer:
         self._turn = asyncio.Lock()
         self._waiting = 0
         self._cache: KVCache | None = None
+        self._longest_token: int | None = None
 
     def check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -279,6 +294,23 @@ class ModelServer:
             return (context - prompt_tokens) if context else 256
         return value
 
+    def check_length(self, text: str, field: str) -> None:
+        """Refuses a text that could not fit the context whatever it tokenizes to (no token stands
+        for more characters than the vocabulary's longest), before a second is spent on it."""
+        context = self.decoder.context_length
+        if not context:
+            return
+        if self._longest_token is None:
+            self._longest_token = max(len(t) for t in self.decoder.tokenizer.get_vocab())
+        if len(text) > context * self._longest_token:
+            raise RequestError(
+                400,
+                f"the prompt has {len(text):,} characters, more than the model's context of {context:,} tokens "
+                "can hold",
+                field,
+                "context_length_exceeded",
+            )
+
     def chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -293,9 +325,10 @@ class ModelServer:
             raise RequestError(400, f"chat_template_kwargs may not set {sorted(reserved)[0]}", "chat_template_kwargs")
         try:
             text = self.decoder.chat_template.render(messages, tools=tools, **extra)
-        except MoepassError as e:  # the template refused these messages (e.g. raise_exception)
+        except MoepassError as e:  # the template refused these messages (e.g. raise_exception), or ran too long
             raise RequestError(400, str(e), "messages") from None
-        return self.decoder.encode(text)
+        self.check_length(text, "messages")
+        return self.decoder.encode_chat(text)
 
     def answer_reader(self, body: dict) -> AnswerReader | None:
         """What reads a chat answer's tool calls and reasoning for this model's template: gpt-oss's
@@ -310,6 +343,7 @@ class ModelServer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
+            self.check_length(prompt, "prompt")
             return self.decoder.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.decoder.vocab_size
@@ -400,12 +434,15 @@ def check_api_key(api_key: str | None) -> None:
         )
 
 
-def create_app(server: ModelServer, api_key: str | None = None):
+def create_app(
+    server: ModelServer, api_key: str | None = None, max_body: int = MAX_BODY, body_seconds: float = BODY_SECONDS
+):
     """The FastAPI application over `server`."""
     import anyio
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.datastructures import Headers
+    from starlette.exceptions import HTTPException
 
     check_api_key(api_key)
     expected = f"Bearer {api_key}".encode()
@@ -414,10 +451,38 @@ def create_app(server: ModelServer, api_key: str | None = None):
     def error(e: RequestError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(Exception)
-    async def failed(request: Request, e: Exception) -> JSONResponse:
-        """What went wrong while answering (ONNX Runtime, the template): OpenAI's error object, 500."""
-        return error(RequestError(500, f"{type(e).__name__}: {e}", kind="server_error"))
+    @app.exception_handler(HTTPException)
+    async def not_there(request: Request, e: HTTPException) -> JSONResponse:
+        """404 (no such endpoint), 405 (not with this method) and Starlette's other refusals, in
+        OpenAI's error shape."""
+        return error(RequestError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+
+    class OneLine:
+        """Whatever escapes an endpoint (ONNX Runtime, a bug): OpenAI's error object, 500, where no
+        byte was sent yet, and one line in the log instead of a traceback."""
+
+        def __init__(self, app) -> None:
+            self.app = app
+
+        async def __call__(self, scope, receive, send) -> None:
+            started = False
+
+            async def sending(message) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+            try:
+                await self.app(scope, receive, sending)
+            except Exception as e:  # noqa: BLE001 - the server goes on serving; the line says what
+                where = f"{scope.get('method', '')} {scope.get('path', '')}"
+                server.echo(f"request failed: {where}: {type(e).__name__}: {first_line(e)}")
+                if not started and scope["type"] == "http":
+                    failure = RequestError(500, f"{type(e).__name__}: {first_line(e)}", kind="server_error")
+                    try:
+                        await error(failure)(scope, receive, send)
+                    except Exception:  # noqa: BLE001, S110 - the client is gone
+                        pass
 
     class RequireKey:
         """The API key, checked before any endpoint but /health. Plain ASGI: Starlette's
@@ -443,6 +508,7 @@ def create_app(server: ModelServer, api_key: str | None = None):
 
     if api_key:
         app.add_middleware(RequireKey)
+    app.add_middleware(OneLine)  # the outermost: it sees what every other one lets through
 
     class AnswerStream(StreamingResponse):
         """A streamed answer whose events are closed however the stream ends. When the client
@@ -468,12 +534,33 @@ def create_app(server: ModelServer, api_key: str | None = None):
             "data": [{"id": server.model_id, "object": "model", "created": server.created, "owned_by": "moepass"}],
         }
 
+    too_large = f"this server takes request bodies of at most {max_body:,} bytes (--max-body)"
+
     async def read_body(request: Request) -> dict:
-        raw = await request.body()
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > max_body):
+            raise RequestError(413 if declared.isdigit() else 400, f"Content-Length {declared[:32]}: {too_large}")
+        chunks, size = [], 0
         try:
-            body = json.loads(raw)
+            with anyio.fail_after(body_seconds):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_body:
+                        raise RequestError(413, too_large)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within {body_seconds:g} s (--timeout)") from None
+        try:
+            body = json.loads(b"".join(chunks))
+            json.dumps(body, ensure_ascii=False).encode()  # lone surrogates ("\ud800") are not text
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RequestError(400, f"the request body is not JSON ({e})") from None
+        except UnicodeEncodeError:
+            raise RequestError(
+                400, "the request body holds a lone surrogate (\\ud800-\\udfff): not valid text"
+            ) from None
+        except RecursionError:
+            raise RequestError(400, "the request body's JSON is nested too deep") from None
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         server.check_model(body)
@@ -486,7 +573,8 @@ def create_app(server: ModelServer, api_key: str | None = None):
         try:
             body = await read_body(request)
             check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-            prompt = server.chat_prompt(body) if chat else server.completion_prompt(body)
+            # rendered and tokenized off the event loop: /health and the others are answered meanwhile
+            prompt = await anyio.to_thread.run_sync(server.chat_prompt if chat else server.completion_prompt, body)
             reader = server.answer_reader(body) if chat else None
             answer = server.answer(prompt, body, request.is_disconnected)
             first = await anext(answer)  # the request's own errors (queue full, bad fields) before any byte
@@ -705,7 +793,16 @@ def listen(host: str, port: int):
     return listener
 
 
-def serve(decoder, model_id: str, listener, api_key: str | None, queue_size: int, echo: Callable[[str], None]) -> None:
+def serve(
+    decoder,
+    model_id: str,
+    listener,
+    api_key: str | None,
+    queue_size: int,
+    echo: Callable[[str], None],
+    max_body: int = MAX_BODY,
+    body_seconds: float = BODY_SECONDS,
+) -> None:
     """Serve on `listener` (from `listen`) until interrupted (uvicorn: Ctrl-C or SIGTERM stop it
     after the running request)."""
     try:
@@ -720,7 +817,7 @@ def serve(decoder, model_id: str, listener, api_key: str | None, queue_size: int
         )
 
     async def main() -> None:
-        app = create_app(ModelServer(decoder, model_id, queue_size, echo=echo), api_key)
+        app = create_app(ModelServer(decoder, model_id, queue_size, echo=echo), api_key, max_body, body_seconds)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         echo(f"serving '{model_id}' on http://{host}:{port}/v1 (OpenAI-compatible; Ctrl-C stops)")
         await server.serve(sockets=[listener])

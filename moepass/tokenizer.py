@@ -47,7 +47,8 @@ PRE_TOKENIZERS = {
     "olmo": _GPT2,
     "mpt": _GPT2,
 }
-IGNORE_MERGES = {"llama-bpe", "llama3"}  # llama 3's tokenizer takes whole words found in the vocabulary
+LLAMA3_PRE = {"llama-bpe", "llama3"}
+IGNORE_MERGES = LLAMA3_PRE  # llama 3's tokenizer takes whole words found in the vocabulary
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -198,7 +199,8 @@ def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
     info.update(
         bos_token_id=bos,
         stop_token_ids=stop_ids,
-        add_bos=_optional(gguf, "tokenizer.ggml.add_bos_token", bool, kind == "llama", repairs),
+        add_bos=_optional(gguf, "tokenizer.ggml.add_bos_token", bool, _adds_bos(kind, info["pre"]), repairs),
+        add_eos=_optional(gguf, "tokenizer.ggml.add_eos_token", bool, False, repairs),
     )
     if kind == "gpt2":
         tokenizer = _byte_level_bpe(gguf, tokens, info, repairs)
@@ -215,7 +217,8 @@ def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": _token(tokens, bos),
         "eos_token": _token(tokens, eos),
-        "add_bos_token": info["add_bos"],
+        "add_bos_token": info["add_bos"] and bos is not None,
+        "add_eos_token": info["add_eos"] and eos is not None,
         "clean_up_tokenization_spaces": False,
         "model_max_length": gguf.typed(f"{gguf.architecture}.context_length", int, 0),
     }
@@ -224,6 +227,29 @@ def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
         config["chat_template"] = template
     info["reason"] = None
     return TokenizerFiles(tokenizer, config, info)
+
+
+def added_tokens(config: dict, tokenizer, where: str | Path) -> tuple[list[int], list[int]]:
+    """The token ids llama.cpp puts before and after a prompt it tokenizes with add_special:
+    ([BOS] or [], [EOS] or []), from the tokenizer_config.json convert wrote (`config`, read from
+    `where`): add_bos_token and add_eos_token, bos_token and eos_token."""
+    added: list[list[int]] = []
+    for flag, name in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
+        add = config.get(flag, False)
+        if not isinstance(add, bool):
+            raise MoepassError(f"{where}: '{flag}' must be true or false")
+        text = config.get(name)
+        token = tokenizer.token_to_id(text) if add and isinstance(text, str) else None
+        if add and token is None:
+            raise MoepassError(f"{where}: '{flag}' is set but '{name}' ({text!r}) is not a token")
+        added.append([token] if token is not None else [])
+    return added[0], added[1]
+
+
+def _adds_bos(kind: str, pre: str | None) -> bool:
+    """llama.cpp's default where the GGUF has no tokenizer.ggml.add_bos_token: SentencePiece
+    vocabularies add the BOS, byte-level BPE ones only for llama 3's pre-tokenizer."""
+    return kind == "llama" or (kind == "gpt2" and pre in LLAMA3_PRE)
 
 
 def _byte_level_bpe(gguf: GGUFModel, tokens: list[str], info: dict[str, Any], repairs: list[str]):

@@ -11,18 +11,31 @@ nothing; reaching into one (`x.y` of an undefined `x`) is an error, as there, an
 attribute the sandbox refuses (where transformers would print nothing).
 
 Whatever the template raises or is refused becomes one `MoepassError` naming the file it came from.
+A template is code from the model file, so rendering is bounded: RENDER_SECONDS of time (the render
+runs in a worker thread, stopped at the limit) and MAX_RENDERED_CHARS of text, also for a string or
+list repeated by `*` inside it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import re
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from moepass.core.errors import MoepassError
+
+RENDER_SECONDS = 10.0
+MAX_RENDERED_CHARS = 32 << 20  # far beyond any context: a prompt of 8 million tokens and more
+
+
+class _Stopped(BaseException):
+    """Raised inside a render that ran past RENDER_SECONDS (not an Exception: the template cannot catch it)."""
+
 
 # Templates test for these to offer a reasoning switch (Qwen3, DeepSeek-V3.1, Granite, SmolLM3, ...)
 THINKING_SWITCHES = ("enable_thinking", "thinking")
@@ -69,7 +82,22 @@ def _environment():
     def strftime_now(format):
         return datetime.datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(
+    class Bounded(ImmutableSandboxedEnvironment):
+        """The sandbox, with `*` and `**` checked before they build a value too large to render."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                        if len(seq) * times > MAX_RENDERED_CHARS:
+                            raise SecurityError(f"a value of {len(seq) * times:,} items is past the render limit")
+            if operator == "**" and isinstance(right, int) and isinstance(left, int) and abs(right) > 4096:
+                raise SecurityError(f"an exponent of {right} is past the render limit")
+            return super().call_binop(context, operator, left, right)
+
+    env = Bounded(
         trim_blocks=True, lstrip_blocks=True, undefined=Undefined, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
@@ -119,12 +147,47 @@ class ChatTemplate:
             "documents": None if documents is None else list(documents),
             "add_generation_prompt": add_generation_prompt,
         }
+        rendered = _bounded(lambda: self._render(context), RENDER_SECONDS)
+        if rendered is None:
+            raise MoepassError(f"{self.where}: the chat template ran for more than {RENDER_SECONDS:.0f} s; stopped")
+        if isinstance(rendered, Exception):
+            raise self._error(rendered)
+        return rendered
+
+    def _render(self, context: dict[str, Any]) -> str | Exception:
         try:
-            return self._template.render(**context)
+            pieces, size = [], 0
+            for piece in self._template.generate(**context):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise MemoryError(f"the text is past {MAX_RENDERED_CHARS:,} characters")
+                pieces.append(piece)
+            return "".join(pieces)
         except Exception as e:  # noqa: BLE001 - whatever the model file's template raises: SecurityError,
-            # TemplateError, or a Python error from its expressions (1/0, range limits)
-            raise self._error(e) from None
+            # TemplateError, or a Python error from its expressions (1/0, range limits, deep recursion)
+            return e
 
     def _error(self, e: Exception) -> MoepassError:
         message = str(e).splitlines()[0] if str(e) else "no message"
         return MoepassError(f"{self.where}: the chat template cannot be rendered ({type(e).__name__}: {message})")
+
+
+def _bounded(work, seconds: float):
+    """`work()` in a worker thread, waited on for `seconds`; past them the thread is stopped (an
+    exception raised in it at its next Python instruction: a template is Python code once
+    compiled) and None is returned."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except _Stopped:
+            pass
+
+    worker = threading.Thread(target=run, name="chat-template", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive() and worker.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(_Stopped))
+        worker.join(1.0)
+    return result[0] if result else None

@@ -39,16 +39,20 @@ class Conversation:
         rendered = self.decoder.chat_template.render(
             [*system, *self.messages, {"role": "user", "content": user_text}], **self.variables
         )
-        if self.cache is not None and self.cache.tokens:
-            held = self.decoder.decode(self.cache.tokens)
-            if len(rendered) > len(held) and rendered.startswith(held):
-                return [*self.cache.tokens, *self.decoder.encode(rendered[len(held) :])]
-        return self.decoder.encode(rendered)
+        bos, eos = self.decoder.added_tokens
+        tokens = self.cache.tokens if self.cache is not None else []
+        if tokens[: len(bos)] == bos and len(tokens) > len(bos) and not eos:
+            body = self.decoder.chat_body(rendered)
+            held = self.decoder.decode(tokens[len(bos) :])  # the BOS encode added is not in the text
+            if len(body) > len(held) and body.startswith(held):
+                return [*tokens, *self.decoder.encode(body[len(held) :], special=False)]
+        return self.decoder.encode_chat(rendered)
 
     def say(
         self, user_text: str, max_new_tokens: int, sampling: Sampling = Sampling(), stop: Sequence[str] = ()
     ) -> Iterator[str]:
         ids = self.prompt_ids(user_text)
+        self.decoder.room_for(len(ids), max_new_tokens)  # a turn that does not fit: refused, the history kept
         if self.cache is None:
             self.cache = KVCache(self.decoder, capacity=len(ids) + max_new_tokens)
         self.last = stream = self.decoder.generate_text(ids, max_new_tokens, sampling, stop, cache=self.cache)

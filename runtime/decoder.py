@@ -39,6 +39,7 @@ from moepass.runtime.providers import (
     provider_in_effect,
 )
 from moepass.runtime.sampling import Sampling, StopStrings, choose_token
+from moepass.tokenizer import added_tokens
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -158,6 +159,7 @@ class Decoder:
         self._tokenizer = None
         self._token_bytes: Any = None
         self._chat_template: ChatTemplate | None = None
+        self._added_tokens: tuple[list[int], list[int]] | None = None
         self._tokenizer_path = folder / TOKENIZER_FILE
         # drafts checked K at a time (moepass.runtime.speculative); None: one token per step
         self.speculator: Speculator | None = None
@@ -194,8 +196,42 @@ class Decoder:
                 raise MoepassError(f"{self._tokenizer_path}: not a readable tokenizer ({first_line(e)})") from None
         return self._tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """`text` as llama.cpp tokenizes a prompt (llama_tokenize with add_special = `special`,
+        parse_special on): its control tokens read as such, and with `special` the BOS before and
+        the EOS after where the GGUF says to add them (tokenizer.ggml.add_bos_token and
+        add_eos_token, else llama.cpp's default for the tokenizer model)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if special:
+            bos, eos = self.added_tokens
+            ids = [*bos, *ids, *eos]
+        return ids
+
+    def encode_chat(self, rendered: str) -> list[int]:
+        """A rendered chat template as llama.cpp tokenizes it: the BOS (EOS) text the template
+        itself writes at the start (end) dropped where the tokenizer adds the token, so that it is
+        there once."""
+        return self.encode(self.chat_body(rendered))
+
+    def chat_body(self, rendered: str) -> str:
+        """A rendered chat template without the BOS (EOS) text that `encode` adds as a token."""
+        bos, eos = self.added_tokens
+        bos_text, eos_text = (self.tokenizer.id_to_token(t[0]) if t else "" for t in (bos, eos))
+        if bos_text and rendered.startswith(bos_text):
+            rendered = rendered[len(bos_text) :]
+        if eos_text and rendered.endswith(eos_text):
+            rendered = rendered[: -len(eos_text)]
+        return rendered
+
+    @property
+    def added_tokens(self) -> tuple[list[int], list[int]]:
+        """The token ids `encode` puts before and after a prompt: ([BOS] or [], [EOS] or []), from
+        tokenizer_config.json (add_bos_token, add_eos_token; bos_token, eos_token)."""
+        if self._added_tokens is None:
+            where = self._tokenizer_path.with_name(TOKENIZER_CONFIG_FILE)
+            config = read_json_object(where) if where.is_file() else {}
+            self._added_tokens = added_tokens(config, self.tokenizer, where)
+        return self._added_tokens
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

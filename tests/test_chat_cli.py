@@ -111,3 +111,22 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(converted):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_a_turn_past_the_context_is_refused_and_the_conversation_goes_on(converted):
+    """A message that with the history overflows the context (512 tokens here) is not sent: one
+    line says so, and the next turn continues the same conversation."""
+    model = Path(converted("q4_0"))
+    child = _spawn(model, "--max-new-tokens", "4", "--seed", "5")
+    _, (_, new, prompt, _) = _turn(child, "the other one")
+    child.expect_exact("> ")
+    child.sendline("then " * 600)
+    child.expect_exact("(not sent: with this message the prompt has ")
+    child.expect_exact("/reset forgets the conversation)")
+    _, (_, _, prompt2, computed2) = _turn(child, "and then")
+    assert int(prompt2) > int(prompt) + int(new) and int(computed2) < int(prompt2)  # the history is still there
+    child.expect_exact("> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

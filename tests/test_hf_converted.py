@@ -67,6 +67,31 @@ def hf_gguf(tmp_path_factory):
     return get
 
 
+TEXTS = ["Hello world, this is the test 123!\n  spaces", " leading space", "éü 你好 🙂", "def f(x):\n    return x"]
+
+
+@pytest.mark.parametrize("add_bos", ["as converted", True, False])
+@pytest.mark.parametrize("name", hf_tiny.CHECKPOINTS)
+def test_text_prompts_are_llama_cpps_tokens(name, add_bos, hf_gguf, tmp_path):
+    """A text prompt as run, chat, serve, profile and bench tokenize it: llama.cpp's tokens for the
+    same file (llama_tokenize with add_special and parse_special, as llama-cli and llama-server),
+    BOS included where the file says so: as the converter wrote it, and with add_bos_token set
+    both ways."""
+    from gguf import GGUFValueType as V
+    from hostile import remake
+
+    gguf = hf_gguf(name, "f32")
+    if add_bos != "as converted":
+        gguf = remake(gguf, tmp_path / "flipped.gguf", set_kv={"tokenizer.ggml.add_bos_token": (add_bos, V.BOOL)})
+    decoder = load(convert(gguf, tmp_path / "onnx", echo=lambda line: None).output_dir)
+    llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    try:
+        for text in TEXTS:
+            assert decoder.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), (name, text)
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("name,file_type", CASES)
 def test_converter_output_matches_llama_cpp(name, file_type, hf_gguf, tmp_path):
     gguf = hf_gguf(name, file_type)

@@ -253,6 +253,24 @@ for _what, _kv in TOKENIZER_CASES.items():
     convert_case(f"tokenizer-{_what}", lambda env, kv=_kv: env.bad_gguf(set_kv=kv(env)), "tokenizer", exit=0)
 
 
+def _token_list(env: Env, change: int) -> dict:
+    """The fixture's token list `change` tokens shorter (negative) or longer, with its types."""
+    from gguf import GGUFReader
+    fields = GGUFReader(str(env.gguf)).fields
+    tokens = list(fields["tokenizer.ggml.tokens"].contents())
+    types = list(fields["tokenizer.ggml.token_type"].contents())
+    tokens = tokens[:change] if change < 0 else tokens + [f"<extra_{i}>" for i in range(change)]
+    types = types[:change] if change < 0 else types + [1] * change
+    return {"tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING), "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32)}
+
+
+# a token list that is not one token per row of token_embd: another model's tokenizer (llama.cpp refuses it)
+for _change in (-3, 50):
+    convert_case(f"tokens-{_change:+d}-against-embedding-rows",
+                 lambda env, c=_change: env.bad_gguf(set_kv=_token_list(env, c)),
+                 "'tokenizer.ggml.tokens' lists", "'token_embd.weight' has")
+
+
 # ---- 5. chat templates run in a sandbox ------------------------------------------------------------
 
 def _chat(template: str):

@@ -417,3 +417,36 @@ def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, conv
                        target="offload")
     title = plan_figure(active.plan, popularity).axes[0].get_title()
     assert "INACTIVE" not in title and "of routing mass on the GPU" in title
+
+
+@pytest.mark.parametrize("hidden,expert_ff,preset", [(96, 64, "q4_0"), (160, 96, "q8_0"), (200, 136, "f32"),
+                                                     (72, 40, "f32")])
+def test_a_model_whose_sizes_the_gpu_kernel_does_not_divide_partitions(hidden, expert_ff, preset, tmp_path):
+    """Hidden and expert sizes that are not multiples of 64 (nor of 32 or 16 for some): --target
+    layers keeps the MoE layers the CUDA EP's QMoE kernel cannot take on the CPU, says so in
+    plan.json, and the placed model runs as the converted one; --target offload refuses in one line."""
+    import dataclasses
+
+    dims = dataclasses.replace(make_fixtures.TEST_DIMS, hidden=hidden, head_dim=32, n_heads=4, n_kv_heads=2,
+                               expert_ff=expert_ff)
+    gguf = make_fixtures.write_moe_gguf(tmp_path / "odd.gguf", preset, dims=dims)
+    assert CliRunner().invoke(main, ["convert", str(gguf), "-o", str(tmp_path / "conv"), "-q"]).exit_code == 0
+    result = CliRunner().invoke(main, ["partition", str(tmp_path / "conv"), "--vram", "2G", "--target", "layers",
+                                       "--no-calibrate", "-o", str(tmp_path / "placed")])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "placed" / "plan.json").read_text())
+    kept = [w for w in plan["warnings"] if "stay on the CPU" in w]
+    quantized = preset != "f32"  # QMoE's tiles; float experts go to the GPU as they are
+    assert bool(kept) == quantized, plan["warnings"]
+    assert "(a bug)" not in result.output
+    ids = ["--prompt-ids", "1,2,3", "-n", "6"]
+    converted_tokens = CliRunner().invoke(main, ["run", str(tmp_path / "conv"), *ids])
+    placed_tokens = CliRunner().invoke(main, ["run", str(tmp_path / "placed"), *ids])
+    assert placed_tokens.exit_code == 0, placed_tokens.output
+    assert placed_tokens.stdout == converted_tokens.stdout
+    offload = CliRunner().invoke(main, ["partition", str(tmp_path / "conv"), "--vram", "2G", "--target", "offload",
+                                        "--no-calibrate", "-o", str(tmp_path / "offload")])
+    if quantized:
+        assert offload.exit_code == 2 and offload.stderr.startswith("moepass: error: blk.") and "(a bug)" not in \
+            offload.stderr, offload.output
+        assert offload.stderr.count("\n") == 1 and not (tmp_path / "offload").exists()

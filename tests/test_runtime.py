@@ -65,6 +65,49 @@ def test_tokenizer_matches_llama_cpp(kind, make_gguf):
         llm.close()
 
 
+ADD_BOS = "tokenizer.ggml.add_bos_token"
+ADD_EOS = "tokenizer.ggml.add_eos_token"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("add_bos", [True, False, None])  # None: no key, llama.cpp's default for the model
+@pytest.mark.parametrize("add_eos", [False, True])
+def test_prompt_tokens_add_bos_and_eos_as_llama_cpp_does(kind, add_bos, add_eos, make_gguf, tmp_path):
+    """What llama-cli and llama-server feed the model for a text prompt (llama_tokenize with
+    add_special and parse_special): the BOS and EOS where the GGUF (or llama.cpp's default for its
+    tokenizer model) says so, and what encode gives for the same text."""
+    from gguf import GGUFValueType as V
+    from hostile import remake
+
+    from moepass.tokenizer import added_tokens
+
+    set_kv = {ADD_EOS: (add_eos, V.BOOL)}
+    if add_bos is not None:
+        set_kv[ADD_BOS] = (add_bos, V.BOOL)
+    path = remake(make_gguf("q4_0", tokenizer=kind), tmp_path / "m.gguf", set_kv=set_kv,
+                  drop_kv=() if add_bos is not None else (ADD_BOS,))
+    files = tokenizer_from_gguf(GGUFModel(path))
+    bos, eos = added_tokens(files.config, files.tokenizer, path)
+    llm = llama_cpp_module().Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        for text in TEXTS:
+            ours = [*bos, *files.tokenizer.encode(text, add_special_tokens=False).ids, *eos]
+            assert ours == llm.tokenize(text.encode(), add_bos=True, special=True), (text, bos, eos)
+    finally:
+        llm.close()
+    assert bool(bos) == (add_bos if add_bos is not None else kind == "llama") and bool(eos) == add_eos
+
+
+def test_a_text_prompt_of_a_bos_model_starts_with_its_bos(converted):
+    """moepass run --prompt and the server's text prompts: the BOS that llama.cpp adds (here a
+    SentencePiece vocabulary, add_bos_token true), once, also where a chat template writes it."""
+    decoder = load(converted("q4_0", tokenizer="llama"))
+    bos = decoder.tokenizer.token_to_id("<s>")
+    ids = decoder.encode("then the other one")
+    assert ids[0] == bos and ids[1:] == decoder.encode("then the other one", special=False)
+    assert decoder.encode_chat("<s>then the other one") == ids
+
+
 def test_sampling():
     rng = np.random.default_rng(0)
     logits = np.array([0.0, 3.0, 2.9, -1.0])

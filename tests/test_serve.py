@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -432,3 +433,151 @@ def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, host, key, war
     said: list[str] = []
     server.serve(None, "m", Listener(), key, 4, echo=said.append)
     assert any("without an API key" in line for line in said) == warned, said
+
+
+# ---- a server that stays up: limits, malformed input, one line per failure
+
+
+def _health_times(base: str, stop: threading.Event, times: list[float]) -> None:
+    while not stop.is_set():
+        start = time.perf_counter()
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+        times.append(time.perf_counter() - start)
+        time.sleep(0.02)
+
+
+def _rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+BIG_REQUEST = """
+import json, sys, time, httpx
+text = "the other one " * (20_000_000 // 14)
+body = json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.perf_counter()
+response = httpx.post(sys.argv[1] + "/v1/chat/completions", content=body,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+print(json.dumps({"status": response.status_code, "seconds": time.perf_counter() - start, "body": response.json()}))
+"""
+
+
+def test_a_20_mb_request_is_413_at_once_and_the_server_stays_free(server, model):
+    """The request from another process (its client's own work is not the server's), /health polled
+    from here meanwhile."""
+    def health() -> float:
+        start = time.perf_counter()
+        assert httpx.get(f"{server.base}/health", timeout=5).status_code == 200
+        time.sleep(0.01)
+        return time.perf_counter() - start - 0.01
+
+    client = subprocess.Popen([sys.executable, "-c", BIG_REQUEST, server.base], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert client.stdout.readline() == "ready\n"  # the client's own work done
+    idle = _rss_kib(server.process.pid)
+    quiet = statistics.median(health() for _ in range(20))  # this machine's own latency, without the request
+    client.stdin.write("go\n")
+    client.stdin.flush()
+    times: list[float] = []
+    while client.poll() is None:
+        times.append(health())
+    answer = json.loads(client.stdout.read())
+    assert answer["status"] == 413 and "at most 8,388,608 bytes" in answer["body"]["error"]["message"]
+    assert answer["seconds"] < 1.0, answer["seconds"]
+    # within 100 ms of a quiet server's answer (on a loaded machine some polls wait for a core), and
+    # never blocked: before, the body was read and tokenized on the event loop for 13-29 s
+    assert times and statistics.median(times) < 0.1 + quiet and max(times) < 1.0, (times, quiet)
+    assert _rss_kib(server.process.pid) < 1.5 * idle
+
+
+def test_a_chunked_body_past_the_limit_is_413(server):
+    def chunks():
+        for _ in range(20):
+            yield b" " * (1 << 20)
+
+    response = httpx.post(f"{server.base}/v1/completions", content=chunks(), timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("body,says", [
+    (b"[" * DEEP + b"]" * DEEP, "nested too deep"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800 alone"}]}', "lone surrogate"),
+    (b'{"prompt": "\\udfff"}', "lone surrogate"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function", "function": {"name": "f", "arguments":
+                                                                  "[" * 2000 + "]" * 2000}}]}]}).encode(), None),
+])
+def test_malformed_input_is_400_not_500(server, model, body, says):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        response = httpx.post(f"{server.base}{path}", content=body, headers={"Content-Type": "application/json"},
+                              timeout=60)
+        assert response.status_code == 400, (path, response.text[:300])
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and (says is None or says in error["message"]), error
+    assert server.client().completions.create(model=model.name, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(server):
+    response = httpx.post(f"{server.base}/v1/completions", json={"prompt": "x" * 4_000_000}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters, more than the model's context of 512 tokens can hold" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405),
+                                                ("DELETE", "/v1/models", 405)])
+def test_every_status_comes_in_openais_error_shape(server, method, path, status):
+    response = httpx.request(method, f"{server.base}{path}", timeout=60)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+
+
+def test_a_body_that_does_not_arrive_is_408(model, tmp_path):
+    running = Server(model, tmp_path / "server.log", "--timeout", "1")
+    try:
+        with socket.create_connection(("127.0.0.1", running.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\":")
+            s.settimeout(10)
+            start = time.monotonic()
+            answer = s.recv(65536).decode()
+            assert answer.startswith("HTTP/1.1 408") and time.monotonic() - start < 5, answer
+            assert "did not arrive within 1 s" in answer
+    finally:
+        assert running.stop() == 0
+    assert "Traceback" not in running.log.read_text()
+
+
+LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+
+
+def test_a_looping_chat_template_is_stopped_and_the_server_stays_free(converted, tmp_path):
+    """A template from the model file that never ends: 400 after the render limit, /health answered
+    meanwhile, the next request served, and the log says it in one line per request."""
+    running = Server(Path(converted("q4_0", chat_template=LOOPING)), tmp_path / "server.log")
+    stop, times = threading.Event(), []
+    watcher = threading.Thread(target=_health_times, args=(running.base, stop, times))
+    try:
+        watcher.start()
+        response = httpx.post(f"{running.base}/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        stop.set()
+        watcher.join()
+        assert response.status_code == 400 and "ran for more than" in response.json()["error"]["message"]
+        assert times and max(times) < 0.5, max(times)  # a template's render is the server's work too (the GIL)
+        assert httpx.post(f"{running.base}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                          timeout=60).status_code == 200
+    finally:
+        stop.set()
+        assert running.stop() == 0
+    assert "Traceback" not in running.log.read_text()
+
+
+def test_the_server_log_holds_no_traceback(server):
+    """Every failed request of this module (bad input, clients that left) is a line, not a traceback."""
+    assert "Traceback" not in server.log.read_text()

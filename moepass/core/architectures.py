@@ -463,6 +463,14 @@ class Architecture:
         if values.get("value_dim") is None:
             values["value_dim"] = values["head_dim"]
         values["vocab"] = gguf.tensor(TENSORS["token_embd"]).shape[0]
+        tokens = gguf.get("tokenizer.ggml.tokens")
+        tokens_listed = isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)
+        if tokens_listed and len(tokens) != values["vocab"]:  # as llama.cpp refuses it
+            raise MoepassError(
+                f"{gguf.path}: metadata key 'tokenizer.ggml.tokens' lists {len(tokens):,} tokens but tensor "
+                f"'{TENSORS['token_embd']}' has {values['vocab']:,} rows (one per token): the tokenizer is not "
+                "this model's"
+            )
         hp = HParams(**values, read=tuple(name for name in values if name != "vocab"))
         _check_hparams(gguf, self, hp)
         windowed = tuple(i for i, slides in enumerate(sliding_window_layers(gguf, self, hp)) if slides)
