@@ -341,3 +341,25 @@ def test_cache_list_prune_clear(gguf, cache, tmp_path):
     cleared = CliRunner().invoke(main, ["cache", "clear"])
     assert cleared.exit_code == 0 and "removed 1 entry" in cleared.stdout and _entries(cache) == []
     assert [p.name for p in cache.iterdir()] == []
+
+
+def test_an_entry_whose_files_cannot_be_read_is_rebuilt(gguf, cache, monkeypatch):
+    """Was: ONNX Runtime's `SystemError : 13` at load. An unreadable entry file (here: reading it
+    raises EACCES, as for a file another user made private) is found at the check and rebuilt."""
+    import errno
+
+    import moepass.gguf_cache as gguf_cache
+
+    _run(gguf)
+    real = gguf_cache.sampled_digest
+    refused: list = []
+
+    def unreadable(path, *args):
+        if not refused and path.name.endswith(".data"):
+            refused.append(path)
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args)
+
+    monkeypatch.setattr(gguf_cache, "sampled_digest", unreadable)
+    result = _run(gguf)
+    assert "converted with the defaults" in result.stderr, result.stderr

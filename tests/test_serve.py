@@ -581,3 +581,43 @@ def test_a_looping_chat_template_is_stopped_and_the_server_stays_free(converted,
 def test_the_server_log_holds_no_traceback(server):
     """Every failed request of this module (bad input, clients that left) is a line, not a traceback."""
     assert "Traceback" not in server.log.read_text()
+
+
+def test_fuzzed_requests_are_answered_4xx_or_200_never_500(model):
+    """Request bodies built from the endpoints' own fields with values of every JSON kind (and a
+    few text prompts): the server answers 200 or a 4xx in OpenAI's error shape, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    from starlette.testclient import TestClient
+
+    from moepass.runtime import load
+    from moepass.server import CHAT_FIELDS, COMPLETION_FIELDS, ModelServer, create_app
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3000), st.floats(allow_nan=False, width=32),
+                        st.text(max_size=12))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["role", "content", "type", "text", "function", "name", "arguments", "tool_calls"]), inner,
+        max_size=3), max_leaves=8)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]),
+                                     "content": st.one_of(st.text(max_size=20), values)})
+
+    def bodies(fields: set[str], extra: dict):
+        return st.fixed_dictionaries(extra, optional={f: values for f in sorted(fields)}).map(
+            lambda d: {**d, "max_tokens": 2} if isinstance(d.get("max_tokens"), int) and d["max_tokens"] > 2 else d)
+
+    chat = bodies(CHAT_FIELDS - {"messages", "stream"}, {"messages": st.lists(message, min_size=1, max_size=3)})
+    completion = bodies(COMPLETION_FIELDS - {"prompt", "stream"}, {"prompt": st.one_of(st.text(max_size=30), values)})
+    app = create_app(ModelServer(load(model, device="cpu", threads=1), model.name, 4))
+    with TestClient(app, raise_server_exceptions=False) as client:
+
+        @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.one_of(chat.map(lambda b: ("/v1/chat/completions", b)),
+                         completion.map(lambda b: ("/v1/completions", b))))
+        def answered(request):
+            path, body = request
+            response = client.post(path, json=body)
+            assert response.status_code < 500, (path, body, response.text[:300])
+            if response.status_code >= 400:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+        answered()
