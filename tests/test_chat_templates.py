@@ -171,3 +171,24 @@ def test_qwen3_thinking_switch():
     assert template.render([USER]) == template.render([USER], enable_thinking=True) == prompt  # thinks by default
     # switched off: an empty think block after the generation prompt, so the model answers at once
     assert template.render([USER], enable_thinking=False) == prompt + "<think>\n\n</think>\n\n"
+
+
+def test_a_template_that_never_ends_or_grows_without_bound_is_stopped(monkeypatch):
+    """Code from the model file: bounded in time (RENDER_SECONDS, the worker stopped) and in size
+    (MAX_RENDERED_CHARS, also for a value built by `*`), one line naming the file."""
+    import time
+
+    import moepass.runtime.chat_template as chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    messages = [{"role": "user", "content": "hi"}]
+    looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    start = time.perf_counter()
+    with pytest.raises(MoepassError, match=r"^model/tokenizer_config.json: the chat template ran for more than"):
+        chat_template.ChatTemplate(looping, "model/tokenizer_config.json").render(messages)
+    assert time.perf_counter() - start < 3
+    for growing in ("{{ 'x' * 10**10 }}", "{{ [1] * 10**9 }}", "{% for i in range(100000) %}{{ 'y' * 1000 }}"
+                    "{% endfor %}"):
+        with pytest.raises(MoepassError, match="the chat template cannot be rendered"):
+            chat_template.ChatTemplate(growing, "t").render(messages)
+    assert chat_template.ChatTemplate("{{ 'ab' * 3 }}", "t").render(messages) == "ababab"

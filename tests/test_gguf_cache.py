@@ -263,6 +263,21 @@ def test_a_lock_of_another_user_is_refused(gguf, cache, monkeypatch):
     assert len(result.stderr.strip().splitlines()) == 1 and _entries(cache) == [entry]
 
 
+def test_planted_temporaries_are_never_written_through(gguf, cache, tmp_path):
+    """The record's temporary has an unguessable name and is created O_EXCL|O_NOFOLLOW: links
+    planted under the names moepass once used (.NAME.json.PID.tmp) and any other are left alone."""
+    from moepass.gguf_cache import entry_name
+
+    cache.mkdir()
+    name = entry_name(gguf.resolve())
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the victim's own\n")
+    for pid in range(os.getpid() - 5, os.getpid() + 50):
+        (cache / f".{name}.json.{pid}.tmp").symlink_to(victim)
+    _run(gguf)
+    assert victim.read_text() == "the victim's own\n"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
 def test_an_entry_of_another_user_is_neither_used_nor_removed(gguf, cache):
     """A forged entry planted by someone else in a shared (sticky) cache folder."""

@@ -231,6 +231,7 @@ def test_a_client_that_leaves_stops_its_generation(converted, tmp_path):
         assert server.client().completions.create(model=model.name, prompt="hi", max_tokens=2).choices
     finally:
         assert server.stop() == 0, server.log.read_text()
+    assert "Traceback" not in server.log.read_text()  # a client that left is a line, not a traceback
 
 
 @pytest.mark.parametrize("api_key", [None, "sesame"])
