@@ -53,6 +53,7 @@ from moepass.core.files import (
     model_file,
     read_report,
     read_text,
+    relative_to_folder,
     save_model,
     write_report,
 )
@@ -472,8 +473,9 @@ def write_gguf_conversion(
                 "file": conversion.source.name,
                 "parts": [p.name for p in gguf.parts],
                 "bytes": gguf.file_bytes,
-                # where the file was and what it held: partition packs a GPU form from its blocks
-                "path": str(conversion.source.resolve()),
+                # where the file lies, from the output folder, and what it held: partition packs a
+                # GPU form from its blocks
+                "path": relative_to_folder(conversion.source, output_dir or tmp),
                 "fingerprint": gguf.fingerprint(),
             },
             "architecture": conversion.arch.gguf_arch,

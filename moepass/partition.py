@@ -55,7 +55,9 @@ from moepass.core.files import (
     model_file,
     read_json_object,
     read_report,
+    recorded_path,
     refuse_linked,
+    relative_to_folder,
     save_model,
     shared_data_identity,
     write_report,
@@ -282,7 +284,8 @@ class GgufSource:
             return self._open
         if not self.recorded and self.override is None:
             return None
-        path = self.override or (Path(self.recorded["path"]) if "path" in self.recorded else None)
+        recorded = self.recorded.get("path")
+        path = self.override or (recorded_path(recorded, self.model_path.parent) if recorded else None)
         fingerprint = self.recorded.get("fingerprint")
         if path is None or fingerprint is None:
             raise MoepassError(
@@ -572,7 +575,7 @@ def partition(
         check_gpu_nodes(lowered, target, gpu_moe)
     options = onnxruntime_options(plan, memory.groups, mode, target)
     inputs = {
-        "model": str(label),
+        "model": relative_to_folder(label, output_dir),  # from the placed folder: no absolute path
         "target": target,
         "vram": str(vram),
         "context": context,
@@ -627,7 +630,7 @@ def partition(
         if (tmp / SHARED_DATA_FILE).is_file():
             document["shared_data"] = {
                 "file": SHARED_DATA_FILE,
-                "source": str((source.folder or tmp) / DATA_FILE),
+                "source": relative_to_folder((source.folder or tmp) / DATA_FILE, tmp),
                 "identity": shared_data_identity(tmp / SHARED_DATA_FILE),  # checked at every load
             }
         document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
@@ -736,16 +739,21 @@ def _write_model(
         )
     new = (tmp / DATA_FILE).stat().st_size if (tmp / DATA_FILE).is_file() else 0
     return (
-        f"{SHARED_DATA_FILE}: {source.folder}'s weights, shared ({how}); {DATA_FILE}: the {new:,} bytes "
+        f"{SHARED_DATA_FILE}: {source.folder.name}'s weights, shared ({how}); {DATA_FILE}: the {new:,} bytes "
         "the GPU form changed"
     )
 
 
 def _write_report(source: PartitionSource, lowered: LoweredModel, tmp: Path) -> None:
-    """The source's moepass.json, its weight records updated where the GPU form changed them."""
+    """The source's moepass.json, its weight records updated where the GPU form changed them, its
+    GGUF's path recorded from the placed folder (a sibling of `tmp`: the same relative path)."""
     document = dict(source.report.document)
     if not document:
         return
+    recorded = document.get("source")
+    if isinstance(recorded, dict) and isinstance(recorded.get("path"), str) and source.folder is not None:
+        gguf = recorded_path(recorded["path"], source.folder)
+        document["source"] = {**recorded, "path": relative_to_folder(gguf, tmp)}
     if lowered.gpu_form is not None:
         document["weights"] = merged_records(list(document.get("weights", [])), lowered.report)
     write_report(tmp, document)

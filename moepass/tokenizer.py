@@ -229,23 +229,6 @@ def _tokenizer_files(gguf: GGUFModel, repairs: list[str]) -> TokenizerFiles:
     return TokenizerFiles(tokenizer, config, info)
 
 
-def added_tokens(config: dict, tokenizer, where: str | Path) -> tuple[list[int], list[int]]:
-    """The token ids llama.cpp puts before and after a prompt it tokenizes with add_special:
-    ([BOS] or [], [EOS] or []), from the tokenizer_config.json convert wrote (`config`, read from
-    `where`): add_bos_token and add_eos_token, bos_token and eos_token."""
-    added: list[list[int]] = []
-    for flag, name in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
-        add = config.get(flag, False)
-        if not isinstance(add, bool):
-            raise MoepassError(f"{where}: '{flag}' must be true or false")
-        text = config.get(name)
-        token = tokenizer.token_to_id(text) if add and isinstance(text, str) else None
-        if add and token is None:
-            raise MoepassError(f"{where}: '{flag}' is set but '{name}' ({text!r}) is not a token")
-        added.append([token] if token is not None else [])
-    return added[0], added[1]
-
-
 def _adds_bos(kind: str, pre: str | None) -> bool:
     """llama.cpp's default where the GGUF has no tokenizer.ggml.add_bos_token: SentencePiece
     vocabularies add the BOS, byte-level BPE ones only for llama 3's pre-tokenizer."""

@@ -39,7 +39,6 @@ from moepass.runtime.providers import (
     provider_in_effect,
 )
 from moepass.runtime.sampling import Sampling, StopStrings, choose_token
-from moepass.tokenizer import added_tokens
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -555,3 +554,20 @@ def default_threads() -> int:
 def _layer_key(name: str) -> tuple[int, str]:
     _, layer, kind = name.split(".")
     return int(layer), kind
+
+
+def added_tokens(config: dict, tokenizer, where: str | os.PathLike) -> tuple[list[int], list[int]]:
+    """The token ids llama.cpp puts before and after a prompt it tokenizes with add_special:
+    ([BOS] or [], [EOS] or []), from the tokenizer_config.json convert wrote (`config`, read from
+    `where`): add_bos_token and add_eos_token, bos_token and eos_token."""
+    added: list[list[int]] = []
+    for flag, name in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
+        add = config.get(flag, False)
+        if not isinstance(add, bool):
+            raise MoepassError(f"{where}: '{flag}' must be true or false")
+        text = config.get(name)
+        token = tokenizer.token_to_id(text) if add and isinstance(text, str) else None
+        if add and token is None:
+            raise MoepassError(f"{where}: '{flag}' is set but '{name}' ({text!r}) is not a token")
+        added.append([token] if token is not None else [])
+    return added[0], added[1]

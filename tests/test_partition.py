@@ -377,7 +377,8 @@ def test_a_per_layer_plan_shares_the_weights_unchanged(converted, tmp_path):
     assert added < 0.2 * shared.stat().st_size
     assert placed.weights.startswith(f"{SHARED_DATA_FILE}: ") and "(hard link)" in placed.weights
     assert f"  weights          {placed.weights}" in placed.summary_lines()
-    assert read_plan(placed.output_dir).document["shared_data"]["source"] == str(source / "model.onnx.data")
+    recorded = read_plan(placed.output_dir).document["shared_data"]["source"]  # from the placed folder
+    assert (placed.output_dir / recorded).resolve() == (source / "model.onnx.data").resolve()
     # float16 on the GPU side: as far from the source as convert's own float16 graph (the offload
     # form, the same Q4_0 weights) is, and the same greedy token wherever the source's margin is wider
     ids = np.array([[1, 2, 3, 4, 90, 7]])

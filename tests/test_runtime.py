@@ -79,7 +79,7 @@ def test_prompt_tokens_add_bos_and_eos_as_llama_cpp_does(kind, add_bos, add_eos,
     from gguf import GGUFValueType as V
     from hostile import remake
 
-    from moepass.tokenizer import added_tokens
+    from moepass.runtime.decoder import added_tokens
 
     set_kv = {ADD_EOS: (add_eos, V.BOOL)}
     if add_bos is not None:

@@ -773,3 +773,16 @@ def copy_companion(folder: Path, name: str, destination: Path) -> None:
     refuse_linked(folder, (name,))
     if (folder / name).is_file():
         shutil.copyfile(folder / name, destination / name)
+
+
+def relative_to_folder(path: Path, folder: Path) -> str:
+    """`path` as a written file records it: relative to the output `folder` it is recorded in (the
+    same bytes wherever the input and output lie, no absolute path; found again while the two keep
+    their places relative to each other)."""
+    return os.path.relpath(os.path.realpath(path), os.path.realpath(folder))
+
+
+def recorded_path(recorded: str, folder: Path) -> Path:
+    """A path a file in `folder` records (relative_to_folder; an absolute one, as older moepass
+    wrote them, as it is)."""
+    return Path(recorded) if os.path.isabs(recorded) else folder / recorded
