@@ -578,7 +578,8 @@ def create_app(
             reader = server.answer_reader(body) if chat else None
             answer = server.answer(prompt, body, request.is_disconnected)
             first = await anext(answer)  # the request's own errors (queue full, bad fields) before any byte
-        except RequestError as e:
+        except RequestError as e:  # one line in the log for each request refused
+            server.echo(f"request refused: {request.method} {request.url.path}: {e.status} {first_line(e)}")
             return error(e)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         kind = "chat.completion" if chat else "text_completion"
