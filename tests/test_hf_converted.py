@@ -70,7 +70,7 @@ def hf_gguf(tmp_path_factory):
 TEXTS = ["Hello world, this is the test 123!\n  spaces", " leading space", "éü 你好 🙂", "def f(x):\n    return x"]
 
 
-@pytest.mark.parametrize("add_bos", ["as converted", True, False])
+@pytest.mark.parametrize("add_bos", ["as-converted", True, False])
 @pytest.mark.parametrize("name", hf_tiny.CHECKPOINTS)
 def test_text_prompts_are_llama_cpps_tokens(name, add_bos, hf_gguf, tmp_path):
     """A text prompt as run, chat, serve, profile and bench tokenize it: llama.cpp's tokens for the
@@ -81,7 +81,7 @@ def test_text_prompts_are_llama_cpps_tokens(name, add_bos, hf_gguf, tmp_path):
     from hostile import remake
 
     gguf = hf_gguf(name, "f32")
-    if add_bos != "as converted":
+    if add_bos != "as-converted":
         gguf = remake(gguf, tmp_path / "flipped.gguf", set_kv={"tokenizer.ggml.add_bos_token": (add_bos, V.BOOL)})
     decoder = load(convert(gguf, tmp_path / "onnx", echo=lambda line: None).output_dir)
     llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
