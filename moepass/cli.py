@@ -47,11 +47,30 @@ from moepass.core.choices import (
 from moepass.core.errors import MoepassError, expected_failure
 from moepass.core.terminal import for_stdout
 
+# `moepass --help` lists the commands in the order a model goes through them
+PIPELINE_ORDER = ("convert", "inspect", "profile", "merge-profiles", "partition", "run", "chat", "serve", "bench",
+                  "cache")  # fmt: skip
+
 
 class _Group(click.Group):
     """The CLI boundary: every expected failure becomes one line and exit status 2, an interrupt
     (SIGINT, SIGTERM) exit 130/143 after the running command removed what it had half-written,
-    and anything else, a bug, keeps its traceback and says so."""
+    and anything else, a bug, keeps its traceback and says so. Its help lists the commands in
+    PIPELINE_ORDER, each with its whole first sentence."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        known = super().list_commands(ctx)
+        return [c for c in PIPELINE_ORDER if c in known] + [c for c in known if c not in PIPELINE_ORDER]
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=1000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def main(self, args=None, prog_name=None, **extra):
         extra.pop("standalone_mode", None)
@@ -586,6 +605,20 @@ def _converted(model: str, options: dict) -> str:
     return str(folder)
 
 
+def _speed(prompt_n: int, prompt_s: float, generated: int, generation_s: float) -> list[str]:
+    """The speed of a generation as llama-cli prints it: the prompt's computation (to the first
+    token), then the tokens after the first, one step each."""
+    lines = []
+    for what, n, unit, seconds in (("prompt eval", prompt_n, "tokens", prompt_s),
+                                   ("eval", max(generated - 1, 0), "runs", generation_s)):  # fmt: skip
+        if n and seconds > 0:
+            lines.append(
+                f"{what:<11} {seconds * 1e3:9.2f} ms / {n:5d} {unit:<6} ({seconds * 1e3 / n:8.2f} ms per token, "
+                f"{n / seconds:8.2f} tokens per second)"
+            )
+    return lines
+
+
 def _stderr(line: str) -> None:
     click.echo(line, err=True)
 
@@ -692,16 +725,23 @@ def run(
             click.echo(for_stdout(piece), nl=False)
         click.echo()
         count, ended = stream.completion_tokens, stream.ended_by
+        timed = (stream.prefilled_tokens, stream.prompt_seconds, count, stream.generation_seconds)
     else:
         if stop:
             raise click.UsageError("--stop applies to text prompts; with --prompt-ids the output is token ids")
         tokens: list[int] = []
-        for token in decoder.generate(_parse_ids(prompt_ids or ""), max_new_tokens, sampling=sampling):
+        ids = _parse_ids(prompt_ids or "")
+        first = 0.0
+        for token in decoder.generate(ids, max_new_tokens, sampling=sampling):
             click.echo(f"{',' if tokens else ''}{token}", nl=False)  # as they come: an interrupt keeps them
             tokens.append(token)
+            first = first or time.perf_counter()
         click.echo()
         count = len(tokens)
         ended = "the stop token" if tokens and tokens[-1] in decoder.stop_ids else "the token limit"
+        timed = (len(ids), (first or start) - start, count, time.perf_counter() - (first or start))
+    for line in _speed(*timed):
+        click.echo(line, err=True)
     click.echo(
         f"{count} tokens in {time.perf_counter() - start:.3f} s on {decoder.plan.provider}, ended by {ended}", err=True
     )

@@ -417,11 +417,24 @@ def _usage(stream) -> dict:
 
 
 def _timings(stream) -> dict:
-    """llama-server's `timings`: prompt tokens computed, and those the cache held."""
+    """llama-server's `timings`: prompt tokens computed (and those the cache held) and the tokens
+    generated after the first, each with its milliseconds, per token and per second."""
+    runs = max(stream.completion_tokens - 1, 0)
+    prompt_ms, predicted_ms = stream.prompt_seconds * 1e3, stream.generation_seconds * 1e3
     return {
-        "prompt_n": stream.prefilled_tokens,
         "cache_n": stream.prompt_tokens - stream.prefilled_tokens,
-        "predicted_n": stream.completion_tokens,
+        **rates("prompt", stream.prefilled_tokens, prompt_ms),
+        **rates("predicted", runs, predicted_ms),
+    }
+
+
+def rates(kind: str, n: int, ms: float) -> dict:
+    """llama-server's `{kind}_n`, `{kind}_ms`, `{kind}_per_token_ms`, `{kind}_per_second`."""
+    return {
+        f"{kind}_n": n,
+        f"{kind}_ms": round(ms, 3),
+        f"{kind}_per_token_ms": round(ms / n, 3) if n else 0.0,
+        f"{kind}_per_second": round(n * 1e3 / ms, 2) if n and ms else 0.0,
     }
 
 

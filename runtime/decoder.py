@@ -5,6 +5,7 @@ and generation through a KV cache (`moepass.runtime.kv_cache`) with llama.cpp's 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -424,6 +425,18 @@ class TextStream:
         self.text = ""
         self.finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
         self.ended_by = ""  # the same, in words
+        # perf_counter at the start, at the first token (the prompt's computation ends there) and at the last
+        self.started = self.first_token_at = self.last_token_at = 0.0
+
+    @property
+    def prompt_seconds(self) -> float:
+        """The prompt's computation: from the start to the first token (as llama.cpp's prompt eval)."""
+        return max(self.first_token_at - self.started, 0.0)
+
+    @property
+    def generation_seconds(self) -> float:
+        """The tokens after the first, each a step of its own (as llama.cpp's eval)."""
+        return max(self.last_token_at - self.first_token_at, 0.0)
 
     @property
     def completion_tokens(self) -> int:
@@ -432,9 +445,12 @@ class TextStream:
     def __iter__(self) -> Generator[str, None, None]:
         d = self._decoder
         shown = ""
+        self.started = time.perf_counter()
         for token, logits in d.generate_steps(*self._args):
+            self.last_token_at = time.perf_counter()
             if not self.token_ids:
                 self.prefilled_tokens = self._cache.prefilled
+                self.first_token_at = self.last_token_at
             self.token_ids.append(token)
             if token in d.stop_ids:
                 self.finish_reason, self.ended_by = "stop", f"the stop token {d.decode([token])!r}"

@@ -50,3 +50,18 @@ def test_usage_mistakes_point_to_help(converted):
     assert result.exit_code == 2 and "--top-p" in result.stderr and "--help" in result.stderr
     result = CliRunner().invoke(main, ["partition", "-h"], prog_name="moepass")
     assert "decimal" in result.stdout and "GiB" in result.stdout
+
+
+def test_the_commands_are_listed_in_pipeline_order_with_whole_summaries():
+    """`moepass --help`: convert, inspect, profile, partition, run, chat, serve, bench (and the rest
+    after them), each with its whole first sentence, never cut mid-phrase."""
+    from click.testing import CliRunner
+
+    from moepass.cli import main
+
+    text = CliRunner().invoke(main, ["--help"]).output
+    listed = [line.split()[0] for line in text.split("Commands:")[1].splitlines() if line.startswith("  ") and
+              not line.startswith("    ")]
+    order = ["convert", "inspect", "profile", "partition", "run", "chat", "serve", "bench"]
+    assert [c for c in listed if c in order] == order and set(listed) >= set(order), listed
+    assert "..." not in text.split("Commands:")[1]

@@ -562,3 +562,20 @@ def test_generation_stops_at_the_context_length(converted, caplog):
     with caplog.at_level(logging.WARNING, logger="moepass"):
         tokens = list(decoder.generate([5] * (context - 3), 10, stop_ids=()))
     assert len(tokens) == 3 and "generation stops after 3 new tokens, at the model's context length (512)" in caplog.text
+
+
+def test_run_prints_prompt_and_generation_rates_as_llama_cli(converted):
+    """llama-cli's two lines after a generation: the prompt's computation and the tokens after the
+    first, each with ms, ms per token and tokens per second, for text and token-id prompts."""
+    import re
+
+    line = r"{what}\s+[\d.]+ ms /\s+{n} {unit}\s+\(\s*[\d.]+ ms per token,\s+[\d.]+ tokens per second\)"
+    model = converted("q4_0")
+    for prompt in (["--prompt-ids", "1,2,3"], ["--prompt", "the other one"]):
+        result = CliRunner().invoke(main, ["run", str(model), *prompt, "-n", "5"])
+        assert result.exit_code == 0, result.output
+        generated = int(re.search(r"(\d+) tokens in", result.stderr).group(1))
+        prompt_n = 3 if prompt[0] == "--prompt-ids" else len(load(model).encode("the other one"))
+        assert re.search(line.format(what="prompt eval", n=prompt_n, unit="tokens"), result.stderr), result.stderr
+        if generated > 1:
+            assert re.search(line.format(what="eval", n=generated - 1, unit="runs"), result.stderr), result.stderr

@@ -162,6 +162,12 @@ def test_the_prompt_cache_computes_only_what_is_new(server, model):
     timings = second["timings"]
     assert timings["cache_n"] > 0 and timings["prompt_n"] + timings["cache_n"] == second["usage"]["prompt_tokens"]
     assert timings["prompt_n"] < second["usage"]["prompt_tokens"]
+    # llama-server's fields: milliseconds, per token and per second, for the prompt and the tokens after the first
+    assert timings["predicted_n"] == second["usage"]["completion_tokens"] - 1
+    for kind in ("prompt", "predicted")[: 1 + (timings["predicted_n"] > 0)]:
+        n, ms = timings[f"{kind}_n"], timings[f"{kind}_ms"]
+        assert ms > 0 and timings[f"{kind}_per_token_ms"] == pytest.approx(ms / n, rel=1e-2, abs=1e-3)
+        assert timings[f"{kind}_per_second"] == pytest.approx(n * 1e3 / ms, rel=1e-2)
 
 
 @pytest.mark.parametrize("body,status,says", [
