@@ -354,12 +354,26 @@ def _usable_root(root: Path) -> Path:
         ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise MoepassError(f"{root}: the GGUF cache folder is not a folder; name another with --cache-dir")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+    others = stat.S_IWOTH | (0 if _private_group(st.st_gid) else stat.S_IWGRP)
+    if st.st_mode & others and not st.st_mode & stat.S_ISVTX:
         raise MoepassError(
             f"{root}: the GGUF cache folder is writable by other users and not sticky, so anyone could "
             "plant a conversion in it; chmod go-w (or +t), or name another with --cache-dir"
         )
     return root
+
+
+def _private_group(gid: int) -> bool:
+    """Whether `gid` is this user's own group (a user private group, as Debian and Fedora make one
+    per user with umask 002: group-writable folders that only the user can write)."""
+    import grp
+    import pwd
+
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(os.getuid())
+    except KeyError:
+        return False
+    return gid == user.pw_gid and group.gr_name == user.pw_name and not set(group.gr_mem) - {user.pw_name}
 
 
 @contextlib.contextmanager

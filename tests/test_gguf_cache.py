@@ -378,3 +378,18 @@ def test_an_entry_whose_files_cannot_be_read_is_rebuilt(gguf, cache, monkeypatch
     monkeypatch.setattr(gguf_cache, "sampled_digest", unreadable)
     result = _run(gguf)
     assert "converted with the defaults" in result.stderr, result.stderr
+
+
+def test_a_group_writable_cache_folder_of_the_users_own_group_is_used(gguf, tmp_path):
+    """umask 002 with a user private group (Debian, Fedora) makes group-writable folders only the
+    user can write: used. A group with other members would be refused."""
+    from moepass.gguf_cache import _private_group
+
+    folder = tmp_path / "grouped"
+    folder.mkdir()
+    folder.chmod(0o775)
+    result = CliRunner().invoke(main, ["run", str(gguf), "--prompt-ids", "1", "-n", "1", "--cache-dir", str(folder)])
+    own = _private_group(folder.stat().st_gid)
+    assert (result.exit_code == 0) == own, result.output
+    if not own:
+        assert "writable by other users and not sticky" in result.stderr
