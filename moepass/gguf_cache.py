@@ -299,13 +299,8 @@ def remove_entries(cache_dir: str | os.PathLike | None, which: Callable[[Entry],
     root, found = entries(cache_dir)
     removed = []
     for entry in found:
-        if entry.state == "another user's" or not which(entry):
-            continue
-        with _try_locked(root / f"{entry.name}.lock") as free:
-            if free:
-                _remove_entry(root, entry.name)
-                (root / f"{entry.name}.lock").unlink(missing_ok=True)
-                removed.append(entry)
+        if entry.state != "another user's" and which(entry) and _remove_unless_busy(root, entry.name):
+            removed.append(entry)
     freed = sum(e.bytes for e in removed)
     if root.is_dir():
         for child in os.listdir(root):
@@ -496,19 +491,13 @@ def _files_match(folder: Path, data: dict) -> bool:
     if not _own(folder, stat.S_ISDIR):
         return False
     try:
-        names = sorted(os.listdir(folder))
-        recorded = data["files"]
-        if names != sorted(recorded):
+        if sorted(os.listdir(folder)) != sorted(data["files"]):
             return False
-        for child in names:
-            path, want = folder / child, recorded[child]
-            if not _own(path, stat.S_ISREG) or not isinstance(want, dict) or path.lstat().st_size != want.get("size"):
-                return False
-            if sampled_digest(path, SAMPLE_BLOCKS, SAMPLE_BYTES, WHOLE_DIGEST_BYTES) != want.get("digest"):
-                return False
+        if not all(_own(folder / child, stat.S_ISREG) for child in data["files"]):
+            return False
+        return _entry_files(folder) == data["files"]
     except OSError:  # unreadable: rebuilt
         return False
-    return True
 
 
 def _write_record(root: Path, name: str, fields: dict[str, Any]) -> None:
@@ -549,10 +538,17 @@ def _remove_older(root: Path, source: Path, keep: str) -> None:
     """The entries of the same file made by another moepass."""
     for entry in entries(root)[1]:
         if entry.name != keep and entry.source == str(source) and entry.state != "another user's":
-            with _try_locked(root / f"{entry.name}.lock") as free:
-                if free:
-                    _remove_entry(root, entry.name)
-                    (root / f"{entry.name}.lock").unlink(missing_ok=True)
+            _remove_unless_busy(root, entry.name)
+
+
+def _remove_unless_busy(root: Path, name: str) -> bool:
+    """The entry `name` and its lock removed, unless another moepass holds the lock (converting it
+    now); whether it was."""
+    with _try_locked(root / f"{name}.lock") as free:
+        if free:
+            _remove_entry(root, name)
+            (root / f"{name}.lock").unlink(missing_ok=True)
+        return free
 
 
 def _tree_bytes(folder: Path) -> int:

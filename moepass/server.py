@@ -488,10 +488,10 @@ def create_app(
             try:
                 await self.app(scope, receive, sending)
             except Exception as e:  # noqa: BLE001 - the server goes on serving; the line says what
-                where = f"{scope.get('method', '')} {scope.get('path', '')}"
-                server.echo(f"request failed: {where}: {type(e).__name__}: {first_line(e)}")
+                what = f"{type(e).__name__}: {first_line(e)}"
+                server.echo(f"request failed: {scope.get('method', '')} {scope.get('path', '')}: {what}")
                 if not started and scope["type"] == "http":
-                    failure = RequestError(500, f"{type(e).__name__}: {first_line(e)}", kind="server_error")
+                    failure = RequestError(500, what, kind="server_error")
                     try:
                         await error(failure)(scope, receive, send)
                     except Exception:  # noqa: BLE001, S110 - the client is gone

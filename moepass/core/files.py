@@ -745,9 +745,10 @@ def check_shared_data(folder: Path) -> None:
     if not isinstance(recorded, dict):
         raise MoepassError(f"{plan}: 'shared_data.identity' must be a JSON object")
     now = shared_data_identity(shared)
-    changed = [key for key in ("device", "inode", "size", "mtime_ns", "digest") if recorded.get(key) != now[key]]
+    changed = [key for key in now if recorded.get(key) != now[key]]
     if changed:
-        source = entry.get("source", "the source model's data file")
+        source = entry.get("source")
+        source = recorded_path(source, folder) if isinstance(source, str) else "the source model's data file"
         raise MoepassError(
             f"{shared}: changed since partition wrote this model ({', '.join(changed)} differ): it shares "
             f"{source}, which was rewritten or replaced; partition the source again"
