@@ -335,51 +335,14 @@ def _bandwidth_option(flag: str, shown: str, help: str) -> Callable:
     help="With --kv-cache int8: text to calibrate the scales on.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def convert(
-    model: str,
-    output: str,
-    float_experts: str,
-    expert_format: str,
-    exact: bool,
-    threads: int | None,
-    activations: str,
-    imatrix: str | None,
-    force: bool,
-    context: int | None,
-    allow_non_finite: bool,
-    print_after: str | None,
-    genai_speculative: str | None,
-    draft_tokens: int,
-    kv_cache: str,
-    kv_calibration: str | None,
-    quiet: bool,
-) -> None:
+def convert(model: str, output: str, force: bool, quiet: bool, **settings: Any) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
     from moepass.convert import convert as run_convert
 
     progress = _Progress("writing weights", enabled=not quiet)
     try:
-        result = run_convert(
-            model,
-            output,
-            float_experts=float_experts,
-            expert_format=expert_format,
-            exact=exact,
-            threads=threads,
-            activations=activations,
-            imatrix=imatrix,
-            overwrite=force,
-            progress=progress,
-            print_after=print_after,
-            echo=click.echo,
-            allow_non_finite=allow_non_finite,
-            context=context,
-            genai_speculative=genai_speculative,
-            draft_tokens=draft_tokens,
-            kv_cache=kv_cache,
-            kv_calibration=kv_calibration,
-        )
+        result = run_convert(model, output, overwrite=force, progress=progress, echo=click.echo, **settings)
     finally:
         progress.close()
     for line in result.summary_lines():
@@ -454,6 +417,15 @@ def clear(cache_dir: str | None) -> None:
     click.echo(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}, {format_bytes(freed)} freed")
 
 
+_CACHE_DIR = click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="For a GGUF MODEL: where its conversion is kept (default: $MOEPASS_CACHE, else "
+    "$XDG_CACHE_HOME/moepass, else ~/.cache/moepass).",
+)
+
+
 def _runtime_options(f):
     """Options shared by run, chat, serve and bench: where and how the model is loaded."""
     for option in reversed(
@@ -471,13 +443,7 @@ def _runtime_options(f):
                 default=None,
                 help=f"ONNX Runtime CUDA plugin EP library (default: ${PLUGIN_ENV}).",
             ),
-            click.option(
-                "--cache-dir",
-                type=click.Path(file_okay=False),
-                default=None,
-                help="For a GGUF MODEL: where its conversion is kept (default: $MOEPASS_CACHE, else "
-                "$XDG_CACHE_HOME/moepass, else ~/.cache/moepass).",
-            ),
+            _CACHE_DIR,
             click.option(
                 "--offload",
                 "mode",
@@ -689,9 +655,6 @@ _STOP = click.option("--stop", multiple=True, help="Stop when the text reaches t
 @_runtime_options
 def run(
     model_dir: str,
-    prompt: str | None,
-    prompt_file,
-    prompt_ids: str | None,
     chat: bool,
     system: str | None,
     think: bool | None,
@@ -702,12 +665,7 @@ def run(
     """Generate: text in, text out (streamed), or token ids in, token ids out.
 
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
-    if prompt_file is not None:
-        if prompt is not None or prompt_ids is not None:
-            raise click.UsageError("give one of --prompt, --prompt-file or --prompt-ids")
-        prompt = prompt_file.read()
-    if (prompt is None) == (prompt_ids is None):
-        raise click.UsageError("give exactly one of --prompt TEXT (or --prompt-file) or --prompt-ids 1,2,3")
+    prompt, prompt_ids = _prompt_of(options)
     if (system is not None or think is not None) and not chat:
         raise click.UsageError("--system and --think/--no-think apply to --chat")
     if chat:
@@ -745,6 +703,19 @@ def run(
     click.echo(
         f"{count} tokens in {time.perf_counter() - start:.3f} s on {decoder.plan.provider}, ended by {ended}", err=True
     )
+
+
+def _prompt_of(options: dict) -> tuple[str | None, str | None]:
+    """run's prompt (text, from --prompt or --prompt-file) or prompt ids, exactly one of them; their
+    flags taken out of `options`."""
+    prompt, prompt_file, prompt_ids = (options.pop(k) for k in ("prompt", "prompt_file", "prompt_ids"))
+    if prompt_file is not None:
+        if prompt is not None or prompt_ids is not None:
+            raise click.UsageError("give one of --prompt, --prompt-file or --prompt-ids")
+        prompt = prompt_file.read()
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt TEXT (or --prompt-file) or --prompt-ids 1,2,3")
+    return prompt, prompt_ids
 
 
 @main.command()
@@ -886,17 +857,7 @@ def serve(
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout (llama-bench-like fields).")
 @_runtime_options
-def bench(
-    model_dir: str,
-    prompt_tokens: int,
-    new_tokens: int,
-    depth: int | None,
-    repeats: int,
-    prompt_file,
-    profile: bool,
-    as_json: bool,
-    **options,
-) -> None:
+def bench(model_dir: str, prompt_file, profile: bool, as_json: bool, **options) -> None:
     """Prefill and decode speed (tokens/s of the best of --repeats; min/median/max), peak RSS; with
     --speculative, decode with and without it and the share of drafts kept.
 
@@ -905,6 +866,9 @@ def bench(
     from moepass.runtime.bench import decode_profile, measure
     from moepass.runtime.decoder import default_threads
 
+    prompt_tokens, new_tokens, depth, repeats = (
+        options.pop(k) for k in ("prompt_tokens", "new_tokens", "depth", "repeats")
+    )
     if prompt_file is not None and depth is not None:
         raise click.UsageError("--depth applies to pseudo-random prompts; with --prompt-file decode follows the text")
     model_dir = _converted(model_dir, options)
@@ -986,7 +950,7 @@ def bench(
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path())
+@click.argument("model_dir", metavar="MODEL", type=click.Path())
 @click.option(
     "--prompts",
     "prompts_file",
@@ -1016,16 +980,7 @@ def bench(
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def profile(
-    model_dir: str,
-    prompts_file: str | None,
-    prompts_format: str,
-    chat: bool,
-    prompt_ids: str | None,
-    output: str,
-    merge_with: tuple[str, ...],
-    threads: int | None,
-    force: bool,
-    quiet: bool,
+    model_dir: str, output: str, merge_with: tuple[str, ...], threads: int | None, force: bool, quiet: bool, **flags
 ) -> None:
     """Measure expert popularity: run calibration prompts through a converted model on the CPU."""
     from moepass.atomic import check_destination
@@ -1033,6 +988,9 @@ def profile(
     from moepass.profile import profile as run_profile
     from moepass.profile import read_prompts
 
+    prompts_file, prompts_format, prompt_ids, chat = (
+        flags.pop(k) for k in ("prompts_file", "prompts_format", "prompt_ids", "chat")
+    )
     if (prompts_file is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompts FILE or --prompt-ids 1,2,3")
     check_destination(output, force, is_dir=False)  # before the work, not after it
@@ -1072,7 +1030,7 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path())
+@click.argument("model_dir", metavar="MODEL", type=click.Path())
 @click.option(
     "--vram",
     default=None,
@@ -1104,7 +1062,6 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 )
 @click.option(
     "--profile",
-    "profile_path",
     type=click.Path(dir_okay=False),
     default=None,
     help="Popularity file from `moepass profile` (without one, placement is uniform).",
@@ -1192,95 +1149,60 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 )
 @click.option(
     "--gguf",
-    "gguf_path",
     type=click.Path(dir_okay=False),
     default=None,
     help="The GGUF the model was converted from, where it is now (its GPU form is packed from the file's "
     "blocks); default: where its moepass.json records it.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress.")
-def partition(
-    model_dir: str,
-    vram: str,
-    output: str | None,
-    target: str,
-    cuda_plugin: str | None,
-    profile_path: str | None,
-    policy: str | None,
-    mode: str,
-    context: int,
-    batch: int,
-    prefill_tokens: int,
-    reserve: str,
-    gpu_bandwidth: float,
-    host_bandwidth: float | None,
-    pcie_bandwidth: float | None,
-    report: str | None,
-    force: bool,
-    gpu_preset: str | None,
-    cpu_profile: str | None,
-    no_calibrate: bool,
-    threads: int | None,
-    ignore_kernel_table: bool,
-    kv_cache: str,
-    keep_form: bool,
-    gguf_path: str | None,
-    quiet: bool,
-) -> None:
+def partition(model_dir: str, vram: str | None, output: str | None, force: bool, quiet: bool, **flags: Any) -> None:
     """Choose which experts (or whole MoE layers) live on the GPU for a VRAM budget; write the model in
     the form the GPU's EP takes (float16, each GPU node in a form its kernels take), the plan and the
-    ONNX Runtime options. MODEL_DIR: a converted model, or a GGUF file (converted here in one step)."""
+    ONNX Runtime options. MODEL: a converted model, or a GGUF file (converted here in one step)."""
     from moepass.partition import partition as run_partition
 
-    card = GPU_PRESETS.get(gpu_preset) if gpu_preset else None
+    card = GPU_PRESETS.get(flags["gpu_preset"]) if flags["gpu_preset"] else None
     vram = vram or (card.vram if card else "")
     if not vram:
         raise click.UsageError("give --vram SIZE or --gpu NAME")
-
-    def given(value: float | None, preset: float | None, default: float) -> float:
-        return value if value is not None else preset if preset is not None else default
-
-    figures = [f"--gpu {gpu_preset}'s data sheet"] if card else []
-    figures += [f"--{name}-bandwidth" for name, value in (("gpu", gpu_bandwidth), ("host", host_bandwidth),
-                                                          ("pcie", pcie_bandwidth)) if value is not None]  # fmt: skip
-    bandwidths = Bandwidths(
-        given(gpu_bandwidth, card.bandwidth if card else None, Bandwidths.gpu),
-        given(host_bandwidth, None, Bandwidths.host),
-        given(pcie_bandwidth, card.pcie if card else None, Bandwidths.pcie),
-        **({"source": "from " + ", ".join(figures)} if figures and (card or gpu_bandwidth) else {}),
-    )
     progress = _Progress("writing the placed model", enabled=not quiet)
     try:
         result = run_partition(
             model_dir,
             output,
             vram,
-            profile=profile_path,
-            context=context,
-            batch=batch,
-            prefill_tokens=prefill_tokens,
-            reserve=reserve,
-            policy=policy,
-            mode=mode,
-            bandwidths=bandwidths,
-            report=report,
             overwrite=force,
             warn=lambda m: click.echo(f"moepass: warning: {m}", err=True),
-            target=target,
-            cuda_plugin=cuda_plugin,
             progress=progress,
-            kernel_table=not ignore_kernel_table,
-            cpu_profile=cpu_profile,
-            calibrate=not no_calibrate,
-            threads=threads,
-            kv_cache=kv_cache,
-            lower=not keep_form,
-            gguf=gguf_path,
+            **_partition_settings(flags, card),
         )
     finally:
         progress.close()
     for line in result.summary_lines():
         click.echo(line)
+
+
+def _partition_settings(flags: dict[str, Any], card: Any) -> dict[str, Any]:
+    """partition's flags as moepass.partition.PartitionOptions' fields: the negated flags turned
+    round, the bandwidths from the flags over the --gpu card's data sheet over the defaults."""
+    flags = dict(flags)
+    gpu_preset = flags.pop("gpu_preset")
+    given = {name: flags.pop(f"{name}_bandwidth") for name in ("gpu", "host", "pcie")}
+    sheet = {"gpu": card.bandwidth, "host": None, "pcie": card.pcie} if card else {}
+    figures = [f"--gpu {gpu_preset}'s data sheet"] if card else []
+    figures += [f"--{name}-bandwidth" for name, value in given.items() if value is not None]
+    chosen: dict[str, Any] = {}
+    for name, value in given.items():
+        preset = sheet.get(name)
+        chosen[name] = value if value is not None else preset if preset is not None else getattr(Bandwidths, name)
+    if figures and (card or given["gpu"]):
+        chosen["source"] = "from " + ", ".join(figures)
+    turned = {
+        "kernel_table": not flags.pop("ignore_kernel_table"),
+        "calibrate": not flags.pop("no_calibrate"),
+        "lower": not flags.pop("keep_form"),
+    }
+    return {**flags, **turned, "bandwidths": Bandwidths(**chosen)}
 
 
 if __name__ == "__main__":

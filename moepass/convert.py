@@ -40,6 +40,7 @@ from moepass.core.choices import (
     FLOAT_EXPERT_CHOICES,
     KV_CACHE_TYPES,
     PASS_NAMES,
+    known_settings,
     one_of,
 )
 from moepass.core.errors import MoepassError
@@ -225,23 +226,12 @@ class ConvertResult:
 def convert(
     model: Any,
     output_dir: str | os.PathLike,
+    options: ConvertOptions | None = None,
     *,
-    float_experts: str = "keep",
-    expert_format: str = "auto",
-    activations: str = "int8",
-    imatrix: str | os.PathLike | None = None,
     overwrite: bool = False,
     progress: ProgressFn | None = None,
-    print_after: str | None = None,
     echo: Callable[[str], None] = print,
-    allow_non_finite: bool = False,
-    context: int | None = None,
-    exact: bool = False,
-    threads: int | None = None,
-    genai_speculative: str | None = None,
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-    kv_cache: str = "float32",
-    kv_calibration: str | os.PathLike | None = None,
+    **settings: Any,
 ) -> ConvertResult:
     """Convert a GGUF model into an ONNX decoder directory, or fuse an ONNX model's MoE layers.
 
@@ -250,38 +240,55 @@ def convert(
             model directory, an onnx.ModelProto, an onnx-ir model or an onnx-graphsurgeon graph
             (see convert_onnx; `expert_format` and `imatrix` are for GGUF input).
         output_dir: the directory to create (must not exist, or be empty, unless `overwrite`).
-        float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
-            (quantized into QMoE).
-        expert_format: "auto", "int4" or "int8" for quantized experts (see moepass.core.quants.expert_form),
-            or "offload": what ONNX Runtime's expert offload requires (int4 block 32 prepacked, float16).
-        exact: keep every tensor whose blocks move bit-exactly in its exact form, even where a
-            requantized form is faster (Q6_K: int8 block 16 instead of block 128).
-        threads: threads converting weights (None: every core the process may use).
-        activations: "int8" (default): activations quantized to 8 bits inside every quantized matrix
-            product, as llama.cpp does (ONNX Runtime's accuracy_level 4, several times faster on the
-            CPU); "float": exact float arithmetic (see moepass.passes.activations).
-        imatrix: a llama.cpp importance matrix (GGUF or .dat) weighting requantization errors per column.
+        options: how (ConvertOptions); `settings` are its fields by name (expert_format="int4", ...).
         overwrite: replace an existing output_dir.
         progress: called as progress(done, total) while weights are written.
-        print_after: print the graph after this step (moepass.core.choices.PASS_NAMES, per input kind).
-        allow_non_finite: convert tensors holding NaN or Inf (refused by default: the model would
-            compute NaN logits).
-        context: the positions the model is built for (its RoPE tables; default: the GGUF's
-            context_length, refused when its tables would outweigh the whole model).
-        genai_speculative: "ngram" or "draft:PATH" (a converted draft model's folder): speculative
-            decoding in genai_config.json, `draft_tokens` per step (see moepass.genai.with_speculation).
-        kv_cache: the KV cache's type, "float32", "float16" or "int8" (per-channel scales calibrated
-            on `kv_calibration`, a text file, else on the model's own sampled text; see
-            moepass.kv_precision).
+        echo: where the steps' lines go (--print-after's graph, the KV cache's calibration).
     """
-    one_of(activations, ACTIVATION_MODES, "activations")
+    options = ConvertOptions.of(options, settings)
     kind = "onnx" if _is_onnx(model) else "gguf"
-    if print_after is not None and print_after not in PASS_NAMES[kind]:
+    if options.print_after is not None and options.print_after not in PASS_NAMES[kind]:
         raise MoepassError(
-            f"--print-after {print_after}: no such step for {kind.upper()} input; its steps: "
+            f"--print-after {options.print_after}: no such step for {kind.upper()} input; its steps: "
             f"{', '.join(PASS_NAMES[kind])}"
         )
-    if kind == "onnx" and isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
+    if kind == "onnx":
+        _check_onnx_input(model, options)
+        return convert_onnx(
+            model,
+            output_dir,
+            float_experts=options.float_experts,
+            activations=options.activations,
+            overwrite=overwrite,
+            progress=progress,
+            print_after=options.print_after,
+            echo=echo,
+        )
+    start = time.perf_counter()
+    source, output_dir = Path(model), Path(output_dir)
+    check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # before any work
+    if options.genai_speculative:  # its draft model and numbers checked before the work too
+        check_speculation(options.genai_speculative, options.draft_tokens)
+    calibration_text = read_text(Path(options.kv_calibration)) if options.kv_calibration is not None else None
+    conversion = lower_gguf_file(
+        source,
+        options.lowering(),
+        options.activations,
+        allow_non_finite=options.allow_non_finite,
+        print_after=options.print_after,
+        echo=echo,
+    )
+    with atomic_directory(output_dir, overwrite, inputs=conversion.gguf.parts) as tmp:
+        written = write_gguf_conversion(
+            conversion, tmp, options, progress, calibration_text=calibration_text, echo=echo, output_dir=output_dir
+        )
+    return conversion.result(output_dir, written, time.perf_counter() - start)
+
+
+def _check_onnx_input(model: Any, options: ConvertOptions) -> None:
+    """An ONNX input's folder holds model.onnx, and no option for GGUF input is given (refused, not
+    ignored)."""
+    if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
         folder = Path(model)
         if not (folder / MODEL_FILE).is_file():
             if any(folder.glob("*.gguf")) or any(folder.glob("*.onnx")):
@@ -290,74 +297,92 @@ def convert(
                 f"{model}: a folder without {MODEL_FILE}; convert takes a .gguf file, an .onnx file or a folder "
                 f"holding {MODEL_FILE}"
             )
-    if kind == "onnx":
-        given = [
-            option
-            for option, value, default in (
-                ("--expert-format", expert_format, "auto"),
-                ("--exact", exact, False),
-                ("--imatrix", imatrix, None),
-                ("--context", context, None),
-                ("--allow-non-finite", allow_non_finite, False),
-                ("--genai-speculative", genai_speculative, None),
-                ("--kv-cache", kv_cache, "float32"),
-                ("--kv-calibration", kv_calibration, None),
-            )
-            if value != default
-        ]
-        if given:  # refused, not ignored
+    defaults = ConvertOptions()
+    for flag, name in GGUF_ONLY_FLAGS.items():
+        if getattr(options, name) != getattr(defaults, name):
             raise MoepassError(
-                f"{given[0]} applies to GGUF input; an ONNX model's MoE layers are fused as they "
+                f"{flag} applies to GGUF input; an ONNX model's MoE layers are fused as they "
                 "are (--float-experts and --activations apply)"
             )
-        return convert_onnx(
-            model,
-            output_dir,
-            float_experts=float_experts,
-            activations=activations,
-            overwrite=overwrite,
-            progress=progress,
-            print_after=print_after,
-            echo=echo,
+
+
+# convert's options that apply to GGUF input only, by flag
+GGUF_ONLY_FLAGS = {
+    "--expert-format": "expert_format",
+    "--exact": "exact",
+    "--imatrix": "imatrix",
+    "--context": "context",
+    "--allow-non-finite": "allow_non_finite",
+    "--genai-speculative": "genai_speculative",
+    "--kv-cache": "kv_cache",
+    "--kv-calibration": "kv_calibration",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """How convert lowers and writes: the Python API's keywords and, under the same names, the CLI's
+    flags.
+
+    float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
+        (quantized into QMoE).
+    expert_format: "auto", "int4" or "int8" for quantized experts (see moepass.core.quants.expert_form),
+        or "offload": what ONNX Runtime's expert offload requires (int4 block 32 prepacked, float16).
+    activations: "int8" (default): activations quantized to 8 bits inside every quantized matrix
+        product, as llama.cpp does (ONNX Runtime's accuracy_level 4, several times faster on the
+        CPU); "float": exact float arithmetic (see moepass.passes.activations).
+    imatrix: a llama.cpp importance matrix (GGUF or .dat) weighting requantization errors per column.
+    print_after: print the graph after this step (moepass.core.choices.PASS_NAMES, per input kind).
+    allow_non_finite: convert tensors holding NaN or Inf (refused by default: the model would
+        compute NaN logits).
+    context: the positions the model is built for (its RoPE tables; default: the GGUF's
+        context_length, refused when its tables would outweigh the whole model).
+    exact: keep every tensor whose blocks move bit-exactly in its exact form, even where a
+        requantized form is faster (Q6_K: int8 block 16 instead of block 128).
+    threads: threads converting weights (None: every core the process may use).
+    genai_speculative: "ngram" or "draft:PATH" (a converted draft model's folder): speculative
+        decoding in genai_config.json, `draft_tokens` per step (see moepass.genai.with_speculation).
+    kv_cache: the KV cache's type, "float32", "float16" or "int8" (per-channel scales calibrated
+        on `kv_calibration`, a text file, else on the model's own sampled text; see
+        moepass.kv_precision).
+    """
+
+    float_experts: str = "keep"
+    expert_format: str = "auto"
+    activations: str = "int8"
+    imatrix: str | os.PathLike | None = None
+    print_after: str | None = None
+    allow_non_finite: bool = False
+    context: int | None = None
+    exact: bool = False
+    threads: int | None = None
+    genai_speculative: str | None = None
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    kv_cache: str = "float32"
+    kv_calibration: str | os.PathLike | None = None
+
+    def __post_init__(self) -> None:
+        one_of(self.activations, ACTIVATION_MODES, "activations")
+        one_of(self.kv_cache, KV_CACHE_TYPES, "kv_cache")
+        if self.kv_calibration is not None and self.kv_cache != "int8":
+            raise MoepassError("--kv-calibration applies to --kv-cache int8")
+
+    @classmethod
+    def of(cls, options: ConvertOptions | None, settings: dict[str, Any]) -> ConvertOptions:
+        """`options` (default: the defaults) with `settings` in place of its fields; an unknown name is
+        refused, naming the nearest field."""
+        return dataclasses.replace(options or cls(), **known_settings(cls, "convert", settings))
+
+    def lowering(self) -> LowerOptions:
+        """The lowering's options (the importance matrix read here)."""
+        return LowerOptions(
+            float_experts=self.float_experts,
+            expert_format=self.expert_format,
+            imatrix=load_imatrix(self.imatrix) if self.imatrix else None,
+            context=self.context,
+            exact=self.exact,
+            threads=self.threads,
         )
-    start = time.perf_counter()
-    source, output_dir = Path(model), Path(output_dir)
-    check_destination(output_dir, overwrite, is_dir=True, inputs=[source])  # before any work
-    if genai_speculative:  # its draft model and numbers checked before the work too
-        check_speculation(genai_speculative, draft_tokens)
-    one_of(kv_cache, KV_CACHE_TYPES, "kv_cache")
-    if kv_calibration is not None and kv_cache != "int8":
-        raise MoepassError("--kv-calibration applies to --kv-cache int8")
-    calibration_text = read_text(Path(kv_calibration)) if kv_calibration is not None else None
-    conversion = lower_gguf_file(
-        source,
-        LowerOptions(
-            float_experts=float_experts,
-            expert_format=expert_format,
-            imatrix=load_imatrix(imatrix) if imatrix else None,
-            context=context,
-            exact=exact,
-            threads=threads,
-        ),
-        activations,
-        allow_non_finite=allow_non_finite,
-        print_after=print_after,
-        echo=echo,
-    )
-    with atomic_directory(output_dir, overwrite, inputs=conversion.gguf.parts) as tmp:
-        written = write_gguf_conversion(
-            conversion,
-            tmp,
-            progress,
-            kv_cache=kv_cache,
-            calibration_text=calibration_text,
-            threads=threads,
-            echo=echo,
-            genai_speculative=genai_speculative,
-            draft_tokens=draft_tokens,
-            output_dir=output_dir,
-        )
-    return conversion.result(output_dir, written, time.perf_counter() - start)
 
 
 @dataclasses.dataclass
@@ -442,14 +467,11 @@ def lower_gguf_file(
 def write_gguf_conversion(
     conversion: GgufConversion,
     tmp: Path,
+    options: ConvertOptions,
     progress: ProgressFn | None = None,
     *,
-    kv_cache: str = "float32",
     calibration_text: str | None = None,
-    threads: int | None = None,
     echo: Callable[[str], None] = print,
-    genai_speculative: str | None = None,
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     output_dir: Path | None = None,
     also: WeightReport | None = None,
 ) -> WrittenConversion:
@@ -487,11 +509,17 @@ def write_gguf_conversion(
         tokenizer = tokenizer_files.result()
     report["tokenizer"] = tokenizer.info
     report["kv_cache"] = set_kv_cache(
-        tmp, kv_cache, cache_type_of(model), lowered.hparams.context_length, calibration_text, threads, echo
+        tmp,
+        options.kv_cache,
+        cache_type_of(model),
+        lowered.hparams.context_length,
+        calibration_text,
+        options.threads,
+        echo,
     )
     genai = genai_config(lowered.hparams, model, tokenizer.info)
-    if genai_speculative:
-        genai = with_speculation(genai, genai_speculative, draft_tokens, output_dir or tmp)
+    if options.genai_speculative:
+        genai = with_speculation(genai, options.genai_speculative, options.draft_tokens, output_dir or tmp)
     (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
     write_report(tmp, report)
     output_bytes = sum(f.stat().st_size for f in tmp.iterdir())

@@ -118,56 +118,64 @@ def content_digest(source: Path) -> str:
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def _data_start(view: mmap.mmap) -> int:
-    """Where a GGUF's tensor data starts (the header's end, aligned), read without decoding values;
-    where the header does not parse (convert then says what is wrong), UNPARSED_HEADER_BYTES."""
-    end = len(view)
+class _Header:
+    """A GGUF header read in place, without decoding values: each read says where the next one
+    starts, and raises ValueError where it would run past the file's end."""
 
-    def take(fmt: str, at: int) -> tuple[Any, int]:
+    def __init__(self, view: mmap.mmap):
+        self.view, self.end = view, len(view)
+
+    def take(self, fmt: str, at: int) -> tuple[Any, int]:
         size = struct.calcsize(fmt)
-        if at + size > end:
+        if at + size > self.end:
             raise ValueError
-        return struct.unpack_from(fmt, view, at)[0], at + size
+        return struct.unpack_from(fmt, self.view, at)[0], at + size
 
-    def skip_string(at: int) -> tuple[bytes, int]:
-        length, at = take("<Q", at)
-        if at + length > end:
+    def skip_string(self, at: int) -> tuple[bytes, int]:
+        length, at = self.take("<Q", at)
+        if at + length > self.end:
             raise ValueError
-        return view[at : at + length], at + length
+        return self.view[at : at + length], at + length
 
-    def skip_value(kind: int, at: int) -> int:
+    def skip_value(self, kind: int, at: int) -> int:
         if kind in _VALUE_SIZES:
             return at + _VALUE_SIZES[kind]
         if kind == 8:
-            return skip_string(at)[1]
+            return self.skip_string(at)[1]
         if kind == 9:
-            item, at = take("<I", at)
-            count, at = take("<Q", at)
+            item, at = self.take("<I", at)
+            count, at = self.take("<Q", at)
             if item in _VALUE_SIZES:
                 return at + count * _VALUE_SIZES[item]
             for _ in range(count):
-                at = skip_value(item, at)
-                if at > end:
+                at = self.skip_value(item, at)
+                if at > self.end:
                     raise ValueError
             return at
         raise ValueError
 
+
+def _data_start(view: mmap.mmap) -> int:
+    """Where a GGUF's tensor data starts (the header's end, aligned), read without decoding values;
+    where the header does not parse (convert then says what is wrong), UNPARSED_HEADER_BYTES."""
+    header = _Header(view)
+    end = header.end
     try:
-        version, at = take("<I", 4)
+        version, at = header.take("<I", 4)
         if version < 2:
             raise ValueError
-        tensors, at = take("<Q", at)
-        keys, at = take("<Q", at)
+        tensors, at = header.take("<Q", at)
+        keys, at = header.take("<Q", at)
         alignment = 32
         for _ in range(keys):
-            key, at = skip_string(at)
-            kind, at = take("<I", at)
+            key, at = header.skip_string(at)
+            kind, at = header.take("<I", at)
             if key == b"general.alignment" and kind == 4:
-                alignment = take("<I", at)[0] or 32
-            at = skip_value(kind, at)
+                alignment = header.take("<I", at)[0] or 32
+            at = header.skip_value(kind, at)
         for _ in range(tensors):
-            at = skip_string(at)[1]
-            dims, at = take("<I", at)
+            at = header.skip_string(at)[1]
+            dims, at = header.take("<I", at)
             at += 8 * dims + 4 + 8
             if at > end:
                 raise ValueError

@@ -35,7 +35,16 @@ from moepass.atomic import atomic_directory, atomic_file, check_destination
 from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals, offload_violations
-from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, Bandwidths, format_bytes, one_of, parse_bytes
+from moepass.core.choices import (
+    KV_CACHE_TYPES,
+    PLUGIN_ENV,
+    TARGETS,
+    Bandwidths,
+    format_bytes,
+    known_settings,
+    one_of,
+    parse_bytes,
+)
 from moepass.core.errors import MoepassError
 from moepass.core.files import (
     DATA_FILE,
@@ -72,7 +81,7 @@ from moepass.passes.gpu_form import ExpertRows, GgufExperts, GpuFormPass, Stored
 from moepass.passes.lower import LowerOptions
 from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.passes.weights import WeightReport, merged_records
-from moepass.placement import Budget, MemoryModel, Plan, onnxruntime_options, plan_placement
+from moepass.placement import Budget, MemoryModel, Plan, Speeds, onnxruntime_options, plan_placement
 from moepass.popularity import Popularity, model_identity
 
 if TYPE_CHECKING:
@@ -393,40 +402,10 @@ def check_gpu_nodes(lowered: LoweredModel, target: str, gpu_moe: frozenset[str])
             raise MoepassError(f"{moe_name}: planned for expert offload, but {rule}{hint}")
 
 
-def partition(
-    model_dir: str | os.PathLike,
-    output_dir: str | os.PathLike | None,
-    vram: str | int,
-    *,
-    profile: str | os.PathLike | Popularity | None = None,
-    context: int | None = None,
-    batch: int = 1,
-    prefill_tokens: int = 512,
-    reserve: str | int = "512MiB",
-    policy: str | None = None,
-    mode: str = "auto",
-    bandwidths: Bandwidths = Bandwidths(),
-    report: str | os.PathLike | None = None,
-    overwrite: bool = False,
-    warn: Callable[[str], None] | None = None,
-    target: str = "auto",
-    cuda_plugin: str | os.PathLike | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    kernel_table: bool = True,
-    cpu_profile: str | os.PathLike | None = None,
-    calibrate: bool = True,
-    threads: int | None = None,
-    kv_cache: str = "keep",
-    lower: bool = True,
-    gguf: str | os.PathLike | None = None,
-) -> PartitionResult:
-    """Plan expert placement for a GPU budget and write the model lowered for it, the plan and options.
-
-    Stages: read (the converted model, or a GGUF lowered with convert's defaults), plan (the memory
-    model of the GPU form, placement, prediction: moepass.placement), lower (passes/gpu_form.py:
-    float16 on the GPU, each MoE node there in the form its EP takes, experts packed anew from the
-    GGUF's own blocks where that form differs; the layer annotations or the expert order), write
-    (what changed; the source's unchanged weights shared with it, `output_dir`/shared.onnx.data).
+@dataclasses.dataclass(frozen=True)
+class PartitionOptions:
+    """How partition plans and lowers: the Python API's keywords and, under the same names, the
+    CLI's flags (moepass.cli maps its flag spellings onto these fields).
 
     target: "offload" (per expert, for the CUDA plugin EP's expert offload), "layers" (whole MoE
     nodes on the GPU or the CPU, through layer annotations the in-tree CUDA EP follows) or "auto":
@@ -439,118 +418,272 @@ def partition(
     take them from `cpu_profile` (an earlier plan.json); False: the bandwidth model alone.
     `kv_cache`: "keep" the model's KV cache type, give a float32 one another (float16, int8;
     moepass.kv_precision), or "auto": the type of AUTO_CHOICES with the fastest predicted decode.
-    `gguf`: where the GGUF the model was converted from is now, if it moved."""
-    one_of(target, TARGETS, "target")
-    for name, value in (("batch", batch), ("prefill_tokens", prefill_tokens)):
-        if not isinstance(value, int) or value < 1:
-            raise MoepassError(f"{name} must be a positive integer, not {value!r}")
-    if context is not None and (not isinstance(context, int) or context < 1):
-        raise MoepassError(f"context must be a positive integer, not {context!r}")
-    if report is not None and Path(report).suffix.lower() != ".png":
-        raise MoepassError(f"{report}: the report is a PNG picture; name it *.png")
+    `gguf`: where the GGUF the model was converted from is now, if it moved. `report`: a PNG
+    picture of the plan."""
+
+    profile: str | os.PathLike | Popularity | None = None
+    context: int | None = None
+    batch: int = 1
+    prefill_tokens: int = 512
+    reserve: str | int = "512MiB"
+    policy: str | None = None
+    mode: str = "auto"
+    bandwidths: Bandwidths = Bandwidths()
+    report: str | os.PathLike | None = None
+    target: str = "auto"
+    cuda_plugin: str | os.PathLike | None = None
+    kernel_table: bool = True
+    cpu_profile: str | os.PathLike | None = None
+    calibrate: bool = True
+    threads: int | None = None
+    kv_cache: str = "keep"
+    lower: bool = True
+    gguf: str | os.PathLike | None = None
+
+    def __post_init__(self) -> None:
+        one_of(self.target, TARGETS, "target")
+        for name, value in (("batch", self.batch), ("prefill_tokens", self.prefill_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise MoepassError(f"{name} must be a positive integer, not {value!r}")
+        if self.context is not None and (not isinstance(self.context, int) or self.context < 1):
+            raise MoepassError(f"context must be a positive integer, not {self.context!r}")
+        if self.report is not None and Path(self.report).suffix.lower() != ".png":
+            raise MoepassError(f"{self.report}: the report is a PNG picture; name it *.png")
+
+    @classmethod
+    def of(cls, options: PartitionOptions | None, settings: dict[str, Any]) -> PartitionOptions:
+        """`options` (default: the defaults) with `settings` in place of its fields; an unknown name is
+        refused, naming the nearest field."""
+        return dataclasses.replace(options or cls(), **known_settings(cls, "partition", settings))
+
+
+def partition(
+    model_dir: str | os.PathLike,
+    output_dir: str | os.PathLike | None,
+    vram: str | int,
+    options: PartitionOptions | None = None,
+    *,
+    overwrite: bool = False,
+    warn: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    **settings: Any,
+) -> PartitionResult:
+    """Plan expert placement for a GPU budget and write the model lowered for it, the plan and options.
+
+    Stages: read (the converted model, or a GGUF lowered with convert's defaults), plan (the memory
+    model of the GPU form, placement, prediction: moepass.placement), lower (passes/gpu_form.py:
+    float16 on the GPU, each MoE node there in the form its EP takes, experts packed anew from the
+    GGUF's own blocks where that form differs; the layer annotations or the expert order), write
+    (what changed; the source's unchanged weights shared with it, `output_dir`/shared.onnx.data).
+    `options` (PartitionOptions) says how; `settings` are its fields by name (target="layers", ...)."""
+    options = PartitionOptions.of(options, settings)
     label = Path(model_dir)
     output_dir = Path(output_dir) if output_dir is not None else default_output(label)
     # ---- read
-    source = read_source(label, gguf)
-    if source.folder is not None:  # before minutes of work: the files copied at the end
+    source = read_source(label, options.gguf)
+    inputs_of = _check_outputs(source, output_dir, options.report, overwrite)
+    request = PlanRequest.of(source, vram, options)
+    # ---- plan, on the memory model of the GPU form (every MoE node lowered for the GPU)
+    placement = plan_for(source, request, options)
+    for message in placement.warnings_said():
+        if warn is not None:
+            warn(message)
+    # ---- lower for the plan
+    lowered = lower_for_plan(source, request, placement, options)
+    document = placement.document(request, options, relative_to_folder(label, output_dir))
+    # ---- write
+    with atomic_directory(output_dir, overwrite, inputs=inputs_of) as tmp:
+        weights_how = _write_model(source, lowered, lowered.model, tmp, progress, options.threads)
+        placed = _write_placed(source, lowered, placement, document, weights_how, tmp, output_dir, options)
+        if options.report is not None:
+            from moepass.plan_report import draw_plan
+
+            with atomic_file(options.report, overwrite) as picture:
+                draw_plan(placed, request.popularity, picture)
+    return PartitionResult(output_dir, placed, placement.options, placement.warnings(), weights_how)
+
+
+def _check_outputs(
+    source: PartitionSource, output_dir: Path, report: str | os.PathLike | None, overwrite: bool
+) -> list[Path]:
+    """The outputs checked before minutes of work (and the files copied at the end); the inputs no
+    output may replace."""
+    if source.folder is not None:
         refuse_linked(source.folder, (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE))
     inputs_of = [source.label] if source.folder is None else [model_file(source.label)]
-    check_destination(output_dir, overwrite, is_dir=True, inputs=inputs_of)  # the outputs before any work
+    check_destination(output_dir, overwrite, is_dir=True, inputs=inputs_of)
     if report is not None:
         check_destination(report, overwrite, is_dir=False, inputs=inputs_of)
-    source_model = source.conversion.model if source.conversion is not None else source.fresh()[0]
-    identity = model_identity(source_model)
-    source_cache = cache_type_of(source_model)
-    one_of(kv_cache, ("keep", "auto", *KV_CACHE_TYPES), "--kv-cache")
-    if target == "auto":
-        target = (
-            "offload"
-            if (cuda_plugin or os.environ.get(PLUGIN_ENV)) and (lower or not offload_violations(source_model))
-            else "layers"
+    return inputs_of
+
+
+@dataclasses.dataclass
+class PlanRequest:
+    """What a plan is asked for, resolved against the model: its target, KV cache tokens, popularity
+    and budget."""
+
+    label: Path
+    model: ir.Model  # the source model (read lazily: its weights stay on disk)
+    identity: dict[str, Any]
+    cache: str | None  # the source model's KV cache type
+    target: str
+    vram: str | int
+    context: int
+    context_words: str
+    popularity: Popularity | None
+    profile_info: dict[str, Any] | None
+    budget: Budget
+
+    @classmethod
+    def of(cls, source: PartitionSource, vram: str | int, options: PartitionOptions) -> PlanRequest:
+        model = source.conversion.model if source.conversion is not None else source.fresh()[0]
+        identity = model_identity(model)
+        one_of(options.kv_cache, ("keep", "auto", *KV_CACHE_TYPES), "--kv-cache")
+        target = options.target
+        if target == "auto":
+            named = options.cuda_plugin or os.environ.get(PLUGIN_ENV)
+            target = "offload" if named and (options.lower or not offload_violations(model)) else "layers"
+        context, context_words = planned_context(options.context, source.context_length)
+        popularity, profile_info = _popularity(options.profile, identity)
+        budget = Budget(
+            parse_bytes(vram, "--vram"),
+            context,
+            options.batch,
+            options.prefill_tokens,
+            parse_bytes(options.reserve, "--reserve"),
         )
-    context, context_words = planned_context(context, source.context_length)
-    popularity, profile_info = None, None
-    if profile is not None:
-        label_p = str(profile) if not isinstance(profile, Popularity) else "profile"
-        popularity = profile if isinstance(profile, Popularity) else Popularity.load(profile)
-        popularity.check_fits(identity, label_p)
-        profile_info = {"file": Path(label_p).name, "tokens": popularity.tokens, "prompts": popularity.prompts}
-    budget = Budget(parse_bytes(vram, "--vram"), context, batch, prefill_tokens, parse_bytes(reserve, "--reserve"))
-    if budget.vram_bytes <= 0:
-        raise MoepassError(f"--vram {vram!r}: the GPU budget must be more than 0")
-    if budget.reserve_bytes >= budget.vram_bytes:
-        raise MoepassError(f"--reserve {reserve!r} leaves nothing of --vram {vram!r} for the model")
-    # ---- plan, on the memory model of the GPU form (every MoE node lowered for the GPU)
-    every = frozenset(m.name for m in moe_nodes(source_model.graph))
-    planning = lower_for(source, target, every, lower, threads)
-    memory = MemoryModel.of(planning.model, kernel_table=kernel_table, cpu_nodes=planning.cpu_nodes())
-    warnings_before: list[str] = []
-    inactive = None
-    if not lower:
-        violations = offload_violations(source_model)
-        if violations and target == "offload":
-            node, rule = violations[0]
-            inactive = (
-                f"{label}: ONNX Runtime will not offload this model's experts ({node}: {rule}); let partition "
-                "lower it (without --keep-form) for a model it will"
+        if budget.vram_bytes <= 0:
+            raise MoepassError(f"--vram {vram!r}: the GPU budget must be more than 0")
+        if budget.reserve_bytes >= budget.vram_bytes:
+            raise MoepassError(f"--reserve {options.reserve!r} leaves nothing of --vram {vram!r} for the model")
+        cache = cache_type_of(model)
+        return cls(
+            source.label, model, identity, cache, target, vram, context, context_words, popularity, profile_info, budget
+        )
+
+
+def _popularity(
+    profile: str | os.PathLike | Popularity | None, identity: dict[str, Any]
+) -> tuple[Popularity | None, dict[str, Any] | None]:
+    """The expert popularity a plan weighs (checked against the model), and plan.json's note of it."""
+    if profile is None:
+        return None, None
+    label = str(profile) if not isinstance(profile, Popularity) else "profile"
+    popularity = profile if isinstance(profile, Popularity) else Popularity.load(profile)
+    popularity.check_fits(identity, label)
+    return popularity, {"file": Path(label).name, "tokens": popularity.tokens, "prompts": popularity.prompts}
+
+
+@dataclasses.dataclass
+class Placement:
+    """The plan stage's outcome: the model lowered to plan on, the memory model and plan chosen (one
+    per KV cache type weighed), the CPU's timed costs, and what partition has to say about them."""
+
+    planning: LoweredModel
+    memory: MemoryModel
+    plan: Plan
+    plans: dict[str | None, tuple[MemoryModel, Plan]]
+    kv_type: str | None  # the KV cache type chosen
+    cache: str | None  # the planned model's own (its GPU form's)
+    every: frozenset[str]  # the model's MoE nodes
+    costs: dict[str, Any] | None
+    before: list[str]  # warnings before the plan's own
+    inactive: str | None  # why ONNX Runtime will not offload the model, where it will not
+    options: dict[str, str] = dataclasses.field(default_factory=dict)  # ONNX Runtime's session entries
+
+    def warnings_said(self) -> list[str]:
+        """The warnings as partition says them while it works."""
+        inactive = [self.inactive + "; the plan is written but inactive"] if self.inactive else []
+        return self.before + inactive + self.plan.warnings
+
+    def warnings(self) -> list[str]:
+        return self.before + ([self.inactive] if self.inactive else []) + self.plan.warnings
+
+    def gpu_moe(self, target: str) -> frozenset[str]:
+        """The MoE nodes that run on the GPU: under --target layers the nodes the plan places."""
+        if target != "layers":
+            return self.every
+        return frozenset(g.node for g in self.memory.groups if self.plan.resident[g.node])
+
+    def document(self, request: PlanRequest, options: PartitionOptions, model: str) -> dict[str, Any]:
+        """plan.json before the write adds where the weights went. `model`: the source, relative to the
+        placed folder."""
+        plan, memory = self.plan, self.memory
+        inputs = {
+            "model": model,
+            "target": request.target,
+            "vram": str(request.vram),
+            "context": request.context,
+            "batch": options.batch,
+            "prefill_tokens": options.prefill_tokens,
+            "policy": plan.policy,
+            "mode": options.mode,
+            "profile": request.profile_info,
+            "bandwidths_gbps": options.bandwidths.gbps(),
+            "bandwidths_from": options.bandwidths.source,
+        }
+        document = _plan_document(plan, memory, inputs, request.identity, self.options)
+        document["warnings"] = self.warnings()
+        document["context_words"] = request.context_words
+        if self.cache is not None and self.kv_type is not None:
+            document["kv_cache"] = _kv_cache_choice(self.plans, self.kv_type, self.cache, options.kv_cache)
+        if self.costs is not None:
+            document["cpu_costs"] = self.costs
+        if request.target == "layers" and request.popularity is not None:
+            # what per-expert placement would serve at the same budget
+            per_expert = plan_placement(
+                memory,
+                request.budget,
+                request.popularity,
+                options.policy,
+                options.mode,
+                Speeds(options.bandwidths, self.costs),
+                target="offload",
             )
-            if mode == "required":
-                raise MoepassError(inactive)
-    # MoE layers no CUDA kernel takes even in the GPU form (a hidden or expert size the QMoE kernel's
-    # tiles do not divide): the plan keeps them on the CPU, and says so
-    refused = set(memory.cpu_only)
-    if refused:
-        name = sorted(refused)[0]
-        why = cuda_refusals(planning.model)[name]
-        if not lower:
-            stays = (
-                f"{label}: ONNX Runtime's CUDA EP has no kernel for {len(refused)} of {len(memory.groups)} MoE "
-                f"layers ({name}: {why}): with --keep-form they run on the CPU whatever the plan; without it "
-                "partition writes the GPU form, whose every GPU node the CUDA EP takes"
-            )
-        elif target == "offload":
-            raise MoepassError(
-                f"{name}: ONNX Runtime's CUDA EP has no kernel for this MoE layer ({why}), and --target offload "
-                "places experts of layers on the GPU; --target layers keeps such layers on the CPU"
-            )
-        else:
-            stays = (
-                f"{label}: {len(refused)} of {len(memory.groups)} MoE layers stay on the CPU: ONNX Runtime's CUDA "
-                f"EP has no kernel for them ({name}: {why})"
-            )
-        if mode == "required":
-            raise MoepassError(stays)
-        warnings_before.append(stays)
+            document["prediction"]["per_expert_alternative"] = {
+                k: per_expert.prediction[k]
+                for k in ("gpu_hit_rate_by_mass", "gpu_hit_rate_by_selection", "decode_ms_per_token")
+            }
+        document["active"] = self.inactive is None
+        document["inactive_reason"] = self.inactive
+        if request.target == "offload":
+            document["offload"] = {"active": self.inactive is None, "reason": self.inactive}
+        return document
+
+
+def plan_for(source: PartitionSource, request: PlanRequest, options: PartitionOptions) -> Placement:
+    """The plan: on the memory model of the GPU form, one per KV cache type weighed, the fastest
+    predicted decode chosen."""
+    every = frozenset(m.name for m in moe_nodes(request.model.graph))
+    planning = lower_for(source, request.target, every, options.lower, options.threads)
+    memory = MemoryModel.of(planning.model, kernel_table=options.kernel_table, cpu_nodes=planning.cpu_nodes())
+    inactive = _inactive(request, options)
+    refused = frozenset(memory.cpu_only)
+    before = _cpu_only_layers(request, options, memory, planning.model, refused)
     costs = None
-    if (calibrate or cpu_profile is not None) and source.folder is not None:
+    if (options.calibrate or options.cpu_profile is not None) and source.folder is not None:
         from moepass.runtime.calibrate import cpu_costs
 
-        costs = cpu_costs(source.label, threads, cpu_profile)
-    if lower:  # the GPU form's cache (float16 where the model's is float32)
-        source_cache = cache_type_of(planning.model)
-    kv_kinds = _kv_kinds(kv_cache, source_cache, lower)
+        costs = cpu_costs(source.label, options.threads, options.cpu_profile)
+    cache = cache_type_of(planning.model) if options.lower else request.cache  # the GPU form's: float16 for float32
+    kv_kinds = _kv_kinds(options.kv_cache, cache, options.lower)
     plans = {}
     for kind in kv_kinds:  # one plan per KV cache type, its bytes per token in the memory model
-        kind_memory = (
-            memory
-            if kind is None or source_cache is None or kind == source_cache
-            else dataclasses.replace(
-                memory,
-                kv_bytes_per_token=memory.kv_bytes_per_token // KV_CACHE_TYPES[memory.kv_type] * KV_CACHE_TYPES[kind],
-            )
-        )
+        kind_memory = memory
+        if kind is not None and cache is not None and kind != cache:
+            per_token = memory.kv_bytes_per_token // KV_CACHE_TYPES[memory.kv_type] * KV_CACHE_TYPES[kind]
+            kind_memory = dataclasses.replace(memory, kv_bytes_per_token=per_token)
         plans[kind] = (
             kind_memory,
             plan_placement(
                 kind_memory,
-                budget,
-                popularity,
-                policy,
-                mode,
-                bandwidths,
-                target=target,
-                cpu_only=frozenset(refused),
-                cpu_costs=costs,
+                request.budget,
+                request.popularity,
+                options.policy,
+                options.mode,
+                Speeds(options.bandwidths, costs),
+                target=request.target,
+                cpu_only=refused,
             ),
         )
     chosen = min(
@@ -561,113 +694,140 @@ def partition(
         ),
     )
     memory, plan = plans[chosen]
-    for message in warnings_before + ([inactive + "; the plan is written but inactive"] if inactive else []):
-        if warn is not None:
-            warn(message)
-    for message in plan.warnings:
-        if warn is not None:
-            warn(message)
-    # ---- lower for the plan
-    gpu_moe = frozenset(g.node for g in memory.groups if plan.resident[g.node]) if target == "layers" else every
-    # the model planned on is the one to write where the plan puts every MoE node on the GPU (or lowers none)
-    lowered = planning if gpu_moe == every or not lower else lower_for(source, target, gpu_moe, lower, threads)
-    if lower:
+    placement = Placement(planning, memory, plan, plans, chosen, cache, every, costs, before, inactive)
+    placement.options = onnxruntime_options(plan, memory.groups, options.mode, request.target)
+    return placement
+
+
+def _inactive(request: PlanRequest, options: PartitionOptions) -> str | None:
+    """Why ONNX Runtime will not offload a model kept in its form (--keep-form) whose experts break
+    the offload rules; refused under mode "required"."""
+    if options.lower or request.target != "offload":
+        return None
+    violations = offload_violations(request.model)
+    if not violations:
+        return None
+    node, rule = violations[0]
+    inactive = (
+        f"{request.label}: ONNX Runtime will not offload this model's experts ({node}: {rule}); let partition "
+        "lower it (without --keep-form) for a model it will"
+    )
+    if options.mode == "required":
+        raise MoepassError(inactive)
+    return inactive
+
+
+def _cpu_only_layers(
+    request: PlanRequest, options: PartitionOptions, memory: MemoryModel, model: ir.Model, refused: frozenset[str]
+) -> list[str]:
+    """MoE layers no CUDA kernel takes even in the GPU form (a hidden or expert size the QMoE kernel's
+    tiles do not divide): the plan keeps them on the CPU, and says so (or refuses, where it cannot)."""
+    if not refused:
+        return []
+    name = sorted(refused)[0]
+    why = cuda_refusals(model)[name]
+    count = f"{len(refused)} of {len(memory.groups)} MoE layers"
+    if not options.lower:
+        stays = (
+            f"{request.label}: ONNX Runtime's CUDA EP has no kernel for {count} ({name}: {why}): with --keep-form "
+            "they run on the CPU whatever the plan; without it partition writes the GPU form, whose every GPU "
+            "node the CUDA EP takes"
+        )
+    elif request.target == "offload":
+        raise MoepassError(
+            f"{name}: ONNX Runtime's CUDA EP has no kernel for this MoE layer ({why}), and --target offload "
+            "places experts of layers on the GPU; --target layers keeps such layers on the CPU"
+        )
+    else:
+        stays = (
+            f"{request.label}: {count} stay on the CPU: ONNX Runtime's CUDA EP has no kernel for them ({name}: {why})"
+        )
+    if options.mode == "required":
+        raise MoepassError(stays)
+    return [stays]
+
+
+def lower_for_plan(
+    source: PartitionSource, request: PlanRequest, placement: Placement, options: PartitionOptions
+) -> LoweredModel:
+    """The model to write: lowered for the plan's GPU nodes (the model planned on where the plan puts
+    every MoE node on the GPU, or lowers none), checked, annotated or reordered, the plan in its
+    metadata."""
+    target, plan = request.target, placement.plan
+    gpu_moe = placement.gpu_moe(target)
+    lowered = placement.planning
+    if gpu_moe != placement.every and options.lower:
+        lowered = lower_for(source, target, gpu_moe, options.lower, options.threads)
+    if options.lower:
         check_gpu_nodes(lowered, target, gpu_moe)
-    options = onnxruntime_options(plan, memory.groups, mode, target)
-    inputs = {
-        "model": relative_to_folder(label, output_dir),  # from the placed folder: no absolute path
-        "target": target,
-        "vram": str(vram),
-        "context": context,
-        "batch": batch,
-        "prefill_tokens": prefill_tokens,
-        "policy": plan.policy,
-        "mode": mode,
-        "profile": profile_info,
-        "bandwidths_gbps": bandwidths.gbps(),
-        "bandwidths_from": bandwidths.source,
-    }
-    document = _plan_document(plan, memory, inputs, identity, options)
-    document["warnings"] = warnings_before + ([inactive] if inactive else []) + plan.warnings
-    document["context_words"] = context_words
-    if source_cache is not None and chosen is not None:
-        document["kv_cache"] = _kv_cache_choice(plans, chosen, source_cache, kv_cache)
-    if costs is not None:
-        document["cpu_costs"] = costs
     model = lowered.model
     if target == "layers":
-        if popularity is not None:  # what per-expert placement would serve at the same budget
-            per_expert = plan_placement(
-                memory, budget, popularity, policy, mode, bandwidths, target="offload", cpu_costs=costs
-            )
-            document["prediction"]["per_expert_alternative"] = {
-                k: per_expert.prediction[k]
-                for k in ("gpu_hit_rate_by_mass", "gpu_hit_rate_by_selection", "decode_ms_per_token")
-            }
-        AnnotateLayersPass({g.node: bool(plan.resident[g.node]) for g in memory.groups})(model)
+        AnnotateLayersPass({g.node: bool(plan.resident[g.node]) for g in placement.memory.groups})(model)
     else:
         ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
-    document["active"] = inactive is None
-    document["inactive_reason"] = inactive
-    if target == "offload":
-        document["offload"] = {"active": inactive is None, "reason": inactive}
     model.metadata_props[keys.PLACEMENT] = json.dumps(
         {
             "plan": PLAN_FILE,
             "options": OPTIONS_FILE,
             "target": target,
-            "vram_bytes": budget.vram_bytes,
+            "vram_bytes": request.budget.vram_bytes,
             "policy": plan.policy,
             "resident_expert_bytes": plan.resident_bytes,
-            "fingerprint": identity["fingerprint"],
+            "fingerprint": request.identity["fingerprint"],
         },
         sort_keys=True,
     )
-    # ---- write
-    with atomic_directory(output_dir, overwrite, inputs=inputs_of) as tmp:
-        weights_how = _write_model(source, lowered, model, tmp, progress, threads)
-        document["lowering"] = _lowering_record(lowered, model, lower, weights_how)
-        if (tmp / SHARED_DATA_FILE).is_file():
-            document["shared_data"] = {
-                "file": SHARED_DATA_FILE,
-                "source": relative_to_folder((source.folder or tmp) / DATA_FILE, tmp),
-                "identity": shared_data_identity(tmp / SHARED_DATA_FILE),  # checked at every load
-            }
-        document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, memory, plan)
-        (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
-        placed = PlanReport.from_json(document, output_dir / PLAN_FILE)  # what readers of the file will take
-        if source.folder is not None:
-            for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-                copy_companion(source.folder, name, tmp)
-            _write_report(source, lowered, tmp)
-        # the cache retyped once the weights are in place and before the placement options (int8 is
-        # calibrated on the CPU)
-        if chosen is not None and chosen != source_cache:
-            kv_cache_entry = set_kv_cache(tmp, chosen, source_cache, source.context_length, threads=threads)
-            report_now = read_report(tmp)
-            write_report(tmp, {**report_now.document, "kv_cache": kv_cache_entry})
-        (tmp / OPTIONS_FILE).write_text(
-            json.dumps({"session_config_entries": options, "placement": {"target": target, "mode": mode}}, indent=1)
-            + "\n"
-        )
-        genai_source = tmp / GENAI_CONFIG_FILE if source.folder is None else source.folder / GENAI_CONFIG_FILE
-        if genai_source.is_file():
-            # a per-layer plan is for onnxruntime-genai-cuda's in-tree CUDA EP; expert offload needs the
-            # plugin EP, which genai is not given here (docs/gpu.md, route (c))
-            genai = with_session_entries(
-                read_json_object(genai_source),
-                options,
-                genai_source,
-                provider="cuda" if target == "layers" else None,
-            )
-            (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
-        if report is not None:
-            from moepass.plan_report import draw_plan
+    return lowered
 
-            with atomic_file(report, overwrite) as picture:
-                draw_plan(placed, popularity, picture)
-    warnings = warnings_before + ([inactive] if inactive else []) + plan.warnings
-    return PartitionResult(output_dir, placed, options, warnings, weights_how)
+
+def _write_placed(
+    source: PartitionSource,
+    lowered: LoweredModel,
+    placement: Placement,
+    document: dict[str, Any],
+    weights_how: str,
+    tmp: Path,
+    output_dir: Path,
+    options: PartitionOptions,
+) -> PlanReport:
+    """Beside the written model: plan.json, the source's companions and moepass.json, the KV cache's
+    retype, the options and genai_config.json. Returns the plan as readers of the file take it."""
+    document["lowering"] = _lowering_record(lowered, lowered.model, options.lower, weights_how)
+    if (tmp / SHARED_DATA_FILE).is_file():
+        document["shared_data"] = {
+            "file": SHARED_DATA_FILE,
+            "source": relative_to_folder((source.folder or tmp) / DATA_FILE, tmp),
+            "identity": shared_data_identity(tmp / SHARED_DATA_FILE),  # checked at every load
+        }
+    document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, placement.memory, placement.plan)
+    (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
+    placed = PlanReport.from_json(document, output_dir / PLAN_FILE)  # what readers of the file will take
+    if source.folder is not None:
+        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+            copy_companion(source.folder, name, tmp)
+        _write_report(source, lowered, tmp)
+    # the cache retyped once the weights are in place and before the placement options (int8 is
+    # calibrated on the CPU)
+    chosen, cache = placement.kv_type, placement.cache
+    if chosen is not None and chosen != cache:
+        entry = set_kv_cache(tmp, chosen, cache, source.context_length, threads=options.threads)
+        write_report(tmp, {**read_report(tmp).document, "kv_cache": entry})
+    target = placed.target
+    (tmp / OPTIONS_FILE).write_text(
+        json.dumps(
+            {"session_config_entries": placement.options, "placement": {"target": target, "mode": options.mode}},
+            indent=1,
+        )
+        + "\n"
+    )
+    genai_source = tmp / GENAI_CONFIG_FILE if source.folder is None else source.folder / GENAI_CONFIG_FILE
+    if genai_source.is_file():
+        # a per-layer plan is for onnxruntime-genai-cuda's in-tree CUDA EP; expert offload needs the
+        # plugin EP, which genai is not given here (docs/gpu.md, route (c))
+        provider = "cuda" if target == "layers" else None
+        genai = with_session_entries(read_json_object(genai_source), placement.options, genai_source, provider=provider)
+        (tmp / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=1, sort_keys=True) + "\n")
+    return placed
 
 
 DEFAULT_CONTEXT = 4096  # the KV cache partition plans for unless told: the model's context, at most this
@@ -723,10 +883,11 @@ def _write_model(
 ) -> str:
     """The placed model's files; says how its weights came to be."""
     if lowered.conversion is not None:  # a GGUF lowered in this run: written as convert writes it
-        from moepass.convert import write_gguf_conversion
+        from moepass.convert import ConvertOptions, write_gguf_conversion
 
         conversion = dataclasses.replace(lowered.conversion, model=model)
-        write_gguf_conversion(conversion, tmp, progress, threads=threads, echo=lambda line: None, also=lowered.report)
+        options = ConvertOptions(threads=threads)
+        write_gguf_conversion(conversion, tmp, options, progress, echo=lambda line: None, also=lowered.report)
         return f"{DATA_FILE} written (converted from {source.label.name} in this run)"
     assert source.folder is not None
     how = save_model(model, tmp / MODEL_FILE, progress, share_from=source.folder / DATA_FILE)

@@ -254,22 +254,33 @@ def choose_layers(groups: list[ExpertGroup], budget: int) -> list[bool]:
     return on_gpu
 
 
+@dataclasses.dataclass(frozen=True)
+class Speeds:
+    """What a plan's decode-time prediction is reckoned from: the bandwidths (GB/s) of the GPU, host
+    memory and PCIe, and, where they were timed, a decode step's pieces on this CPU (`cpu_costs`,
+    moepass.runtime.calibrate): the cold experts are then timed by them, not by the bandwidth model."""
+
+    bandwidths: Bandwidths = Bandwidths()
+    cpu_costs: dict[str, Any] | None = None
+
+
 def plan_placement(
     memory: MemoryModel,
     budget: Budget,
     popularity: Popularity | None = None,
     policy: str | None = None,
     mode: str = "auto",
-    bandwidths: Bandwidths = Bandwidths(),
+    speeds: Speeds | None = None,
     target: str = "offload",
     cpu_only: frozenset[str] = frozenset(),
-    cpu_costs: dict[str, Any] | None = None,
 ) -> Plan:
     """The placement for `target` "offload" (experts chosen one by one, by `policy`) or "layers"
     (whole MoE nodes, see choose_layers). `cpu_only`: MoE nodes the GPU's EP has no kernel for;
     none of their experts is placed on the GPU (the budget they would have had stays free).
-    `cpu_costs`: a decode step's pieces timed on this CPU (moepass.runtime.calibrate): the
-    prediction then times the cold experts by them and adds `cpu_only`, every layer on the CPU."""
+    `speeds`: what the prediction is reckoned from (default: the assumed bandwidths alone); with a
+    decode step's pieces timed on this CPU it times the cold experts by them and adds `cpu_only`,
+    every layer on the CPU."""
+    speeds = speeds or Speeds()
     one_of(mode, PLAN_MODES, "mode")
     if target not in ("offload", "layers"):
         raise MoepassError(f"target must be offload or layers here, not {target!r}")
@@ -347,7 +358,14 @@ def plan_placement(
         "free_bytes": budget.vram_bytes - fixed - resident_bytes if fits else 0,
     }
     prediction = _predict(
-        memory, groups, resident, sel_hit, mass_hit, bandwidths, profiled=popularity is not None, cpu_costs=cpu_costs
+        memory,
+        groups,
+        resident,
+        sel_hit,
+        mass_hit,
+        speeds.bandwidths,
+        profiled=popularity is not None,
+        cpu_costs=speeds.cpu_costs,
     )
     return Plan(
         memory_breakdown,

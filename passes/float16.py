@@ -78,6 +78,41 @@ def _half_copy(value: ir.Value, name: str) -> tuple[ir.Value, float]:
     return copy, float(np.sqrt(error / reference)) if reference else 0.0
 
 
+@dataclasses.dataclass
+class _Border:
+    """Where converted and kept nodes meet, each value crossing once: the float16 form of a float32
+    value a converted node reads (`copies`: the float16 weights a Cast widened, a float16 copy of an
+    initializer, its rounding added to `rounded`, or a Cast) and the float32 form of a float16 value
+    a kept node reads (`widened`: a Cast)."""
+
+    graph: ir.Graph
+    rounded: list[Rounded]
+    copies: dict[ir.Value, ir.Value] = dataclasses.field(default_factory=dict)
+    widened: dict[ir.Value, ir.Value] = dataclasses.field(default_factory=dict)
+
+    def half_of(self, value: ir.Value) -> ir.Value:
+        graph = self.graph
+        widens = value.producer()
+        if widens is not None and Float16Pass._is_cast(widens) and widens.inputs and widens.inputs[0] is not None:
+            stored = widens.inputs[0]
+            if stored.dtype == HALF and stored.const_value is not None:  # float16 weights a Cast widened
+                return stored
+        if value not in self.copies:
+            if value.const_value is not None and not value.is_graph_input():
+                copy, error = _half_copy(value, Float16Pass._free(graph, f"{value.name}.float16"))
+                graph.register_initializer(copy)
+                self.rounded.append(Rounded(value.name or "", error))
+            else:  # computed in float32 (a kept node's, a graph input kept float32): cast
+                copy = Float16Pass._cast(graph, value, HALF, f"{value.name}.to_float16")
+            self.copies[value] = copy
+        return self.copies[value]
+
+    def float_of(self, value: ir.Value) -> ir.Value:
+        if value not in self.widened:
+            self.widened[value] = Float16Pass._cast(self.graph, value, FLOAT, f"{value.name}.to_float32")
+        return self.widened[value]
+
+
 class Float16Pass(InPlacePass):
     """Float16 for every node but those `keep(node)` says stay float32 (and constant subgraphs)."""
 
@@ -91,6 +126,29 @@ class Float16Pass(InPlacePass):
         infer_dtypes(graph)  # a tape's values carry no types: what each is decides what converts
         kept = constant_nodes(graph) | {n for n in graph if self.keep(n)}
         half_nodes = [n for n in graph if n not in kept]
+        produced, halved_inputs = self._halved_values(graph, half_nodes)
+        border = _Border(graph, self.rounded)
+        for node in half_nodes:
+            fixed_in, _ = _fixed(node)
+            for i, value in enumerate(node.inputs):
+                if value is None or value.dtype != FLOAT or value in produced or value in halved_inputs:
+                    continue
+                if i not in fixed_in:
+                    node.replace_input_with(i, border.half_of(value))
+        for node in list(kept):
+            for i, value in enumerate(node.inputs):
+                if value is not None and (value in produced or value in halved_inputs):
+                    node.replace_input_with(i, border.float_of(value))
+        for value in produced | halved_inputs:
+            value.dtype = HALF
+        self._casts_to_half(graph, half_nodes)
+        self._drop_replaced(graph, border.copies)
+        return PassResult(model, modified=bool(half_nodes))
+
+    def _halved_values(self, graph: ir.Graph, half_nodes: list[ir.Node]) -> tuple[set[ir.Value], set[ir.Value]]:
+        """The float32 values that become float16: those the converted nodes produce (but where the
+        operator fixes the output to float32), and the graph inputs only converted nodes read (but
+        where the operator fixes the input to float32)."""
         half_set = set(half_nodes)
         # values the converted nodes produce in float16 from now on
         produced = {
@@ -106,43 +164,10 @@ class Float16Pass(InPlacePass):
             for v in graph_inputs
             if v.uses() and all(u.node in half_set and u.idx not in _fixed(u.node)[0] for u in v.uses())
         }
-        copies: dict[ir.Value, ir.Value] = {}  # float32 value -> its float16 form, for converted nodes
-        widened: dict[ir.Value, ir.Value] = {}  # float16 value -> its float32 form, for kept nodes
+        return produced, halved_inputs
 
-        def half_of(value: ir.Value) -> ir.Value:
-            widens = value.producer()
-            if widens is not None and self._is_cast(widens) and widens.inputs and widens.inputs[0] is not None:
-                stored = widens.inputs[0]
-                if stored.dtype == HALF and stored.const_value is not None:  # float16 weights a Cast widened
-                    return stored
-            if value not in copies:
-                if value.const_value is not None and not value.is_graph_input():
-                    copy, error = _half_copy(value, self._free(graph, f"{value.name}.float16"))
-                    graph.register_initializer(copy)
-                    self.rounded.append(Rounded(value.name or "", error))
-                else:  # computed in float32 (a kept node's, a graph input kept float32): cast
-                    copy = self._cast(graph, value, HALF, f"{value.name}.to_float16")
-                copies[value] = copy
-            return copies[value]
-
-        def float_of(value: ir.Value) -> ir.Value:
-            if value not in widened:
-                widened[value] = self._cast(graph, value, FLOAT, f"{value.name}.to_float32")
-            return widened[value]
-
-        for node in half_nodes:
-            fixed_in, _ = _fixed(node)
-            for i, value in enumerate(node.inputs):
-                if value is None or value.dtype != FLOAT or value in produced or value in halved_inputs:
-                    continue
-                if i not in fixed_in:
-                    node.replace_input_with(i, half_of(value))
-        for node in list(kept):
-            for i, value in enumerate(node.inputs):
-                if value is not None and (value in produced or value in halved_inputs):
-                    node.replace_input_with(i, float_of(value))
-        for value in produced | halved_inputs:
-            value.dtype = HALF
+    def _casts_to_half(self, graph: ir.Graph, half_nodes: list[ir.Node]) -> None:
+        """Converted Casts to float32 cast to float16; a Cast to the type its input already has goes."""
         for node in half_nodes:
             if self._is_cast(node) and self._cast_to(node) == FLOAT:
                 node.attributes["to"] = ir.AttrInt64("to", HALF)
@@ -154,7 +179,10 @@ class Float16Pass(InPlacePass):
                     continue
                 out.replace_all_uses_with(source)
                 graph.remove(node, safe=True)
-        # float32 initializers no node reads any more (their float16 copies replaced them)
+
+    def _drop_replaced(self, graph: ir.Graph, copies: dict[ir.Value, ir.Value]) -> None:
+        """Float32 initializers no node reads any more go (their float16 copies replaced them), and
+        each copy takes its original's name."""
         for value in list(copies):
             name = value.name or ""
             if value.const_value is not None and not value.uses() and not value.is_graph_output():
@@ -163,7 +191,6 @@ class Float16Pass(InPlacePass):
         for value in list(copies.values()):
             if value.const_value is not None and (value.name or "").endswith(".float16"):
                 self._take_name(graph, value)
-        return PassResult(model, modified=bool(half_nodes))
 
     @staticmethod
     def _is_cast(node: ir.Node) -> bool:

@@ -38,9 +38,18 @@ from onnx_ir.passes import InPlacePass, PassResult
 from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import input_at, producer, read_rows, required_input, tensor_dims, tensor_of
-from moepass.core.moe_nodes import MOE_SLOTS, ROUTER_LOGITS, Activation, Experts, NodeList, moe_node
+from moepass.core.moe_nodes import (
+    MOE_SLOTS,
+    ROUTER_LOGITS,
+    Activation,
+    ExpertCodes,
+    Experts,
+    NodeList,
+    Router,
+    moe_node,
+)
 from moepass.core.quants import BlockForm, Packed, qmoe_takes, quantize_values, requantize_form, unpack_values
-from moepass.passes.weights import PackedGroup, Slots, WeightReport, float_expert_stack
+from moepass.passes.weights import PackedGroup, PackOptions, Slots, WeightReport, float_expert_stack
 
 
 @dataclasses.dataclass
@@ -251,9 +260,8 @@ class ExpertWriter:
         interleaved: the blobs moved unchanged when `exact`, else requantized from their values (error
         measured)."""
         with_zeros = exact and any(isinstance(lin, Linear) and lin.zero_points is not None for g in groups for lin in g)
-        packed = PackedGroup(
-            ExpertRows.of(groups, exact), form, name, self.report, zero_points=with_zeros, codes_name="weight"
-        )
+        options = PackOptions(zero_points=with_zeros, codes_name="weight")
+        packed = PackedGroup(ExpertRows.of(groups, exact), form, name, self.report, options)
         codes, scales = self._initializer(packed.codes), self._initializer(packed.scales)  # in the file's order
         return Experts(codes, scales, None if packed.zero_points is None else self._initializer(packed.zero_points))
 
@@ -434,17 +442,19 @@ class ExpertBranchesRule:
         gates_ups = [(ex.gate, ex.up) for ex in match.experts]
         downs = [(ex.down,) for ex in match.experts]
         nodes = NodeList()
-        layer = functools.partial(
-            moe_node, nodes.op, name, match.hidden, match.router, top_k=match.top_k, normalize=match.normalize
-        )
+        layer = functools.partial(moe_node, nodes.op, name, match.hidden)
+        router = Router(match.router, match.top_k, match.normalize)
         if target.form is None:
             layer(
-                Experts(writer.float_stack(f"{name}.fc1", gates_ups)), Experts(writer.float_stack(f"{name}.fc2", downs))
+                router,
+                Experts(writer.float_stack(f"{name}.fc1", gates_ups)),
+                Experts(writer.float_stack(f"{name}.fc2", downs)),
             )
         else:
             fc1 = writer.packed_stack(f"{name}.fc1", gates_ups, target.form, target.exact)
             fc2 = writer.packed_stack(f"{name}.fc2", downs, target.form, target.exact)
-            layer(fc1, fc2, bits=target.form.bits, block_size=target.form.block_size, router_weights=match.softmax)
+            codes = ExpertCodes(target.form.bits, target.form.block_size)
+            layer(dataclasses.replace(router, weights=match.softmax), fc1, fc2, codes=codes)
         writer.replace(nodes.nodes, match.output, match.anchor, target.name)
         return FusionRecord(
             self.name,
@@ -700,14 +710,15 @@ class MoeNodeRule:
             nodes.op,
             f"{name}.quantized",
             required_input(moe, 0),
-            required_input(moe, ROUTER_LOGITS),
+            Router(
+                required_input(moe, ROUTER_LOGITS),
+                moe.attributes.get_int("k", 1),
+                bool(moe.attributes.get_int("normalize_routing_weights", 0)),
+            ),
             stacks[0],
             stacks[1],
-            top_k=moe.attributes.get_int("k", 1),
-            normalize=bool(moe.attributes.get_int("normalize_routing_weights", 0)),
             activation=match.activation,
-            bits=form.bits,
-            block_size=form.block_size,
+            codes=ExpertCodes(form.bits, form.block_size),
         )
         node = writer.replace(nodes.nodes, moe.outputs[0], moe, target.name)
         return FusionRecord(

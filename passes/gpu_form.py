@@ -41,9 +41,11 @@ from moepass.core.moe_nodes import (
     QMOE_SLOTS,
     ROUTER_WEIGHTS,
     Activation,
+    ExpertCodes,
     Experts,
     MoeNode,
     NodeList,
+    Router,
     moe_node,
     moe_nodes,
 )
@@ -60,7 +62,7 @@ from moepass.core.quants import (
 from moepass.passes.float16 import FLOAT, HALF, Float16Pass
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
-from moepass.passes.weights import GgufRows, RowSource, StoredRows, WeightReport
+from moepass.passes.weights import GgufRows, PackOptions, RowSource, StoredRows, WeightReport
 
 TARGETS = ("layers", "offload")
 
@@ -301,30 +303,7 @@ class GpuFormPass(InPlacePass):
         narrowed. `cpu`: a CPU layer's node (a MoEPacked one, which no CPU kernel runs), in its CPU
         form: the conversion's scale types, row-major codes."""
         node, hidden = moe.node, moe.hidden
-        stored = stored_form(moe)
-        types = _types_of(moe)
-        # the same codes (and features' levels) in another layout or scale type: from what it stores
-        same_codes = node.op_type != "MoEPacked" and forms.node == stored.plain and forms.sums == bool(stored.sums)
-        if node.op_type == "MoEPacked":  # the GGUF's own blocks are in the model: no file needed
-            rows = packed_rows(moe)
-            types = rows.types
-        elif same_codes:
-            rows = dataclasses.replace(StoredExperts().rows(moe), origin="its own codes, laid out anew")
-        else:
-            rows = self.experts.rows(moe)
-        self.packed_from[moe.name] = rows.origin
-        fc1_rows, fc2_rows = rows.fc1, rows.fc2
-        if same_codes:
-            fc1_form = stored
-        else:
-            if not rows.own_blocks:  # a model's stored values hold no affine codes: no block-sum features
-                forms = ExpertForms(forms.node)
-            half = not cpu or not types or forms.sums or scales_in_float16(types, forms.node)
-            levels = 0
-            if forms.sums:
-                sources = [(r.src, r.qt) for r in fc1_rows if isinstance(r, GgufRows)]
-                levels = measured_levels(sources, forms.node, half_scales=half, exact=self.exact)
-            fc1_form = forms.fc1(levels)
+        rows, types, fc1_form = self._new_experts(moe, forms, cpu)
         scale_dtype = (
             HALF if not cpu or not types or fc1_form.sums or scales_in_float16(types, fc1_form.plain) else FLOAT
         )
@@ -336,28 +315,12 @@ class GpuFormPass(InPlacePass):
         weights_slot = PACKED_ROUTER_WEIGHTS if node.op_type == "MoEPacked" else ROUTER_WEIGHTS
         router_weights = input_at(node, weights_slot)
         biases = [input_at(node, QMOE_SLOTS[p][2]) if node.op_type == "QMoE" else None for p in ("fc1", "fc2")]
-        attrs = node.attributes
-        activation = Activation(
-            attrs.get_float("activation_alpha", 1.0),
-            attrs.get_float("activation_beta", 0.0),
-            attrs.get_float("swiglu_limit") if "swiglu_limit" in attrs else None,
+        activation = _activation_of(node)
+        _drop_old_experts(graph, moe)
+        packing = PackOptions(
+            scale_dtype=scale_dtype, prepack=self.target == "offload" and not cpu, workers=self.workers
         )
-        for value in list(node.inputs)[2:]:  # the old experts go; a new group takes their names
-            if value is not None and value.is_initializer() and value in moe.expert_values and len(value.uses()) == 1:
-                graph.initializers.pop(value.name or "")
-        for slot in range(len(node.inputs)):
-            node.replace_input_with(slot, None)
-        tensors = expert_tensors(
-            moe.name,
-            prefix,
-            fc1_rows,
-            fc2_rows,
-            fc1_form,
-            self.report,
-            prepack=self.target == "offload" and not cpu,
-            scale_dtype=scale_dtype,
-            workers=self.workers,
-        )
+        tensors = expert_tensors(moe.name, prefix, rows.fc1, rows.fc2, fc1_form, self.report, packing)
         values = []
         for tensor in (tensors.fc1.codes, tensors.fc1.scales, tensors.fc2.codes, tensors.fc2.scales):
             value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
@@ -373,16 +336,11 @@ class GpuFormPass(InPlacePass):
             ops.op,
             moe.name,
             x,
-            router,
+            Router(router, moe.top_k, moe.normalize, router_weights),
             Experts(values[0], values[1], bias=biases[0]),
             Experts(values[2], values[3], bias=fc2_bias),
-            top_k=moe.top_k,
-            normalize=moe.normalize,
             activation=activation,
-            bits=fc1_form.bits,
-            block_size=fc1_form.block_size,
-            prepacked=tensors.prepacked,
-            router_weights=router_weights,
+            codes=ExpertCodes(fc1_form.bits, fc1_form.block_size, tensors.prepacked),
         )
         rebuilt = ops.nodes[-1]
         rebuilt.metadata_props.update(node.metadata_props)
@@ -408,6 +366,36 @@ class GpuFormPass(InPlacePass):
         graph.remove(node, safe=True)  # the old widening, now unread, goes with RemoveUnusedNodesPass
         self.reformed[moe.name] = str(fc1_form)
 
+    def _new_experts(
+        self, moe: MoeNode, forms: ExpertForms, cpu: bool
+    ) -> tuple[ExpertRows, list[QuantType] | None, BlockForm]:
+        """Where a node's experts are packed anew from (recorded in `packed_from`), their GGUF types,
+        and fc1's form: the stored one where the node keeps its codes (another layout or scale type),
+        else `forms` with the block-sum features' levels measured on the file's own blocks."""
+        node = moe.node
+        stored = stored_form(moe)
+        types = _types_of(moe)
+        # the same codes (and features' levels) in another layout or scale type: from what it stores
+        same_codes = node.op_type != "MoEPacked" and forms.node == stored.plain and forms.sums == bool(stored.sums)
+        if node.op_type == "MoEPacked":  # the GGUF's own blocks are in the model: no file needed
+            rows = packed_rows(moe)
+            types = rows.types
+        elif same_codes:
+            rows = dataclasses.replace(StoredExperts().rows(moe), origin="its own codes, laid out anew")
+        else:
+            rows = self.experts.rows(moe)
+        self.packed_from[moe.name] = rows.origin
+        if same_codes:
+            return rows, types, stored
+        if not rows.own_blocks:  # a model's stored values hold no affine codes: no block-sum features
+            forms = ExpertForms(forms.node)
+        half = not cpu or not types or forms.sums or scales_in_float16(types, forms.node)
+        levels = 0
+        if forms.sums:
+            sources = [(r.src, r.qt) for r in rows.fc1 if isinstance(r, GgufRows)]
+            levels = measured_levels(sources, forms.node, half_scales=half, exact=self.exact)
+        return rows, types, forms.fc1(levels)
+
     @staticmethod
     def _padded_bias(graph: ir.Graph, bias: ir.Value, hidden: int, pad: int) -> ir.Value:
         """fc2's bias [E, hidden + pad]: the features' zero rows after the model's own."""
@@ -427,6 +415,27 @@ class GpuFormPass(InPlacePass):
 def _no_kernel(node: ir.Node) -> bool:
     """Whether the CUDA EP registers no kernel at all for the node's op (MoEGroupRouter)."""
     return (node.domain or "", node.op_type) in CUDA_KERNELS and CUDA_KERNELS[(node.domain or "", node.op_type)] is None
+
+
+def _activation_of(node: ir.Node) -> Activation:
+    """The SwiGLU a MoE node computes, from its attributes."""
+    attrs = node.attributes
+    return Activation(
+        attrs.get_float("activation_alpha", 1.0),
+        attrs.get_float("activation_beta", 0.0),
+        attrs.get_float("swiglu_limit") if "swiglu_limit" in attrs else None,
+    )
+
+
+def _drop_old_experts(graph: ir.Graph, moe: MoeNode) -> None:
+    """The node's inputs cut; its old experts' initializers that nothing else reads go, so that the new
+    group takes their names."""
+    node = moe.node
+    for value in list(node.inputs)[2:]:
+        if value is not None and value.is_initializer() and value in moe.expert_values and len(value.uses()) == 1:
+            graph.initializers.pop(value.name or "")
+    for slot in range(len(node.inputs)):
+        node.replace_input_with(slot, None)
 
 
 def _unwidened_input(node: ir.Node) -> ir.Value:

@@ -680,6 +680,24 @@ class PackOnce:
             yield extras[which]
 
 
+@dataclasses.dataclass(frozen=True)
+class PackOptions:
+    """How a PackedGroup stores its initializers: codes shaped for MatMulNBits (`blob_layout`) or in
+    ONNX Runtime's SM80 layout per expert (`prepack`), the scales' type (`scale_dtype`), uint8 zero
+    points beside them (`zero_points`), `pad_rows` zero rows after each matrix's own, the type of
+    block offsets (`offsets_dtype`), the codes' name suffix (`codes_name`), and the packing threads
+    (`workers`: None, every core)."""
+
+    blob_layout: bool = False
+    scale_dtype: ir.DataType = ir.DataType.FLOAT
+    prepack: bool = False
+    zero_points: bool = False
+    workers: int | None = None
+    codes_name: str = "q"
+    pad_rows: int = 0
+    offsets_dtype: ir.DataType = ir.DataType.FLOAT
+
+
 class PackedGroup:
     """Codes and scales (and block offsets or zero points) initializers of matrices [.., N, K] in one
     BlockForm, from RowSources: GGUF tensors (GgufRows) or an ONNX model's matrices (fuse-moe).
@@ -693,7 +711,7 @@ class PackedGroup:
     product with the input's block sums; `zero_points` gives uint8 zero points [.., N, k_blocks *
     bits / 8] instead. The sources are packed once for all initializers (PackOnce), on `workers`
     threads, and the record of each part (exact?, relative RMS error) is filled in once all rows are
-    written.
+    written. The options named here are PackOptions' fields (`options`).
     """
 
     def __init__(
@@ -702,43 +720,28 @@ class PackedGroup:
         form: BlockForm,
         name: str,
         report: WeightReport,
-        blob_layout: bool = False,
-        scale_dtype: ir.DataType = ir.DataType.FLOAT,
-        prepack: bool = False,
-        zero_points: bool = False,
-        workers: int | None = None,
-        codes_name: str = "q",
-        pad_rows: int = 0,
-        offsets_dtype: ir.DataType = ir.DataType.FLOAT,
+        options: PackOptions | None = None,
         record: bool = True,
     ):
+        options = options or PackOptions()
         self.sources, self.form, self.name, self.report = list(sources), form, name, report
-        self.workers = workers
-        self._options: dict[str, Any] = {
-            "blob_layout": blob_layout,
-            "scale_dtype": scale_dtype,
-            "prepack": prepack,
-            "zero_points": zero_points,
-            "workers": workers,
-            "codes_name": codes_name,
-            "pad_rows": pad_rows,
-            "offsets_dtype": offsets_dtype,
-        }
+        self.workers = options.workers
+        self.options = options
         self._orders: dict[tuple[int, ...], PackedGroup] = {}  # the group packed in another expert order
         self._order_lock = threading.Lock()
-        self.scale_type = FLOAT_TYPES[scale_dtype][0]
-        self.offsets_type = FLOAT_TYPES[offsets_dtype][0]
+        self.scale_type = FLOAT_TYPES[options.scale_dtype][0]
+        self.offsets_type = FLOAT_TYPES[options.offsets_dtype][0]
         lead, k = sources[0].shape[:-1], sources[0].shape[-1]
         self.k = form.width(k)  # the columns stored: K, and block-sum features' corrections (form.sums)
-        self.pad_rows = pad_rows  # zero rows after each matrix's (each expert's) own
-        rows = (*lead[:-1], lead[-1] * len(sources) + pad_rows)
+        self.pad_rows = options.pad_rows  # zero rows after each matrix's (each expert's) own
+        rows = (*lead[:-1], lead[-1] * len(sources) + options.pad_rows)
         self.k_blocks = self.k // (form.block_size or k)
         # prepack: per expert the SM80 mixed-GEMM layout [K, N*bits/8] (moepass.cuda_ops.prepack)
-        self.prepack = prepack
-        self.matrix_rows = lead[-1] if prepack or pad_rows else 0  # rows packed at a time: whole matrices
-        if prepack:
+        self.prepack = options.prepack
+        self.matrix_rows = lead[-1] if self.prepack or self.pad_rows else 0  # rows packed at a time: whole matrices
+        if options.prepack:
             codes_shape = (*rows[:-1], self.k, form.packed_bytes(rows[-1]))
-        elif blob_layout:
+        elif options.blob_layout:
             codes_shape = (*rows, self.k_blocks, form.packed_bytes(form.block_size))
         else:
             codes_shape = (*rows, form.packed_bytes(self.k))
@@ -750,9 +753,9 @@ class PackedGroup:
         self.extra: tuple[int, np.dtype] | None = None
         if form.offsets:  # float32 while packed; stored in the scales' type (the graph's activations)
             self.extra = self.k_blocks, np.dtype(np.float32)
-        elif zero_points:
+        elif options.zero_points:
             self.extra = zero_cols, np.dtype(np.uint8)
-        if pad_rows and self.extra is not None:
+        if options.pad_rows and self.extra is not None:
             raise ValueError(f"{name}: zero rows with block offsets or zero points")
         nbytes = int(np.prod(codes_shape)) + np.dtype(self.scale_type).itemsize * int(np.prod(scales_shape))
         if self.extra is not None:
@@ -779,10 +782,14 @@ class PackedGroup:
 
         once = PackOnce(self._packed_chunks, 1 if self.extra is None else 2)
         self.codes = StreamedTensor(
-            once.codes, ir.DataType.UINT8, codes_shape, f"{name}.{codes_name}", in_expert_order=reorder("codes")
+            once.codes, ir.DataType.UINT8, codes_shape, f"{name}.{options.codes_name}", in_expert_order=reorder("codes")
         )
         self.scales = StreamedTensor(
-            lambda: once.extra(0), scale_dtype, scales_shape, f"{name}.scales", in_expert_order=reorder("scales")
+            lambda: once.extra(0),
+            options.scale_dtype,
+            scales_shape,
+            f"{name}.scales",
+            in_expert_order=reorder("scales"),
         )
         self.offsets = self.zero_points = None
         if form.offsets:
@@ -790,11 +797,11 @@ class PackedGroup:
                 lambda: iter(
                     [np.concatenate(list(once.extra(1))).reshape(-1, self.k_blocks).T.astype(self.offsets_type)]
                 ),
-                offsets_dtype,
+                options.offsets_dtype,
                 (self.k_blocks, rows[0]),
                 f"{name}.offsets",
             )
-        elif zero_points:
+        elif options.zero_points:
             self.zero_points = StreamedTensor(
                 lambda: once.extra(1),
                 ir.DataType.UINT8,
@@ -810,9 +817,7 @@ class PackedGroup:
             key = tuple(order)
             if key not in self._orders:
                 sources = [ExpertOrder(s, order) for s in self.sources]
-                self._orders[key] = PackedGroup(
-                    sources, self.form, self.name, self.report, **self._options, record=False
-                )
+                self._orders[key] = PackedGroup(sources, self.form, self.name, self.report, self.options, record=False)
             return self._orders[key]
 
     def _packed_chunks(self) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, ...]]]:

@@ -89,6 +89,30 @@ def plan_session(
     one_of(device, DEVICES, "device")
     if mode is not None:
         one_of(mode, keys.OFFLOAD_MODES, "mode")
+    _check_model(ort, model)
+    entries = dict(options_file_entries)
+    layered = LAYER_SETTINGS_KEY in entries
+    layer_mode = (mode or placement_mode or "auto") if layered else "disabled"
+    offload_mode = "disabled" if layered else mode or entries.get(keys.OFFLOAD_MODE, "disabled")
+    warnings: list[str] = []
+    n_moe = len(moe_nodes(model.graph))
+    provider, plugin_devices = _choose_provider(ort, device, cuda_plugin or os.environ.get(PLUGIN_ENV))
+    _check_packed(ort, model, device, provider)
+    if offload_mode != "disabled":
+        entries = _plan_offload(ort, model, provider, offload_mode, entries, warnings, n_moe)
+    else:
+        entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
+    if layered:
+        layer_mode = _plan_layers(ort, model, provider, layer_mode, entries, warnings)
+    providers = [provider, CPU_EP] if provider not in (CPU_EP, PLUGIN_EP) else [CPU_EP]
+    for message in warnings:
+        log.warning(message)
+    return SessionPlan(device, provider, providers, plugin_devices, entries, offload_mode, warnings, layer_mode)
+
+
+def _check_model(ort, model: ir.Model) -> None:
+    """Refuse a model whose MoE nodes' layout attributes are wrong, or that needs operators this ONNX
+    Runtime release lacks."""
     mislabelled = layout_problems(model)
     if mislabelled:
         node, why = mislabelled[0]
@@ -96,14 +120,11 @@ def plan_session(
     lacking = release_refusal(model, _ort_version(ort), f"ONNX Runtime {ort.__version__}")
     if lacking:
         raise MoepassError(lacking)
-    entries = dict(options_file_entries)
-    layered = LAYER_SETTINGS_KEY in entries
-    layer_mode = (mode or placement_mode or "auto") if layered else "disabled"
-    offload_mode = "disabled" if layered else mode or entries.get(keys.OFFLOAD_MODE, "disabled")
-    warnings: list[str] = []
-    n_moe = len(moe_nodes(model.graph))
 
-    plugin_library = cuda_plugin or os.environ.get(PLUGIN_ENV)
+
+def _choose_provider(ort, device: str, plugin_library: str | None) -> tuple[str, list[Any]]:
+    """The EP that runs the model, by the order of preference (the module's docstring), and the CUDA
+    plugin EP's devices where it is that one."""
     plugin_devices: list[Any] = []
     if device != "cpu" and plugin_library:
         plugin_devices = _register_plugin(ort, plugin_library)
@@ -120,7 +141,11 @@ def plan_session(
         )
     else:
         provider = CPU_EP
+    return provider, plugin_devices
 
+
+def _check_packed(ort, model: ir.Model, device: str, provider: str) -> None:
+    """Refuse MoEPacked nodes (the GGUF's own blocks) on the CPU EP: ONNX Runtime runs them on CUDA only."""
     packed = [m.name for m in moe_nodes(model.graph) if m.node.op_type == "MoEPacked"]
     if packed and provider == CPU_EP:
         raise MoepassError(
@@ -128,46 +153,51 @@ def plan_session(
             f"runs on CUDA only, and {'the device is cpu' if device == 'cpu' else 'this ONNX Runtime has no CUDA EP'} "
             f"({', '.join(ort.get_available_providers())}): convert without --expert-format packed to run here"
         )
-    if offload_mode != "disabled":
-        reasons = []
-        if _ort_version(ort) < OFFLOAD_MIN_ORT:
-            reasons.append(
-                f"ONNX Runtime {ort.__version__} predates the session.moe.offload.* options "
-                f"(needs {'.'.join(map(str, OFFLOAD_MIN_ORT))})"
-            )
-        if provider != PLUGIN_EP:
-            what = "no CUDA plugin EP" if provider == CPU_EP else f"{provider} does not offload experts"
-            reasons.append(what)
-        violations = offload_violations(model)
-        if offload_mode == "required":
-            if reasons:
-                raise MoepassError(f"expert offload required, but {reasons[0]}")
-            if violations:
-                node, rule = violations[0]
-                more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
-                raise MoepassError(f"expert offload required, but node {node} cannot be offloaded: {rule}{more}")
-        else:
-            if reasons:
-                where = "the CPU" if provider == CPU_EP else f"{provider} without offload"
-                warnings.append(f"{reasons[0]}: all {n_moe} MoE layers run on {where}")
-            elif violations:
-                nodes = sorted({n for n, _ in violations})
-                warnings.append(
-                    f"{len(nodes)} of {n_moe} MoE layers cannot be offloaded ({violations[0][0]}: "
-                    f"{violations[0][1]}); ONNX Runtime keeps them where the EP places them"
-                )
-        if _ort_version(ort) < OFFLOAD_MIN_ORT:
-            entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
-        else:
-            entries[keys.OFFLOAD_MODE] = offload_mode
+
+
+def _plan_offload(
+    ort,
+    model: ir.Model,
+    provider: str,
+    offload_mode: str,
+    entries: dict[str, str],
+    warnings: list[str],
+    n_moe: int,
+) -> dict[str, str]:
+    """Expert offload asked for (`offload_mode` auto or required) of the model's `n_moe` MoE layers:
+    refused where it cannot happen (required), else what is lost added to `warnings` (auto). Returns
+    the session entries: the offload options where this ONNX Runtime reads them, else none of them."""
+    reasons = []
+    if _ort_version(ort) < OFFLOAD_MIN_ORT:
+        reasons.append(
+            f"ONNX Runtime {ort.__version__} predates the session.moe.offload.* options "
+            f"(needs {'.'.join(map(str, OFFLOAD_MIN_ORT))})"
+        )
+    if provider != PLUGIN_EP:
+        what = "no CUDA plugin EP" if provider == CPU_EP else f"{provider} does not offload experts"
+        reasons.append(what)
+    violations = offload_violations(model)
+    if offload_mode == "required":
+        if reasons:
+            raise MoepassError(f"expert offload required, but {reasons[0]}")
+        if violations:
+            node, rule = violations[0]
+            more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+            raise MoepassError(f"expert offload required, but node {node} cannot be offloaded: {rule}{more}")
     else:
-        entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
-    if layered:
-        layer_mode = _plan_layers(ort, model, provider, layer_mode, entries, warnings)
-    providers = [provider, CPU_EP] if provider not in (CPU_EP, PLUGIN_EP) else [CPU_EP]
-    for message in warnings:
-        log.warning(message)
-    return SessionPlan(device, provider, providers, plugin_devices, entries, offload_mode, warnings, layer_mode)
+        if reasons:
+            where = "the CPU" if provider == CPU_EP else f"{provider} without offload"
+            warnings.append(f"{reasons[0]}: all {n_moe} MoE layers run on {where}")
+        elif violations:
+            nodes = sorted({n for n, _ in violations})
+            warnings.append(
+                f"{len(nodes)} of {n_moe} MoE layers cannot be offloaded ({violations[0][0]}: "
+                f"{violations[0][1]}); ONNX Runtime keeps them where the EP places them"
+            )
+    if _ort_version(ort) < OFFLOAD_MIN_ORT:
+        return {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
+    entries[keys.OFFLOAD_MODE] = offload_mode
+    return entries
 
 
 def _layer_devices(model: ir.Model) -> dict[str, str]:

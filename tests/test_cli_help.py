@@ -12,7 +12,7 @@ from moepass.cli import main
 COMMANDS = sorted(main.commands)
 # inputs a user may give or not, which have no default to state
 OPTIONAL_INPUTS = {"prompt", "prompt_file", "prompt_ids", "prompts_file", "system", "imatrix", "print_after",
-                   "profile_path", "report", "gpu_preset", "cpu_profile"}
+                   "profile", "report", "gpu_preset", "cpu_profile"}
 
 
 def test_bare_moepass_is_the_help():

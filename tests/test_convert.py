@@ -332,3 +332,17 @@ def test_deepened_fixture_repeats_layers_by_llamas_layer_rule(tmp_path):
     assert np.array_equal(out_tensors["token_embd.weight"].data, src_tensors["token_embd.weight"].data)
     result = moepass.convert(deep, tmp_path / "out", echo=lambda _: None)
     assert result.n_layers == 16 and len(result.moe_layers) == 16
+
+
+def test_an_unknown_convert_option_is_refused_naming_the_nearest(make_gguf, tmp_path):
+    """convert's keywords are ConvertOptions' fields: a misspelt one is one line naming the field
+    meant, before any work; an options object and keywords combine, the keywords winning."""
+    from moepass.convert import ConvertOptions, convert
+
+    with pytest.raises(moepass.MoepassError, match=r"convert: no option 'expert_fromat' \(did you mean expert_format\?\)"):
+        convert(make_gguf("q4_0"), tmp_path / "out", expert_fromat="int8")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(moepass.MoepassError, match="--kv-calibration applies to --kv-cache int8"):
+        ConvertOptions(kv_calibration="text.txt")
+    result = convert(make_gguf("q4_0"), tmp_path / "out", ConvertOptions(kv_cache="int8"), kv_cache="float16")
+    assert result.kv_cache["type"] == "float16"

@@ -451,3 +451,33 @@ def test_a_model_whose_sizes_the_gpu_kernel_does_not_divide_partitions(hidden, e
         assert offload.exit_code == 2 and offload.stderr.startswith("moepass: error: blk.") and "(a bug)" not in \
             offload.stderr, offload.output
         assert offload.stderr.count("\n") == 1 and not (tmp_path / "offload").exists()
+
+
+def test_an_unknown_option_is_refused_naming_the_nearest(converted, tmp_path):
+    """The Python API's keywords are PartitionOptions' fields: a misspelt one is one line naming the
+    field meant, before any work (no output folder)."""
+    with pytest.raises(moepass.MoepassError, match=r"partition: no option 'targte' \(did you mean target\?\)"):
+        moepass.partition(converted("q4_0"), tmp_path / "placed", "8G", targte="layers")
+    assert not (tmp_path / "placed").exists()
+    from moepass.partition import PartitionOptions
+
+    with pytest.raises(moepass.MoepassError, match="batch must be a positive integer"):
+        PartitionOptions(batch=0)
+    options = PartitionOptions(target="layers", calibrate=False)
+    placed = moepass.partition(converted("q4_0"), tmp_path / "placed", "8G", options, kv_cache="keep")
+    assert placed.plan.target == "layers"
+
+
+def test_partition_reads_as_its_stages():
+    """moepass.partition.partition is its stages (read, plan, lower, write) in under 40 lines."""
+    import inspect
+
+    from moepass.partition import partition as the_function
+
+    source = inspect.getsource(the_function)
+    body = source[source.index('"""', source.index(") -> PartitionResult:")) + 3:]
+    body = body[body.index('"""') + 3:]
+    lines = [line for line in body.splitlines() if line.strip()]
+    assert len(lines) < 40, f"partition() is {len(lines)} lines"
+    for stage in ("read_source", "plan_for", "lower_for_plan", "atomic_directory"):
+        assert stage in body

@@ -217,7 +217,7 @@ def test_experts_packed_in_this_run_are_packed_once_in_the_new_order(make_gguf, 
     from moepass.core.gguf_reader import GGUFModel
     from moepass.core.quants import OFFLOAD_FORM, quant_type
     from moepass.passes.reorder_experts import _permuted
-    from moepass.passes.weights import GgufRows, PackedGroup, WeightReport
+    from moepass.passes.weights import GgufRows, PackedGroup, PackOptions, WeightReport
 
     gguf = GGUFModel(make_gguf("q4_0"))
     arch = architecture_of(gguf)
@@ -227,7 +227,8 @@ def test_experts_packed_in_this_run_are_packed_once_in_the_new_order(make_gguf, 
     experts, rows = tensors[0].shape[0], tensors[0].shape[1]
     order = [int(e) for e in np.random.default_rng(0).permutation(experts)]
     report = WeightReport()
-    group = PackedGroup(sources, OFFLOAD_FORM, "fc1", report, scale_dtype=ir.DataType.FLOAT16, prepack=True)
+    options = PackOptions(scale_dtype=ir.DataType.FLOAT16, prepack=True)
+    group = PackedGroup(sources, OFFLOAD_FORM, "fc1", report, options)
     original_codes, original_scales = group.codes.numpy(), group.scales.numpy()
     assert [s.rows_packed for s in sources] == [experts * rows] * 2
     values = {

@@ -6,9 +6,11 @@ Kept free of heavy imports, so that `moepass --help` needs nothing but click and
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
@@ -244,3 +246,15 @@ class Sampling:
 
 # llama-server's defaults (common/common.h, llama.cpp as vendored by llama-cpp-python 0.3.36)
 LLAMA_SERVER = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
+def known_settings(options: type, command: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` (keywords of `command`'s Python API), each the name of a field of the options
+    dataclass `options`; an unknown name is refused in one line, naming the nearest field."""
+    fields = sorted(f.name for f in dataclasses.fields(options))
+    for name in settings:
+        if name not in fields:
+            near = difflib.get_close_matches(name, fields, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise MoepassError(f"{command}: no option {name!r}{hint}; its options: {', '.join(fields)}")
+    return settings

@@ -63,6 +63,29 @@ class Experts:
     bias: ir.Value | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """What picks and weighs a MoE node's experts: the router logits [T, E], the `top_k` experts kept
+    per token, whether their weights are renormalized over the k (`normalize`), and, for a QMoE node
+    that does not renormalize, the mixing `weights` the graph has already (None: moe_node makes
+    softmax(logits))."""
+
+    logits: ir.Value
+    top_k: int
+    normalize: bool
+    weights: ir.Value | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertCodes:
+    """How a QMoE node's experts are quantized: `bits` 4 or 8, `block_size` 0 for one scale per row,
+    `prepacked` for the SM80 layout (else row-major codes)."""
+
+    bits: int
+    block_size: int = 0
+    prepacked: bool = False
+
+
 # tape.op's signature: (op_type, inputs, attributes, *, domain, name) -> the node's output
 MakeOp = Callable[..., ir.Value]
 
@@ -71,27 +94,23 @@ def moe_node(
     op: MakeOp,
     name: str,
     hidden: ir.Value,
-    router_logits: ir.Value,
+    router: Router,
     fc1: Experts,
     fc2: Experts,
     *,
-    top_k: int,
-    normalize: bool,
     activation: Activation = SWIGLU,
-    bits: int = 0,
-    block_size: int = 0,
-    prepacked: bool = False,
-    router_weights: ir.Value | None = None,
+    codes: ExpertCodes | None = None,
 ) -> ir.Value:
-    """One MoE layer as a com.microsoft::QMoE node (`bits` 4 or 8: quantized experts, `block_size`
-    0 for one scale per row) or a float com.microsoft::MoE node (bits 0); returns its output.
+    """One MoE layer as a com.microsoft::QMoE node (`codes`: its experts' bits, block size and
+    layout) or a float com.microsoft::MoE node (no `codes`, or 0 bits); returns its output.
 
     `op` makes each node (an onnx-ir Tape's `op`, or `NodeList.op` for a rewrite). Without
-    `normalize`, ONNX Runtime's CPU QMoE still renormalizes the top-k weights unless it is given
-    them: softmax(logits) goes to router_weights (made here unless the graph has it already). The
-    float MoE kernel honours normalize_routing_weights=0 by itself."""
+    `router.normalize`, ONNX Runtime's CPU QMoE still renormalizes the top-k weights unless it is
+    given them: softmax(logits) goes to router_weights (made here unless the graph has it already,
+    `router.weights`). The float MoE kernel honours normalize_routing_weights=0 by itself."""
+    normalize, router_logits = router.normalize, router.logits
     attributes = {
-        "k": top_k,
+        "k": router.top_k,
         "activation_type": "swiglu",
         "swiglu_fusion": 1,
         "activation_alpha": activation.alpha,
@@ -100,24 +119,24 @@ def moe_node(
     }
     if activation.limit is not None:
         attributes["swiglu_limit"] = activation.limit
-    if not bits:  # every slot up to fc2's bias written, absent ones empty
+    if codes is None or not codes.bits:  # every slot up to fc2's bias written, absent ones empty
         moe_inputs: list[ir.Value | None] = [hidden, router_logits, None, None, None, None]
         for experts, slots in ((fc1, MOE_SLOTS["fc1"]), (fc2, MOE_SLOTS["fc2"])):
             moe_inputs[slots[0]], moe_inputs[slots[1]] = experts.weights, experts.bias
         return op("MoE", moe_inputs, attributes, domain="com.microsoft", name=name)
-    attributes["expert_weight_bits"] = bits
-    if block_size:
-        attributes["block_size"] = block_size
+    attributes["expert_weight_bits"] = codes.bits
+    if codes.block_size:
+        attributes["block_size"] = codes.block_size
     # 0: row-major codes, 1: the SM80 layout. Never left out: -1, the default, is each EP's own
     # layout (the CPU EP's row-major codes, the CUDA EP's SM80 layout: row-major codes read so are garbage)
-    attributes["weights_prepacked"] = int(prepacked)
+    attributes["weights_prepacked"] = int(codes.prepacked)
     inputs: list[ir.Value | None] = [None] * (ROUTER_WEIGHTS + 1)
     inputs[:2] = hidden, router_logits
     for experts, slots in ((fc1, QMOE_SLOTS["fc1"]), (fc2, QMOE_SLOTS["fc2"])):
         for slot, value in zip(slots, (experts.weights, experts.scales, experts.bias, experts.zero_points)):
             inputs[slot] = value
     if not normalize:
-        inputs[ROUTER_WEIGHTS] = router_weights or op(
+        inputs[ROUTER_WEIGHTS] = router.weights or op(
             "Softmax", [router_logits], {"axis": -1}, name=f"{name}.router_weights"
         )
     return op("QMoE", _trimmed(inputs), attributes, domain="com.microsoft", name=name)

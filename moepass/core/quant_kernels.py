@@ -1030,15 +1030,17 @@ def affine_codes(raw: np.ndarray, ggml_type: GT) -> tuple[np.ndarray, np.ndarray
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _sums_main(u, s, m, sub, block, zp, top, half, codes, scales, corrections, sums):
-    """The main part of a block-sum form: per form block j (of `block` elements, inside type sub-block
-    j * block // sub), the file's codes shifted by an integer t into the form's range (code c = u +
-    zp - t in 0..top, t the nearest to minimum / scale that keeps it there), stored into `codes`
-    [n, K] unpacked; the scale (rounded to float16 when `half`) into `scales` [n, K / block]; the
-    block's constant correction C (the mean of value - scale' (u - t): least squares, so that the
-    rest has no bias) into `corrections` [n, K / block] (float64). sums += (||rest||^2 with C exact,
-    ||value||^2, the file's own rounding: scale^2 / 12 per element), the values gguf's float32
-    scale * u - minimum."""
+def _sums_main(u, s, m, geometry, half, out, sums):
+    """The main part of a block-sum form, `geometry` (sub, block, zp, top): per form block j (of
+    `block` elements, inside type sub-block j * block // sub), the file's codes shifted by an integer
+    t into the form's range (code c = u + zp - t in 0..top, t the nearest to minimum / scale that
+    keeps it there), stored into `codes` [n, K] unpacked; the scale (rounded to float16 when `half`)
+    into `scales` [n, K / block]; the block's constant correction C (the mean of value - scale' (u -
+    t): least squares, so that the rest has no bias) into `corrections` [n, K / block] (float64),
+    `out` being (codes, scales, corrections). sums += (||rest||^2 with C exact, ||value||^2, the
+    file's own rounding: scale^2 / 12 per element), the values gguf's float32 scale * u - minimum."""
+    sub, block, zp, top = geometry
+    codes, scales, corrections = out
     within = 0.0
     reference = 0.0
     own = 0.0
@@ -1091,14 +1093,9 @@ def sums_main(
             _readonly(np.ascontiguousarray(u)),
             _readonly(np.ascontiguousarray(s)),
             _readonly(np.ascontiguousarray(m)),
-            sub,
-            block,
-            1 << (bits - 1),
-            (1 << bits) - 1,
+            (sub, block, 1 << (bits - 1), (1 << bits) - 1),
             half,
-            codes,
-            scales,
-            corrections,
+            (codes, scales, corrections),
             sums,
         )
     return codes, scales, corrections, (float(sums[0]), float(sums[1]), float(sums[2]))

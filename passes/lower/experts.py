@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import onnx_ir as ir
-
 from moepass.core.errors import MoepassError
 from moepass.core.quants import BlockForm
 from moepass.cuda_ops.prepack import prepack_problem
 from moepass.passes.lower.block_sums import fc2_padding
-from moepass.passes.weights import PackedGroup, RowSource, WeightReport
+from moepass.passes.weights import PackedGroup, PackOptions, RowSource, WeightReport
 
 
 @dataclasses.dataclass
@@ -37,17 +35,15 @@ def expert_tensors(
     fc2_rows: Sequence[RowSource],
     fc1_form: BlockForm,
     report: WeightReport,
-    *,
-    prepack: bool = False,
-    scale_dtype: ir.DataType = ir.DataType.FLOAT16,
-    workers: int | None = None,
+    options: PackOptions,
 ) -> ExpertTensors:
     """Codes and scales of node `node`'s experts: fc1 from `fc1_rows` (gate, up) in `fc1_form`, fc2
-    from `fc2_rows` (down) in its plain form with the features' zero rows; `prepack`: the SM80 layout
-    (refused, naming the projection, where the shapes cannot take it)."""
+    from `fc2_rows` (down) in its plain form with the features' zero rows; both stored as `options`
+    say (its scale type, threads and layout: `options.prepack`, the SM80 layout, is refused, naming
+    the projection, where the shapes cannot take it)."""
     hidden = fc1_rows[0].shape[-1]
     pad = fc2_padding(fc1_form, hidden) if fc1_form.sums else 0
-    if prepack:
+    if options.prepack:
         for label, (n, k) in (
             ("fc1 (gate and up)", (len(fc1_rows) * fc1_rows[0].shape[-2], fc1_form.width(hidden))),
             ("fc2 (down)", (fc2_rows[0].shape[-2] + pad, fc2_rows[0].shape[-1])),
@@ -55,17 +51,6 @@ def expert_tensors(
             problem = prepack_problem(n, k, fc1_form.bits)
             if problem:
                 raise MoepassError(f"{node}: {label} cannot take the prepacked layout expert offload needs: {problem}")
-    fc1 = PackedGroup(
-        fc1_rows, fc1_form, f"{prefix}.fc1", report, scale_dtype=scale_dtype, prepack=prepack, workers=workers
-    )
-    fc2 = PackedGroup(
-        fc2_rows,
-        fc1_form.plain,
-        f"{prefix}.fc2",
-        report,
-        scale_dtype=scale_dtype,
-        prepack=prepack,
-        workers=workers,
-        pad_rows=pad,
-    )
-    return ExpertTensors(fc1, fc2, fc1_form, pad, prepack)
+    fc1 = PackedGroup(fc1_rows, fc1_form, f"{prefix}.fc1", report, options)
+    fc2 = PackedGroup(fc2_rows, fc1_form.plain, f"{prefix}.fc2", report, dataclasses.replace(options, pad_rows=pad))
+    return ExpertTensors(fc1, fc2, fc1_form, pad, options.prepack)

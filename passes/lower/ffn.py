@@ -7,12 +7,13 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
 from moepass.core.errors import MoepassError
-from moepass.core.moe_nodes import Experts, moe_node, packed_moe_node
+from moepass.core.moe_nodes import ExpertCodes, Experts, Router, moe_node, packed_moe_node
 from moepass.core.quants import OFFLOAD_FORM, ExpertForms, expert_form, quant_type, requantize_form, scales_in_float16
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
 from moepass.passes.lower.graph_builder import GraphBuilder
 from moepass.passes.lower.routing import renormalizes, router_input
+from moepass.passes.weights import PackOptions
 
 
 def feed_forward(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:
@@ -44,18 +45,16 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     name = f"blk.{layer}.moe"
     hidden_in = gate.shape[-1]
 
-    def node(fc1: Experts, fc2: Experts, hidden: ir.Value = x2d, **kwargs) -> ir.Value:
+    def node(fc1: Experts, fc2: Experts, hidden: ir.Value = x2d, codes: ExpertCodes | None = None) -> ir.Value:
         return moe_node(
             builder.tape.op,
             name,
             hidden,
-            router,
+            Router(router, hp.n_experts_used, renormalizes(feats)),
             fc1,
             fc2,
-            top_k=hp.n_experts_used,
-            normalize=renormalizes(feats),
             activation=ACTIVATIONS[feats.activation],
-            **kwargs,
+            codes=codes,
         )
 
     floats = [qt.storage == "float" for qt in types]
@@ -110,9 +109,7 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
                 builder.gguf_rows([down]),
                 fc1_form,
                 builder.report,
-                prepack=prepack,
-                scale_dtype=scales,
-                workers=builder.options.threads,
+                PackOptions(scale_dtype=scales, prepack=prepack, workers=builder.options.threads),
             )
         except MoepassError as e:
             raise MoepassError(f"{e}; convert without --expert-format offload" if prepack else str(e)) from None
@@ -123,10 +120,8 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
         out = node(
             Experts(fc1_w, fc1_s, bias=fc1_b),
             Experts(fc2_w, fc2_s, bias=fc2_bias(pad)),
-            bits=node_form.bits,
-            block_size=node_form.block_size,
-            prepacked=prepack,
             hidden=widened,
+            codes=ExpertCodes(node_form.bits, node_form.block_size, prepack),
         )
         form_name = str(fc1_form)
     out.name = f"{name}.output"

@@ -24,6 +24,7 @@ from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type, 
 from moepass.passes.weights import (
     GgufRows,
     PackedGroup,
+    PackOptions,
     StreamedTensor,
     WeightRecord,
     WeightReport,
@@ -128,11 +129,7 @@ class GraphBuilder:
         offsets, block offsets initializers of GGUF matrices in `form` (see weights.PackedGroup;
         `pad_rows` zero rows after each matrix's own)."""
         rows = self.gguf_rows(sources)
-        group = PackedGroup(
-            rows,
-            form,
-            name,
-            self.report,
+        packing = PackOptions(
             blob_layout,
             scale_dtype=scale_dtype or self.act,
             prepack=prepack,
@@ -140,6 +137,7 @@ class GraphBuilder:
             pad_rows=pad_rows,
             offsets_dtype=self.act,
         )
+        group = PackedGroup(rows, form, name, self.report, packing)
         offsets = self.tape.initializer(group.offsets, name=group.offsets.name) if group.offsets is not None else None
         return (
             self.tape.initializer(group.codes, name=group.codes.name),
