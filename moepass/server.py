@@ -30,6 +30,7 @@ log.
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import hmac
 import ipaddress
 import json
@@ -44,6 +45,10 @@ from moepass.core.choices import Sampling
 from moepass.core.errors import MoepassError, first_line
 
 if TYPE_CHECKING:
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
     from moepass.runtime import KVCache
 
 # a request's sampling fields bear moepass.Sampling's names (OpenAI's, and llama-server's for the rest)
@@ -450,78 +455,113 @@ def check_api_key(api_key: str | None) -> None:
 def create_app(
     server: ModelServer, api_key: str | None = None, max_body: int = MAX_BODY, body_seconds: float = BODY_SECONDS
 ):
-    """The FastAPI application over `server`."""
-    import anyio
+    """The FastAPI application over `server`: refusals in OpenAI's error shape, the API key when
+    there is one, and the endpoints, which `Endpoints` answers."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.datastructures import Headers
     from starlette.exceptions import HTTPException
 
     check_api_key(api_key)
-    expected = f"Bearer {api_key}".encode()
     app = FastAPI(title="moepass", version=_version())
-
-    def error(e: RequestError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(HTTPException)
-    async def not_there(request: Request, e: HTTPException) -> JSONResponse:
-        """404 (no such endpoint), 405 (not with this method) and Starlette's other refusals, in
-        OpenAI's error shape."""
-        return error(RequestError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
-
-    class OneLine:
-        """Whatever escapes an endpoint (ONNX Runtime, a bug): OpenAI's error object, 500, where no
-        byte was sent yet, and one line in the log instead of a traceback."""
-
-        def __init__(self, app) -> None:
-            self.app = app
-
-        async def __call__(self, scope, receive, send) -> None:
-            started = False
-
-            async def sending(message) -> None:
-                nonlocal started
-                started = started or message["type"] == "http.response.start"
-                await send(message)
-
-            try:
-                await self.app(scope, receive, sending)
-            except Exception as e:  # noqa: BLE001 - the server goes on serving; the line says what
-                what = f"{type(e).__name__}: {first_line(e)}"
-                server.echo(f"request failed: {scope.get('method', '')} {scope.get('path', '')}: {what}")
-                if not started and scope["type"] == "http":
-                    failure = RequestError(500, what, kind="server_error")
-                    try:
-                        await error(failure)(scope, receive, send)
-                    except Exception:  # noqa: BLE001, S110 - the client is gone
-                        pass
-
-    class RequireKey:
-        """The API key, checked before any endpoint but /health. Plain ASGI: Starlette's
-        BaseHTTPMiddleware would pass every streamed answer through a second stream, with its own
-        handling of a client that leaves."""
-
-        def __init__(self, app) -> None:
-            self.app = app
-
-        async def __call__(self, scope, receive, send) -> None:
-            if scope["type"] == "http" and scope["path"] != "/health":
-                given = Headers(scope=scope).get("authorization", "").encode("utf-8", "surrogateescape")
-                if not hmac.compare_digest(given, expected):  # in a time that does not tell how much matched
-                    refused = RequestError(
-                        401,
-                        "invalid or missing API key (Authorization: Bearer ...)",
-                        kind="authentication_error",
-                        code="invalid_api_key",
-                    )
-                    await error(refused)(scope, receive, send)
-                    return
-            await self.app(scope, receive, send)
-
+    app.exception_handler(HTTPException)(_not_there)
     if api_key:
-        app.add_middleware(RequireKey)
-    app.add_middleware(OneLine)  # the outermost: it sees what every other one lets through
+        app.add_middleware(RequireKey, expected=f"Bearer {api_key}".encode())
+    app.add_middleware(OneLine, server=server)  # the outermost: it sees what every other one lets through
+    endpoints = Endpoints(server, max_body, body_seconds)
+
+    # no docstrings here: FastAPI would put them in /openapi.json
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return endpoints.models()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await endpoints.respond(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await endpoints.respond(request, chat=False)
+
+    return app
+
+
+def _error_response(e: RequestError) -> "JSONResponse":
+    """A refused request's answer: OpenAI's error object, with the refusal's status."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _not_there(request: "Request", e: "HTTPException") -> "JSONResponse":
+    """404 (no such endpoint), 405 (not with this method) and Starlette's other refusals, in
+    OpenAI's error shape."""
+    return _error_response(
+        RequestError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
+    )
+
+
+class OneLine:
+    """Whatever escapes an endpoint (ONNX Runtime, a bug): OpenAI's error object, 500, where no
+    byte was sent yet, and one line in the log instead of a traceback."""
+
+    def __init__(self, app, server: ModelServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 - the server goes on serving; the line says what
+            what = f"{type(e).__name__}: {first_line(e)}"
+            self.server.echo(f"request failed: {scope.get('method', '')} {scope.get('path', '')}: {what}")
+            if not started and scope["type"] == "http":
+                failure = RequestError(500, what, kind="server_error")
+                try:
+                    await _error_response(failure)(scope, receive, send)
+                except Exception:  # noqa: BLE001, S110 - the client is gone
+                    pass
+
+
+class RequireKey:
+    """The API key, checked before any endpoint but /health: the Authorization header must be
+    `expected` ("Bearer KEY"). Plain ASGI: Starlette's BaseHTTPMiddleware would pass every streamed
+    answer through a second stream, with its own handling of a client that leaves."""
+
+    def __init__(self, app, expected: bytes) -> None:
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        from starlette.datastructures import Headers
+
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = Headers(scope=scope).get("authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, self.expected):  # in a time that does not tell how much matched
+                refused = RequestError(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    kind="authentication_error",
+                    code="invalid_api_key",
+                )
+                await _error_response(refused)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+@functools.cache
+def _answer_stream() -> type:
+    """The response a streamed answer goes out in (made on first use: FastAPI is imported only to
+    serve)."""
+    import anyio
+    from fastapi.responses import StreamingResponse
 
     class AnswerStream(StreamingResponse):
         """A streamed answer whose events are closed however the stream ends. When the client
@@ -536,55 +576,60 @@ def create_app(
                 with anyio.CancelScope(shield=True):
                     await cast(AsyncGenerator, self.body_iterator).aclose()
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    return AnswerStream
 
-    @app.get("/v1/models")
-    async def models():
+
+class Endpoints:
+    """What the endpoints answer over `server`: the model list, and completions, whose request body
+    is read within `max_body` bytes and `body_seconds`, checked, then answered by a `Reply`."""
+
+    def __init__(self, server: ModelServer, max_body: int, body_seconds: float) -> None:
+        self.server, self.max_body, self.body_seconds = server, max_body, body_seconds
+        self.too_large = f"this server takes request bodies of at most {max_body:,} bytes (--max-body)"
+
+    def models(self) -> dict:
         return {
             "object": "list",
-            "data": [{"id": server.model_id, "object": "model", "created": server.created, "owned_by": "moepass"}],
+            "data": [
+                {"id": self.server.model_id, "object": "model", "created": self.server.created, "owned_by": "moepass"}
+            ],
         }
 
-    too_large = f"this server takes request bodies of at most {max_body:,} bytes (--max-body)"
+    async def read_body(self, request: "Request") -> dict:
+        """The request's body as a JSON object, refused past the size or time limit, when it is not
+        JSON text, names another model, or has a `stream` that is not true or false."""
+        import anyio
 
-    async def read_body(request: Request) -> dict:
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > max_body):
-            raise RequestError(413 if declared.isdigit() else 400, f"Content-Length {declared[:32]}: {too_large}")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            raise RequestError(413 if declared.isdigit() else 400, f"Content-Length {declared[:32]}: {self.too_large}")
         chunks, size = [], 0
         try:
-            with anyio.fail_after(body_seconds):
+            with anyio.fail_after(self.body_seconds):
                 async for chunk in request.stream():
                     size += len(chunk)
-                    if size > max_body:
-                        raise RequestError(413, too_large)
+                    if size > self.max_body:
+                        raise RequestError(413, self.too_large)
                     chunks.append(chunk)
         except TimeoutError:
-            raise RequestError(408, f"the request body did not arrive within {body_seconds:g} s (--timeout)") from None
-        try:
-            body = json.loads(b"".join(chunks))
-            json.dumps(body, ensure_ascii=False).encode()  # lone surrogates ("\ud800") are not text
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RequestError(400, f"the request body is not JSON ({e})") from None
-        except UnicodeEncodeError:
             raise RequestError(
-                400, "the request body holds a lone surrogate (\\ud800-\\udfff): not valid text"
+                408, f"the request body did not arrive within {self.body_seconds:g} s (--timeout)"
             ) from None
-        except RecursionError:
-            raise RequestError(400, "the request body's JSON is nested too deep") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        server.check_model(body)
+        body = _json_object(b"".join(chunks))
+        self.server.check_model(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError(400, "'stream' must be true or false", "stream")
         return body
 
-    async def respond(request: Request, chat: bool):
+    async def respond(self, request: "Request", chat: bool) -> Any:
+        """A chat (`chat`) or text completion: the whole answer as one object, or with `"stream": true`
+        its server-sent events; a refused request is one line in the log and OpenAI's error object."""
+        import anyio
+
+        server = self.server
         try:
-            body = await read_body(request)
+            body = await self.read_body(request)
             check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             # rendered and tokenized off the event loop: /health and the others are answered meanwhile
             prompt = await anyio.to_thread.run_sync(server.chat_prompt if chat else server.completion_prompt, body)
@@ -593,105 +638,139 @@ def create_app(
             first = await anext(answer)  # the request's own errors (queue full, bad fields) before any byte
         except RequestError as e:  # one line in the log for each request refused
             server.echo(f"request refused: {request.method} {request.url.path}: {e.status} {first_line(e)}")
-            return error(e)
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        kind = "chat.completion" if chat else "text_completion"
-        created = int(time.time())
-        single_call = body.get("parallel_tool_calls") is False
-        answer_parts = AnswerParts(reader, chat, single_call)
-        tokens = TokenLogprobs(server.decoder, chat)
-
+            return _error_response(e)
+        reply = Reply(server, body, chat, reader, answer, first)
         if not body.get("stream"):
-            event = first
-            try:
-                async for event in _with_first(first, answer):
-                    if event[0] == "piece":
-                        answer_parts.feed(event[1])
-            finally:
-                await answer.aclose()  # its turn ends now, whatever ended the request
-            if event[0] != "end":  # the client left
-                return JSONResponse({}, status_code=499)
-            stream = event[1]
-            answer_parts.finish()
-            logprobs = tokens.take(stream)
-            if chat:
-                choice = {"index": 0, "message": answer_parts.message(), "logprobs": logprobs}
-            else:
-                choice = {"index": 0, "text": answer_parts.text(), "logprobs": logprobs}
-            choice["finish_reason"] = answer_parts.finish_reason(stream)
-            return {
-                "id": ident,
-                "object": kind,
-                "created": created,
-                "model": server.model_id,
-                "choices": [choice],
-                "usage": _usage(stream),
-                "timings": _timings(stream),
-            }
-
-        include_usage = (
-            bool((body.get("stream_options") or {}).get("include_usage"))
-            if isinstance(body.get("stream_options"), dict)
-            else False
-        )
-        chunk_kind = f"{kind}.chunk" if chat else kind
-
-        def sse(choices: list, **extra) -> str:
-            data = {
-                "id": ident,
-                "object": chunk_kind,
-                "created": created,
-                "model": server.model_id,
-                "choices": choices,
-                **extra,
-            }
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        def chunks(deltas: list[dict], stream) -> Iterator[str]:
-            """One chunk per delta, the log probabilities of the tokens so far on the first (tokens
-            whose text is still held back wait for the chunk that shows it)."""
-            if not deltas:
-                return
-            logprobs = tokens.take(stream)
-            for i, delta in enumerate(deltas):
-                choice = {"index": 0, "delta": delta} if chat else {"index": 0, **delta}
-                yield sse([{**choice, "logprobs": logprobs if i == 0 else None, "finish_reason": None}])
-
-        async def events():
-            if chat:
-                yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                            "logprobs": None}])  # fmt: skip
-            try:
-                async for event in _with_first(first, answer):
-                    if event[0] == "piece":
-                        for chunk in chunks(answer_parts.feed(event[1]), event[2]):
-                            yield chunk
-                    else:
-                        stream = event[1]
-                        for chunk in chunks(answer_parts.finish(), stream):
-                            yield chunk
-                        final = {"index": 0, **({"delta": {}} if chat else {"text": ""})}
-                        final.update(logprobs=tokens.take(stream), finish_reason=answer_parts.finish_reason(stream))
-                        yield sse([final], timings=_timings(stream))
-                        if include_usage:
-                            yield sse([], usage=_usage(stream))
-            finally:  # also when the client went away mid-stream: generation stops, the next request's turn comes
-                await answer.aclose()
-            yield "data: [DONE]\n\n"
-
-        return AnswerStream(
-            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return await reply.whole()
+        return _answer_stream()(
+            reply.events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await respond(request, chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await respond(request, chat=False)
+def _json_object(data: bytes) -> dict:
+    """A request body's bytes as a JSON object: JSON text, not nested too deep, without lone surrogates."""
+    try:
+        body = json.loads(data)
+        json.dumps(body, ensure_ascii=False).encode()  # lone surrogates ("\ud800") are not text
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(400, f"the request body is not JSON ({e})") from None
+    except UnicodeEncodeError:
+        raise RequestError(400, "the request body holds a lone surrogate (\\ud800-\\udfff): not valid text") from None
+    except RecursionError:
+        raise RequestError(400, "the request body's JSON is nested too deep") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    return body
 
-    return app
+
+class Reply:
+    """One request's answer in OpenAI's shapes, from `first` (the answer's first event) and the rest
+    of `answer` (`ModelServer.answer`): `whole` gives it as one object, `events` as server-sent
+    events. Its id, kind and time are set when it is made; the text's parts (content, reasoning,
+    tool calls: AnswerParts) and the tokens' log probabilities (TokenLogprobs) are read as it comes."""
+
+    def __init__(
+        self,
+        server: ModelServer,
+        body: dict,
+        chat: bool,
+        reader: AnswerReader | None,
+        answer: AsyncGenerator[tuple, None],
+        first: tuple,
+    ) -> None:
+        self.server, self.body, self.chat, self.answer, self.first = server, body, chat, answer, first
+        self.ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+        single_call = body.get("parallel_tool_calls") is False
+        self.parts = AnswerParts(reader, chat, single_call)
+        self.tokens = TokenLogprobs(server.decoder, chat)
+
+    async def whole(self) -> Any:
+        """The answer as one object (status 499, empty, when the client left before its end)."""
+        event = self.first
+        try:
+            async for event in _with_first(self.first, self.answer):
+                if event[0] == "piece":
+                    self.parts.feed(event[1])
+        finally:
+            await self.answer.aclose()  # its turn ends now, whatever ended the request
+        if event[0] != "end":  # the client left
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse({}, status_code=499)
+        stream = event[1]
+        self.parts.finish()
+        logprobs = self.tokens.take(stream)
+        if self.chat:
+            choice = {"index": 0, "message": self.parts.message(), "logprobs": logprobs}
+        else:
+            choice = {"index": 0, "text": self.parts.text(), "logprobs": logprobs}
+        choice["finish_reason"] = self.parts.finish_reason(stream)
+        return {
+            "id": self.ident,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.server.model_id,
+            "choices": [choice],
+            "usage": _usage(stream),
+            "timings": _timings(stream),
+        }
+
+    def sse(self, choices: list, **extra) -> str:
+        """One server-sent event: a chunk of the answer holding `choices` (and `extra` fields)."""
+        data = {
+            "id": self.ident,
+            "object": f"{self.kind}.chunk" if self.chat else self.kind,
+            "created": self.created,
+            "model": self.server.model_id,
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def chunks(self, deltas: list[dict], stream) -> Iterator[str]:
+        """One chunk per delta, the log probabilities of the tokens so far on the first (tokens
+        whose text is still held back wait for the chunk that shows it)."""
+        if not deltas:
+            return
+        logprobs = self.tokens.take(stream)
+        for i, delta in enumerate(deltas):
+            choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, **delta}
+            yield self.sse([{**choice, "logprobs": logprobs if i == 0 else None, "finish_reason": None}])
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        """The answer as server-sent events: (chat) the assistant's role first, a chunk per delta,
+        the last chunk with the finish reason and timings, the usage when `stream_options` asks for
+        it, then `[DONE]`."""
+        options = self.body.get("stream_options")
+        include_usage = bool((options or {}).get("include_usage")) if isinstance(options, dict) else False
+        if self.chat:
+            yield self.sse([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                             "logprobs": None}])  # fmt: skip
+        try:
+            async for event in _with_first(self.first, self.answer):
+                if event[0] == "piece":
+                    for chunk in self.chunks(self.parts.feed(event[1]), event[2]):
+                        yield chunk
+                else:
+                    for chunk in self.finale(event[1], include_usage):
+                        yield chunk
+        finally:  # also when the client went away mid-stream: generation stops, the next request's turn comes
+            await self.answer.aclose()
+        yield "data: [DONE]\n\n"
+
+    def finale(self, stream, include_usage: bool) -> Iterator[str]:
+        """The events at the answer's end: the chunks of the text held back till then, the finish
+        reason with llama-server's timings, and the usage when asked for."""
+        yield from self.chunks(self.parts.finish(), stream)
+        final: dict[str, Any] = {"index": 0, **({"delta": {}} if self.chat else {"text": ""})}
+        final.update(logprobs=self.tokens.take(stream), finish_reason=self.parts.finish_reason(stream))
+        yield self.sse([final], timings=_timings(stream))
+        if include_usage:
+            yield self.sse([], usage=_usage(stream))
 
 
 class AnswerParts:
