@@ -31,6 +31,28 @@ def test_the_check_finds_a_long_line(tmp_path):
     assert result.returncode == 1 and "E501" in result.stdout and "I001" in result.stdout, result.stdout
 
 
+def test_the_check_finds_a_complex_function(tmp_path):
+    """The same configuration fails a function of 16 branches and one of 9 parameters (C901 at 15,
+    PLR0913 at 8: pyproject.toml), and passes the same at 15 and 8."""
+
+    def module(branches: int, parameters: int) -> str:
+        body = "".join(f"    if x == {i}:\n        return {i}\n" for i in range(branches - 1))
+        names = ", ".join(f"a{i}" for i in range(parameters - 1))
+        return f"def branchy(x):\n{body}    return -1\n\n\ndef wide(x, {names}):\n    return x\n"
+
+    def findings(text: str) -> str:
+        path = tmp_path / "f.py"
+        path.write_text(text)
+        found = subprocess.run([*_ruff(), "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(path)],
+                               capture_output=True, text=True)
+        return found.stdout
+
+    over = findings(module(16, 9))
+    assert "C901" in over and "PLR0913" in over, over
+    within = findings(module(15, 8))
+    assert "C901" not in within and "PLR0913" not in within, within
+
+
 def test_package_is_ruff_formatted():
     result = subprocess.run([*_ruff(), "format", "--check", "--no-cache", *PACKAGE], cwd=ROOT, capture_output=True,
                             text=True)
