@@ -977,12 +977,15 @@ def bench(model_dir: str, prompt_file, profile: bool, as_json: bool, **options) 
     help="Add these earlier profiles of the same model to the result (repeatable).",
 )
 @_threads_option("ONNX Runtime's: every core", "ONNX Runtime intra-op threads.")
+@_CACHE_DIR
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def profile(
     model_dir: str, output: str, merge_with: tuple[str, ...], threads: int | None, force: bool, quiet: bool, **flags
 ) -> None:
-    """Measure expert popularity: run calibration prompts through a converted model on the CPU."""
+    """Measure expert popularity: run calibration prompts through a model on the CPU.
+
+    MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from moepass.atomic import check_destination
     from moepass.popularity import Popularity
     from moepass.profile import profile as run_profile
@@ -997,6 +1000,7 @@ def profile(
     if chat:
         _require("chat", "--chat", "jinja2")
     prompts = read_prompts(prompts_file, prompts_format) if prompts_file else [_parse_ids(prompt_ids or "")]
+    model_dir = _converted(model_dir, flags)
     earlier = [Popularity.load(p) for p in merge_with]
     progress = _Progress("profiling prompts", enabled=not quiet, unit="prompts")
     try:

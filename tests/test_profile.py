@@ -81,6 +81,25 @@ def test_cli_profile_and_merge(tmp_path, converted):
     assert result.exit_code == 0 and Popularity.load(tmp_path / "all.json").tokens == 10
 
 
+def test_cli_profile_takes_a_gguf_through_run_s_cache(tmp_path, make_gguf, converted):
+    """`moepass profile F.gguf` as llama-imatrix takes it: converted once into the cache run uses (said
+    in one line), the popularity that of the converted folder, and the same entry used by run."""
+    runner = CliRunner()
+    cache = tmp_path / "cache"
+    result = runner.invoke(main, ["profile", str(make_gguf("q4_0")), "--prompt-ids", "1,2,3", "-o",
+                                  str(tmp_path / "p.json"), "--cache-dir", str(cache), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "converted with the defaults" in result.stderr, result.stderr
+    from_gguf = Popularity.load(tmp_path / "p.json")
+    from_folder = profile(converted("q4_0"), [[1, 2, 3]])
+    assert from_gguf.fingerprint == from_folder.fingerprint and from_gguf.tokens == 3
+    assert {k: v.tolist() for k, v in from_gguf.selected.items()} == {
+        k: v.tolist() for k, v in from_folder.selected.items()}
+    result = runner.invoke(main, ["run", str(make_gguf("q4_0")), "--prompt-ids", "1,2", "-n", "1",
+                                  "--cache-dir", str(cache)])
+    assert result.exit_code == 0 and "converted with the defaults" not in result.stderr, result.output
+
+
 @pytest.mark.parametrize("content,message", [
     ("1,2,x\n", "prompts.txt:1: expected token ids"),
     ("# nothing\n\n", "no prompts in the file"),
