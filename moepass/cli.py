@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -234,8 +235,44 @@ def _bandwidth_option(flag: str, shown: str, help: str) -> Callable:
     return click.option(flag, type=float, callback=_finite_option, default=None, show_default=shown, help=help)
 
 
+def _model_argument(name: str = "model_dir", metavar: str = "MODEL") -> Callable:
+    """A command's one model: the argument `metavar`, or llama.cpp's -m/--model PATH in its place
+    (exactly one of the two); the command receives it as `name` either way."""
+
+    def decorate(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            kwargs[name] = _one_model(kwargs.pop(name), kwargs.pop("model_flag"), metavar)
+            return f(*args, **kwargs)
+
+        command = click.option(
+            "-m",
+            "--model",
+            "model_flag",
+            metavar=metavar,
+            type=click.Path(),
+            default=None,
+            help=f"The model as llama.cpp's -m takes it, in place of {metavar} (default: the {metavar} argument).",
+        )(command)
+        return click.argument(name, metavar=metavar, type=click.Path(), required=False)(command)
+
+    return decorate
+
+
+def _one_model(positional: str | None, flag: str | None, metavar: str) -> str:
+    """The model given as the argument or as -m/--model: one of them, once."""
+    ctx = click.get_current_context(silent=True)
+    if positional is not None:
+        if flag is not None:
+            raise click.UsageError(f"give {metavar} once: as the argument ({positional}) or -m ({flag}), not both", ctx)
+        return positional
+    if flag is None:
+        raise click.UsageError(f"missing {metavar}: give it as the argument or as -m {metavar}", ctx)
+    return flag
+
+
 @main.command()
-@click.argument("model", type=click.Path())
+@_model_argument("model")
 @click.option(
     "-o",
     "--output",
@@ -350,7 +387,7 @@ def convert(model: str, output: str, force: bool, quiet: bool, **settings: Any) 
 
 
 @main.command()
-@click.argument("path", type=click.Path())
+@_model_argument("path", "PATH")
 @click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
 def inspect(path: str, as_json: bool) -> None:
     """Describe a GGUF file or a converted ONNX model: architecture, MoE layers, formats, bytes per group."""
@@ -468,10 +505,59 @@ def _runtime_options(f):
                 show_default=True,
                 help="With --speculative: draft tokens checked per step.",
             ),
+            click.option(
+                "-c",
+                "--ctx-size",
+                type=click.IntRange(0, None),
+                default=0,
+                show_default=True,
+                help="The context to run with (tokens: the prompt and what is generated; the KV cache holds "
+                "no more), at most the one the model was converted for (convert --context N); 0: all of it.",
+            ),
+            *_placed_by_partition(),
         ]
     ):
         f = option(f)
     return f
+
+
+# llama.cpp's flags that place layers or tensors on the GPU as the model loads: moepass places them
+# ahead of time, with partition; each spelling its own hidden option, so that the answer names the
+# flag typed (and click matches -ngl whole, not as -n gl)
+LLAMA_PLACEMENT_FLAGS = (  # its spellings, and whether it takes a value
+    (("-ngl", "--n-gpu-layers", "--gpu-layers"), True),
+    (("-ncmoe", "--n-cpu-moe"), True),
+    (("-ot", "--override-tensor"), True),
+    (("-cmoe", "--cpu-moe"), False),  # every MoE layer's experts on the CPU
+)
+
+
+def _placed_by_partition() -> list[Callable]:
+    """Hidden options for LLAMA_PLACEMENT_FLAGS, each refused in one line naming moepass's way."""
+    return [
+        click.option(
+            flag,
+            is_flag=not takes_value,
+            default=None if takes_value else False,
+            hidden=True,
+            expose_value=False,
+            callback=_refuse_placement,
+        )
+        for spellings, takes_value in LLAMA_PLACEMENT_FLAGS
+        for flag in spellings
+    ]
+
+
+def _refuse_placement(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if value is None or value is False:
+        return
+    typed = param.opts[0] + ("" if value is True else f" {value}")
+    raise click.UsageError(
+        f"{typed}: moepass places layers ahead of time, not as it loads: `moepass partition MODEL --target layers "
+        "--vram SIZE` puts whole MoE layers on the GPU or the CPU (what llama.cpp's -ngl / --n-cpu-moe / -ot "
+        f"choose), then `moepass {ctx.info_name} PLACED/` runs the placed folder",
+        ctx,
+    )
 
 
 def _load_options(options: dict) -> dict:
@@ -505,6 +591,8 @@ def _sampling_options(greedy: bool):
             finite = kind is float or isinstance(kind, click.FloatRange)
             f = click.option(
                 flag,
+                *LLAMA_SPELLINGS.get(flag, ()),
+                _field(flag),
                 type=kind,
                 default=getattr(d, _field(flag)),
                 show_default=True,
@@ -535,6 +623,10 @@ SAMPLING_OPTIONS = (
     ("--presence-penalty", float, "Subtracted from the logit of every token seen."),
     ("--frequency-penalty", float, "Subtracted from a token's logit once per time it was seen."),
 )
+
+
+# llama.cpp's other names for the same options, where they differ from moepass's
+LLAMA_SPELLINGS = {"--temperature": ("--temp",)}
 
 
 def _field(flag: str) -> str:
@@ -594,15 +686,74 @@ def _load(model_dir: str, options: dict):
     through the cache)."""
     from moepass.runtime import load
 
-    model_dir = _converted(model_dir, options)
+    given, model_dir = model_dir, _converted(model_dir, options)
+    context = _context_size(given, model_dir, options.pop("ctx_size"))
     start = time.perf_counter()
     click.echo(f"loading {model_dir} ...", err=True)
     decoder = load(model_dir, **_load_options(options))
     click.echo(f"loaded in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
+    _run_within(decoder, context)
     _echo_placement(decoder)
     if decoder.speculator is not None:
         click.echo(decoder.speculator.describe(), err=True)
     return decoder
+
+
+def _context_size(given: str, model_dir: str, ctx_size: int) -> int | None:
+    """-c/--ctx-size, checked before the model loads against the context `model_dir` (the model
+    `given`, or its conversion) was converted for (None: that one, -c 0)."""
+    if not ctx_size:
+        return None
+    from moepass.core.files import model_file, read_report
+
+    built = read_report(model_file(model_dir).parent).context_length
+    if built and ctx_size > built:
+        gguf = given if given.endswith(".gguf") else "MODEL.gguf"
+        raise MoepassError(
+            f"-c {ctx_size}: {given} was converted for a context of {built} tokens; for more, convert it "
+            f"for them: `moepass convert {gguf} -o OUT --context {ctx_size}`, then run OUT"
+        )
+    return ctx_size
+
+
+def _run_within(decoder, context: int | None) -> None:
+    """Run the loaded model within -c's context: the decoder's context length bounds each request
+    (a prompt that fills it is refused, generation stops at it) and the KV cache, which grows to it
+    and no further."""
+    if context:
+        decoder.context_length = context
+
+
+def _max_new_tokens_option(default: int, least: int, text: str) -> Callable:
+    """-n/--max-new-tokens: at least `least`, or llama.cpp's -1: until the stop token or a full context."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: int) -> int:
+        if value < least and value != -1:
+            raise click.BadParameter(
+                f"{value} is not a count of tokens: give at least {least}, or -1 (until the stop token or the "
+                "context is full)"
+            )
+        return value
+
+    return click.option(
+        "-n",
+        "--max-new-tokens",
+        type=int,
+        default=default,
+        show_default=True,
+        callback=check,
+        help=f"{text}; -1: until the stop token or the context is full.",
+    )
+
+
+def _until_full(decoder) -> int:
+    """-n -1: the tokens to ask for (the context's), each request then given as many as the context
+    has room for after its prompt, without the warning that a request was cut (this one asked to be)."""
+    context = decoder.context_length
+    if not context:
+        raise click.UsageError("-n -1 generates until the context is full; this model records no context: give -c N")
+    decoder.until_full = True
+    return context
 
 
 def _think_option(f):
@@ -629,7 +780,7 @@ _STOP = click.option("--stop", multiple=True, help="Stop when the text reaches t
 
 
 @main.command()
-@click.argument("model_dir", metavar="MODEL", type=click.Path())
+@_model_argument()
 @click.option("-p", "--prompt", default=None, help="Prompt text (needs the tokenizer.json convert writes).")
 @click.option(
     "-f",
@@ -642,14 +793,7 @@ _STOP = click.option("--stop", multiple=True, help="Stop when the text reaches t
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message with the model's chat template.")
 @click.option("--system", default=None, help="With --chat: a system message before it.")
 @_think_option
-@click.option(
-    "-n",
-    "--max-new-tokens",
-    type=click.IntRange(0, None),
-    default=16,
-    show_default=True,
-    help="Tokens to generate at most.",
-)
+@_max_new_tokens_option(16, 0, "Tokens to generate at most")
 @_STOP
 @_sampling_options(greedy=True)
 @_runtime_options
@@ -672,6 +816,9 @@ def run(
         _require("chat", "--chat", "jinja2")
     sampling = _sampling(options)
     decoder = _load(model_dir, options)
+    until_full = max_new_tokens == -1
+    if until_full:
+        max_new_tokens = _until_full(decoder)
     start = time.perf_counter()
     if prompt is not None:
         text: str | list[int] = prompt
@@ -698,6 +845,8 @@ def run(
         count = len(tokens)
         ended = "the stop token" if tokens and tokens[-1] in decoder.stop_ids else "the token limit"
         timed = (len(ids), (first or start) - start, count, time.perf_counter() - (first or start))
+    if until_full and ended == "the token limit":
+        ended = f"the context ({decoder.context_length} tokens)"
     for line in _speed(*timed):
         click.echo(line, err=True)
     click.echo(
@@ -719,17 +868,10 @@ def _prompt_of(options: dict) -> tuple[str | None, str | None]:
 
 
 @main.command()
-@click.argument("model_dir", metavar="MODEL", type=click.Path())
+@_model_argument()
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @_think_option
-@click.option(
-    "-n",
-    "--max-new-tokens",
-    type=click.IntRange(1, None),
-    default=1024,
-    show_default=True,
-    help="Tokens per answer at most.",
-)
+@_max_new_tokens_option(1024, 1, "Tokens per answer at most")
 @_STOP
 @_sampling_options(greedy=False)
 @_runtime_options
@@ -744,11 +886,13 @@ def chat(
     _require("chat", "moepass chat", "jinja2")
     sampling = _sampling(options)
     decoder = _load(model_dir, options)
+    if max_new_tokens == -1:
+        max_new_tokens = _until_full(decoder)
     chat_loop(decoder, system, _template_variables(decoder, think), max_new_tokens, sampling, stop)
 
 
 @main.command()
-@click.argument("model_dir", metavar="MODEL", type=click.Path())
+@_model_argument()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
 @click.option(
@@ -811,7 +955,7 @@ def serve(
 
 
 @main.command()
-@click.argument("model_dir", metavar="MODEL", type=click.Path())
+@_model_argument()
 @click.option(
     "-p",
     "--prompt-tokens",
@@ -871,18 +1015,21 @@ def bench(model_dir: str, prompt_file, profile: bool, as_json: bool, **options) 
     )
     if prompt_file is not None and depth is not None:
         raise click.UsageError("--depth applies to pseudo-random prompts; with --prompt-file decode follows the text")
-    model_dir = _converted(model_dir, options)
+    given, model_dir = model_dir, _converted(model_dir, options)
+    context = _context_size(given, model_dir, options.pop("ctx_size"))
     load_options = _load_options(options)
     start = time.perf_counter()
     decoder = load(model_dir, **load_options)
     click.echo(f"loaded {model_dir} in {time.perf_counter() - start:.1f} s on {decoder.plan.provider}", err=True)
     _echo_placement(decoder)
+    _run_within(decoder, context)
     prompt = None
     if prompt_file is not None:
         prompt = decoder.encode(prompt_file.read())
         if not prompt:
             raise MoepassError(f"{prompt_file.name}: the prompt file holds no text")
         prompt_tokens = len(prompt)
+    _check_bench_fits(decoder, prompt_tokens, depth, new_tokens)
     result = measure(
         decoder,
         prompt_tokens,
@@ -949,8 +1096,22 @@ def bench(model_dir: str, prompt_file, profile: bool, as_json: bool, **options) 
                 )
 
 
+def _check_bench_fits(decoder, prompt_tokens: int, depth: int | None, new_tokens: int) -> None:
+    """bench's measurements within the context (-c, else the model's): each generation takes its
+    prompt (-p or --depth) and -n tokens, and one more chosen after the last step."""
+    context, built = decoder.context_length, decoder.report.context_length
+    cached = max(prompt_tokens, depth or 0)
+    needed = cached + new_tokens + 1
+    if context and needed > context:
+        more = f"a larger -c (up to {built})" if built and context < built else f"convert --context {needed}"
+        raise MoepassError(
+            f"bench needs a context of {needed} tokens ({cached} cached, -n {new_tokens} and the token after "
+            f"them); the context holds {context}: fewer tokens, or {more}"
+        )
+
+
 @main.command()
-@click.argument("model_dir", metavar="MODEL", type=click.Path())
+@_model_argument()
 @click.option(
     "--prompts",
     "prompts_file",
@@ -1034,7 +1195,7 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
 
 
 @main.command()
-@click.argument("model_dir", metavar="MODEL", type=click.Path())
+@_model_argument()
 @click.option(
     "--vram",
     default=None,

@@ -156,6 +156,9 @@ class Decoder:
         self.stop_ids = self.report.stop_token_ids
         # positions the model has RoPE tables for (GGUF conversions; None where unknown)
         self.context_length = self.report.context_length
+        # llama.cpp's -n -1: each request runs until the stop token or a full context, cut to the room
+        # its prompt leaves without the warning a cut request gets
+        self.until_full = False
         self._tokenizer = None
         self._token_bytes: Any = None
         self._chat_template: ChatTemplate | None = None
@@ -346,7 +349,7 @@ class Decoder:
                 f"the prompt has {prompt_tokens} tokens; the model's context holds "
                 f"{self.context_length} (convert --context N builds it for more)"
             )
-        if max_new_tokens > room:
+        if max_new_tokens > room and not self.until_full:
             log.warning(
                 f"generation stops after {room} new tokens, at the model's context length ({self.context_length})"
             )

@@ -501,7 +501,7 @@ def _run(*extra: str, model: Callable[[Env], Path] | None = None):
 
 for _option, _value in [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-1"),
                         ("--top-p", "nan"), ("--top-p", "1.5"), ("--top-k", "-1"), ("--seed", "-1"),
-                        ("--seed", str(1 << 70)), ("--max-new-tokens", "-1"), ("--threads", "0"),
+                        ("--seed", str(1 << 70)), ("--max-new-tokens", "-2"), ("--threads", "0"),
                         ("--threads", "-4"), ("--device", "tpu")]:
     case(f"run{_option}-{_value}", _run(_option, _value), _option)
 case("run-threads-capped", _run("--threads", "100000", "--max-new-tokens", "2"), exit=0)
