@@ -24,7 +24,7 @@ The models:
 
 --random: the qwen3moe test fixture with experts of each type (other matrices Q8_0), random
 weights; the share of 200 positions where ONNX Runtime (the converted model), llama.cpp and an
-independent float64 numpy forward (tests/reference_forward.py) rank the same token first.
+independent float64 numpy forward (tests/support/reference_forward.py) rank the same token first.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import cpu_family  # noqa: E402
 import make_fixtures  # noqa: E402
 from gguf import GGMLQuantizationType as GT, GGUFReader  # noqa: E402
-from oracle import (kld_ratio, llama_logits, llama_quantize, llama_window_logits, moepass_window_logits,  # noqa: E402
-                    next_token_quality)
-from reference_forward import Qwen3MoeReference  # noqa: E402
+from support.oracle import (kld_ratio, llama_logits, llama_quantize, llama_window_logits,  # noqa: E402
+                            moepass_window_logits, next_token_quality)
+from support.reference_forward import Qwen3MoeReference  # noqa: E402
 
 from moepass.convert import convert  # noqa: E402
 from moepass.core.quants import QUANT_TYPES  # noqa: E402

@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cpu_family  # noqa: E402
 from agreement import trained_models  # noqa: E402
-from oracle import (GGML_F16, GGML_F32, GGML_Q8_0, llama_window_logits, moepass_step_logits,  # noqa: E402
-                    next_token_quality)
+from support.oracle import (GGML_F16, GGML_F32, GGML_Q8_0, llama_window_logits,  # noqa: E402
+                            moepass_step_logits, next_token_quality)
 
 from moepass.convert import convert  # noqa: E402
 from moepass.core.choices import KV_CACHE_TYPES  # noqa: E402

@@ -1,6 +1,6 @@
 """annotate-layers: each node marked with the device of its layer (per-layer placement).
 
-The graphs, the reference and its tolerances: tests/hand_built.py."""
+The graphs, the reference and its tolerances: tests/support/hand_built.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import onnx_ir as ir
 import pytest
-from hand_built import make_moe_model
+from support.hand_built import make_moe_model
 
 from moepass.core.errors import MoepassError
 from moepass.passes.annotate_layers import AnnotateLayersPass

@@ -122,7 +122,7 @@ def test_gpt_oss_graph_has_sinks_windows_clamped_swiglu_and_biases(make_gguf, co
 def test_gpt_oss_sliding_window_pattern_key_is_followed_like_llama_cpp(make_gguf, converted):
     """A period of 3 (layers 0, 1 and 3 slide): moepass and llama.cpp read the key alike."""
     from moepass.runtime import load
-    from oracle import PROMPT, llama_logits
+    from support.oracle import PROMPT, llama_logits
 
     kwargs = {"arch": "gpt-oss", "extra_metadata": {"gpt-oss.attention.sliding_window_pattern": 3}}
     out = converted("f32", **kwargs)

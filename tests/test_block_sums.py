@@ -18,7 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 import make_fixtures
 import moepass
 from moepass.core.quants import QUANT_TYPES, BlockForm, pack, sums_fit, unpack_values
-from stored import stored_matrices, with_block_sums
+from support.stored import stored_matrices, with_block_sums
 
 # (type, node bits, node block): the types with affine codes in each form they take
 CASES = [(GT.Q4_K, 4, 32), (GT.Q4_K, 4, 16), (GT.Q4_K, 8, 32), (GT.Q4_1, 4, 32), (GT.Q4_1, 8, 32), (GT.Q2_K, 4, 16),
@@ -83,12 +83,12 @@ def test_a_converted_layer_computes_the_weights_it_stores(make_gguf, tmp_path):
     """A Q4_K gate and up beside an exact Q4_0 down, every expert 4 bits (int4/b32 with block-sum
     features): the stored gate and up are the file's within the levels' remainder, the down bit for
     bit; ONNX Runtime's QMoE over the widened input, then the Slice, computes what a float64 forward
-    of those stored weights does (tests/reference_forward.py, float activations), as closely as a
-    model whose every expert moves exactly (Q4_0) agrees with its own file."""
+    of those stored weights does (tests/support/reference_forward.py, float activations), as closely
+    as a model whose every expert moves exactly (Q4_0) agrees with its own file."""
     from gguf import GGUFReader
 
     from moepass.core.moe_nodes import moe_nodes
-    from reference_forward import Qwen3MoeReference
+    from support.reference_forward import Qwen3MoeReference
 
     ids = np.random.default_rng(7).integers(0, 250, 24)
 

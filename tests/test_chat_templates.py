@@ -10,31 +10,18 @@ from __future__ import annotations
 
 import json
 import re
-from importlib import metadata
 from pathlib import Path
 
 import pytest
+from support.chat_templates import NO_TEMPLATES, TEMPLATES_DIR
+from support.hostile import V, remake
 
-import hf_fixture
-from hostile import V, remake
 from moepass import MoepassError
 from moepass.core.files import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, read_json_object
 from moepass.core.gguf_reader import GGUFModel
 from moepass.runtime.chat_template import ChatTemplate
 from moepass.tokenizer import tokenizer_from_gguf
 
-
-def _templates_dir() -> Path | None:
-    """llama.cpp's models/templates from the installed llama-cpp-python's source (None without it)."""
-    try:
-        metadata.version("llama_cpp_python")
-    except metadata.PackageNotFoundError:
-        return None
-    return hf_fixture.converter() / "models" / "templates"
-
-
-TEMPLATES_DIR = _templates_dir()
-NO_TEMPLATES = "llama.cpp's models/templates come with llama-cpp-python's source, which is not installed"
 
 # OpenAI-style messages; tool calls carry their arguments as a mapping, as transformers documents them
 # (published templates iterate over them or pass them to tojson; OpenAI's JSON string is parsed first)

@@ -16,8 +16,8 @@ from gguf.quants import dequantize as gguf_dequantize
 import moepass
 from moepass.cli import main
 from moepass.inspection import format_inspection
-from bounds import assert_within, float_rounding_bound
-from stored import stored_matrices
+from support.bounds import assert_within, float_rounding_bound
+from support.stored import stored_matrices
 
 OUTPUT_FILES = ["genai_config.json", "model.onnx", "model.onnx.data", "moepass.json", "tokenizer.json",
                 "tokenizer_config.json"]

@@ -1,12 +1,12 @@
 """expose-router-logits: every MoE node's router logits become graph outputs (what `moepass profile` reads).
 
-The graphs, the reference and its tolerances: tests/hand_built.py."""
+The graphs, the reference and its tolerances: tests/support/hand_built.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from hand_built import (
+from support.hand_built import (
     FLOAT,
     Builder,
     E,

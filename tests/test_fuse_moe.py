@@ -8,8 +8,8 @@ float experts <= 1e-5; 4-bit blobs (moved bit for bit, checked byte by byte) <= 
 (moved bit for bit too) <= 1 % of the logits' spread: ONNX Runtime's CPU QMoE quantizes the
 activations to int8 for 8-bit block-wise experts (measured 5.5e-4 against a spread of 0.16).
 
-Below them, each rule alone on graphs built by hand (tests/hand_built.py: the graphs, the float64
-reference and its tolerances): float com.microsoft::MoE nodes, and the per-expert branch pattern
+Below them, each rule alone on graphs built by hand (tests/support/hand_built.py: the graphs, the
+float64 reference and its tolerances): float com.microsoft::MoE nodes, and the per-expert branch pattern
 torch.onnx.export traces (`_branches_model`, written after the docstring of `ExpertBranchesRule` in
 passes/fuse_moe.py and the exporter notes in fixtures/make_onnx_fixtures.py).
 """
@@ -29,7 +29,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 import make_onnx_fixtures
 import moepass
 from moepass.passes.fuse_moe import FuseMoePass
-from hand_built import (
+from support.hand_built import (
     Builder,
     E,
     H,

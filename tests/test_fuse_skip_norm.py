@@ -1,13 +1,13 @@
 """fuse-skip-norm: a residual Add and the SimplifiedLayerNormalization after it become one SkipSimplifiedLayerNormalization.
 
-The graphs, the reference and its tolerances: tests/hand_built.py."""
+The graphs, the reference and its tolerances: tests/support/hand_built.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
 import pytest
-from hand_built import Builder, H, U, gamma_n, initializer_of, op_types, run_model
+from support.hand_built import Builder, H, U, gamma_n, initializer_of, op_types, run_model
 
 from moepass.passes.fuse_skip_norm import FuseSkipNormPass
 

@@ -16,10 +16,11 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from gguf import GGMLQuantizationType as GT
+from support.gpu_form import gpu_nodes_are_taken
 
 import make_fixtures
 import moepass
-from moepass.core.capabilities import cuda_refusals, layout_problems, offload_violations
+from moepass.core.capabilities import layout_problems
 from moepass.core.files import load_model, read_plan
 from moepass.core.moe_nodes import moe_nodes
 from moepass.core.quants import QUANT_TYPES
@@ -34,21 +35,6 @@ TYPES = [t for t in QUANT_TYPES]
 def _logits(model_dir) -> np.ndarray:
     decoder = load(model_dir)
     return decoder.forward(IDS, decoder.empty_cache())[0][0].astype(np.float64)
-
-
-def _gpu_nodes_are_taken(model_dir, target: str) -> None:
-    """Every node partition put on the GPU passes the kernel table (a CPU layer's MoE node and the
-    Casts at its boundary are the CPU's); the offload target's nodes pass the offload rules too."""
-    model = load_model(model_dir)
-    plan = read_plan(model_dir)
-    cpu = {n.node for n in plan.nodes if n.device == "cpu"} if target == "layers" else set()
-    cpu |= set(plan.lowering.cpu_nodes if plan.lowering else {})
-    refused = {name: why for name, why in cuda_refusals(model).items() if name not in cpu}
-    casts = {n.name for n in model.graph if n.op_type == "Cast"}
-    assert set(refused) <= casts, refused
-    if target == "offload":
-        assert offload_violations(model) == []
-    assert layout_problems(model) == []
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +69,7 @@ def test_every_type_is_placed_in_the_gpus_form(ggml_type, type_models, tmp_path)
             assert {n.device for n in placed.plan.nodes} == {"gpu"}
         else:
             assert all(n.resident_count == n.experts for n in placed.plan.nodes)
-        _gpu_nodes_are_taken(placed.output_dir, target)
+        gpu_nodes_are_taken(placed.output_dir, target)
         ours = _logits(placed.output_dir)
         assert np.isfinite(ours).all()
         # as close to the unplaced model as convert's own float16 offload form (requantized to int4
@@ -112,7 +98,7 @@ def test_a_cpu_layer_keeps_its_cpu_form_and_float32(converted, tmp_path):
                for p in feeding)
     shared = os.stat(placed.output_dir / "shared.onnx.data").st_ino == os.stat(source / "model.onnx.data").st_ino
     assert shared and first.expert_values[0].const_value.location == "shared.onnx.data"
-    _gpu_nodes_are_taken(placed.output_dir, "layers")
+    gpu_nodes_are_taken(placed.output_dir, "layers")
     reference, half = _logits(source), _logits(converted("q4_k_m", expert_format="offload"))
     assert np.abs(_logits(placed.output_dir) - reference).max() <= np.abs(half - reference).max()
 

@@ -5,9 +5,9 @@ at --outtype f32, bf16, f16 and q8_0, and the F32 file quantized by llama.cpp's 
 file, for every architecture moepass converts (Mixtral as the llama architecture; Granite MoE with
 and without its shared expert; DeepSeek in the V2, V2-Lite and V3 forms).
 
-The bounds are test_llama_oracle's: F32, max |logit difference| <= 1e-4 for a prefill, a
-token-by-token decode through the KV cache and a prompt fed in two chunks; every other file held
-against the exact computation (tests/oracle.py check_against_exact): the converted model as close
+The bounds are test_llama_oracle.py's (tests/support/oracle.py): F32, max |logit difference| <= 1e-4
+for a prefill, a token-by-token decode through the KV cache and a prompt fed in two chunks; every
+other file held against the exact computation (check_against_exact): the converted model as close
 to the exact computation of the weights it stores (llama.cpp on an F32 copy of the file with those
 values: a Q4_K_M file's K-quant matrices, experts and token table are requantized to int8) as
 llama.cpp is to that of the file's (on its F32 dequantization), the exact argmax where exact
@@ -27,10 +27,10 @@ import hf_tiny
 from make_fixtures import rewrite_gguf
 from moepass.convert import convert
 from moepass.runtime import load
-from oracle import (DISTANCE_FACTOR, PROMPT, SPREAD_FLOOR, check_against_exact, dequantized_copy, llama_cpp_module,
-                    llama_logits, llama_quantize, routing_near_ties)
-from stored import stored_matrices
-from test_llama_oracle import F32_TOLERANCE, _three_ways
+from support.oracle import (DISTANCE_FACTOR, F32_TOLERANCE, PROMPT, SPREAD_FLOOR, check_against_exact,
+                            dequantized_copy, llama_cpp_module, llama_logits, llama_quantize, routing_near_ties,
+                            three_ways)
+from support.stored import stored_matrices
 
 llama_cpp = llama_cpp_module()  # the whole module is the oracle: skipped without it
 
@@ -78,7 +78,7 @@ def test_text_prompts_are_llama_cpps_tokens(name, add_bos, hf_gguf, tmp_path):
     BOS included where the file says so: as the converter wrote it, and with add_bos_token set
     both ways."""
     from gguf import GGUFValueType as V
-    from hostile import remake
+    from support.hostile import remake
 
     gguf = hf_gguf(name, "f32")
     if add_bos != "as-converted":
@@ -97,7 +97,7 @@ def test_converter_output_matches_llama_cpp(name, file_type, hf_gguf, tmp_path):
     gguf = hf_gguf(name, file_type)
     theirs = llama_logits(gguf, PROMPT)
     model = convert(gguf, tmp_path / "onnx", echo=lambda line: None).output_dir
-    ways = _three_ways(load(model))
+    ways = three_ways(load(model))
     if file_type == "f32":
         for what, ours in ways.items():
             diff = float(np.abs(ours - theirs).max())
@@ -138,8 +138,9 @@ def test_real_q4_k_m_files_are_placed_on_the_gpu(name, target, hf_gguf, tmp_path
     a form the kernel table and the offload rules take (deepseek2's sigmoid router, which no CUDA
     kernel takes, on the CPU, said in plan.json), and the placed model, run on the CPU EP, computes
     what the unplaced one does as closely as convert's own float16 offload form of the file does."""
+    from support.gpu_form import gpu_nodes_are_taken
+
     import moepass
-    from test_gpu_form import _gpu_nodes_are_taken
 
     gguf = hf_gguf(name, QUANTIZED)
     model = convert(gguf, tmp_path / "onnx", echo=lambda line: None).output_dir
@@ -149,10 +150,10 @@ def test_real_q4_k_m_files_are_placed_on_the_gpu(name, target, hf_gguf, tmp_path
     nodes = placed.plan.nodes
     assert all(n.device == "gpu" for n in nodes) if target == "layers" else all(n.resident_count == n.experts
                                                                                  for n in nodes)
-    _gpu_nodes_are_taken(placed.output_dir, target)
+    gpu_nodes_are_taken(placed.output_dir, target)
     if name.startswith("deepseek"):
         assert any("MoEGroupRouter" in why for why in placed.plan.lowering.cpu_nodes.values())
-    reference, ours, theirs = (_three_ways(load(m))["prefill"] for m in (model, placed.output_dir, half))
+    reference, ours, theirs = (three_ways(load(m))["prefill"] for m in (model, placed.output_dir, half))
     error, their_error = float(np.abs(ours - reference).max()), float(np.abs(theirs - reference).max())
     assert error <= 1.5 * their_error + 1e-6, (error, their_error)
     print(f"{name} {target}: max |logit diff| {error:.2e} (offload conversion {their_error:.2e}), "

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from hostile import V, f16, f32, patch, remake, tensor_info_offset, u32, u64, value_offset
+from support.hostile import V, f16, f32, patch, remake, tensor_info_offset, u32, u64, value_offset
 from moepass.cli import main
 
 ARCH = "qwen3moe"

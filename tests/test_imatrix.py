@@ -8,7 +8,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
-from stored import stored_matrices
+from support.stored import stored_matrices
 from make_fixtures import write_imatrix_dat as write_dat, write_imatrix_gguf as write_gguf
 from moepass.core.imatrix import load_imatrix
 
@@ -35,7 +35,7 @@ def test_both_formats_read_alike(tmp_path, make_gguf):
 
 def _weighted_errors(out, source, matrices):
     """Importance-weighted squared error of every stored expert matrix against the GGUF values
-    (gate and up as block-sum features keep them, tests/stored.py)."""
+    (gate and up as block-sum features keep them, tests/support/stored.py)."""
     reader = GGUFReader(source)
     values = {t.name: gguf_dequantize(np.asarray(t.data), t.tensor_type) for t in reader.tensors}
     total = 0.0

@@ -21,8 +21,9 @@ from moepass.kv_precision import Rotation, key_ranges, rope_pairs, rotation_of
 from moepass.placement import MemoryModel
 from moepass.runtime import KVCache, Speculator, load
 import make_fixtures
-from bounds import assert_same_greedy_tokens, assert_within, float_rounding_bound
-from oracle import GGML_F16, GGML_F32, llama_quantize, llama_window_logits, moepass_step_logits, next_token_quality
+from support.bounds import assert_same_greedy_tokens, assert_within, float_rounding_bound
+from support.oracle import (GGML_F16, GGML_F32, llama_quantize, llama_window_logits, moepass_step_logits,
+                            next_token_quality)
 
 
 def _attention(model_dir):

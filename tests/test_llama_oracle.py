@@ -25,14 +25,13 @@ import numpy as np
 import pytest
 
 from moepass.runtime import load
-from oracle import (PROMPT, check_against_exact, dequantized_copy, llama_cpp_module, llama_logits,
-                    routing_near_ties)
+from support.oracle import (F32_TOLERANCE, PROMPT, check_against_exact, dequantized_copy, llama_cpp_module,
+                            llama_logits, routing_near_ties, three_ways)
 
 llama_cpp = llama_cpp_module()  # the whole module is the oracle: skipped without it
 
 pytestmark = pytest.mark.llama
 
-F32_TOLERANCE = 1e-4
 PRESETS = ("f32", "q8_0", "q4_0", "q4_k", "q6_k")
 ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe"]
 CASES = [(arch, preset) for arch in ARCHITECTURES for preset in PRESETS] + \
@@ -46,19 +45,6 @@ EXACT_TOLERANCE = 1e-4
 EXACT_ARCHITECTURES = [*ARCHITECTURES, "gpt-oss", "deepseek2", "deepseek2-softmax", "deepseek2-kv_b"]
 
 
-def _three_ways(decoder):
-    """Logits of PROMPT by one prefill, token by token through the KV cache, and in two chunks."""
-    prefill, _ = decoder.forward(np.array([PROMPT]), decoder.empty_cache())
-    cache, steps = decoder.empty_cache(), []
-    for token in PROMPT:
-        logits, cache = decoder.forward(np.array([[token]]), cache)
-        steps.append(logits[0, -1])
-    first, cache = decoder.forward(np.array([PROMPT[:5]]), decoder.empty_cache())
-    rest, _ = decoder.forward(np.array([PROMPT[5:]]), cache)
-    return {"prefill": prefill[0], "token-by-token decode": np.array(steps),
-            "chunked prefill": np.concatenate([first[0], rest[0]])}
-
-
 @pytest.mark.parametrize("arch,preset", CASES)
 def test_matches_llama_cpp(arch, preset, make_gguf, converted, tmp_path):
     gguf = make_gguf(preset, arch=arch)
@@ -66,13 +52,13 @@ def test_matches_llama_cpp(arch, preset, make_gguf, converted, tmp_path):
     model = converted(preset, arch=arch)
     decoder = load(model)
     if preset == "f32":
-        for what, ours in _three_ways(decoder).items():
+        for what, ours in three_ways(decoder).items():
             diff = float(np.abs(ours - theirs).max())
             assert diff <= F32_TOLERANCE, f"{arch} {what}: max |logit diff| {diff}"
         return
     exact = llama_logits(dequantized_copy(gguf, tmp_path / "f32.gguf"), PROMPT)
     ties = routing_near_ties(model, PROMPT)
-    for what, ours in _three_ways(decoder).items():
+    for what, ours in three_ways(decoder).items():
         check_against_exact(ours, exact, theirs, f"{arch} {preset} {what}", ties)
 
 
@@ -87,7 +73,7 @@ def test_exact_weights_match_llama_cpp_on_the_dequantized_file(arch, make_gguf, 
     ref = llama_logits(dequantized_copy(make_gguf("q4_0", arch=arch), tmp_path / "f32.gguf"), PROMPT)
     quantized_run = llama_logits(make_gguf("q4_0", arch=arch), PROMPT).argmax(-1)
     decoder = load(converted("q4_0", arch=arch, activations="float"))
-    for what, ours in _three_ways(decoder).items():
+    for what, ours in three_ways(decoder).items():
         diff = float(np.abs(ours - ref).max())
         assert diff <= EXACT_TOLERANCE, f"{arch} {what}: max |logit diff| {diff}"
         assert (ours.argmax(-1) == ref.argmax(-1)).all(), f"{arch} {what}: argmax differs"

@@ -25,9 +25,8 @@ import make_fixtures
 import moepass
 from moepass.core.architectures import Rope, llama_context_size
 from moepass.runtime import load
-from oracle import llama_cpp_module
+from support.oracle import F32_TOLERANCE, llama_cpp_module  # test_llama_oracle.py's F32 bound
 
-F32_TOLERANCE = 1e-4  # tests/test_llama_oracle.py's, for F32 fixtures
 ORIGINAL = 300
 HALF = make_fixtures.TEST_DIMS.head_dim // 2
 # Phi-3.5-MoE's context_length (131072) over its original 4096 is 32; here 4096 over 300: the

@@ -122,7 +122,7 @@ def test_the_installed_release_runs_what_it_is_not_refused(converted):
 def test_a_top_k_outside_the_experts_is_refused_before_onnx_runtime(top_k):
     """ONNX Runtime's MoE kernels do not check k against the experts (a public report: an
     out-of-bounds read): a model whose k is 0, negative or past its experts is refused when read."""
-    from hand_built import E, make_moe_model
+    from support.hand_built import E, make_moe_model
 
     from moepass.core.moe_nodes import moe_nodes
 

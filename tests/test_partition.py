@@ -25,7 +25,7 @@ from moepass.core.moe_nodes import moe_nodes
 from moepass.profile import profile
 from moepass.runtime import load
 import make_fixtures
-from bounds import assert_within, float_rounding_bound, int8_rerun_bound
+from support.bounds import assert_within, float_rounding_bound, int8_rerun_bound
 
 PROMPTS = [[5, 77, 200, 13, 99, 150, 7, 260], [31, 42, 318, 1, 64], [128, 3, 17, 250, 64, 9, 300, 120, 45]]
 IDS = np.array([[5, 77, 200, 13, 99, 150, 7, 260, 31, 42]])
@@ -119,8 +119,8 @@ def test_annotated_model_is_exact(tmp_path, converted):
     """Placing experts reorders them (resident first) and changes nothing else. In float arithmetic
     the placed Q4_0 model computes the source's logits bit for bit: QMoE renormalizes over the
     selected experts and adds their weights in the order of selection, whatever the storage order.
-    With int8 activations, within tests/bounds.py's int8 rerun bound. The float MoE node of the F32
-    model adds the selected experts' outputs in storage order, which the reordering changes: float32
+    With int8 activations, within tests/support/bounds.py's int8 rerun bound. The float MoE node of
+    the F32 model adds the selected experts' outputs in storage order, which the reordering changes: float32
     rounding of each MoE layer's sum (measured 1.1e-6, 2 units in the last place)."""
     (af, bf), (a8, b8) = _source_and_placed(converted, tmp_path, "q4_0").values()
     np.testing.assert_array_equal(af, bf)
@@ -142,8 +142,8 @@ def test_other_architectures_profile_and_partition_exactly(arch, tmp_path, conve
     experts: the softmax then adds its exponentials in the new order, so in float arithmetic the
     placed model equals the source to float32 rounding of one E-term sum per MoE layer (measured
     1e-6, 2 units in the last place), and bit for bit where the node renormalizes (RENORMALIZING).
-    With int8 activations, within tests/bounds.py's int8 rerun bound (qwen2moe measured 6e-6 with
-    AVX-512 kernels and 3.6e-3 with AVX2 ones, against a bound of 0.040).
+    With int8 activations, within tests/support/bounds.py's int8 rerun bound (qwen2moe measured 6e-6
+    with AVX-512 kernels and 3.6e-3 with AVX2 ones, against a bound of 0.040).
     gpt-oss: the router's bias (MatMul + Add) and the experts' biases are permuted with the experts.
     deepseek2: the group-limited routing's result is gathered into the new order; its dense first
     block has no experts."""

@@ -12,7 +12,7 @@ import moepass
 from moepass.cli import main
 from moepass.popularity import Popularity
 from moepass.profile import profile, read_prompts
-from reference_forward import Qwen3MoeReference
+from support.reference_forward import Qwen3MoeReference
 
 PROMPTS = [[5, 77, 200, 13, 99, 150, 7, 260], [31, 42, 318, 1, 64], [128, 3, 17, 250, 64, 9, 300, 120, 45]]
 

@@ -7,8 +7,8 @@ the gguf package cannot quantize get random codes with calibrated scale fields (
 the affine types' own codes through block-sum features, and requantizes everything else into int8
 at the largest block dividing the rows (block 128 here), with the error below MAX_REQUANT_ERROR; the converted model is as
 close to the exact computation of the weights it stores (llama.cpp on an F32 file of them) as
-llama.cpp is to that of the file's (tests/oracle.py check_against_exact). What a requantization
-costs in fidelity is measured by KL divergence on trained models (tests/test_trained_agreement.py).
+llama.cpp is to that of the file's (tests/support/oracle.py check_against_exact). What a
+requantization costs in fidelity is measured by KL divergence on trained models (tests/test_trained_agreement.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType as GT
 from moepass.core.quants import QUANT_TYPES
 from moepass.runtime import load
 from make_fixtures import rewrite_gguf
-from oracle import PROMPT, check_against_exact, dequantized_copy, llama_logits, routing_near_ties
-from stored import stored_matrices
+from support.oracle import PROMPT, check_against_exact, dequantized_copy, llama_logits, routing_near_ties
+from support.stored import stored_matrices
 
 EXPERT_TYPES = [t for t, qt in QUANT_TYPES.items() if qt.storage != "float"]
 EXACT = {GT.Q8_0, GT.Q4_0, GT.Q6_K, GT.Q5_0, GT.IQ4_NL, GT.IQ4_XS, GT.MXFP4, GT.Q3_K}

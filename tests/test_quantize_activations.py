@@ -1,13 +1,13 @@
 """quantize-activations: accuracy_level set (and cleared) on every quantized product.
 
-The graphs, the reference and its tolerances: tests/hand_built.py."""
+The graphs, the reference and its tolerances: tests/support/hand_built.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
 import pytest
-from hand_built import assert_within_reference, make_moe_model, moe_reference, router_error, run_model
+from support.hand_built import assert_within_reference, make_moe_model, moe_reference, router_error, run_model
 
 from moepass.core.errors import MoepassError
 from moepass.passes.activations import QuantizeActivationsPass

@@ -1,4 +1,6 @@
-"""The README's Python example runs as written, on the demo fixture."""
+"""The README's commands: its Python example runs as written on the demo fixture; its first shell
+command installs the extras of every command the README shows, and CI runs its shell commands as
+written; no line outside a table is over 200 characters."""
 
 import contextlib
 import io
@@ -17,3 +19,16 @@ def test_the_python_example_runs(tmp_path, monkeypatch):
         exec(compile(code, "README.md", "exec"), {})
     assert printed.getvalue().strip(), "the example prints the generated text"
     assert (tmp_path / "out" / "model.onnx").is_file() and (tmp_path / "placed" / "plan.json").is_file()
+
+
+def test_readme_first_command_installs_what_it_shows_and_ci_runs_both():
+    readme = (ROOT / "README.md").read_text()
+    commands = [" ".join(block.replace("\\\n", " ").split()) for block in re.findall(r"```sh\n(.*?)```", readme, re.S)]
+    demo, tests = commands[0], commands[1]
+    shown = set(re.findall(r"moepass (chat|serve)\b", readme))
+    installed = re.search(r"pip install -e '\.\[([a-z,]+)\]'", demo).group(1).split(",")
+    assert shown <= set(installed), (shown, installed)
+    ci = " ".join((ROOT / ".ci" / "run").read_text().replace("\\\n", " ").split())
+    assert demo in ci and tests in ci
+    long = [n for n, line in enumerate(readme.splitlines(), 1) if len(line) > 200 and not line.startswith("|")]
+    assert not long, f"README lines over 200 characters outside tables: {long}"

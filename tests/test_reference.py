@@ -1,4 +1,5 @@
-"""ONNX Runtime on the converted model against an independent numpy forward pass (tests/reference_forward.py)."""
+"""ONNX Runtime on the converted model against an independent numpy forward pass
+(tests/support/reference_forward.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from moepass.runtime import load
-from reference_forward import Qwen3MoeReference
+from support.reference_forward import Qwen3MoeReference
 
 PROMPT = [3, 17, 250, 64, 9, 300, 120, 45]
 

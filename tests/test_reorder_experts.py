@@ -1,6 +1,6 @@
 """reorder-experts: a MoE node's experts stored in another order, with its router permuted to match, and the same output.
 
-The graphs, the reference and its tolerances: tests/hand_built.py."""
+The graphs, the reference and its tolerances: tests/support/hand_built.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import numpy as np
 import onnx_ir as ir
 import pytest
-from hand_built import (
+from support.hand_built import (
     ORDER,
     Builder,
     E,

@@ -20,8 +20,8 @@ from moepass.core.gguf_reader import GGUFModel
 from moepass.runtime import Sampling, choose_token, load
 from moepass.runtime.providers import PLUGIN_EP, SessionPlan, offload_violations, plan_session, provider_in_effect
 from moepass.tokenizer import tokenizer_from_gguf
-from bounds import assert_within, float_rounding_bound, int8_rerun_bound
-from oracle import llama_cpp_module
+from support.bounds import assert_within, float_rounding_bound, int8_rerun_bound
+from support.oracle import llama_cpp_module
 
 TEXTS = ["Hello world, this is the test 123!\n  spaces", "then the other one's there", "éü 你好 🙂",
          " leading space", "<|im_start|>user\nhi<|im_end|>"]
@@ -77,7 +77,7 @@ def test_prompt_tokens_add_bos_and_eos_as_llama_cpp_does(kind, add_bos, add_eos,
     add_special and parse_special): the BOS and EOS where the GGUF (or llama.cpp's default for its
     tokenizer model) says so, and what encode gives for the same text."""
     from gguf import GGUFValueType as V
-    from hostile import remake
+    from support.hostile import remake
 
     from moepass.runtime.decoder import added_tokens
 
@@ -497,7 +497,7 @@ def test_long_prompts_are_prefilled_in_chunks(converted, monkeypatch):
     """A prompt longer than PREFILL_CHUNK goes in several steps into the shared KV cache: the same
     next-token logits as one plain forward over the whole prompt, to float32 rounding in float
     arithmetic (attention adds each chunk's scores and values in another order; measured 1e-6)
-    and within tests/bounds.py's int8 rerun bound with int8 activations."""
+    and within tests/support/bounds.py's int8 rerun bound with int8 activations."""
     import moepass.runtime as runtime
     import moepass.runtime.kv_cache as kv_cache
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from make_fixtures import TEST_DIMS, write_moe_gguf
-from test_chat_templates import NO_TEMPLATES, TEMPLATES_DIR
-from test_end_of_generation import FAMILIES
+from support.chat_templates import NO_TEMPLATES, TEMPLATES_DIR
+from support.vocabularies import FAMILIES
 
 import moepass
 from moepass.answers import HARMONY, HERMES, AnswerReader

@@ -17,7 +17,7 @@ from moepass.cli import main
 from moepass.core.errors import MoepassError
 from moepass.runtime import KVCache, Sampling, Speculator, load
 from moepass.runtime.speculative import ngram_draft, verify
-from bounds import assert_same_greedy_tokens, assert_within, float_rounding_bound, sequential_logits
+from support.bounds import assert_same_greedy_tokens, assert_within, float_rounding_bound, sequential_logits
 
 # a prompt that repeats itself, so that n-gram lookup finds drafts
 REPEATING = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12, 13]

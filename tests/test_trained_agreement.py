@@ -58,8 +58,8 @@ import sys
 import pytest
 
 from moepass.convert import convert
-from oracle import (kld_ratio, llama_quantize, llama_window_logits, moepass_window_logits, next_token_quality,
-                    top_disagreements)
+from support.oracle import (kld_ratio, llama_quantize, llama_window_logits, moepass_window_logits,
+                            next_token_quality, top_disagreements)
 
 pytestmark = pytest.mark.llama
 

@@ -25,6 +25,7 @@ PROMPT = [5, 77, 200, 13, 99, 150, 7, 260, 31, 42, 318, 1, 64, 128]
 NEAR_TIE = 0.1     # of the position's logit std
 ROUTER_TIE = 0.05  # of the position's router logit std
 DISTANCE_FACTOR, SPREAD_FLOOR = 2.0, 0.01  # ours from exact <= 2x llama.cpp's + 1 % of the logit spread
+F32_TOLERANCE = 1e-4  # max |logit difference| from llama.cpp on an F32 file with an F32 KV cache
 
 
 def llama_cpp_module():
@@ -44,6 +45,20 @@ def llama_logits(gguf_path, ids=PROMPT):
         return np.array(llm.scores[: len(ids)], dtype=np.float32)
     finally:
         llm.close()
+
+
+def three_ways(decoder):
+    """A converted model's logits of PROMPT by one prefill, token by token through the KV cache, and
+    in two chunks."""
+    prefill, _ = decoder.forward(np.array([PROMPT]), decoder.empty_cache())
+    cache, steps = decoder.empty_cache(), []
+    for token in PROMPT:
+        logits, cache = decoder.forward(np.array([[token]]), cache)
+        steps.append(logits[0, -1])
+    first, cache = decoder.forward(np.array([PROMPT[:5]]), decoder.empty_cache())
+    rest, _ = decoder.forward(np.array([PROMPT[5:]]), cache)
+    return {"prefill": prefill[0], "token-by-token decode": np.array(steps),
+            "chunked prefill": np.concatenate([first[0], rest[0]])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +162,9 @@ def moepass_window_logits(model_dir, windows) -> list[np.ndarray]:
 def moepass_step_logits(model_dir, windows) -> list[np.ndarray]:
     """A converted model's logits for each token window decoded one token per step through the KV
     cache (each position attends to the cache as it is stored: a quantized cache's own values)."""
-    from bounds import sequential_logits
     from moepass.runtime import load
+
+    from .bounds import sequential_logits
 
     decoder = load(model_dir, threads=2)
     return [sequential_logits(decoder, list(ids), 1) for ids in windows]
