@@ -100,3 +100,14 @@ def trained_models(trained_gguf):
     cache = Path(tempfile.gettempdir()) / f"moepass-test-text-fixture-{key}"
     return {"markov": (*trained_gguf, train_fixture.heldout_windows()),
             "text": hf_fixture.build(cache, "qwen3moe", echo=lambda line: None)}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true",
+                     help="run the tests in the reverse of their collected order (.ci/run: a result that "
+                          "depends on what ran before it fails there)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()
