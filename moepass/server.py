@@ -2,9 +2,13 @@
 
 Endpoints as llama-server offers them: `POST /v1/chat/completions`, `POST /v1/completions` (each
 streamed as server-sent events with `"stream": true`), `GET /v1/models` (the model's id is its
-folder's name), `GET /health`. The model loads as `moepass run` loads it (a partitioned model with
-its expert placement), and requests are answered one at a time, in the order they came, from a
-bounded queue: a request that finds it full is answered 503 at once. A client that goes away
+folder's name), `GET /health`, and llama-server's own: `POST /completion` (its request and answer
+fields, `n_predict`, `stop_type`, ...: `llama_body`, `LlamaReply`), `GET /props`, `GET /slots` (one
+slot: requests are generated one at a time) and `GET /metrics` (Prometheus text, `llamacpp:` names:
+`Metrics`). The server holds one model, so a request's `model` may name any (as llama-server takes
+it); the answer names the served one. The model loads as `moepass run` loads it (a partitioned
+model with its expert placement), and requests are answered one at a time, in the order they came,
+from a bounded queue: a request that finds it full is answered 503 at once. A client that goes away
 stops its generation. Request fields beyond OpenAI's, as llama-server has them: `top_k`, `min_p`,
 `repeat_penalty`, `repeat_last_n`, `cache_prompt` (default true: the prefix a prompt shares with
 the previous request's is not computed again), `chat_template_kwargs` (e.g.
@@ -33,8 +37,10 @@ import dataclasses
 import functools
 import hmac
 import ipaddress
+import itertools
 import json
 import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
@@ -66,12 +72,20 @@ MAX_BODY = 8 << 20  # bytes: a 2-million-token prompt as text, several times ove
 BODY_SECONDS = 30.0
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+_N_PREDICT = ("n_predict", "max_completion_tokens", "max_tokens")  # llama-server's order: the first given counts
+RANDOM_SEED = 0xFFFFFFFF  # llama-server's LLAMA_DEFAULT_SEED: a random seed (so is -1)
+# the sampling chain moepass.runtime.sampling applies, in its order, by llama-server's names
+_SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
 # the request fields each endpoint takes; any other is answered 400, naming it (never ignored)
 _COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n", "user",
                   "cache_prompt", "logprobs", *_SAMPLING_FIELDS}  # fmt: skip
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls",
                                 "top_logprobs"}  # fmt: skip
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+# llama-server's /completion: its names for the token limit (n_predict; max_tokens and
+# max_completion_tokens are its aliases) and return_tokens beside the sampling fields
+LLAMA_COMPLETION_FIELDS = {"model", "prompt", "stream", "stop", "cache_prompt", "return_tokens", *_N_PREDICT,
+                           *_SAMPLING_FIELDS}  # fmt: skip
 # what some clients send that moepass cannot do, and why (the 400's words)
 _UNSUPPORTED = {
     "response_format": "structured output needs grammar-constrained sampling, which moepass does not have",
@@ -81,6 +95,10 @@ _UNSUPPORTED = {
     "echo": "the prompt is not echoed",
     "suffix": "fill-in-the-middle suffixes are not supported",
     "best_of": "best_of needs several generations; only n = 1 is supported",
+    "n_probs": "token probabilities come from /v1/completions (logprobs N)",
+    "grammar": "grammar-constrained sampling is not supported",
+    "json_schema": "structured output needs grammar-constrained sampling, which moepass does not have",
+    "n_keep": "the context is not shifted: a prompt and answer longer than the context stop at its end",
 }
 
 
@@ -152,6 +170,48 @@ def check_fields(body: dict, allowed: set[str]) -> None:
         name = unknown[0]
         why = _UNSUPPORTED.get(name, "moepass serve does not take it")
         raise RequestError(400, f"'{name}' is not supported: {why}", name, "unsupported_parameter")
+
+
+def llama_body(body: dict) -> dict:
+    """A llama-server /completion request as the generation reads a /v1/completions one: its token
+    limit (`n_predict`, or its aliases `max_completion_tokens`, `max_tokens`; -1: none but the end
+    of generation or the context) as `max_tokens`, a seed of -1 (or RANDOM_SEED) as none; the other
+    fields are the same. `return_tokens` must be true or false."""
+    out = {k: v for k, v in body.items() if k not in _N_PREDICT and k != "seed"}
+    given = [(n, body[n]) for n in _N_PREDICT if body.get(n) is not None]
+    for name, value in given:  # each checked; the first counts
+        if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
+            raise RequestError(400, f"'{name}' must be -1 (no limit but the context) or a positive integer", name)
+    if given and given[0][1] != -1:
+        out["max_tokens"] = given[0][1]
+    seed = body.get("seed")
+    if not (type(seed) is int and seed in (-1, RANDOM_SEED)):
+        out["seed"] = seed
+    if not isinstance(body.get("return_tokens", False), bool):
+        raise RequestError(400, "'return_tokens' must be true or false", "return_tokens")
+    return out
+
+
+def llama_params(sampling: Sampling, n_predict: int, stops: list[str], stream: bool) -> dict:
+    """A request's settings under llama-server's names (its `params` in /slots and /props, its
+    `generation_settings`), as far as moepass has them."""
+    return {
+        "n_predict": n_predict,
+        "max_tokens": n_predict,
+        "seed": RANDOM_SEED if sampling.seed is None else sampling.seed,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "min_p": sampling.min_p,
+        "repeat_last_n": sampling.repeat_last_n,
+        "repeat_penalty": sampling.repeat_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "stop": stops,
+        "stream": stream,
+        "n_probs": 0,
+        "samplers": _SAMPLERS,
+    }
 
 
 def logprobs_wanted(body: dict, chat: bool) -> int | None:
@@ -272,15 +332,17 @@ class ModelServer:
         self._waiting = 0
         self._cache: KVCache | None = None
         self._longest_token: int | None = None
+        self.metrics = Metrics()
+        self._task_ids = itertools.count()
+        self.task: Task | None = None  # the request generating now, else the last one (for /slots)
 
     def check_model(self, body: dict) -> None:
+        """Any model name is taken, as llama-server takes it with one model (the answer names the
+        served one); it must be a non-empty string."""
         model = body.get("model")
-        if model is not None and model != self.model_id:
+        if model is not None and (not isinstance(model, str) or not model):
             raise RequestError(
-                404,
-                f"the model '{model}' does not exist; this server has '{self.model_id}'",
-                "model",
-                "model_not_found",
+                400, f"'model' must be a non-empty string (this server has one model: '{self.model_id}')", "model"
             )
 
     def max_tokens(self, body: dict, prompt_tokens: int) -> int:
@@ -358,11 +420,8 @@ class ModelServer:
             return list(prompt)
         raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", "prompt")
 
-    async def answer(self, prompt_ids: list[int], body: dict, disconnected: Callable) -> AsyncGenerator[tuple, None]:
-        """Yields ("piece", text, stream) as the answer comes, then ("end", stream). Waits its turn in the
-        queue (503 when it is full); stops when `disconnected()` says the client went away."""
-        from moepass.runtime import KVCache
-
+    def task_of(self, body: dict, prompt_ids: list[int]) -> "Task":
+        """A request's generation settings, checked (a bad field is a RequestError naming it)."""
         if body.get("n", 1) != 1:
             raise RequestError(400, "only n = 1 is supported", "n")
         top = logprobs_wanted(body, chat="messages" in body)
@@ -372,6 +431,20 @@ class ModelServer:
         reuse = body.get("cache_prompt", True)
         if not isinstance(reuse, bool):
             raise RequestError(400, "'cache_prompt' must be true or false", "cache_prompt")
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        return Task(next(self._task_ids), sampling, stops, max_new, -1 if asked is None else asked, top, reuse,
+                    bool(body.get("stream")))  # fmt: skip
+
+    def busy(self) -> bool:
+        """Whether a request has the model now."""
+        return self._turn.locked()
+
+    def waiting(self) -> int:
+        """Requests waiting for their turn."""
+        return self._waiting
+
+    async def take_turn(self) -> None:
+        """Waits for the model (503 at once when the queue is full)."""
         if self._turn.locked() and self._waiting >= self.queue_size:
             raise RequestError(
                 503,
@@ -384,15 +457,29 @@ class ModelServer:
             await self._turn.acquire()
         finally:
             self._waiting -= 1
+
+    async def answer(self, prompt_ids: list[int], body: dict, disconnected: Callable) -> AsyncGenerator[tuple, None]:
+        """Yields ("piece", text, stream) as the answer comes, then ("end", stream). Waits its turn in the
+        queue (503 when it is full); stops when `disconnected()` says the client went away. The
+        metrics count each generation once: at its end, or (a client that left) on the worker
+        thread after its last step."""
+        from moepass.runtime import KVCache
+
+        task = self.task_of(body, prompt_ids)
+        await self.take_turn()
+        self.task = task
         loop = asyncio.get_running_loop()
         pieces: Generator[str, None, None] | None = None
         stream = None
         finished = False
         try:
-            if self._cache is None or not reuse:
-                capacity = len(prompt_ids) + max_new
+            if self._cache is None or not task.reuse:
+                capacity = len(prompt_ids) + task.max_new
                 self._cache = await loop.run_in_executor(self._worker, lambda: KVCache(self.decoder, capacity))
-            stream = self.decoder.generate_text(prompt_ids, max_new, sampling, stops, cache=self._cache, logprobs=top)
+            stream = self.decoder.generate_text(
+                prompt_ids, task.max_new, task.sampling, task.stops, cache=self._cache, logprobs=task.top
+            )
+            task.stream = stream
             pieces = iter(stream)
             end = object()
             while not await disconnected():
@@ -402,15 +489,154 @@ class ModelServer:
                     break
                 yield "piece", piece, stream
             if finished:
+                self.metrics.record(stream)
                 yield "end", stream
         finally:
             if pieces is not None:  # closed on the worker thread, after any step still running there
                 self._worker.submit(pieces.close)
+            task.processing = False
             self._turn.release()
             if not finished and stream is not None:
+                self._worker.submit(self.metrics.record, stream)
                 self.echo(
-                    f"a client went away after {stream.completion_tokens} of {max_new} tokens; its generation stopped"
+                    f"a client went away after {stream.completion_tokens} of {task.max_new} tokens; its generation "
+                    "stopped"
                 )
+
+    def n_ctx(self) -> int:
+        return self.decoder.context_length or 0
+
+    def slot(self) -> dict:
+        """The one slot as llama-server's /slots shows it: the request generating now (or the last one)."""
+        task = self.task
+        params = llama_params(self.defaults, -1, [], False) if task is None else task.params()
+        stream = task.stream if task is not None else None
+        decoded = stream.completion_tokens if stream is not None else 0
+        processing = task is not None and task.processing
+        return {
+            "id": 0,
+            "id_task": -1 if task is None else task.id,
+            "n_ctx": self.n_ctx(),
+            "speculative": getattr(self.decoder, "speculator", None) is not None,
+            "is_processing": processing,
+            "params": params,
+            "next_token": {
+                "has_next_token": processing,
+                "has_new_line": stream is not None and "\n" in stream.text,
+                "n_remain": -1 if task is None or task.n_predict == -1 else task.n_predict - decoded,
+                "n_decoded": decoded,
+            },
+        }
+
+    def props(self) -> dict:
+        """llama-server's /props, as far as moepass has its fields."""
+        try:
+            template = self.decoder.chat_template.source
+        except MoepassError:  # no chat template: /v1/chat/completions says so
+            template = ""
+        path = getattr(self.decoder, "model_dir", None)
+        return {
+            "default_generation_settings": {
+                "id": 0,
+                "id_task": -1,
+                "n_ctx": self.n_ctx(),
+                "model": self.model_id,
+                "speculative": getattr(self.decoder, "speculator", None) is not None,
+                "is_processing": False,
+                "params": llama_params(self.defaults, -1, [], False),
+            },
+            "total_slots": 1,
+            "model_alias": self.model_id,
+            "model_path": "" if path is None else str(path),
+            "n_ctx": self.n_ctx(),
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": True,
+            "endpoint_props": True,
+            "endpoint_metrics": True,
+            "chat_template": template,
+            "build_info": f"moepass {_version()}",
+            "is_sleeping": False,
+        }
+
+
+@dataclasses.dataclass
+class Task:
+    """One request's generation: llama-server's task id, its settings (checked), and once it has
+    the model its stream."""
+
+    id: int
+    sampling: Sampling
+    stops: list[str]
+    max_new: int
+    n_predict: int  # as asked: -1 for no limit but the context
+    top: int | None  # log probabilities wanted
+    reuse: bool  # cache_prompt
+    streamed: bool
+    stream: Any = None
+    processing: bool = True
+
+    def params(self) -> dict:
+        return llama_params(self.sampling, self.n_predict, self.stops, self.streamed)
+
+
+class Metrics:
+    """llama-server's /metrics: counters since the server started, and the throughput gauges over
+    the window since the last read. Recorded when a generation ends (on the event loop, or on the
+    model's worker thread for one whose client left) and read by /metrics: under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0  # computed, not taken from the cache (llama-server's count)
+        self.prompt_seconds = 0.0
+        self.predicted_tokens = 0
+        self.predicted_seconds = 0.0
+        self.decodes = 0
+        self._window = [0, 0.0, 0, 0.0]  # prompt tokens, seconds; steps after the first token, seconds
+
+    def record(self, stream) -> None:
+        """A generation's counts: its prompt's computation (none when it did not end) and its tokens."""
+        from moepass.runtime.kv_cache import PREFILL_CHUNK
+
+        if not stream.first_token_at:
+            return
+        prompt = stream.prefilled_tokens
+        steps = max(stream.completion_tokens - 1, 0)  # the tokens after the first, a model step each
+        with self._lock:
+            self.prompt_tokens += prompt
+            self.prompt_seconds += stream.prompt_seconds
+            self.predicted_tokens += stream.completion_tokens
+            self.predicted_seconds += stream.generation_seconds
+            self.decodes += -(-prompt // PREFILL_CHUNK) + steps
+            for i, value in enumerate((prompt, stream.prompt_seconds, steps, stream.generation_seconds)):
+                self._window[i] += value
+
+    def text(self, processing: int, deferred: int) -> str:
+        """The Prometheus text exposition of the metrics (and the requests processing and waiting now);
+        the throughput window starts again."""
+        with self._lock:
+            prompt_n, prompt_s, steps, steps_s = self._window
+            self._window = [0, 0.0, 0, 0.0]
+            counters = [
+                ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
+                 self.prompt_tokens),
+                ("prompt_seconds_total", "Total time spent processing prompts", self.prompt_seconds),
+                ("tokens_predicted_total", "Number of generation tokens processed", self.predicted_tokens),
+                ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.predicted_seconds),
+                ("n_decode_total", "Total number of model steps (llama_decode() calls)", self.decodes),
+            ]  # fmt: skip
+        prompt_rate, predicted_rate = prompt_n / prompt_s if prompt_s else 0.0, steps / steps_s if steps_s else 0.0
+        gauges = [
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s", predicted_rate),
+            ("requests_processing", "Number of requests processing", processing),
+            ("requests_deferred", "Number of requests deferred", deferred),
+        ]  # fmt: skip
+        lines = []
+        for kind, items in (("counter", counters), ("gauge", gauges)):
+            for name, description, value in items:
+                lines += [f"# HELP llamacpp:{name} {description}", f"# TYPE llamacpp:{name} {kind}",
+                          f"llamacpp:{name} {value}"]  # fmt: skip
+        return "\n".join(lines) + "\n"
 
 
 def _usage(stream) -> dict:
@@ -456,7 +682,7 @@ def create_app(
     server: ModelServer, api_key: str | None = None, max_body: int = MAX_BODY, body_seconds: float = BODY_SECONDS
 ):
     """The FastAPI application over `server`: refusals in OpenAI's error shape, the API key when
-    there is one, and the endpoints, which `Endpoints` answers."""
+    there is one, and the endpoints (OpenAI's and llama-server's), which `Endpoints` answers."""
     from fastapi import FastAPI, Request
     from starlette.exceptions import HTTPException
 
@@ -484,6 +710,27 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await endpoints.respond(request, chat=False)
+
+    # llama-server's own endpoints (/completions: its alias of /completion)
+    @app.post("/completion")
+    async def completion(request: Request):
+        return await endpoints.complete(request)
+
+    @app.post("/completions")
+    async def completion_alias(request: Request):
+        return await endpoints.complete(request)
+
+    @app.get("/props")
+    async def props():
+        return server.props()
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        return endpoints.slots(request)
+
+    @app.get("/metrics")
+    async def metrics():
+        return endpoints.metrics()
 
     return app
 
@@ -622,6 +869,19 @@ class Endpoints:
             raise RequestError(400, "'stream' must be true or false", "stream")
         return body
 
+    def refuse(self, request: "Request", e: RequestError) -> "JSONResponse":
+        """A refused request: one line in the log, and OpenAI's error object."""
+        self.server.echo(f"request refused: {request.method} {request.url.path}: {e.status} {first_line(e)}")
+        return _error_response(e)
+
+    async def start(
+        self, request: "Request", body: dict, prompt: list[int]
+    ) -> tuple[AsyncGenerator[tuple, None], tuple]:
+        """The answer and its first event: the request's own errors (queue full, bad fields) come
+        before any byte is sent."""
+        answer = self.server.answer(prompt, body, request.is_disconnected)
+        return answer, await anext(answer)
+
     async def respond(self, request: "Request", chat: bool) -> Any:
         """A chat (`chat`) or text completion: the whole answer as one object, or with `"stream": true`
         its server-sent events; a refused request is one line in the log and OpenAI's error object."""
@@ -634,19 +894,54 @@ class Endpoints:
             # rendered and tokenized off the event loop: /health and the others are answered meanwhile
             prompt = await anyio.to_thread.run_sync(server.chat_prompt if chat else server.completion_prompt, body)
             reader = server.answer_reader(body) if chat else None
-            answer = server.answer(prompt, body, request.is_disconnected)
-            first = await anext(answer)  # the request's own errors (queue full, bad fields) before any byte
+            answer, first = await self.start(request, body, prompt)
         except RequestError as e:  # one line in the log for each request refused
-            server.echo(f"request refused: {request.method} {request.url.path}: {e.status} {first_line(e)}")
-            return _error_response(e)
+            return self.refuse(request, e)
         reply = Reply(server, body, chat, reader, answer, first)
         if not body.get("stream"):
             return await reply.whole()
-        return _answer_stream()(
-            reply.events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return _event_stream(reply.events())
+
+    async def complete(self, request: "Request") -> Any:
+        """llama-server's /completion: its fields in (`llama_body`), its shapes out (`LlamaReply`),
+        the same generation as /v1/completions."""
+        import anyio
+
+        try:
+            given = await self.read_body(request)
+            check_fields(given, LLAMA_COMPLETION_FIELDS)
+            body = llama_body(given)
+            prompt = await anyio.to_thread.run_sync(self.server.completion_prompt, body)
+            answer, first = await self.start(request, body, prompt)
+        except RequestError as e:
+            return self.refuse(request, e)
+        reply = LlamaReply(self.server, body, prompt, answer, first)
+        if not body.get("stream"):
+            return await reply.whole()
+        return _event_stream(reply.events())
+
+    def slots(self, request: "Request") -> Any:
+        """llama-server's /slots; with `?fail_on_no_slot=1`, 503 while the slot is busy."""
+        if request.query_params.get("fail_on_no_slot") not in (None, "", "0", "false") and self.server.busy():
+            return self.refuse(request, RequestError(503, "no slot available", kind="unavailable_error"))
+        return [self.server.slot()]
+
+    def metrics(self) -> Any:
+        """llama-server's /metrics in Prometheus' text format."""
+        from fastapi.responses import PlainTextResponse
+
+        server = self.server
+        text = server.metrics.text(int(server.busy()), server.waiting())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _event_stream(events: AsyncGenerator[str, None]) -> Any:
+    """Server-sent events, as they come."""
+    return _answer_stream()(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def _json_object(data: bytes) -> dict:
@@ -771,6 +1066,104 @@ class Reply:
         yield self.sse([final], timings=_timings(stream))
         if include_usage:
             yield self.sse([], usage=_usage(stream))
+
+
+class LlamaReply:
+    """One /completion answer in llama-server's shapes, from `first` and the rest of `answer` (as
+    `Reply`): `whole` gives one object (content, tokens_predicted, tokens_evaluated, stop_type with
+    the stopped_eos / stopped_limit / stopped_word flags, stopping_word, timings,
+    generation_settings, ...), `events` its server-sent events: one per piece of text (content, its
+    token ids, stop false), then that object with stop true, empty content and tokens (they came
+    already) and the timings; no `[DONE]` (llama-server ends /completion's stream without one)."""
+
+    def __init__(
+        self, server: ModelServer, body: dict, prompt: list[int], answer: AsyncGenerator[tuple, None], first: tuple
+    ) -> None:
+        self.server, self.body, self.prompt, self.answer, self.first = server, body, prompt, answer, first
+        self.stops = stop_strings(body)
+        self.given = 0  # of the stream's token ids, those sent
+
+    def new_tokens(self, stream) -> list[int]:
+        """The ids of the tokens generated since the last call (stop tokens left out)."""
+        ids = stream.token_ids[self.given :]
+        self.given += len(ids)
+        return [t for t in ids if t not in self.server.decoder.stop_ids]
+
+    def final(self, stream, streamed: bool) -> dict:
+        server, decoder = self.server, self.server.decoder
+        kind, word = stop_type(decoder, stream, self.stops)
+        context = server.n_ctx()
+        sampling = sampling_of(self.body, server.defaults)
+        settings = llama_params(sampling, self.body.get("max_tokens", -1), self.stops, streamed)
+        tokens = self.new_tokens(stream) if self.body.get("return_tokens") and not streamed else []
+        return {
+            "index": 0,
+            "content": "" if streamed else stream.text,
+            "tokens": tokens,
+            "id_slot": 0,
+            "stop": True,
+            "model": server.model_id,
+            "tokens_predicted": stream.completion_tokens,
+            "tokens_evaluated": stream.prompt_tokens,
+            "generation_settings": {"n_ctx": context, "model": server.model_id, **settings},
+            "prompt": decoder.decode(self.prompt),
+            "has_new_line": "\n" in stream.text,
+            "truncated": kind == "limit" and 0 < context <= stream.prompt_tokens + stream.completion_tokens,
+            "stop_type": kind,
+            "stopped_eos": kind == "eos",
+            "stopped_limit": kind == "limit",
+            "stopped_word": kind == "word",
+            "stopping_word": word,
+            "tokens_cached": stream.prompt_tokens - stream.prefilled_tokens,
+            "timings": _timings(stream),
+        }
+
+    async def whole(self) -> Any:
+        """The answer as one object (status 499, empty, when the client left before its end)."""
+        last = self.first
+        try:
+            async for event in _with_first(self.first, self.answer):
+                last = event
+        finally:
+            await self.answer.aclose()  # its turn ends now, whatever ended the request
+        if last[0] != "end":  # the client left
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse({}, status_code=499)
+        return self.final(last[1], streamed=False)
+
+    def partial(self, content: str, stream) -> str:
+        """One piece of the answer as llama-server streams it: its text and the ids of the tokens
+        since the last event (which may be tokens alone: a character split over tokens, never ended)."""
+        data = {"index": 0, "content": content, "tokens": self.new_tokens(stream), "stop": False, "id_slot": 0,
+                "tokens_predicted": stream.completion_tokens, "tokens_evaluated": stream.prompt_tokens}  # fmt: skip
+        return _sse(data) if content or data["tokens"] else ""
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        try:
+            async for event in _with_first(self.first, self.answer):
+                if event[0] == "piece":
+                    yield self.partial(event[1], event[2])
+                else:
+                    yield self.partial("", event[1]) + _sse(self.final(event[1], streamed=True))
+        finally:  # also when the client went away mid-stream: generation stops, the next request's turn comes
+            await self.answer.aclose()
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def stop_type(decoder, stream, stops: list[str]) -> tuple[str, str]:
+    """Why a generation ended, as llama-server says it: "eos" (a stop token), "word" (a stop string,
+    and which: the one the text held back from the answer begins with) or "limit"."""
+    if stream.finish_reason != "stop":
+        return "limit", ""
+    if stream.token_ids and stream.token_ids[-1] in decoder.stop_ids:
+        return "eos", ""
+    text = decoder.decode([t for t in stream.token_ids if t not in decoder.stop_ids])
+    rest = text[len(stream.text) :]
+    return "word", next((s for s in stops if s and rest.startswith(s)), "")
 
 
 class AnswerParts:
