@@ -2,15 +2,19 @@
 
 Every command that writes (convert, partition, profile) builds its output under a temporary
 name beside the destination (`.NAME.tmp-PID-*`) and renames it at the end. On any error or
-interrupt the temporary is removed; one left by a killed process is swept by the next run to
-the same destination. Without `overwrite` the final rename itself refuses to replace what
-appeared at the destination meanwhile (a concurrent run), so two runs never both "succeed".
+interrupt the temporary is removed; one left by a killed process is swept, and said in one line,
+when the next write to the same destination starts (only the user's own, whose process is gone).
+Messages name the way out as the caller offers it (moepass.core.errors.Wording: `overwrite=True`
+from Python, --force from the command line). Without `overwrite` the final rename itself refuses
+to replace what appeared at the destination meanwhile (a concurrent run), so two runs never both
+"succeed".
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import shutil
@@ -18,7 +22,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from moepass.core.errors import WRITE_ERRNOS, MoepassError
+from moepass.core.errors import WRITE_ERRNOS, MoepassError, Wording, wording
 from moepass.core.files import (
     DATA_FILE,
     GENAI_CONFIG_FILE,
@@ -31,6 +35,8 @@ from moepass.core.files import (
     TOKENIZER_FILE,
     read_report,
 )
+
+log = logging.getLogger("moepass")
 
 # what convert and partition write into an output folder: --force replaces a folder of these only
 OUTPUT_FILES = frozenset(
@@ -69,12 +75,17 @@ def foreign_entry(folder: Path) -> str | None:
 
 
 def check_destination(
-    path: str | os.PathLike, overwrite: bool, is_dir: bool, inputs: Iterable[str | os.PathLike] = ()
+    path: str | os.PathLike,
+    overwrite: bool,
+    is_dir: bool,
+    inputs: Iterable[str | os.PathLike] = (),
+    words: Wording | None = None,
 ) -> None:
     """Refuse an output path before any work (atomic_directory / atomic_file check it again when
     they start writing): one that would replace an input, what is there without `overwrite`, a
-    folder not of moepass's with it."""
-    path = Path(path)
+    folder not of moepass's with it. `words`: how the messages name the ways out, the caller's
+    (default: moepass.core.errors.wording(), the Python API's keywords unless the CLI runs)."""
+    path, words = Path(path), words or wording()
     absolute = Path(os.path.abspath(path))
     here = Path.cwd()
     if absolute == Path(absolute.anchor):
@@ -96,22 +107,22 @@ def check_destination(
     if path.is_symlink():
         if overwrite:
             raise MoepassError(f"{path}: is a symbolic link; give the real path, or remove the link")
-        raise MoepassError(f"{path}: already exists (a symbolic link); pass --force to replace it")
+        raise MoepassError(f"{path}: already exists (a symbolic link); pass {words.overwrite} to replace it")
     if is_dir and not path.is_dir():  # a file of the user's is never replaced by a folder, --force or not
-        raise MoepassError(f"{path}: is a file, and the output is a folder; name another -o")
+        raise MoepassError(f"{path}: is a file, and the output is a folder; name another {words.output}")
     if not is_dir and path.is_dir():
         raise MoepassError(f"{path}: is a directory")
     if is_dir and overwrite:
-        _refuse_foreign(path)
+        _refuse_foreign(path, words)
     if not overwrite and not (is_dir and not any(path.iterdir())):
-        raise MoepassError(f"{path}: already exists; pass --force to replace it")
+        raise MoepassError(f"{path}: already exists; pass {words.overwrite} to replace it")
 
 
-def _refuse_foreign(folder: Path) -> None:
+def _refuse_foreign(folder: Path, words: Wording) -> None:
     why = foreign_entry(folder)
     if why:
         raise MoepassError(
-            f"{folder}: --force replaces only a folder that moepass wrote, and {why}; "
+            f"{folder}: {words.overwrite} replaces only a folder that moepass wrote, and {why}; "
             "remove it yourself or name another output"
         )
 
@@ -121,7 +132,9 @@ def _prefix(destination: Path, kind: str) -> str:
 
 
 def _sweep_stale(destination: Path) -> None:
-    """Remove temporaries of this destination whose process is gone (killed by SIGKILL or a crash)."""
+    """Remove the temporaries of this destination that a killed run left (SIGKILL, a crash): those
+    whose process is gone and that are the user's own, each said in one line (the library's warning,
+    logger "moepass"); never one whose process runs, nor another user's."""
     pattern = re.compile(rf"^\.{re.escape(destination.name)}\.(?:tmp|old)-(\d+)-")
     try:
         entries = list(destination.parent.iterdir())
@@ -129,10 +142,38 @@ def _sweep_stale(destination: Path) -> None:
         return
     for entry in entries:
         match = pattern.match(entry.name)
-        if not match or _alive(int(match[1])):
+        if not match or not _own(entry) or _alive(int(match[1])):
             continue
-        with contextlib.suppress(OSError):
+        size = _bytes_of(entry)
+        try:
             _remove(entry)
+        except OSError:
+            continue
+        if not os.path.lexists(entry):
+            log.warning("removed a leftover of a killed run: %s (%s bytes)", entry, f"{size:,}")
+
+
+def _own(path: Path) -> bool:
+    """Whether `path` itself (not a link's target) is the user's."""
+    try:
+        return path.lstat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def _bytes_of(path: Path) -> int:
+    """The bytes a file, or a folder with all it holds, takes (links not followed)."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return path.lstat().st_size
+    except OSError:
+        return 0
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
 
 
 def _remove(temporary: Path) -> None:
@@ -173,31 +214,31 @@ def _ordinary_permissions(path: Path, mode: int) -> None:
     path.chmod(mode & ~umask)
 
 
-def _appeared(destination: Path) -> MoepassError:
+def _appeared(destination: Path, words: Wording) -> MoepassError:
     return MoepassError(
         f"{destination}: appeared while this run was writing (another run?); it was left as it is "
-        "and nothing was written; pass --force to replace it"
+        f"and nothing was written; pass {words.overwrite} to replace it"
     )
 
 
-def _replace(tmp: Path, destination: Path, overwrite: bool) -> None:
+def _replace(tmp: Path, destination: Path, overwrite: bool, words: Wording) -> None:
     if not overwrite:
         try:
             if tmp.is_dir():
                 if os.path.lexists(destination) and (destination.is_symlink() or not destination.is_dir()):
-                    raise _appeared(destination)
+                    raise _appeared(destination, words)
                 os.rename(tmp, destination)  # refused by the kernel when destination is a non-empty directory
             else:
                 os.link(tmp, destination)  # refused when destination exists
                 tmp.unlink()
         except OSError as e:
             if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
-                raise _appeared(destination) from None
+                raise _appeared(destination, words) from None
             raise
         return
     old = None
     if destination.is_dir() and not destination.is_symlink():
-        _refuse_foreign(destination)  # again: it may have changed while this run was writing
+        _refuse_foreign(destination, words)  # again: it may have changed while this run was writing
         old = Path(tempfile.mkdtemp(prefix=_prefix(destination, "old"), dir=destination.parent))
         destination.rename(old / destination.name)
     tmp.replace(destination)
@@ -206,7 +247,7 @@ def _replace(tmp: Path, destination: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def _writing(destination: Path, make: Callable[[str], Path], overwrite: bool) -> Iterator[Path]:
+def _writing(destination: Path, make: Callable[[str], Path], overwrite: bool, words: Wording) -> Iterator[Path]:
     """The temporary `make` creates beside `destination` (given its name prefix), removed whatever
     ends the block, from the moment the file system holds it."""
     tmp = None
@@ -216,7 +257,7 @@ def _writing(destination: Path, make: Callable[[str], Path], overwrite: bool) ->
         except OSError as e:
             raise MoepassError(f"{destination}: cannot write there ({e.strerror})") from None
         yield tmp
-        _replace(tmp, destination, overwrite)
+        _replace(tmp, destination, overwrite, words)
     except OSError as e:
         if e.errno in WRITE_ERRNOS:
             raise MoepassError(f"{destination}: {e.strerror}; nothing was written") from None
@@ -252,12 +293,15 @@ def _parents(destination: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def atomic_directory(
-    destination: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
+    destination: str | os.PathLike,
+    overwrite: bool = False,
+    inputs: Iterable[str | os.PathLike] = (),
+    words: Wording | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary directory beside `destination`; it becomes `destination` if the block succeeds.
-    `inputs`: files the block reads, which the output must never replace."""
-    destination = Path(destination)
-    check_destination(destination, overwrite, is_dir=True, inputs=inputs)
+    `inputs`: files the block reads, which the output must never replace; `words`: as check_destination."""
+    destination, words = Path(destination), words or wording()
+    check_destination(destination, overwrite, is_dir=True, inputs=inputs, words=words)
 
     def make(prefix: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=destination.parent))
@@ -266,17 +310,21 @@ def atomic_directory(
 
     with _parents(destination):
         _sweep_stale(destination)
-        with _writing(destination, make, overwrite) as path:
+        with _writing(destination, make, overwrite, words) as path:
             yield path
 
 
 @contextlib.contextmanager
 def atomic_file(
-    destination: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
+    destination: str | os.PathLike,
+    overwrite: bool = False,
+    inputs: Iterable[str | os.PathLike] = (),
+    words: Wording | None = None,
 ) -> Iterator[Path]:
-    """Yield a temporary file path beside `destination`; it becomes `destination` if the block succeeds."""
-    destination = Path(destination)
-    check_destination(destination, overwrite, is_dir=False, inputs=inputs)
+    """Yield a temporary file path beside `destination`; it becomes `destination` if the block succeeds
+    (`inputs`, `words`: as atomic_directory)."""
+    destination, words = Path(destination), words or wording()
+    check_destination(destination, overwrite, is_dir=False, inputs=inputs, words=words)
 
     def make(prefix: str) -> Path:
         fd, name = tempfile.mkstemp(prefix=prefix, dir=destination.parent)
@@ -286,5 +334,5 @@ def atomic_file(
 
     with _parents(destination):
         _sweep_stale(destination)
-        with _writing(destination, make, overwrite) as path:
+        with _writing(destination, make, overwrite, words) as path:
             yield path

@@ -2,8 +2,9 @@
 
 Each line typed is a user turn; the answer streams as it is generated, then one line on stderr
 tells its speed and how many prompt tokens the turn had to compute (the KV cache keeps the
-history, so a turn prefills only what is new). `/reset` forgets the history, `/exit` (or Ctrl-D)
-leaves; Ctrl-C stops the answer being written and returns to the prompt.
+history, so a turn prefills only what is new). `/reset` forgets the history, `/clear` the history
+and the KV cache (the system prompt kept), `/exit` (or Ctrl-D) leaves; another `/word` is named
+as unknown, with the list. Ctrl-C stops the answer being written and returns to the prompt.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import click
 
 from moepass.core.terminal import for_stdout
 
-COMMANDS = {"/reset": "forget the conversation", "/exit": "leave (or Ctrl-D)", "/help": "this list"}
+COMMANDS = {
+    "/reset": "forget the conversation",
+    "/clear": "forget the conversation and empty the KV cache (the system prompt stays)",
+    "/exit": "leave (or Ctrl-D)",
+    "/help": "this list",
+}
 
 
 def chat_loop(
@@ -49,14 +55,9 @@ def chat_loop(
         text = line.strip()
         if not text:
             continue
-        if text in ("/exit", "/quit"):
-            return
-        if text == "/reset":
-            conversation.reset()
-            click.echo("(conversation forgotten)", err=True)
-            continue
-        if text in ("/help", "/?") or (text.startswith("/") and " " not in text):
-            click.echo("\n".join(f"{c:<8} {what}" for c, what in COMMANDS.items()), err=True)
+        if text.startswith("/") and " " not in text:  # a command (a message may start with a path)
+            if _command(text, conversation):
+                return
             continue
         start = time.perf_counter()
         stopped = ""
@@ -78,3 +79,19 @@ def chat_loop(
             f"prompt {stream.prompt_tokens} tokens, {stream.prefilled_tokens} computed]",
             err=True,
         )
+
+
+def _command(text: str, conversation) -> bool:
+    """Runs the command `text` (one word, starting with "/"); whether the chat ends."""
+    if text in ("/exit", "/quit"):
+        return True
+    if text == "/reset":
+        conversation.reset()
+        click.echo("(conversation forgotten)", err=True)
+    elif text == "/clear":
+        conversation.clear()
+        click.echo("(conversation and KV cache cleared; the system prompt stays)", err=True)
+    else:
+        unknown = [] if text in ("/help", "/?") else [f"unknown command {text}"]
+        click.echo("\n".join([*unknown, *(f"{c:<8} {what}" for c, what in COMMANDS.items())]), err=True)
+    return False

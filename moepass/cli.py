@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from moepass.core import keys
 from moepass.core.choices import (
@@ -45,7 +46,7 @@ from moepass.core.choices import (
     format_bytes,
     parse_bytes,
 )
-from moepass.core.errors import MoepassError, expected_failure
+from moepass.core.errors import CLI_WORDING, MoepassError, expected_failure, no_such_path, worded_as
 from moepass.core.terminal import for_stdout
 
 # `moepass --help` lists the commands in the order a model goes through them
@@ -82,7 +83,8 @@ class _Group(click.Group):
         handler = _WarningLine()
         logging.getLogger("moepass").addHandler(handler)
         try:
-            code = super().main(args, prog_name, standalone_mode=False, **extra)
+            with worded_as(CLI_WORDING):  # the messages' ways out as flags (--force), not keywords
+                code = super().main(args, prog_name, standalone_mode=False, **extra)
             sys.exit(code if isinstance(code, int) else 0)
         except click.exceptions.NoArgsIsHelpError as e:  # `moepass` alone: the help, as --help gives it
             click.echo(e.ctx.get_help())
@@ -166,6 +168,7 @@ class _Progress:
     def __init__(self, label: str, enabled: bool, unit: str = "bytes"):
         self.label, self.enabled, self.unit = label, enabled, unit
         self.bar: Any = None  # click's progress bar, made at the first report on a terminal
+        self.ended = False  # the bar reached the whole and its line was ended
         self.tty = sys.stderr.isatty()
         self.start = self.last = 0.0  # from the first report: the rate of the work itself
         self.done = self.total = 0
@@ -182,12 +185,7 @@ class _Progress:
             self.start = self.last = time.monotonic()
         self.done, self.total = done, total
         if self.tty:
-            if self.bar is None:
-                self.bar = click.progressbar(
-                    length=total, label=self.label, file=sys.stderr, show_pos=self.unit != "bytes"
-                )
-                self.bar.__enter__()
-            self.bar.update(done - self.bar.pos)
+            self._bar(done, total)
             return
         now = time.monotonic()
         if now - self.last >= self.LOG_EVERY or (done >= total and self.last != -1):
@@ -207,9 +205,24 @@ class _Progress:
         )
         return f"{self.label}: {what} ({self.done / max(self.total, 1):.0%}), {speed}, {eta}"
 
+    def _bar(self, done: int, total: int) -> None:
+        """The terminal's bar, its line ended at its last update (the next message starts on a line
+        of its own); a report of the whole again after that draws nothing."""
+        if self.bar is None:
+            if done >= total and self.ended:
+                return
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr, show_pos=self.unit != "bytes")
+            self.bar.__enter__()
+        self.bar.update(done - self.bar.pos)
+        if done >= total:
+            self.close()
+            self.ended = True
+
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
+        """Ends the bar's line (once; nothing where there is no bar)."""
+        bar, self.bar = self.bar, None
+        if bar is not None:
+            bar.__exit__(None, None, None)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -230,9 +243,19 @@ def _threads_option(shown: str, help: str) -> Callable:
     return click.option("-t", "--threads", type=click.IntRange(1, None), default=None, show_default=shown, help=help)
 
 
-def _bandwidth_option(flag: str, shown: str, help: str) -> Callable:
-    """A bandwidth in GB/s for partition's estimate: finite, default None (`shown`)."""
-    return click.option(flag, type=float, callback=_finite_option, default=None, show_default=shown, help=help)
+def _bandwidth_option(flag: str, shown: str | float, help: str) -> Callable:
+    """A bandwidth in GB/s for partition's estimate: finite, None where not given (the estimate then
+    takes the --gpu card's figure or the default, and says which figures were given). `shown`: a
+    phrase for the default, or the default figure itself, shown as the other options show theirs."""
+    if isinstance(shown, str):
+        return click.option(flag, type=float, callback=_finite_option, default=None, show_default=shown, help=help)
+    return click.option(flag, type=float, callback=_given_option, default=f"{shown:g}", show_default=True, help=help)
+
+
+def _given_option(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A finite float option, None where it was not given (its default only shown in the help)."""
+    value = _finite_option(ctx, param, value)
+    return None if param.name is None or ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT else value
 
 
 def _model_argument(name: str = "model_dir", metavar: str = "MODEL") -> Callable:
@@ -296,13 +319,14 @@ def _one_model(positional: str | None, flag: str | None, metavar: str) -> str:
     help="auto: the exact form when the experts move bit-exactly (Q4_0, Q8_0, IQ4_XS, MXFP4, ...), "
     "else 8 bits at the largest block (keeps llama.cpp's fidelity); int4: 4 bits (half the bytes, "
     "more error), int8: 8 bits; offload: what ONNX Runtime's expert offload takes "
-    "(int4 block 32 prepacked, float16 graph).",
+    "(int4 block 32 prepacked, float16 graph); packed: the GGUF's own blocks as they are, in MoEPacked "
+    "nodes (CUDA only: no CPU kernel runs them).",
 )
 @click.option(
     "--exact",
     is_flag=True,
-    help="Keep every tensor whose blocks move bit-exactly exact, even where a requantized form is "
-    "faster (Q6_K: int8 block 16 instead of block 128).",
+    help="Keep the exact form of every tensor whose blocks move bit-exactly, even where a requantized "
+    "form is faster (Q6_K: int8 block 16 instead of block 128).",
 )
 @_threads_option("every core", "Threads converting weights.")
 @click.option(
@@ -652,10 +676,17 @@ def _converted(model: str, options: dict) -> str:
     from moepass.gguf_cache import resolve, resolve_draft
 
     cache_dir = options.pop("cache_dir")
-    # a bar on a terminal; a log gets the one line resolve says
-    progress = _Progress(f"converting {os.path.basename(model)}", enabled=sys.stderr.isatty())
+    if not os.path.exists(model):  # said before "loading ...", as convert and inspect say it
+        raise no_such_path(model)
+    # a bar on a terminal; a log a line every LOG_EVERY seconds (a conversion takes minutes)
+    progress = _Progress(f"converting {os.path.basename(model)}", enabled=True)
+
+    def say(line: str) -> None:
+        progress.close()  # a bar still drawn: its line ended first
+        _stderr(line)
+
     try:
-        folder = resolve(model, cache_dir, echo=_stderr, progress=progress)
+        folder = resolve(model, cache_dir, echo=say, progress=progress)
     finally:
         progress.close()
     if options.get("speculative"):
@@ -765,14 +796,18 @@ def _think_option(f):
 
 
 def _template_variables(decoder, think: bool | None) -> dict:
+    """The template's reasoning switch as --think/--no-think set it; a template without one: a
+    warning line, and the chat goes on as the template has it."""
     if think is None:
         return {}
     switch = decoder.chat_template.thinking_switch
     if switch is None:
-        raise MoepassError(
-            f"{decoder.chat_template.where}: this chat template has no thinking switch; "
-            "--think / --no-think do not apply"
+        click.echo(
+            f"moepass: warning: {decoder.chat_template.where}: this chat template has no thinking switch; "
+            f"--{'' if think else 'no-'}think is ignored",
+            err=True,
         )
+        return {}
     return {switch: think}
 
 
@@ -1264,7 +1299,7 @@ def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     "--gpu-bandwidth", f"the --gpu card's, else {Bandwidths.gpu:g}", "GPU memory GB/s, for the estimate."
 )
 @_bandwidth_option(
-    "--host-bandwidth", f"{Bandwidths.host:g}", "Host memory GB/s, where the CPU side is not timed (--no-calibrate)."
+    "--host-bandwidth", Bandwidths.host, "Host memory GB/s, where the CPU side is not timed (--no-calibrate)."
 )
 @_bandwidth_option(
     "--pcie-bandwidth", f"the --gpu card's link, else {Bandwidths.pcie:g}", "Host-GPU link GB/s, for the estimate."

@@ -46,7 +46,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from moepass.core.errors import MoepassError
+from moepass.core.choices import format_bytes
+from moepass.core.errors import MoepassError, no_such_path
 from moepass.core.files import sampled_digest
 from moepass.core.gguf_reader import is_gguf, split_parts
 from moepass.core.version import __version__
@@ -87,6 +88,8 @@ def file_identity(source: Path) -> list[dict[str, Any]]:
     for part in split_parts(source):
         try:
             st = part.stat()
+        except FileNotFoundError:
+            raise no_such_path(part) from None
         except OSError as e:
             raise MoepassError(f"{part}: {e.strerror}") from None
         parts.append({"path": str(part), "device": st.st_dev, "inode": st.st_ino, "size": st.st_size,
@@ -192,14 +195,21 @@ class CachedConversion:
     folder: Path
     built: bool
     seconds: float
+    entry_bytes: int = 0  # what the entry's folder holds
+    source_bytes: int = 0  # the GGUF file's own size (all its parts)
+
+    def sizes(self) -> str:
+        """The entry's bytes beside the GGUF file's: "1.90 GiB for a 1.19 GiB file, 1.60x"."""
+        ratio = f", {self.entry_bytes / self.source_bytes:.2f}x" if self.source_bytes else ""
+        return f"{format_bytes(self.entry_bytes)} for a {format_bytes(self.source_bytes)} file{ratio}"
 
     def line(self) -> str:
         if self.built:
             return (
-                f"{self.source}: converted with the defaults into {self.folder} in {self.seconds:.1f} s "
-                "(reused next time; `moepass convert` for other options)"
+                f"{self.source}: converted with the defaults into {self.folder} in {self.seconds:.1f} s, "
+                f"{self.sizes()} (reused next time; `moepass convert` for other options)"
             )
-        return f"{self.source}: using its conversion in {self.folder} (rebuilt when the file changes)"
+        return f"{self.source}: using its conversion in {self.folder}, {self.sizes()} (rebuilt when the file changes)"
 
 
 def converted(
@@ -217,8 +227,9 @@ def converted(
     folder = root / name
     with _locked(root / f"{name}.lock", source, echo):
         identity, content = file_identity(source), content_digest(source)
+        source_bytes = sum(part["size"] for part in identity)
         if _current(root, name, source, identity, content):
-            return CachedConversion(source, folder, built=False, seconds=0.0)
+            return CachedConversion(source, folder, False, 0.0, _tree_bytes(folder), source_bytes)
         from moepass.convert import convert
 
         start = time.perf_counter()
@@ -230,7 +241,8 @@ def converted(
         _write_record(root, name, {"source": str(source), "parts": identity, "content": content,
                                    "files": _entry_files(folder)})  # fmt: skip
         _remove_older(root, source, keep=name)
-        return CachedConversion(source, folder, built=True, seconds=time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return CachedConversion(source, folder, True, seconds, _tree_bytes(folder), source_bytes)
 
 
 def resolve(

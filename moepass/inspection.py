@@ -17,7 +17,7 @@ from typing import Any
 from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, no_such_path
 from moepass.core.files import as_ir_model, read_report
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
@@ -161,7 +161,7 @@ def inspect(source: Any) -> dict[str, Any]:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.exists():
-            raise MoepassError(f"{path}: no such file or directory")
+            raise no_such_path(path)
         if path.is_file() and (is_gguf(path) or path.suffix == ".gguf"):
             return inspect_gguf(path)
     return inspect_onnx(source)

@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.capabilities import activation_dtype
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, no_such_path
 from moepass.core.files import load_model, model_file
 from moepass.core.ir_values import dims, required_input, stored_constant, tensor_of
 from moepass.core.moe_nodes import MoeNode, moe_nodes, tensor_bytes
@@ -253,6 +253,8 @@ def cpu_costs(
 def _read(path: Path) -> dict[str, Any]:
     try:
         costs = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise no_such_path(path, "the CPU cost file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MoepassError(f"{path}: not a readable CPU cost file ({type(e).__name__})") from None
     if isinstance(costs, dict) and isinstance(costs.get("cpu_costs"), dict):  # a plan.json

@@ -30,6 +30,13 @@ class Conversation:
         """Forget the history (the cache keeps what a new history shares with it: the system prompt)."""
         self.messages = []
 
+    def clear(self) -> None:
+        """Forget the history and the KV cache itself (its memory freed; the next turn computes its
+        whole prompt, the system prompt kept)."""
+        self.messages = []
+        self.cache = None
+        self.last = None
+
     def prompt_ids(self, user_text: str) -> list[int]:
         """The whole history and the new message, as tokens. Where the rendered history begins
         with the text the cache holds, those very tokens are kept (the answer as it was generated,

@@ -27,7 +27,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.capabilities import layout_problems, offload_violations, release_refusal
 from moepass.core.choices import DEVICES, PLUGIN_ENV, one_of
-from moepass.core.errors import MoepassError, first_line
+from moepass.core.errors import MoepassError, first_line, no_such_path
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
 from moepass.core.moe_nodes import moe_nodes
 
@@ -62,8 +62,10 @@ def _ort_version(ort) -> tuple[int, int]:
 
 def _register_plugin(ort, library: str) -> list[Any]:
     path = Path(library)
+    if not path.exists():
+        raise no_such_path(path, "the CUDA plugin EP library")
     if not path.is_file():
-        raise MoepassError(f"{path}: no such CUDA plugin EP library")
+        raise MoepassError(f"{path}: not a CUDA plugin EP library (not a file)")
     try:
         ort.register_execution_provider_library(PLUGIN_EP, str(path))
     except Exception as e:  # noqa: BLE001 - ORT raises its own types; keep its words

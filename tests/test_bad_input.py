@@ -129,6 +129,39 @@ def test_existing_output_is_not_overwritten(tmp_path, make_gguf):
     assert not list(tmp_path.glob(".out.*"))
 
 
+def test_the_api_names_its_keyword_and_the_cli_its_flag(tmp_path, make_gguf, converted, monkeypatch):
+    """An output in the way: the Python API says `overwrite=True` (its keyword), the CLI --force and
+    -o (its flags) as it always has; check_destination takes the wording its caller gives."""
+    import moepass
+    from moepass.atomic import atomic_file, check_destination
+    from moepass.core.errors import API_WORDING, CLI_WORDING, MoepassError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    gguf = make_gguf("q4_0")
+    calls = [(lambda: moepass.convert(gguf, out), "already exists; pass overwrite=True to replace it"),
+             (lambda: moepass.convert(gguf, out, overwrite=True), "overwrite=True replaces only a folder that"),
+             (lambda: moepass.partition(converted("q4_0"), out, "8G"), "pass overwrite=True to replace it"),
+             (lambda: check_destination(out / "mine.txt", False, is_dir=True), "name another output path"),
+             (lambda: atomic_file(out / "mine.txt").__enter__(), "pass overwrite=True to replace it")]
+    for call, says in calls:
+        with pytest.raises(MoepassError) as refused:
+            call()
+        assert says in str(refused.value) and "--force" not in str(refused.value), str(refused.value)
+    with pytest.raises(MoepassError, match="already exists; pass --force to replace it$"):
+        check_destination(out, False, is_dir=True, words=CLI_WORDING)
+    with pytest.raises(MoepassError, match="name another -o$"):
+        check_destination(out / "mine.txt", False, is_dir=True, words=CLI_WORDING)
+    said = CliRunner().invoke(main, ["convert", str(gguf), "-o", str(out), "-q"]).stderr
+    assert said.strip() == f"moepass: error: {out}: already exists; pass --force to replace it", said
+    forced = CliRunner().invoke(main, ["convert", str(gguf), "-o", str(out), "-q", "--force"]).stderr
+    assert "--force replaces only a folder that moepass wrote" in forced and "overwrite=True" not in forced
+    with pytest.raises(MoepassError, match="pass overwrite=True"):  # the CLI's wording ended with its run
+        check_destination(out, False, is_dir=True)
+    assert (out / "mine.txt").read_text() == "keep me" and API_WORDING.overwrite == "overwrite=True"
+
+
 def test_failure_while_writing_leaves_nothing(tmp_path, make_gguf):
     """A tensor that turns out unreadable only when its bytes are read (file shrunk after indexing)."""
     from moepass import convert
@@ -156,7 +189,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, make_gguf):
 def test_run_errors(tmp_path, converted):
     runner = CliRunner()
     result = runner.invoke(main, ["run", str(tmp_path / "nothing"), "--prompt-ids", "1,2"])
-    assert result.exit_code == 2 and "no such model" in result.stderr
+    assert result.exit_code == 2 and "nothing: no such file or directory" in result.stderr
     for bad in ("1,x", "1;2", "-1,2", "1.5", "+3", ",", "\u0663"):  # \u0663: an Arabic-Indic three, int() takes it
         result = runner.invoke(main, ["run", str(converted("q4_0")), "--prompt-ids", bad])
         assert result.exit_code == 2 and "--prompt-ids: expected token ids separated by commas or spaces" in \

@@ -1,7 +1,7 @@
 """`moepass chat` as a user sees it, through a pseudo-terminal (pexpect): turns that keep the history
 in the KV cache (the second turn computes fewer prompt tokens than the whole history holds), the
-first answer equal to `moepass run --chat`'s, /reset, Ctrl-C stopping an answer without leaving,
-/exit."""
+first answer equal to `moepass run --chat`'s, /reset, /clear, an unknown /command named, Ctrl-C
+stopping an answer without leaving, /exit; --think/--no-think on a template without the switch."""
 
 from __future__ import annotations
 
@@ -130,3 +130,45 @@ def test_a_turn_past_the_context_is_refused_and_the_conversation_goes_on(convert
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_clear_empties_the_cache_keeps_the_system_prompt_and_an_unknown_command_is_named(converted):
+    """/reset keeps in the cache what the new history shares (the system prompt): the next turn
+    computes little; /clear empties it: the same prompt (the system prompt kept) is computed whole.
+    `/x` says "unknown command /x", then the list."""
+    model = Path(converted("q4_0"))
+    child = _spawn(model, "--max-new-tokens", "4", "--seed", "5", "--system", "be brief")
+    _, (_, _, prompt, computed) = _turn(child, "the other one")
+    assert computed == prompt
+    child.expect_exact("> ")
+    child.sendline("/reset")
+    child.expect_exact("(conversation forgotten)")
+    _, (_, _, prompt2, computed2) = _turn(child, "the other one")
+    assert prompt2 == prompt and int(computed2) < int(prompt)
+    child.expect_exact("> ")
+    child.sendline("/clear")
+    child.expect_exact("(conversation and KV cache cleared; the system prompt stays)")
+    _, (_, _, prompt3, computed3) = _turn(child, "the other one")
+    assert prompt3 == prompt and computed3 == prompt3
+    child.expect_exact("> ")
+    child.sendline("/x")
+    child.expect_exact("unknown command /x\r\n/reset ")
+    child.expect_exact("/clear ")
+    child.expect_exact("> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_think_on_a_template_without_the_switch_is_a_warning_and_the_chat_goes_on(converted):
+    model = converted("q4_0")
+    args = ["run", str(model), "--chat", "-p", "the other one", "-n", "4", "--seed", "5"]
+    switched = CliRunner().invoke(main, [*args, "--no-think"])
+    assert switched.exit_code == 0, switched.output
+    warned = [line for line in switched.stderr.splitlines() if line.startswith("moepass: warning: ")]
+    assert warned == [f"moepass: warning: {model / 'tokenizer_config.json'}: this chat template has no thinking "
+                      "switch; --no-think is ignored"], switched.stderr
+    assert switched.stdout == CliRunner().invoke(main, args).stdout
+    chat = CliRunner().invoke(main, ["chat", str(model), "--think"], input="/exit\n")
+    assert chat.exit_code == 0 and "--think is ignored" in chat.stderr, chat.output

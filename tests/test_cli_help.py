@@ -65,3 +65,34 @@ def test_the_commands_are_listed_in_pipeline_order_with_whole_summaries():
     order = ["convert", "inspect", "profile", "partition", "run", "chat", "serve", "bench"]
     assert [c for c in listed if c in order] == order and set(listed) >= set(order), listed
     assert "..." not in text.split("Commands:")[1]
+
+
+def test_convert_help_says_what_each_expert_format_is_and_exact_reads_as_a_sentence():
+    from moepass.core.choices import EXPERT_FORMATS
+
+    params = {p.name: p for p in main.commands["convert"].params}
+    said = params["expert_format"].help or ""
+    assert all(f"{name}: " in said for name in EXPERT_FORMATS), said
+    exact = params["exact"].help or ""
+    assert "exact exact" not in exact and "bit-exactly exact" not in exact, exact
+
+
+def test_partition_host_bandwidth_shows_its_default_as_the_others_do(monkeypatch):
+    """`[default: 60]`, not `[default: (60)]`; still None to partition where not given (the estimate
+    then names only the figures given), the figure where given."""
+    import importlib
+
+    from moepass.core.choices import Bandwidths
+
+    module = importlib.import_module("moepass.partition")
+    result = CliRunner().invoke(main, ["partition", "-h"], prog_name="moepass", terminal_width=200)
+    line = next(line for line in result.stdout.splitlines() if "--host-bandwidth" in line)
+    assert "[default: 60]" in line and "(60)" not in result.stdout, line
+    seen = []
+    monkeypatch.setattr(module, "partition", lambda *a, **k: seen.append(k["bandwidths"]) or 1 / 0)
+    for extra in ([], ["--host-bandwidth", "30"], ["--gpu-bandwidth", "500"]):
+        CliRunner().invoke(main, ["partition", "m", "--vram", "8G", *extra])
+    default, host, gpu = seen
+    assert default.host == 60 and default.source == Bandwidths().source
+    assert host.host == 30 and host.source == default.source
+    assert gpu.host == 60 and gpu.source == "from --gpu-bandwidth", gpu

@@ -124,6 +124,69 @@ def test_progress_without_a_terminal_is_lines_with_rate_and_time_left(make_gguf,
     assert "profiling prompts: 1 of 1 prompts (100%)" in profiled.stderr
 
 
+def test_the_cache_conversion_reports_to_a_log_too(make_gguf, tmp_path, monkeypatch):
+    """`moepass run FILE.gguf` with stderr a log: the cache's conversion says how far it is (a line
+    every LOG_EVERY seconds, here every report), not nothing for minutes."""
+    from moepass.cli import _Progress
+
+    monkeypatch.setattr(_Progress, "LOG_EVERY", 0.0)
+    monkeypatch.setenv("MOEPASS_CACHE", str(tmp_path / "cache"))
+    said = _ok(["run", str(make_gguf("q4_0")), "--prompt-ids", "1,2", "-n", "2"]).stderr.splitlines()
+    lines = [line for line in said if line.startswith("converting q4_0.gguf: ")]
+    assert len(lines) > 2 and lines[-1].endswith(", done") and "(100%)" in lines[-1], said
+    assert said.index(lines[-1]) < next(i for i, line in enumerate(said) if "converted with the defaults" in line)
+
+
+def test_the_terminal_bar_ends_its_line_at_its_last_update(monkeypatch):
+    """After the bar's last update the next message starts on a line of its own; close() after it
+    (the callers' finally) ends nothing twice, and a report of the whole again draws no second bar."""
+    import io
+
+    from moepass.cli import _Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    progress = _Progress("writing weights", enabled=True)
+    for done in (0, 4 << 20, 8 << 20):
+        progress(done, 8 << 20)
+    terminal.write("next message\n")
+    progress(8 << 20, 8 << 20)
+    progress.close()
+    text = terminal.getvalue()
+    assert "writing weights" in text and text.endswith("\nnext message\n"), repr(text)
+    assert text.count("\n") == 2, repr(text)
+
+
+def test_a_path_that_does_not_exist_is_worded_one_way_everywhere(converted, tmp_path):
+    """`moepass run FILE.ggu` (a typo) says what convert, inspect and the rest say of a missing path:
+    "PATH: no such file or directory", the Python API too (not "no such model ... convert first")."""
+    import moepass
+
+    model = str(converted("q4_0"))
+    for args in (["run", "{}.ggu", "-p", "hi"], ["run", "{}", "--prompt-ids", "1"], ["chat", "{}"],
+                 ["bench", "{}"], ["convert", "{}.gguf", "-o", str(tmp_path / "o")],
+                 ["convert", "{}.onnx", "-o", str(tmp_path / "o")], ["inspect", "{}.gguf"],
+                 ["partition", "{}.gguf", "--vram", "1G"], ["profile", "{}", "--prompt-ids", "1", "-o", "p.json"],
+                 ["run", model, "-p", "hi", "--speculative", "draft:{}"],
+                 ["partition", model, "--vram", "1G", "--profile", "{}.json", "-o", str(tmp_path / "o")]):
+        missing = str(tmp_path / "nope")
+        given = [a.format(missing) for a in args]
+        said = _fails(given).strip().splitlines()
+        (path,) = [a.removeprefix("draft:") for a in given if missing in a]
+        assert said[-1] == f"moepass: error: {path}: no such file or directory", (given, said)
+        assert len(said) == 1 or "--speculative" in given, said  # a draft: once the model itself loads
+    for call in (lambda: moepass.load(tmp_path / "nope.ggu"), lambda: moepass.inspect(tmp_path / "nope")):
+        with pytest.raises(moepass.MoepassError, match=r"nope(\.ggu)?: no such file or directory$"):
+            call()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"{empty}: not a converted model (no model.onnx in it" in _fails(["run", str(empty), "-p", "hi"])
+
+
 def test_folder_messages_say_what_the_folder_is(make_gguf, converted, tmp_path):
     import shutil
 

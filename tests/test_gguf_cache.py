@@ -393,3 +393,15 @@ def test_a_group_writable_cache_folder_of_the_users_own_group_is_used(gguf, tmp_
     assert (result.exit_code == 0) == own, result.output
     if not own:
         assert "writable by other users and not sticky" in result.stderr
+
+
+def test_the_cache_line_says_the_entrys_bytes_beside_the_files(gguf, cache):
+    """Converted and reused alike: "N GiB for a M GiB file, R.RRx" (format_bytes, the summaries' own)."""
+    from moepass.core.choices import format_bytes
+
+    for result, said in ((_run(gguf), "converted with the defaults"), (_run(gguf), "using its conversion")):
+        (entry,) = _entries(cache)
+        held, size = sum(p.lstat().st_size for p in (cache / entry).iterdir()), gguf.stat().st_size
+        sizes = f"{format_bytes(held)} for a {format_bytes(size)} file, {held / size:.2f}x"
+        (line,) = [line for line in result.stderr.splitlines() if said in line]
+        assert sizes in line, line

@@ -717,6 +717,48 @@ def test_killed_conversion_is_swept_by_the_next(slow_gguf, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["out"], os.listdir(tmp_path)
 
 
+def test_leftovers_of_killed_runs_are_swept_and_said_never_a_live_or_foreign_one(make_gguf, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """Every atomic write starts by removing the temporaries of its destination that a killed run left
+    (process gone, the user's own), one line each with its bytes; one whose process runs stays, and so
+    does one of another user's (seen here through a uid not the owner's)."""
+    import subprocess
+
+    from moepass import atomic
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        dead = tmp_path / f".out.tmp-{ended.pid}-abc"
+        (dead / "sub").mkdir(parents=True)
+        (dead / "model.onnx.data").write_bytes(b"x" * 1000)
+        (dead / "sub" / "f").write_bytes(b"y" * 24)
+        live = tmp_path / f".out.tmp-{running.pid}-def"
+        live.mkdir()
+        other = tmp_path / f".p.json.tmp-{ended.pid}-ghi"
+        other.write_bytes(b"z" * 10)
+        result = CliRunner().invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out"), "-q"])
+        assert result.exit_code == 0, result.output
+        said = [line for line in result.stderr.splitlines() if "leftover" in line]
+        assert said == [f"moepass: warning: removed a leftover of a killed run: {dead} (1,024 bytes)"], result.stderr
+        assert not dead.exists() and live.is_dir() and other.is_file()
+        real_uid = os.getuid()
+        with monkeypatch.context() as m:  # the leftover, as another user would see it: kept
+            m.setattr(atomic.os, "getuid", lambda: real_uid + 1)
+            with atomic.atomic_file(tmp_path / "p.json") as tmp:
+                tmp.write_text("{}")
+        assert other.is_file()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="moepass"), atomic.atomic_file(tmp_path / "p.json", True) as tmp:
+            tmp.write_text("{}")  # from Python: the same line, through the logger "moepass"
+        assert not other.exists() and live.is_dir()
+        assert [r.getMessage() for r in caplog.records] == [f"removed a leftover of a killed run: {other} (10 bytes)"]
+    finally:
+        running.kill()
+        running.wait()
+
+
 def test_output_appearing_meanwhile_is_not_replaced(make_gguf, tmp_path, monkeypatch):
     """Two runs to the same -o: the one that finishes second refuses at the rename."""
     convert_module = importlib.import_module("moepass.convert")

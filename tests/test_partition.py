@@ -281,7 +281,7 @@ def test_bad_input(tmp_path, converted, popularity):
     cases = [
         (["--vram", "8G", "--profile", str(tmp_path / "other.json")], "measured on another model"),
         (["--vram", "8 gigs"], "--vram '8 gigs' is not a size"),
-        (["--vram", "8G", "--profile", str(tmp_path / "missing.json")], "missing.json: cannot read"),
+        (["--vram", "8G", "--profile", str(tmp_path / "missing.json")], "missing.json: no such file or directory"),
         (["--vram", "8G", "--policy", "global"], "needs a popularity profile"),
         (["--vram", "8G", "--report", str(tmp_path / "plan.svg")], "name it *.png"),
     ]
@@ -292,7 +292,7 @@ def test_bad_input(tmp_path, converted, popularity):
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert not out.exists() and not list(tmp_path.glob(".out.*"))
     result = runner.invoke(main, ["partition", str(tmp_path / "nothing"), "-o", str(out), "--vram", "1G"])
-    assert result.exit_code == 2 and "no such model" in result.stderr
+    assert result.exit_code == 2 and "nothing: no such file or directory" in result.stderr
 
 
 def test_same_input_same_files(tmp_path, converted, popularity):

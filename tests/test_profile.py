@@ -173,5 +173,5 @@ def test_cli_profile_errors(tmp_path, converted):
     result = runner.invoke(main, ["profile", str(converted("q4_0")), "--prompt-ids", "1,5000", "-o", str(out), "-q"])
     assert result.exit_code == 2 and "token id 5000 is outside the vocabulary" in result.stderr
     result = runner.invoke(main, ["profile", str(tmp_path), "--prompt-ids", "1", "-o", str(out), "-q"])
-    assert result.exit_code == 2 and "no such model" in result.stderr
+    assert result.exit_code == 2 and "not a converted model (no model.onnx in it" in result.stderr
     assert not out.exists() and not list(tmp_path.glob(".p.json.tmp-*"))

@@ -367,7 +367,7 @@ def test_required_layer_plan_refuses_a_cpu_fallback():
 def test_device_and_plugin_errors(converted, tmp_path, monkeypatch):
     with pytest.raises(moepass.MoepassError, match="device='cuda' but no CUDA EP is available"):
         load(converted("q4_0"), device="cuda")
-    with pytest.raises(moepass.MoepassError, match="nope.so: no such CUDA plugin EP library"):
+    with pytest.raises(moepass.MoepassError, match=r"nope.so: no such file or directory \(the CUDA plugin EP library\)"):
         load(converted("q4_0"), cuda_plugin=str(tmp_path / "nope.so"))
     junk = tmp_path / "libjunk.so"
     junk.write_bytes(b"not a shared library")

@@ -8,8 +8,12 @@ line; anything it does not recognize is a bug in moepass and keeps its traceback
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import errno
 import json
+from collections.abc import Iterator
 
 # errnos that mean "the destination cannot take what is written", whoever the writer was
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
@@ -17,6 +21,43 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 class MoepassError(Exception):
     """Bad input or an impossible request, with a one-line message for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Wording:
+    """How a message names the way out that its caller offers: the Python API's keywords (the
+    default), or the command line's flags where the CLI is the caller (moepass.cli runs every command
+    `worded_as(CLI_WORDING)`). `overwrite`: what replaces an existing output; `output`: what names it."""
+
+    overwrite: str = "overwrite=True"
+    output: str = "output path"
+
+
+API_WORDING = Wording()
+CLI_WORDING = Wording(overwrite="--force", output="-o")
+_WORDING: contextvars.ContextVar[Wording] = contextvars.ContextVar("moepass_wording", default=API_WORDING)
+
+
+def wording() -> Wording:
+    """The caller's wording: the CLI's within `worded_as(CLI_WORDING)`, else the Python API's."""
+    return _WORDING.get()
+
+
+@contextlib.contextmanager
+def worded_as(words: Wording) -> Iterator[None]:
+    """Messages raised within the block name the ways out as `words` does."""
+    token = _WORDING.set(words)
+    try:
+        yield
+    finally:
+        _WORDING.reset(token)
+
+
+def no_such_path(path: object, what: str = "") -> MoepassError:
+    """The one line for a path given that does not exist, whatever was to be there (a model folder,
+    a GGUF, a file an option names) and whichever command or API call was given it: "PATH: no such
+    file or directory", and `what` the path was for, where said."""
+    return MoepassError(f"{path}: no such file or directory" + (f" ({what})" if what else ""))
 
 
 def first_line(exc: BaseException) -> str:
@@ -32,6 +73,8 @@ def expected_failure(exc: BaseException) -> str | None:
     """The one-line message for a failure bad input or the environment can cause, or None for a bug."""
     if isinstance(exc, MoepassError):
         return first_line(exc)
+    if isinstance(exc, FileNotFoundError) and exc.filename is not None:
+        return first_line(no_such_path(exc.filename))
     if isinstance(exc, OSError):
         where = exc.filename if exc.filename is not None else "a file"
         return f"{where}: {exc.strerror or first_line(exc)}"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moepass.core.choices import ACTIVATION_MODES, PASS_NAMES
-from moepass.core.errors import MoepassError, first_line
+from moepass.core.errors import MoepassError, first_line, no_such_path
 from moepass.core.onnx_format import stamp
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ LOGITS_TO_KEEP = "logits_to_keep"
 def model_file(model_dir: str | os.PathLike) -> Path:
     """The model.onnx of a model directory (or the path itself when it names a file), which must exist."""
     path = Path(model_dir)
+    if not path.exists():
+        raise no_such_path(path)
     if path.is_dir() and not (path / MODEL_FILE).is_file():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         others = sorted(p.name for p in path.glob("*.onnx"))
@@ -53,9 +55,10 @@ def model_file(model_dir: str | os.PathLike) -> Path:
             )
         if others:
             raise MoepassError(f"{path}: has no {MODEL_FILE}; it holds {', '.join(others[:3])}: give that file's path")
+        raise MoepassError(f"{path}: not a converted model (no {MODEL_FILE} in it; `moepass convert` makes one)")
     path = path / MODEL_FILE if path.is_dir() else path
     if not path.is_file():
-        raise MoepassError(f"{path}: no such model (run `moepass convert` first)")
+        raise MoepassError(f"{path}: not a converted model (not a file or folder moepass reads)")
     from moepass.core.gguf_reader import is_gguf
 
     if is_gguf(path):
@@ -233,6 +236,8 @@ def read_text(path: Path) -> str:
     """A UTF-8 text file's contents; an unreadable file is a clear error naming it."""
     try:
         return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise no_such_path(path) from None
     except OSError as e:
         raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
     except UnicodeDecodeError:
@@ -246,6 +251,8 @@ def read_json(path: Path, what: str | None = None) -> Any:
 
     try:
         return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise no_such_path(path) from None
     except OSError as e:
         raise MoepassError(f"{path}: cannot read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

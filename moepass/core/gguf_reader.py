@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, no_such_path
 from moepass.core.quants import has_non_finite
 
 GGUF_MAGIC = b"GGUF"
@@ -280,8 +280,10 @@ _NUMPY_SHORT_READ = re.compile(
 
 
 def _open_part(path: Path) -> _CheckedReader:
+    if not path.exists():
+        raise no_such_path(path)
     if not path.is_file():
-        raise MoepassError(f"{path}: no such file")
+        raise MoepassError(f"{path}: not a file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:

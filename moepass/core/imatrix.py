@@ -18,15 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, no_such_path
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.quants import dequantize
 
 
 def load_imatrix(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     path = Path(path)
+    if not path.exists():
+        raise no_such_path(path, "the importance matrix")
     if not path.is_file():
-        raise MoepassError(f"{path}: no such importance matrix file")
+        raise MoepassError(f"{path}: not an importance matrix file (not a file)")
     return _from_gguf(path) if is_gguf(path) else _from_dat(path)
 
 
