@@ -95,6 +95,7 @@ class PartitionResult:
     options: dict[str, str]
     warnings: list[str]
     weights: str = "rewritten"  # how model.onnx.data came to be: rewritten, or the source's shared (hard link, ...)
+    report: Path | None = None  # the plan's picture, where one was asked for
 
     def summary_lines(self) -> list[str]:
         plan = self.plan
@@ -147,13 +148,7 @@ class PartitionResult:
             ),
             f"  GPU hit rate     {pred.gpu_hit_rate_by_mass:.1%} of routing mass, "
             f"{pred.gpu_hit_rate_by_selection:.1%} of selections ({pred.based_on})",
-            f"  decode estimate  {decode.cold_experts_on_cpu:.3g} ms/token with cold "
-            f"experts on the CPU, {decode.cold_experts_over_pcie:.3g} ms/token over PCIe "
-            + (
-                "(GPU side from the bandwidths, CPU side timed here)"
-                if pred.cpu
-                else "(bandwidth model, not a measurement)"
-            ),
+            _decode_estimate(plan.target, decode, timed=pred.cpu is not None),
             f"  GPU figures      {bandwidth.get('gpu', 0):g} GB/s, link {bandwidth.get('pcie', 0):g}"
             f" GB/s ({pred.bandwidths_from or 'given'}); a step at least {pred.gpu_step_floor_ms:.3g} ms "
             "(launches of its GPU nodes and a synchronisation, assumed)",
@@ -165,6 +160,8 @@ class PartitionResult:
                 "rate timed on this model)"
             )
         lines.append(f"  weights          {self.weights}")
+        if self.report is not None:
+            lines.append(f"  picture          {self.report} (the plan: popularity, residency and the budget)")
         other = pred.per_expert_alternative
         if other:
             lines.append(
@@ -174,6 +171,18 @@ class PartitionResult:
                 "onnxruntime 1.32 with that EP only; onnxruntime-gpu 1.31.1 refuses its form)"
             )
         return lines
+
+
+def _decode_estimate(target: str, decode: Any, timed: bool) -> str:
+    """The summary's decode estimate: under --target layers the one the plan runs (its CPU layers on
+    the CPU); for expert offload both ways a cold expert may be served."""
+    how = "GPU side from the bandwidths, CPU side timed here" if timed else "bandwidth model, not a measurement"
+    if target == "layers":
+        return f"  decode estimate  {decode.cold_experts_on_cpu:.3g} ms/token (the plan's CPU layers on the CPU; {how})"
+    return (
+        f"  decode estimate  {decode.cold_experts_on_cpu:.3g} ms/token with cold experts on the CPU, "
+        f"{decode.cold_experts_over_pcie:.3g} ms/token over PCIe ({how})"
+    )
 
 
 def _plan_document(
@@ -500,7 +509,8 @@ def partition(
 
             with atomic_file(options.report, overwrite) as picture:
                 draw_plan(placed, request.popularity, picture)
-    return PartitionResult(output_dir, placed, placement.options, placement.warnings(), weights_how)
+    report = Path(options.report) if options.report is not None else None
+    return PartitionResult(output_dir, placed, placement.options, placement.warnings(), weights_how, report)
 
 
 def _check_outputs(

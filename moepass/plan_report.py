@@ -107,7 +107,13 @@ def plan_figure(plan: PlanReport, popularity: Popularity | None):
     ax.legend(
         handles=[marker], loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, frameon=False, borderaxespad=0.2
     )
-    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="routing mass x experts (log)")
+    fig.colorbar(
+        image,
+        ax=ax,
+        fraction=0.03,
+        pad=0.01,
+        label="popularity: share of the layer's routing mass x its experts (1 = average; log scale)",
+    )
 
     bar = fig.add_subplot(grid[1])
     mem = plan.memory
@@ -120,10 +126,14 @@ def plan_figure(plan: PlanReport, popularity: Popularity | None):
         ("resident experts", mem.resident_expert_bytes, "#ccb974"),
         ("free", mem.free_bytes, "#dddddd"),
     ]
+    # a segment under 1 % of the budget drawn at 1 %, so that a small KV cache or reserve is seen
+    # (its legend keeps its size); the rest keep their own widths, the budget line its place
+    least = 0.01 * mem.vram_bytes / scale
     left = 0.0
     for label, size, color in parts:
-        bar.barh(0, size / scale, left=left, color=color, label=f"{label} {size / scale:.2f} {unit}")
-        left += size / scale
+        width = max(size / scale, least) if size else 0.0
+        bar.barh(0, width, left=left, color=color, label=f"{label} {size / scale:.2f} {unit}", edgecolor="white")
+        left += width
     bar.axvline(mem.vram_bytes / scale, color="black", linestyle="--", linewidth=1)
     bar.set_yticks([])
     bar.set_xlabel(

@@ -420,6 +420,34 @@ def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, conv
     assert "INACTIVE" not in title and "of routing mass on the GPU" in title
 
 
+def test_the_summary_names_the_picture_and_the_estimate_that_applies(tmp_path, converted, popularity):
+    """partition says which picture it wrote; a per-layer plan prints the one decode estimate it runs
+    (its CPU layers on the CPU), not the PCIe one of expert offload; in the picture a KV cache of a
+    fraction of a percent of the budget is still a visible segment, and the colour bar says what
+    the colours are."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from moepass.plan_report import plan_figure
+
+    picture = tmp_path / "plan.png"
+    result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--vram", "8G", "--target", "layers",
+                                       "--no-calibrate", "-o", str(tmp_path / "placed"), "--report", str(picture)])
+    assert result.exit_code == 0, result.output
+    assert f"picture          {picture}" in result.stdout and picture.is_file()
+    estimate = next(line for line in result.stdout.splitlines() if "decode estimate" in line)
+    assert "over PCIe" not in estimate and "CPU layers on the CPU" in estimate
+    placed = partition(converted("q4_0"), tmp_path / "p2", "8G", profile=popularity, target="layers",
+                       calibrate=False)
+    figure = plan_figure(placed.plan, popularity)
+    bar = figure.axes[-1]
+    kv = next(p for p, label in zip(bar.patches, (t.get_text() for t in bar.get_legend().get_texts()))
+              if label.startswith("KV cache"))
+    assert placed.plan.memory.kv_cache_bytes < 0.01 * placed.plan.memory.vram_bytes
+    assert kv.get_width() >= 0.01 * placed.plan.memory.vram_bytes / 2**30 * 0.99  # GiB units at an 8 GiB budget
+    assert "1 = average" in figure.axes[1].get_ylabel()
+
+
 @pytest.mark.parametrize("hidden,expert_ff,preset", [(96, 64, "q4_0"), (160, 96, "q8_0"), (200, 136, "f32"),
                                                      (72, 40, "f32")])
 def test_a_model_whose_sizes_the_gpu_kernel_does_not_divide_partitions(hidden, expert_ff, preset, tmp_path):
