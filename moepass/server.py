@@ -458,7 +458,9 @@ class ModelServer:
         finally:
             self._waiting -= 1
 
-    async def answer(self, prompt_ids: list[int], body: dict, disconnected: Callable) -> AsyncGenerator[tuple, None]:
+    async def answer(
+        self, prompt_ids: list[int], body: dict, disconnected: Callable, request_line: str = ""
+    ) -> AsyncGenerator[tuple, None]:
         """Yields ("piece", text, stream) as the answer comes, then ("end", stream). Waits its turn in the
         queue (503 when it is full); stops when `disconnected()` says the client went away. The
         metrics count each generation once: at its end, or (a client that left) on the worker
@@ -490,6 +492,8 @@ class ModelServer:
                 yield "piece", piece, stream
             if finished:
                 self.metrics.record(stream)
+                if request_line:
+                    self.echo(_served_line(request_line, len(prompt_ids), stream))
                 yield "end", stream
         finally:
             if pieces is not None:  # closed on the worker thread, after any step still running there
@@ -778,6 +782,17 @@ class OneLine:
                     pass
 
 
+def _served_line(request_line: str, prompt_tokens: int, stream: Any) -> str:
+    """The log's line for a request answered, as llama-server logs one: method, path, status, tokens
+    and milliseconds."""
+    prompt_ms, generation_ms = 1e3 * stream.prompt_seconds, 1e3 * stream.generation_seconds
+    cached = prompt_tokens - stream.prefilled_tokens
+    return (
+        f"{request_line} 200: {prompt_tokens} prompt tokens ({cached} cached) in {prompt_ms:.0f} ms, "
+        f"{stream.completion_tokens} generated in {generation_ms:.0f} ms"
+    )
+
+
 class RequireKey:
     """The API key, checked before any endpoint but /health: the Authorization header must be
     `expected` ("Bearer KEY"). Plain ASGI: Starlette's BaseHTTPMiddleware would pass every streamed
@@ -879,7 +894,7 @@ class Endpoints:
     ) -> tuple[AsyncGenerator[tuple, None], tuple]:
         """The answer and its first event: the request's own errors (queue full, bad fields) come
         before any byte is sent."""
-        answer = self.server.answer(prompt, body, request.is_disconnected)
+        answer = self.server.answer(prompt, body, request.is_disconnected, f"{request.method} {request.url.path}")
         return answer, await anext(answer)
 
     async def respond(self, request: "Request", chat: bool) -> Any:

@@ -7,6 +7,7 @@ server must still answer."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import statistics
@@ -596,10 +597,25 @@ def test_a_looping_chat_template_is_stopped_and_the_server_stays_free(converted,
 
 
 def test_the_server_log_holds_no_traceback(server):
-    """Every failed request of this module (bad input, clients that left) is a line, not a traceback."""
+    """Every failed request of this module (bad input, clients that left) is a line, not a traceback
+    (one refused here, so that the line is there in any order)."""
+    assert httpx.post(f"{server.base}/v1/chat/completions", content=b"{nope", timeout=60).status_code == 400
     log = server.log.read_text()
     assert "Traceback" not in log
     assert "request refused: POST /v1/chat/completions: 400 the request body is not JSON" in log
+
+
+def test_each_answered_request_is_one_log_line(server, model):
+    """As llama-server logs a request: method, path, status, tokens (the cached ones among the
+    prompt's) and milliseconds, one line for each generation answered."""
+    before = server.log.read_text().count("\n")
+    answer = httpx.post(f"{server.base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2},
+                        timeout=60).json()
+    lines = server.log.read_text().splitlines()[before:]
+    served = [line for line in lines if line.startswith("POST /v1/completions 200: ")]
+    assert len(served) == 1, lines
+    assert re.search(rf"3 prompt tokens \(\d+ cached\) in \d+ ms, {answer['usage']['completion_tokens']} generated "
+                     r"in \d+ ms$", served[0]), served[0]
 
 
 def test_fuzzed_requests_are_answered_4xx_or_200_never_500(model):
