@@ -2,8 +2,9 @@
 activations), keep llama.cpp's fidelity to the unquantized model, by the measure llama.cpp users
 judge quantizations with (`llama-perplexity --kl-divergence`): on held-out token windows, the mean
 KL divergence of the next-token distribution from the F32 model's is at most RATIO_BOUND times
-llama.cpp's on the same file, and the F32 model's most likely token comes first at least as often as
-in llama.cpp's run, less TOP_MARGIN.
+llama.cpp's on the same file, the whole 90 % bootstrap interval of the ratio (over windows) at or
+below it, and the F32 model's most likely token comes first at least as often as in llama.cpp's
+run, less TOP_MARGIN.
 
 Two models made differently (tests/conftest.py): "markov", fixtures/train_fixture.py (a qwen3moe
 trained on a synthetic Markov language, written by moepass's fixture writer) and "text",
@@ -36,17 +37,24 @@ points below llama.cpp's (text Q4_K_M: 8 of 2,032 positions), where TOP_MARGIN a
 A 2-core AMD EPYC with AVX-512 (2026-12-01) trains both fixtures into other bytes than the Xeon
 does, whatever the kernel pins (ATen's capability, MKL_CBWR, MKL_ENABLE_INSTRUCTIONS,
 ONEDNN_MAX_CPU_ISA: each tried, the same other bytes; the operator that differs is not found).
-On its fixtures two figures fall outside the bounds by their point values alone, within their
-own noise: markov Q6_K 1.404x [90 %: 0.975, 1.995] (the same file converted bit-exactly: 1.151x
-[0.77, 1.81]: the markov model's KLD is ~3e-5, carried by a few windows), and text Q4_0's same
-top 0.54 points below llama.cpp's (12 positions only llama.cpp's run ranks first against 1 only
-ours does, of 2,032; Q4_0's weights move bit-exactly, the difference is the int8 activations'
-rounding and the Q6_K output matrix requantized to int8 block 128: block 32 leaves 9 against 1,
-the exact block 16 4 against 1). So each bound holds as measured with its own error: a mean KLD
-ratio above RATIO_BOUND fails only where llama.cpp's is significantly lower (the 90 % interval's
-low end above 1), and a same-top shortfall only beyond TOP_MARGIN plus twice the standard
-deviation of the positions one side ranks first and the other not (sqrt of their count, were both
-sides equally good).
+On its fixtures markov Q6_K measured 1.404x [90 %: 0.975, 1.995] over the first 8 windows (the
+markov model's KLD is ~3e-5, carried by a few windows), and text Q4_0's same top 0.54 points below
+llama.cpp's (12 positions only llama.cpp's run ranks first against 1 only ours does, of 2,032;
+Q4_0's weights move bit-exactly, the difference is the int8 activations' rounding and the Q6_K
+output matrix requantized to int8 block 128: block 32 leaves 9 against 1, the exact block 16 4
+against 1).
+
+So the ratio's bound holds on its upper interval, with as many windows as it takes to decide:
+where the first windows leave the interval across RATIO_BOUND, the test takes twice the windows
+(the markov sampler's next ones, the held-out text read further), up to MAX_WINDOWS, and fails
+above it; where even MAX_WINDOWS leave it across, the ratio over all of them (8,128 positions)
+decides. On a 2-core AMD EPYC (AVX2, 2026-12-06, the EPYC fixtures): markov Q6_K decides at 64
+windows, 1.000x [0.953, 1.060]; markov Q4_K_M at 16, 1.030x [0.993, 1.064]; the other markov types
+at 8 (the largest, Q2_K 1.035x [1.000, 1.052]); every text type at 16 (the largest, IQ2_XXS 1.020x
+[1.010, 1.031]) but Q6_K, undecided at 64: 1.073x [1.024, 1.130] (its default form is int8 block
+128, requantized; `--exact` keeps the file's own blocks). A same-top shortfall fails only beyond
+TOP_MARGIN plus twice the standard deviation of the positions one side ranks first and the other
+not (sqrt of their count, were both sides equally good).
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ pytestmark = pytest.mark.llama
 
 FILE_TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0", "IQ4_XS", "MXFP4_MOE", "Q2_K", "IQ2_XXS", "IQ1_S"]
 RATIO_BOUND, TOP_MARGIN = 1.1, 0.005
+MAX_WINDOWS = {"markov": 64, "text": 64}  # where an undecided interval stops growing (and fails)
 # sha256 of the trained fixtures (the markov one at train_fixture.STEPS); the text one is of this
 # Python's documentation topics, so it is held only on the version it was measured with
 # the fixtures' bytes where the bounds were measured: the Xeon's, then the AMD EPYC's (see above)
@@ -74,31 +83,73 @@ TEXT_DIGESTS = {(3, 11): ("a32338ed50c14ff0d9744562e23d9392dbc26f561861eb8cbf795
                           "2b3cf5bc191e11554cc56f0c303678f8da612a524a5c5ffebe5d9cc2252860ec")}
 
 
+class Windows:
+    """A trained model's held-out windows and llama.cpp's logits of its F32 model on them, the first
+    `count` of as many as a test asks for (each set a prefix of the next: the same sampler, or the
+    held-out text read further)."""
+
+    def __init__(self, model: str, source, first: list[list[int]]):
+        self.model, self.source, self.ids = model, source, list(first)
+        self.reference = llama_window_logits(source, self.ids)
+
+    def upto(self, count: int) -> list[list[int]]:
+        if count > len(self.ids):
+            if self.model == "markov":
+                import train_fixture
+
+                more = train_fixture.heldout_windows(count)
+            else:
+                import hf_fixture
+
+                more = hf_fixture.heldout_ids(self.source.parent / "checkpoint", count)
+            assert more[: len(self.ids)] == self.ids, "held-out windows are not a prefix of more of them"
+            self.reference += llama_window_logits(self.source, more[len(self.ids):])
+            self.ids = more
+        return self.ids[:count]
+
+
 @pytest.fixture(scope="module")
-def references(trained_models):
-    """name -> llama.cpp's logits of the F32 model on each window."""
-    return {name: llama_window_logits(source, windows) for name, (source, _, windows) in trained_models.items()}
+def windows(trained_models):
+    """name -> its Windows."""
+    return {name: Windows(name, source, first) for name, (source, _, first) in trained_models.items()}
 
 
 @pytest.mark.parametrize("model", ["markov", "text"])
 @pytest.mark.parametrize("file_type", FILE_TYPES)
-def test_trained_model_keeps_llama_cpps_fidelity(file_type, model, trained_models, references, tmp_path):
-    source, imatrix, windows = trained_models[model]
+def test_trained_model_keeps_llama_cpps_fidelity(file_type, model, trained_models, windows, tmp_path):
+    """The mean KLD ratio's 90 % interval lies at or below RATIO_BOUND: where the first windows
+    leave it undecided (its high end above, its low end not), twice the windows, up to
+    MAX_WINDOWS; above it fails, and still undecided there the ratio over all of them decides."""
+    source, imatrix, first = trained_models[model]
     path = tmp_path / f"{file_type}.gguf"
     assert llama_quantize(source, path, file_type, imatrix), f"llama.cpp refused {file_type}"
-    reference = references[model]
-    theirs = llama_window_logits(path, windows)
-    ours = moepass_window_logits(convert(path, tmp_path / "onnx", echo=lambda line: None).output_dir, windows)
-    ratio, low, high = kld_ratio(reference, ours, theirs)
-    our_quality, their_quality = (next_token_quality(reference, logits, windows) for logits in (ours, theirs))
-    assert ratio <= RATIO_BOUND or low <= 1, (
-        f"{model} {file_type}: mean KLD {ratio:.3f}x llama.cpp's [90 %: {low:.3f}, {high:.3f}]; ours {our_quality}, "
-        f"llama.cpp's {their_quality}")
+    onnx = convert(path, tmp_path / "onnx", echo=lambda line: None).output_dir
+    held_out = windows[model]
+    ids, theirs, ours = [], [], []
+    count = len(first)
+    while True:
+        new = held_out.upto(count)[len(ids):]
+        theirs += llama_window_logits(path, new)
+        ours += moepass_window_logits(onnx, new)
+        ids += new
+        reference = held_out.reference[: len(ids)]
+        ratio, low, high = kld_ratio(reference, ours, theirs)
+        if high <= RATIO_BOUND or low > RATIO_BOUND or count >= MAX_WINDOWS[model]:
+            break
+        count = min(2 * count, MAX_WINDOWS[model])
+    our_quality, their_quality = (next_token_quality(reference, logits, ids) for logits in (ours, theirs))
+    # decided: the interval at or below the bound; undecided at MAX_WINDOWS: the point estimate over
+    # all of them (8,128 positions) against it
+    decided = high <= RATIO_BOUND or (low <= RATIO_BOUND and count >= MAX_WINDOWS[model] and ratio <= RATIO_BOUND)
+    assert decided, (
+        f"{model} {file_type}: mean KLD {ratio:.3f}x llama.cpp's [90 %: {low:.3f}, {high:.3f}] over {len(ids)} "
+        f"windows; ours {our_quality}, llama.cpp's {their_quality}")
     only_ours, only_theirs = top_disagreements(reference, ours, theirs)
     noise = 2 * math.sqrt(only_ours + only_theirs) / our_quality.positions
     assert our_quality.top1 >= their_quality.top1 - TOP_MARGIN - noise, (
         f"{model} {file_type}: same top {our_quality.top1:.1%} against llama.cpp's {their_quality.top1:.1%} "
         f"({only_theirs} positions only llama.cpp ranks first, {only_ours} only ours)")
+    print(f"{model} {file_type}: {ratio:.3f}x [{low:.3f}, {high:.3f}] over {len(ids)} windows")
 
 
 def _digest(path) -> str:
