@@ -969,7 +969,8 @@ def serve(
     body_seconds: float,
     **options,
 ) -> None:
-    """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).
+    """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health) with
+    llama-server's own endpoints (/completion, /props, /slots, /metrics).
 
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from pathlib import Path
