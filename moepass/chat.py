@@ -74,11 +74,21 @@ def chat_loop(
         click.echo()
         if stream is None:  # interrupted before the first token
             continue
-        click.echo(
-            f"[{stopped}{stream.completion_tokens} tokens, {stream.completion_tokens / seconds:.1f} tokens/s; "
-            f"prompt {stream.prompt_tokens} tokens, {stream.prefilled_tokens} computed]",
-            err=True,
-        )
+        click.echo(_turn_speed(stream, seconds, stopped), err=True)
+
+
+def _turn_speed(stream, seconds: float, stopped: str) -> str:
+    """A turn's speed as llama-cli reports it: the tokens generated and their rate (the steps after
+    the first token), the prompt's tokens, those computed (the rest the cache held) and their time
+    and rate."""
+    n, generation_s, prompt_s = stream.completion_tokens, stream.generation_seconds, stream.prompt_seconds
+    rate = (n - 1) / generation_s if n > 1 and generation_s > 0 else n / seconds if seconds > 0 else 0.0
+    computed = stream.prefilled_tokens
+    prompt_rate = computed / prompt_s if prompt_s > 0 else 0.0
+    return (
+        f"[{stopped}{n} tokens, {rate:.1f} tokens/s; prompt {stream.prompt_tokens} tokens, {computed} computed in "
+        f"{prompt_s * 1e3:.0f} ms ({prompt_rate:.1f} tokens/s)]"
+    )
 
 
 def _command(text: str, conversation) -> bool:

@@ -18,7 +18,10 @@ from moepass.cli import main
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extra")
 
-STATS = re.compile(r"\[(stopped; )?(\d+) tokens, [\d.]+ tokens/s; prompt (\d+) tokens, (\d+) computed\]")
+# a turn's speed as llama-cli reports it: generated tokens and their rate, the prompt's tokens, those
+# computed, in ms and tokens/s
+STATS = re.compile(r"\[(stopped; )?(\d+) tokens, [\d.]+ tokens/s; prompt (\d+) tokens, (\d+) computed in \d+ ms "
+                   r"\([\d.]+ tokens/s\)\]")
 
 
 def _spawn(model: Path, *args: str):
