@@ -34,6 +34,21 @@ def _spawn(model: Path, *args: str):
     return child
 
 
+def _command(child, text: str, *replies: str) -> None:
+    """At the prompt, a /command, and what it answers, in order."""
+    child.expect_exact("> ")
+    child.sendline(text)
+    for reply in replies:
+        child.expect_exact(reply)
+
+
+def _exit(child) -> None:
+    _command(child, "/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
 def _turn(child, text: str) -> tuple[str, tuple]:
     child.expect_exact("> ")
     child.sendline(text)
@@ -56,16 +71,10 @@ def test_two_turns_reuse_the_cache_and_reset_forgets(converted):
     _, (_, _, prompt2, computed2) = _turn(child, "and then")
     assert int(prompt2) > int(prompt) + int(new)       # the history: first turn, answer, second turn
     assert int(computed2) < int(prompt2) - int(prompt)  # only what the cache did not hold
-    child.expect_exact("> ")
-    child.sendline("/reset")
-    child.expect_exact("(conversation forgotten)")
+    _command(child, "/reset", "(conversation forgotten)")
     _, (_, _, prompt3, _) = _turn(child, "the other one")
     assert int(prompt3) == int(prompt)
-    child.expect_exact("> ")
-    child.sendline("/exit")
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
+    _exit(child)
 
 
 def test_a_speculative_chat_answers_as_a_plain_one(converted):
@@ -143,25 +152,14 @@ def test_clear_empties_the_cache_keeps_the_system_prompt_and_an_unknown_command_
     child = _spawn(model, "--max-new-tokens", "4", "--seed", "5", "--system", "be brief")
     _, (_, _, prompt, computed) = _turn(child, "the other one")
     assert computed == prompt
-    child.expect_exact("> ")
-    child.sendline("/reset")
-    child.expect_exact("(conversation forgotten)")
+    _command(child, "/reset", "(conversation forgotten)")
     _, (_, _, prompt2, computed2) = _turn(child, "the other one")
     assert prompt2 == prompt and int(computed2) < int(prompt)
-    child.expect_exact("> ")
-    child.sendline("/clear")
-    child.expect_exact("(conversation and KV cache cleared; the system prompt stays)")
+    _command(child, "/clear", "(conversation and KV cache cleared; the system prompt stays)")
     _, (_, _, prompt3, computed3) = _turn(child, "the other one")
     assert prompt3 == prompt and computed3 == prompt3
-    child.expect_exact("> ")
-    child.sendline("/x")
-    child.expect_exact("unknown command /x\r\n/reset ")
-    child.expect_exact("/clear ")
-    child.expect_exact("> ")
-    child.sendline("/exit")
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
+    _command(child, "/x", "unknown command /x\r\n/reset ", "/clear ")
+    _exit(child)
 
 
 def test_think_on_a_template_without_the_switch_is_a_warning_and_the_chat_goes_on(converted):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -22,6 +21,7 @@ from click.testing import CliRunner
 
 from make_fixtures import LONG_DIMS
 from moepass.cli import main
+from support.serving import ServeProcess, free_port
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
 pytest.importorskip("fastapi", reason="moepass serve needs the serve extra")
@@ -33,40 +33,12 @@ SERVER_DEFAULTS = ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "
 UNCACHED = {"cache_prompt": False}  # a fresh KV cache: the prompt computed as `moepass run` computes it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: Path, log: Path, *args: str):
-        self.port = _free_port()
-        self.log = log
-        self.base = f"http://127.0.0.1:{self.port}"
-        # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository)
-        self.process = subprocess.Popen([sys.executable, "-m", "moepass.cli", "serve", str(model), "--port",
-                                         str(self.port), "--threads", "1", *args],
-                                        stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=model.parent,
-                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.process.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up:\n" + log.read_text()
-            time.sleep(0.1)
+class Server(ServeProcess):
+    """The server, and the openai client on it."""
 
     def client(self, **kwargs) -> "openai.OpenAI":
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
                              timeout=120, **kwargs)
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGINT)
-        return self.process.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +376,7 @@ def test_an_empty_api_key_is_refused_before_the_model_loads(model, monkeypatch, 
     import moepass.runtime
 
     monkeypatch.setattr(moepass.runtime, "load", lambda *a, **k: pytest.fail("the model loaded first"))
-    args = ["serve", str(model), "--port", str(_free_port())]
+    args = ["serve", str(model), "--port", str(free_port())]
     if how == "flag":
         result = CliRunner().invoke(main, [*args, "--api-key", ""])
     else:

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from make_fixtures import CHAT_TEMPLATE
+from support.serving import ServeProcess
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
 pytest.importorskip("fastapi", reason="moepass serve needs the serve extra")
@@ -34,34 +31,8 @@ TIMINGS = ("prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", 
            "predicted_per_token_ms", "predicted_per_second")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`moepass serve MODEL` in a subprocess, up once /health answers."""
-
-    def __init__(self, model: Path, log: Path):
-        self.port = _free_port()
-        self.log = log
-        self.base = f"http://127.0.0.1:{self.port}"
-        # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository)
-        self.process = subprocess.Popen([sys.executable, "-m", "moepass.cli", "serve", str(model), "--port",
-                                         str(self.port), "--threads", "1"],
-                                        stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=model.parent,
-                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.process.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up:\n" + log.read_text()
-            time.sleep(0.1)
+class Server(ServeProcess):
+    """The server, and llama-server's endpoints on it."""
 
     def post(self, path: str, body: dict) -> httpx.Response:
         return httpx.post(f"{self.base}{path}", json=body, timeout=120)
@@ -75,10 +46,6 @@ class Server:
         response = httpx.get(f"{self.base}{path}", timeout=60)
         assert response.status_code == 200, response.text
         return response
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGINT)
-        return self.process.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
