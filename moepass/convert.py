@@ -40,8 +40,8 @@ from moepass.core.choices import (
     FLOAT_EXPERT_CHOICES,
     KV_CACHE_TYPES,
     PASS_NAMES,
-    known_settings,
     one_of,
+    with_settings,
 )
 from moepass.core.errors import MoepassError
 from moepass.core.files import (
@@ -371,7 +371,7 @@ class ConvertOptions:
     def of(cls, options: ConvertOptions | None, settings: dict[str, Any]) -> ConvertOptions:
         """`options` (default: the defaults) with `settings` in place of its fields; an unknown name is
         refused, naming the nearest field."""
-        return dataclasses.replace(options or cls(), **known_settings(cls, "convert", settings))
+        return with_settings(cls, options, settings, "convert")
 
     def lowering(self) -> LowerOptions:
         """The lowering's options (the importance matrix read here)."""

@@ -41,9 +41,9 @@ from moepass.core.choices import (
     TARGETS,
     Bandwidths,
     format_bytes,
-    known_settings,
     one_of,
     parse_bytes,
+    with_settings,
 )
 from moepass.core.errors import MoepassError
 from moepass.core.files import (
@@ -463,7 +463,7 @@ class PartitionOptions:
     def of(cls, options: PartitionOptions | None, settings: dict[str, Any]) -> PartitionOptions:
         """`options` (default: the defaults) with `settings` in place of its fields; an unknown name is
         refused, naming the nearest field."""
-        return dataclasses.replace(options or cls(), **known_settings(cls, "partition", settings))
+        return with_settings(cls, options, settings, "partition")
 
 
 def partition(

@@ -10,10 +10,12 @@ import difflib
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from moepass.core import keys
 from moepass.core.errors import MoepassError
+
+T = TypeVar("T")
 
 
 def one_of(value: str, choices: Iterable[str], what: str) -> str:
@@ -248,13 +250,14 @@ class Sampling:
 LLAMA_SERVER = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 
-def known_settings(options: type, command: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """`settings` (keywords of `command`'s Python API), each the name of a field of the options
-    dataclass `options`; an unknown name is refused in one line, naming the nearest field."""
-    fields = sorted(f.name for f in dataclasses.fields(options))
+def with_settings(kind: type[T], options: T | None, settings: dict[str, Any], command: str) -> T:
+    """`options` (an instance of the options dataclass `kind`; default: its defaults) with
+    `settings`, keywords of `command`'s Python API, in place of its fields; an unknown name is
+    refused in one line, naming the nearest field."""
+    fields = sorted(f.name for f in dataclasses.fields(kind))  # type: ignore[arg-type]
     for name in settings:
         if name not in fields:
             near = difflib.get_close_matches(name, fields, n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
             raise MoepassError(f"{command}: no option {name!r}{hint}; its options: {', '.join(fields)}")
-    return settings
+    return dataclasses.replace(options or kind(), **settings)  # type: ignore[type-var]
