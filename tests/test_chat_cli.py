@@ -15,14 +15,9 @@ from click.testing import CliRunner
 
 from make_fixtures import LONG_DIMS
 from moepass.cli import main
+from support.turn_speed import TURN_SPEED
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extra")
-
-# a turn's speed as llama-cli reports it: generated tokens and their rate, the prompt's tokens, those
-# computed, in ms and tokens/s
-STATS = re.compile(r"\[(stopped; )?(\d+) tokens, [\d.]+ tokens/s; prompt (\d+) tokens, (\d+) computed in \d+ ms "
-                   r"\([\d.]+ tokens/s\)\]")
-
 
 def _spawn(model: Path, *args: str):
     # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository);
@@ -52,7 +47,7 @@ def _exit(child) -> None:
 def _turn(child, text: str) -> tuple[str, tuple]:
     child.expect_exact("> ")
     child.sendline(text)
-    child.expect(STATS)
+    child.expect(TURN_SPEED)
     return child.before, child.match.groups()
 
 
@@ -114,7 +109,7 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(converted):
     child.expect(re.escape(prompt) + r"\r\n.")  # the terminal's echo, then the answer's first piece
     child.delaybeforesend = 0
     child.sendintr()
-    child.expect(STATS)
+    child.expect(TURN_SPEED)
     stopped, new, _, _ = child.match.groups()
     assert stopped and int(new) < ANSWER
     _, (stopped, _, _, computed) = _turn(child, "go on")

@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from make_fixtures import TEST_DIMS
 
 from moepass.cli import main
+from support.turn_speed import TURN_SPEED, turn_counts
 
 IDS = ("--prompt-ids", "1,2,3")  # three prompt tokens
-STATS = re.compile(r"\[(\d+) tokens, [\d.]+ tokens/s; prompt (\d+) tokens, (\d+) computed\]")
 SMALL_CONTEXT = 24
 
 
@@ -89,7 +89,7 @@ def test_chat_takes_temp(model):
     turns = "the other one\n/exit\n"
     llama = _ok("chat", model, "-n", "6", "--temp", "0", stdin=turns)
     ours = _ok("chat", model, "-n", "6", "--temperature", "0", stdin=turns)
-    assert llama.stdout == ours.stdout and STATS.search(llama.stderr)
+    assert llama.stdout == ours.stdout and TURN_SPEED.search(llama.stderr)
 
 
 # -m/--model
@@ -147,7 +147,7 @@ def test_ctx_size_in_chat(model):
     """A turn's prompt and answer within -c."""
     result = _invoke("chat", model, "-c", "20", "--temp", "0", "-n", "64", stdin="hi\n/exit\n")
     assert result.exit_code == 0, result.output
-    new, prompt, _ = map(int, STATS.search(result.stderr).groups())
+    new, prompt, _ = turn_counts(result.stderr)
     assert new + prompt <= 20 and "context length (20)" in result.stderr  # the runtime's: 64 were asked
 
 
@@ -192,7 +192,7 @@ def test_n_minus_one_within_ctx_size(model):
 def test_n_minus_one_in_chat(small):
     """Each answer until the stop token or the context: as long as run --chat's answer."""
     chat = _ok("chat", small, "-n", "-1", "--temp", "0", stdin="hi\n/exit\n")
-    new, prompt, _ = map(int, STATS.search(chat.stderr).groups())
+    new, prompt, _ = turn_counts(chat.stderr)
     run = _ok("run", small, "--chat", "-p", "hi", "-n", "-1", "--temp", "0")
     assert f"{new} tokens in" in run.stderr and new + prompt <= SMALL_CONTEXT
     assert new + prompt == SMALL_CONTEXT or _ended(run).startswith("the stop token")
