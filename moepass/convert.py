@@ -43,7 +43,7 @@ from moepass.core.choices import (
     one_of,
     with_settings,
 )
-from moepass.core.errors import MoepassError
+from moepass.core.errors import API_WORDING, MoepassError, wording
 from moepass.core.files import (
     GENAI_CONFIG_FILE,
     MODEL_FILE,
@@ -75,8 +75,8 @@ ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
 # positions int8 decoded 1.13-1.48x float32's speed, at 32,768 1.51x)
 LONG_CONTEXT = 8192
 ACTIVATION_SUMMARY = {
-    "int8": "int8 inside quantized matmuls (ONNX Runtime accuracy_level 4, as llama.cpp): fast; "
-    "--activations float for exact arithmetic",
+    "int8": "int8 inside quantized matmuls (ONNX Runtime accuracy_level 4, as llama.cpp): fast; {float} for exact "
+    "arithmetic",
     "float": "float (exact arithmetic on the weights; several times slower than int8 on the CPU)",
 }
 
@@ -132,6 +132,7 @@ class ConvertResult:
         return rows
 
     def summary_lines(self) -> list[str]:
+        words = wording()
         experts = self.moe_layers[0]["experts"] if self.moe_layers else 0
         top_k = self.moe_layers[0]["top_k"] if self.moe_layers else 0
         forms = collections.Counter(m["form"] for m in self.moe_layers)
@@ -168,7 +169,8 @@ class ConvertResult:
                 )
                 or "none"
             ),
-            "  activations   " + ACTIVATION_SUMMARY[self.activations],
+            "  activations   "
+            + ACTIVATION_SUMMARY[self.activations].format(float=words.option("--activations", "float")),
             f"  bytes         {self.source_bytes:,} in, {self.output_bytes:,} out",
         ]
         requantized8 = any(
@@ -179,15 +181,16 @@ class ConvertResult:
         if self.fusion is None and requantized8 and self.output_bytes > 1.25 * self.source_bytes:
             ratio = self.output_bytes / self.source_bytes
             lines.append(
-                f"    {ratio:.2f}x the GGUF: experts requantized into 8 bits keep "
-                "llama.cpp's fidelity; --expert-format int4 is about the GGUF's size, with more error "
+                f"    {ratio:.2f}x the GGUF: experts requantized into 8 bits keep llama.cpp's fidelity; "
+                f"{words.option('--expert-format', 'int4')} is about the GGUF's size, with more error "
                 "(docs/benchmarks.md)"
             )
         memory = physical_memory()
         if memory and self.output_bytes > memory:
             lines.append(
                 f"    more than this machine's memory ({memory / 2**30:.1f} GiB): run here, a decode step reads "
-                "experts from the disk" + ("; --expert-format int4 is about the GGUF's size" if requantized8 else "")
+                "experts from the disk"
+                + (f"; {words.option('--expert-format', 'int4')} is about the GGUF's size" if requantized8 else "")
             )
         for target, nbytes in sorted(self.bytes_by_target.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {target:<18}{nbytes:>16,} bytes")
@@ -206,9 +209,9 @@ class ConvertResult:
             lines.append(line)
             if kind == "float32" and (self.context_length or 0) >= LONG_CONTEXT:
                 lines.append(
-                    "    --kv-cache int8 holds a quarter of that and decodes up to 1.5x faster at 8k-32k positions "
-                    "on the CPU, adding a mean KLD of about 1e-5 or less on two trained models, where Q4_K_M's "
-                    "weights add 1e-4 to 1e-3 (docs/benchmarks.md)"
+                    f"    {words.option('--kv-cache', 'int8')} holds a quarter of that and decodes up to 1.5x "
+                    "faster at 8k-32k positions on the CPU, adding a mean KLD of about 1e-5 or less on two "
+                    "trained models, where Q4_K_M's weights add 1e-4 to 1e-3 (docs/benchmarks.md)"
                 )
         if self.fusion is not None:
             pass  # an ONNX model carries no tokenizer of its own
@@ -249,8 +252,8 @@ def convert(
     kind = "onnx" if _is_onnx(model) else "gguf"
     if options.print_after is not None and options.print_after not in PASS_NAMES[kind]:
         raise MoepassError(
-            f"--print-after {options.print_after}: no such step for {kind.upper()} input; its steps: "
-            f"{', '.join(PASS_NAMES[kind])}"
+            f"{wording().option('--print-after', options.print_after)}: no such step for {kind.upper()} input; "
+            f"its steps: {', '.join(PASS_NAMES[kind])}"
         )
     if kind == "onnx":
         _check_onnx_input(model, options)
@@ -297,26 +300,27 @@ def _check_onnx_input(model: Any, options: ConvertOptions) -> None:
                 f"{model}: a folder without {MODEL_FILE}; convert takes a .gguf file, an .onnx file or a folder "
                 f"holding {MODEL_FILE}"
             )
-    defaults = ConvertOptions()
-    for flag, name in GGUF_ONLY_FLAGS.items():
+    defaults, words = ConvertOptions(), wording()
+    for flag in GGUF_ONLY_FLAGS:
+        name = API_WORDING.name(flag)
         if getattr(options, name) != getattr(defaults, name):
             raise MoepassError(
-                f"{flag} applies to GGUF input; an ONNX model's MoE layers are fused as they "
-                "are (--float-experts and --activations apply)"
+                f"{words.name(flag)} applies to GGUF input; an ONNX model's MoE layers are fused as they "
+                f"are ({words.name('--float-experts')} and {words.name('--activations')} apply)"
             )
 
 
-# convert's options that apply to GGUF input only, by flag
-GGUF_ONLY_FLAGS = {
-    "--expert-format": "expert_format",
-    "--exact": "exact",
-    "--imatrix": "imatrix",
-    "--context": "context",
-    "--allow-non-finite": "allow_non_finite",
-    "--genai-speculative": "genai_speculative",
-    "--kv-cache": "kv_cache",
-    "--kv-calibration": "kv_calibration",
-}
+# convert's options that apply to GGUF input only, by flag (the field of ConvertOptions of the same name)
+GGUF_ONLY_FLAGS = (
+    "--expert-format",
+    "--exact",
+    "--imatrix",
+    "--context",
+    "--allow-non-finite",
+    "--genai-speculative",
+    "--kv-cache",
+    "--kv-calibration",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +369,8 @@ class ConvertOptions:
         one_of(self.activations, ACTIVATION_MODES, "activations")
         one_of(self.kv_cache, KV_CACHE_TYPES, "kv_cache")
         if self.kv_calibration is not None and self.kv_cache != "int8":
-            raise MoepassError("--kv-calibration applies to --kv-cache int8")
+            words = wording()
+            raise MoepassError(f"{words.name('--kv-calibration')} applies to {words.option('--kv-cache', 'int8')}")
 
     @classmethod
     def of(cls, options: ConvertOptions | None, settings: dict[str, Any]) -> ConvertOptions:
@@ -406,7 +411,11 @@ class GgufConversion:
             "eligible (int4 block 32 prepacked, float16)"
             if not violations
             else f"not eligible: {violations[0][0]}: {violations[0][1]}"
-            + (" (--expert-format offload makes it eligible)" if self.expert_format != "offload" else "")
+            + (
+                f" ({wording().option('--expert-format', 'offload')} makes it eligible)"
+                if self.expert_format != "offload"
+                else ""
+            )
         )
 
     def result(self, output_dir: Path, written: WrittenConversion, seconds: float) -> ConvertResult:

@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.architectures import ARCHITECTURES, HParams
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.files import GENAI_CONFIG_FILE, MODEL_FILE, read_json_object
 from moepass.core.ir_values import dim
 
@@ -105,7 +105,9 @@ def check_speculation(spec: str, draft_tokens: int) -> tuple[Path | None, dict[s
     from moepass.runtime.speculative import parse
 
     if not 1 <= draft_tokens <= GENAI_MAX_DRAFT_TOKENS:
-        raise MoepassError(f"--draft-tokens {draft_tokens}: onnxruntime-genai takes 1 to {GENAI_MAX_DRAFT_TOKENS}")
+        raise MoepassError(
+            f"{wording().option('--draft-tokens', draft_tokens)}: onnxruntime-genai takes 1 to {GENAI_MAX_DRAFT_TOKENS}"
+        )
     kind, path = parse(spec)
     if kind == "ngram" or path is None:
         return None, None

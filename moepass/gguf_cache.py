@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from moepass.core.choices import format_bytes
-from moepass.core.errors import MoepassError, no_such_path
+from moepass.core.errors import MoepassError, no_such_path, wording
 from moepass.core.files import sampled_digest
 from moepass.core.gguf_reader import is_gguf, split_parts
 from moepass.core.version import __version__
@@ -365,15 +365,18 @@ def _usable_root(root: Path) -> Path:
         st = root.stat()
     except OSError as e:
         raise MoepassError(
-            f"{root}: cannot make the GGUF cache folder ({e.strerror}); name another with --cache-dir"
+            f"{root}: cannot make the GGUF cache folder ({e.strerror}); name another with "
+            f"{wording().name('--cache-dir')}"
         ) from None
     if not stat.S_ISDIR(st.st_mode):
-        raise MoepassError(f"{root}: the GGUF cache folder is not a folder; name another with --cache-dir")
+        raise MoepassError(
+            f"{root}: the GGUF cache folder is not a folder; name another with {wording().name('--cache-dir')}"
+        )
     others = stat.S_IWOTH | (0 if _private_group(st.st_gid) else stat.S_IWGRP)
     if st.st_mode & others and not st.st_mode & stat.S_ISVTX:
         raise MoepassError(
             f"{root}: the GGUF cache folder is writable by other users and not sticky, so anyone could "
-            "plant a conversion in it; chmod go-w (or +t), or name another with --cache-dir"
+            f"plant a conversion in it; chmod go-w (or +t), or name another with {wording().name('--cache-dir')}"
         )
     return root
 
@@ -546,7 +549,8 @@ def _remove_entry(root: Path, name: str) -> None:
         if not _own(path, kind):
             raise MoepassError(
                 f"{path}: in the GGUF cache, but not this user's {'folder' if kind is stat.S_ISDIR else 'file'} "
-                "(moepass removes and follows nothing it did not write); remove it, or name another --cache-dir"
+                "(moepass removes and follows nothing it did not write); remove it, or name another "
+                f"{wording().name('--cache-dir')}"
             )
         if kind is stat.S_ISDIR:
             shutil.rmtree(path)

@@ -17,7 +17,7 @@ from typing import Any
 from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals
-from moepass.core.errors import MoepassError, no_such_path
+from moepass.core.errors import MoepassError, no_such_path, wording
 from moepass.core.files import as_ir_model, read_report
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
@@ -229,7 +229,8 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
         lines.extend(f"  {n} x {why}" for why, n in reasons.most_common())
         if any("float32" in why for why in reasons):
             lines.append(
-                "  (convert --expert-format offload writes a float16 graph whose every node the CUDA EP takes)"
+                f"  ({wording().call('convert', wording().option('--expert-format', 'offload'))} writes a float16 "
+                "graph whose every node the CUDA EP takes)"
             )
     else:
         lines.append("CUDA EP       takes every node")

@@ -32,7 +32,7 @@ import onnx
 import onnx_ir as ir
 
 from moepass.core.choices import KV_CACHE_TYPES, format_bytes, one_of
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.files import MODEL_FILE, load_model
 from moepass.core.ir_values import dim, dtype_of, folded, required_input
 from moepass.core.onnx_format import stamp
@@ -217,13 +217,15 @@ def set_kv_cache(
     `current` (cache_type_of), a `kind` cache, calibrated on at most `context` tokens (the model's
     positions); rewrites model.onnx (the weights' data file stays as it is). "float32" keeps the
     cache as converted (the offload format's is float16). Returns moepass.json's entry."""
-    one_of(kind, KV_CACHE_TYPES, "--kv-cache")
+    one_of(kind, KV_CACHE_TYPES, wording().name("--kv-cache"))
     if kind == "float32" or kind == current:
         return cache_entry(current)
     if current is None:
         raise MoepassError(f"{folder}: the model has no GroupQueryAttention: no KV cache to give another type")
     if current != "float32" and not (current == "float16" and kind == "int8"):  # a GPU form's float16 cache: int8
-        raise MoepassError(f"{folder}: the model's KV cache is {current}; --kv-cache applies to a float32 cache")
+        raise MoepassError(
+            f"{folder}: the model's KV cache is {current}; {wording().name('--kv-cache')} applies to a float32 cache"
+        )
     model = load_model(folder)
     attention = [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
     info = cache_entry(kind)

@@ -45,7 +45,7 @@ from moepass.core.choices import (
     parse_bytes,
     with_settings,
 )
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.files import (
     DATA_FILE,
     GENAI_CONFIG_FILE,
@@ -150,7 +150,8 @@ class PartitionResult:
             f"{pred.gpu_hit_rate_by_selection:.1%} of selections ({pred.based_on})",
             _decode_estimate(plan.target, decode, timed=pred.cpu is not None),
             f"  GPU figures      {bandwidth.get('gpu', 0):g} GB/s, link {bandwidth.get('pcie', 0):g}"
-            f" GB/s ({pred.bandwidths_from or 'given'}); a step at least {pred.gpu_step_floor_ms:.3g} ms "
+            f" GB/s ({Bandwidths(source=pred.bandwidths_from or 'given').advice()}); a step at least "
+            f"{pred.gpu_step_floor_ms:.3g} ms "
             "(launches of its GPU nodes and a synchronisation, assumed)",
         ]
         if decode.cpu_only is not None and pred.cpu is not None:
@@ -167,8 +168,8 @@ class PartitionResult:
             lines.append(
                 f"  per expert       {other.gpu_hit_rate_by_mass:.1%} of routing mass, "
                 f"{other.decode_ms_per_token.cold_experts_on_cpu:.3g} ms/token at the same budget "
-                "(what the CUDA plugin EP's expert offload would add: --target offload, which runs on "
-                "onnxruntime 1.32 with that EP only; onnxruntime-gpu 1.31.1 refuses its form)"
+                f"(what the CUDA plugin EP's expert offload would add: {wording().option('--target', 'offload')}, "
+                "which runs on onnxruntime 1.32 with that EP only; onnxruntime-gpu 1.31.1 refuses its form)"
             )
         return lines
 
@@ -308,18 +309,19 @@ class GgufSource:
         if path is None or fingerprint is None:
             raise MoepassError(
                 f"{self.model_path}: its moepass.json records no GGUF path and fingerprint (converted by an "
-                "older moepass); its GPU form needs the file's own blocks: pass --gguf FILE"
+                f"older moepass); its GPU form needs the file's own blocks: pass {wording().option('--gguf', 'FILE')}"
             )
         if not path.is_file():
             raise MoepassError(
                 f"{path}: the GGUF file {self.model_path.parent} was converted from is not there any more; its "
-                "GPU form needs the file's own blocks: pass --gguf FILE where it is now"
+                f"GPU form needs the file's own blocks: pass {wording().option('--gguf', 'FILE')} where it is now"
             )
         gguf = GGUFModel(path)
         if gguf.fingerprint() != fingerprint:
             raise MoepassError(
                 f"{path}: not the GGUF file {self.model_path.parent} was converted from (it changed: another "
-                "fingerprint); convert it again, or pass --gguf FILE with the file it was made from"
+                f"fingerprint); convert it again, or pass {wording().option('--gguf', 'FILE')} with the file it was "
+                "made from"
             )
         arch = architecture_of(gguf)
         self._open = GgufExperts(gguf, arch, arch.read_hparams(gguf))
@@ -407,7 +409,9 @@ def check_gpu_nodes(lowered: LoweredModel, target: str, gpu_moe: frozenset[str])
         raise MoepassError(f"{name}: planned for the GPU but {why}; moepass's GPU form should have made it one (a bug)")
     if target == "offload":
         for moe_name, rule in offload_violations(model):
-            hint = "; convert with --float-experts int4 (or int8)" if "float MoE" in rule else ""
+            words = wording()
+            convert_int4 = words.call("convert", words.option("--float-experts", "int4"))
+            hint = f"; convert with {convert_int4} (or int8)" if "float MoE" in rule else ""
             raise MoepassError(f"{moe_name}: planned for expert offload, but {rule}{hint}")
 
 
@@ -548,7 +552,8 @@ class PlanRequest:
     def of(cls, source: PartitionSource, vram: str | int, options: PartitionOptions) -> PlanRequest:
         model = source.conversion.model if source.conversion is not None else source.fresh()[0]
         identity = model_identity(model)
-        one_of(options.kv_cache, ("keep", "auto", *KV_CACHE_TYPES), "--kv-cache")
+        words = wording()
+        one_of(options.kv_cache, ("keep", "auto", *KV_CACHE_TYPES), words.name("--kv-cache"))
         target = options.target
         if target == "auto":
             named = options.cuda_plugin or os.environ.get(PLUGIN_ENV)
@@ -556,16 +561,19 @@ class PlanRequest:
         context, context_words = planned_context(options.context, source.context_length)
         popularity, profile_info = _popularity(options.profile, identity)
         budget = Budget(
-            parse_bytes(vram, "--vram"),
+            parse_bytes(vram, words.name("--vram")),
             context,
             options.batch,
             options.prefill_tokens,
-            parse_bytes(options.reserve, "--reserve"),
+            parse_bytes(options.reserve, words.name("--reserve")),
         )
         if budget.vram_bytes <= 0:
-            raise MoepassError(f"--vram {vram!r}: the GPU budget must be more than 0")
+            raise MoepassError(f"{words.option('--vram', vram)}: the GPU budget must be more than 0")
         if budget.reserve_bytes >= budget.vram_bytes:
-            raise MoepassError(f"--reserve {options.reserve!r} leaves nothing of --vram {vram!r} for the model")
+            raise MoepassError(
+                f"{words.option('--reserve', options.reserve)} leaves nothing of {words.option('--vram', vram)} "
+                "for the model"
+            )
         cache = cache_type_of(model)
         return cls(
             source.label, model, identity, cache, target, vram, context, context_words, popularity, profile_info, budget
@@ -718,9 +726,11 @@ def _inactive(request: PlanRequest, options: PartitionOptions) -> str | None:
     if not violations:
         return None
     node, rule = violations[0]
+    words = wording()
+    lowering = f"without {words.option('--keep-form')}" if words.cli else "lower=True, the default"
     inactive = (
         f"{request.label}: ONNX Runtime will not offload this model's experts ({node}: {rule}); let partition "
-        "lower it (without --keep-form) for a model it will"
+        f"lower it ({lowering}) for a model it will"
     )
     if options.mode == "required":
         raise MoepassError(inactive)
@@ -739,14 +749,15 @@ def _cpu_only_layers(
     count = f"{len(refused)} of {len(memory.groups)} MoE layers"
     if not options.lower:
         stays = (
-            f"{request.label}: ONNX Runtime's CUDA EP has no kernel for {count} ({name}: {why}): with --keep-form "
-            "they run on the CPU whatever the plan; without it partition writes the GPU form, whose every GPU "
-            "node the CUDA EP takes"
+            f"{request.label}: ONNX Runtime's CUDA EP has no kernel for {count} ({name}: {why}): with "
+            f"{wording().option('--keep-form')} they run on the CPU whatever the plan; without it partition writes "
+            "the GPU form, whose every GPU node the CUDA EP takes"
         )
     elif request.target == "offload":
         raise MoepassError(
-            f"{name}: ONNX Runtime's CUDA EP has no kernel for this MoE layer ({why}), and --target offload "
-            "places experts of layers on the GPU; --target layers keeps such layers on the CPU"
+            f"{name}: ONNX Runtime's CUDA EP has no kernel for this MoE layer ({why}), and "
+            f"{wording().option('--target', 'offload')} places experts of layers on the GPU; "
+            f"{wording().option('--target', 'layers')} keeps such layers on the CPU"
         )
     else:
         stays = (
@@ -846,12 +857,13 @@ DEFAULT_CONTEXT = 4096  # the KV cache partition plans for unless told: the mode
 def planned_context(asked: int | None, model_context: int | None) -> tuple[int, str]:
     """The KV cache's tokens a plan holds, and how it came to be, in words."""
     if asked is not None:
-        return asked, "asked (--context)"
+        return asked, f"asked ({wording().name('--context')})"
+    given = wording().option("--context", "N")
     if model_context is None:
-        return DEFAULT_CONTEXT, f"{DEFAULT_CONTEXT:,} (the model records no context; --context N)"
+        return DEFAULT_CONTEXT, f"{DEFAULT_CONTEXT:,} (the model records no context; {given})"
     if model_context <= DEFAULT_CONTEXT:
         return model_context, "the model's"
-    return DEFAULT_CONTEXT, f"the model's {model_context:,} capped at {DEFAULT_CONTEXT:,}; --context N"
+    return DEFAULT_CONTEXT, f"the model's {model_context:,} capped at {DEFAULT_CONTEXT:,}; {given}"
 
 
 def default_output(model: Path) -> Path:
@@ -868,17 +880,19 @@ def _kv_kinds(kv_cache: str, source_cache: str | None, lowered: bool) -> list[st
         return [source_cache]
     if lowered and source_cache == "float16":
         if kv_cache == "float32":
+            words = wording()
             raise MoepassError(
-                "--kv-cache float32: no CUDA kernel takes a float32 cache (GroupQueryAttention's are float16 or "
-                "bfloat16 with a float16 or int8 cache); --keep-form keeps the model's float32 cache"
+                f"{words.option('--kv-cache', 'float32')}: no CUDA kernel takes a float32 cache (GroupQueryAttention's "
+                f"are float16 or bfloat16 with a float16 or int8 cache); {words.option('--keep-form')} keeps the "
+                "model's float32 cache"
             )
         return ["float16", "int8"] if kv_cache == "auto" else [kv_cache]
     if kv_cache == "auto":
         return [k for k in AUTO_CHOICES if k == source_cache or source_cache == "float32"]
     if source_cache != "float32" and kv_cache != source_cache:
         raise MoepassError(
-            f"the model's KV cache is {source_cache}; --kv-cache {kv_cache} applies to a float32 cache "
-            "(convert the GGUF with --kv-cache instead)"
+            f"the model's KV cache is {source_cache}; {wording().option('--kv-cache', kv_cache)} applies to a "
+            f"float32 cache (convert the GGUF with {wording().name('--kv-cache')} instead)"
         )
     return [kv_cache]
 

@@ -46,7 +46,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.capabilities import cuda_refusals
 from moepass.core.choices import GPU_NODE_US, GPU_STEP_US, PLAN_MODES, POLICIES, Bandwidths, format_bytes, one_of
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.ir_values import dim, folded, input_at
 from moepass.core.moe_nodes import is_moe, moe_nodes, tensor_bytes
 from moepass.kv_precision import cache_inputs, cache_type_of, kv_bytes_per_position
@@ -307,7 +307,7 @@ def plan_placement(
     if not fits:
         missing = fixed - budget.vram_bytes
         message = (
-            f"--vram {format_bytes(budget.vram_bytes)} does not hold the non-expert weights "
+            f"{wording().option('--vram', format_bytes(budget.vram_bytes))} does not hold the non-expert weights "
             f"({format_bytes(memory.non_expert_bytes)}), KV cache ({format_bytes(kv)}), working buffers "
             f"({format_bytes(work)}) and reserve ({format_bytes(budget.reserve_bytes)}): "
             f"{missing:,} bytes ({format_bytes(missing)}) missing"

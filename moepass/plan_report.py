@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.files import PlanReport
 from moepass.popularity import Popularity
 
@@ -36,7 +36,7 @@ def plan_figure(plan: PlanReport, popularity: Popularity | None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MoepassError("--report needs matplotlib: pip install 'moepass[report]'") from None
+        raise MoepassError(f"{wording().name('--report')} needs matplotlib: pip install 'moepass[report]'") from None
     nodes = plan.nodes
     n_experts = max(n.experts for n in nodes)
     heat = np.full((len(nodes), n_experts), np.nan)

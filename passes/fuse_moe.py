@@ -36,7 +36,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.ir_values import input_at, producer, read_rows, required_input, tensor_dims, tensor_of
 from moepass.core.moe_nodes import (
     MOE_SLOTS,
@@ -652,7 +652,8 @@ class MoeNodeRule:
     def check(self, node: ir.Node) -> MoeNodeMatch:
         where = f"MoE node '{_node_name(node)}'"
         if self.float_experts == "keep":
-            raise Mismatch(f"{where}: already one float MoE node; --float-experts int8 or int4 quantizes it into QMoE")
+            int8 = wording().option("--float-experts", "int8")
+            raise Mismatch(f"{where}: already one float MoE node; {int8} (or int4) quantizes it into QMoE")
         inputs = list(node.inputs) + [None] * (8 - len(node.inputs))
         if any(inputs[slot] is not None for slot in MOE_SLOTS["fc3"]):
             raise Mismatch(f"{where}: has separate fc3 weights, which ONNX Runtime's CPU QMoE does not take")

@@ -14,7 +14,7 @@ import numpy as np
 
 from moepass.core import keys
 from moepass.core.choices import one_of
-from moepass.core.errors import MoepassError, first_line
+from moepass.core.errors import MoepassError, first_line, wording
 from moepass.core.files import (
     LOGITS_TO_KEEP,
     OPTIONS_FILE,
@@ -347,7 +347,8 @@ class Decoder:
         if room <= 0:
             raise ContextOverflow(
                 f"the prompt has {prompt_tokens} tokens; the model's context holds "
-                f"{self.context_length} (convert --context N builds it for more)"
+                f"{self.context_length} ({wording().call('convert', wording().option('--context', 'N'))} builds it "
+                "for more)"
             )
         if max_new_tokens > room and not self.until_full:
             log.warning(
@@ -550,7 +551,9 @@ def usable_threads(requested: int | None) -> int | None:
         return requested
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if requested > available:
-        log.warning(f"--threads {requested} is more than the {available} CPUs available; using {available}")
+        log.warning(
+            f"{wording().option('--threads', requested)} is more than the {available} CPUs available; using {available}"
+        )
         return available
     return requested
 

@@ -27,7 +27,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.capabilities import layout_problems, offload_violations, release_refusal
 from moepass.core.choices import DEVICES, PLUGIN_ENV, one_of
-from moepass.core.errors import MoepassError, first_line, no_such_path
+from moepass.core.errors import MoepassError, first_line, no_such_path, wording
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
 from moepass.core.moe_nodes import moe_nodes
 
@@ -138,7 +138,7 @@ def _choose_provider(ort, device: str, plugin_library: str | None) -> tuple[str,
         raise MoepassError(
             f"device='cuda' but no CUDA EP is available: ONNX Runtime {ort.__version__} has "
             f"{', '.join(ort.get_available_providers())}; give the CUDA plugin EP library "
-            f"(--cuda-plugin LIB or ${PLUGIN_ENV}), or install moepass[gpu] in place of "
+            f"({wording().option('--cuda-plugin', 'LIB')} or ${PLUGIN_ENV}), or install moepass[gpu] in place of "
             "moepass[cpu] (onnxruntime and onnxruntime-gpu cannot be installed together)"
         )
     else:
@@ -153,7 +153,8 @@ def _check_packed(ort, model: ir.Model, device: str, provider: str) -> None:
         raise MoepassError(
             f"MoE node {packed[0]} is a com.microsoft::MoEPacked node (the GGUF's own blocks), which ONNX Runtime "
             f"runs on CUDA only, and {'the device is cpu' if device == 'cpu' else 'this ONNX Runtime has no CUDA EP'} "
-            f"({', '.join(ort.get_available_providers())}): convert without --expert-format packed to run here"
+            f"({', '.join(ort.get_available_providers())}): convert without "
+            f"{wording().option('--expert-format', 'packed')} to run here"
         )
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from moepass.core.choices import DEFAULT_DRAFT_TOKENS, one_of
 from moepass.core.choices import SPECULATIVE_KINDS as KINDS
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.runtime.kv_cache import KVCache
 from moepass.runtime.sampling import Sampling, candidates, choose_token, penalized
 
@@ -50,7 +50,7 @@ def parse(spec: str) -> tuple[str, str | None]:
     if kind == "draft" and path:
         return kind, path
     raise MoepassError(
-        f"--speculative {spec!r}: give 'ngram' or 'draft:PATH' (PATH: a moepass-converted model "
+        f"{wording().option('--speculative', spec)}: give 'ngram' or 'draft:PATH' (PATH: a moepass-converted model "
         "with the same vocabulary)"
     )
 
@@ -91,7 +91,7 @@ class Speculator:
     ):
         one_of(kind, KINDS, "speculative decoding")
         if draft_tokens < 1:
-            raise MoepassError(f"--draft-tokens {draft_tokens}: at least 1")
+            raise MoepassError(f"{wording().option('--draft-tokens', draft_tokens)}: at least 1")
         if kind == "draft" and draft is None:
             raise MoepassError("speculative decoding with a draft model needs the draft model (draft:PATH)")
         if kind != "draft" and draft is not None:

@@ -57,7 +57,7 @@ def test_result_and_report(tmp_path, make_gguf):
     assert output["target"] == "int8/b16" and output["exact"] == [True]             # Q6_K kept exact
     lines = "\n".join(result.summary_lines())
     assert "2 MoE, 8 experts, top-2" in lines and "requantized" in lines
-    assert "x the GGUF" in lines and "--expert-format int4" in lines   # 8-bit experts: the size and the choice
+    assert "x the GGUF" in lines and "expert_format='int4'" in lines   # 8-bit experts: the size and the choice
     assert "x the GGUF" not in "\n".join(moepass.convert(make_gguf("q4_0"), tmp_path / "q4_0").summary_lines())
     assert result.output_bytes == sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
     assert "memory" not in lines
@@ -70,11 +70,11 @@ def test_a_model_larger_than_the_machines_memory_is_said(tmp_path, make_gguf, mo
     result = moepass.convert(make_gguf("q4_k"), tmp_path / "out")
     monkeypatch.setattr(convert_module, "physical_memory", lambda: result.output_bytes - 1)
     lines = [line for line in result.summary_lines() if "memory" in line]
-    assert len(lines) == 1 and "reads experts from the disk" in lines[0] and "--expert-format int4" in lines[0]
+    assert len(lines) == 1 and "reads experts from the disk" in lines[0] and "expert_format='int4'" in lines[0]
     exact = moepass.convert(make_gguf("q4_0"), tmp_path / "q4_0")
     monkeypatch.setattr(convert_module, "physical_memory", lambda: exact.output_bytes - 1)
     lines = [line for line in exact.summary_lines() if "memory" in line]
-    assert len(lines) == 1 and "--expert-format" not in lines[0]  # exact: no smaller form to offer
+    assert len(lines) == 1 and "expert_format" not in lines[0]  # exact: no smaller form to offer
 
 
 @pytest.mark.parametrize("preset", ["q8_0", "q4_0", "q6_k", "q4_k"])
@@ -342,7 +342,7 @@ def test_an_unknown_convert_option_is_refused_naming_the_nearest(make_gguf, tmp_
     with pytest.raises(moepass.MoepassError, match=r"convert: no option 'expert_fromat' \(did you mean expert_format\?\)"):
         convert(make_gguf("q4_0"), tmp_path / "out", expert_fromat="int8")
     assert not (tmp_path / "out").exists()
-    with pytest.raises(moepass.MoepassError, match="--kv-calibration applies to --kv-cache int8"):
+    with pytest.raises(moepass.MoepassError, match="kv_calibration applies to kv_cache='int8'"):
         ConvertOptions(kv_calibration="text.txt")
     result = convert(make_gguf("q4_0"), tmp_path / "out", ConvertOptions(kv_cache="int8"), kv_cache="float16")
     assert result.kv_cache["type"] == "float16"

@@ -45,7 +45,7 @@ def test_a_default_conversion_is_placed_in_its_gpu_form(converted, tmp_path):
                              lower=False)
     assert warnings[0].endswith("ONNX Runtime's CUDA EP has no kernel for 2 of 2 MoE layers (blk.0.moe: QMoE in "
                                 "float32: the CUDA kernel is registered for float16/bfloat16 (onnxruntime/contrib_ops"
-                                "/cuda/moe/moe_quantization.cc)): with --keep-form they run on the CPU whatever the "
+                                "/cuda/moe/moe_quantization.cc)): with lower=False they run on the CPU whatever the "
                                 "plan; without it partition writes the GPU form, whose every GPU node the CUDA EP "
                                 "takes")
     assert len(warnings) == 1  # not also "0 of 2 layers fit"

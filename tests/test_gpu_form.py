@@ -60,7 +60,7 @@ def test_every_type_is_placed_in_the_gpus_form(ggml_type, type_models, tmp_path)
     floats = QUANT_TYPES[ggml_type].storage == "float"
     for target in ("layers", "offload"):
         if target == "offload" and floats:  # float experts are no QMoE: refused, naming the way
-            with pytest.raises(moepass.MoepassError, match="float MoE node.*--float-experts int4"):
+            with pytest.raises(moepass.MoepassError, match="float MoE node.*float_experts='int4'"):
                 moepass.partition(default, tmp_path / target, "8G", target=target, calibrate=False)
             continue
         placed = moepass.partition(default, tmp_path / target, "8G", target=target, calibrate=False)
@@ -127,7 +127,7 @@ def test_a_gguf_that_moved_or_changed_is_refused_naming_it(make_gguf, tmp_path):
     placed = moepass.partition(model, tmp_path / "ok", "8G", target="layers", calibrate=False)
     assert all("q3.gguf's own blocks" in how for how in placed.plan.lowering.reformed.values())
     gguf.rename(tmp_path / "moved.gguf")
-    with pytest.raises(moepass.MoepassError, match="q3.gguf: the GGUF file .* is not there any more.*--gguf"):
+    with pytest.raises(moepass.MoepassError, match="q3.gguf: the GGUF file .* is not there any more.*gguf=FILE"):
         moepass.partition(model, tmp_path / "gone", "8G", target="layers", calibrate=False)
     found = moepass.partition(model, tmp_path / "found", "8G", target="layers", calibrate=False,
                               gguf=tmp_path / "moved.gguf")

@@ -68,12 +68,12 @@ def test_the_summary_gives_the_caches_bytes_and_points_long_contexts_to_int8(mak
     assert long.kv_bytes_per_position == per_position and int8.kv_bytes_per_position * 4 == per_position
 
     def kv_lines(result):
-        return [line for line in result.summary_lines() if line.startswith("  KV cache") or "--kv-cache" in line]
+        return [line for line in result.summary_lines() if line.startswith("  KV cache") or "kv_cache=" in line]
     (line,) = kv_lines(short)
     assert line.startswith("  KV cache      float32, ") and f"at the model's {hp['context_length']:,} positions" in line
     cache_line, hint = kv_lines(long)
     assert f"{per_position * 8192 / 2**20:.2f} MiB at the model's 8,192 positions" in cache_line
-    assert "--kv-cache int8 holds a quarter of that" in hint
+    assert "kv_cache='int8' holds a quarter of that" in hint
     (line,) = kv_lines(int8)
     assert line.startswith("  KV cache      int8, ") and "per-channel scales from 256 tokens" in line
 
@@ -239,7 +239,7 @@ def test_partition_kv_cache_auto_buys_experts_at_a_tight_budget(converted, tmp_p
     partition(source, tmp_path / "gpu8", "1G", kv_cache="int8", **lowered)
     assert all(n.inputs[3].dtype == ir.DataType.INT8 for n in _attention(tmp_path / "gpu8"))
     assert len(list(load(tmp_path / "gpu8", threads=2).generate([5, 6, 7], 4, stop_ids=()))) == 4
-    with pytest.raises(moepass.MoepassError, match="no CUDA kernel takes a float32 cache.*--keep-form"):
+    with pytest.raises(moepass.MoepassError, match="no CUDA kernel takes a float32 cache.*lower=False"):
         partition(source, tmp_path / "f32", "1G", kv_cache="float32", **lowered)
 
 

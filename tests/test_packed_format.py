@@ -91,7 +91,7 @@ def test_gather_packed_decodes_the_blobs_as_the_gguf_package_does(ggml_type, pac
 def test_the_runtime_refuses_it_without_a_cuda_ep(packed):
     _, model_dir = packed(preset="q4_k_m")
     with pytest.raises(moepass.MoepassError, match=r"blk.0.moe is a com.microsoft::MoEPacked node .* CUDA only.*"
-                                                   r"convert without --expert-format packed"):
+                                                   r"convert without expert_format='packed'"):
         load(model_dir)
 
 
@@ -117,7 +117,7 @@ def test_partition_makes_forms_that_run_from_the_blobs(packed, converted, tmp_pa
 
 
 def test_what_moe_packed_cannot_compute_is_refused(make_gguf, tmp_path):
-    with pytest.raises(moepass.MoepassError, match="--expert-format packed: MoEPacked has no expert biases"):
+    with pytest.raises(moepass.MoepassError, match="expert_format='packed': MoEPacked has no expert biases"):
         moepass.convert(make_gguf("q8_0", arch="gpt-oss"), tmp_path / "out", expert_format="packed")
     assert not (tmp_path / "out").exists()
 

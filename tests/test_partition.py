@@ -239,7 +239,7 @@ def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, c
     result = partition(converted("q4_0"), tmp_path / "placed", "1G", kernel_table=False, profile=popularity,
                        warn=warnings.append, target="offload", lower=False)
     assert "ONNX Runtime will not offload this model's experts (blk.0.moe: int4 experts need weights_prepacked=1" \
-        in warnings[0] and "without --keep-form" in warnings[0] and warnings[0].endswith("inactive")
+        in warnings[0] and "(lower=True, the default)" in warnings[0] and warnings[0].endswith("inactive")
     assert result.plan.offload is not None and "blk.0.moe" in (result.plan.offload.reason or "")
     plan = read_plan(tmp_path / "placed")
     assert plan.offload_active is False and plan.active is False and "blk.0.moe" in (plan.inactive_reason or "")

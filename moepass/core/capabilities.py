@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
+from moepass.core.errors import wording
 from moepass.core.ir_values import input_at, required_input, tensor_dims
 from moepass.core.moe_nodes import QMOE_SLOTS, moe_nodes
 from moepass.core.quants import CUDA_QMOE_BLOCKS
@@ -293,13 +294,13 @@ class ReleaseGap:
 RELEASE_GAPS = (
     ReleaseGap(
         (1, 32),
-        "SM80-prepacked QMoE experts (weights_prepacked=1: --expert-format offload, partition --target offload)",
+        "SM80-prepacked QMoE experts (weights_prepacked=1: the offload expert format, partition's offload target)",
         "its CPU EP computes other values without a word (other greedy tokens) or crashes creating the session",
         lambda node: node.op_type == "QMoE" and node.attributes.get_int("weights_prepacked", 0) == 1,
     ),
     ReleaseGap(
         (1, 32),
-        "com.microsoft::MoEPacked nodes (the GGUF's own blocks: --expert-format packed)",
+        "com.microsoft::MoEPacked nodes (the GGUF's own blocks: the packed expert format)",
         "the operator is new in 1.32",
         lambda node: node.op_type == "MoEPacked",
     ),
@@ -318,7 +319,8 @@ def release_refusal(model: ir.Model, version: tuple[int, int], label: str) -> st
             more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
             return (
                 f"{gap.form} need ONNX Runtime {since} or newer; {label} is installed, and {gap.what} "
-                f"({nodes[0]}{more}): convert with the default expert format (or partition --target layers) "
+                f"({nodes[0]}{more}): convert with the default expert format (or "
+                f"{wording().call('partition', wording().option('--target', 'layers'))}) "
                 f"to run on {label}, or install moepass[cpu] (onnxruntime {since})"
             )
     return None

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from moepass.core import keys
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 
 T = TypeVar("T")
 
@@ -110,6 +110,8 @@ PLAN_MODES = keys.OFFLOAD_MODES[1:]  # what a plan asks of ONNX Runtime: auto or
 # the in-tree CUDA EP of a pip-installed onnxruntime-gpu follows; auto: offload when the model is
 # eligible and a CUDA plugin EP is named, else layers
 TARGETS = ("auto", "offload", "layers")
+# where partition's bandwidths come from when neither a card nor a figure is given
+ASSUMED_BANDWIDTHS = "assumed, a desktop GDDR6X card"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +123,7 @@ class Bandwidths:
     gpu: float = 900.0
     host: float = 60.0
     pcie: float = 25.0
-    source: str = "assumed, a desktop GDDR6X card: give --gpu NAME or --gpu-bandwidth"
+    source: str = ASSUMED_BANDWIDTHS
 
     def gbps(self) -> dict[str, float]:
         return {"gpu": self.gpu, "host": self.host, "pcie": self.pcie}
@@ -130,7 +132,26 @@ class Bandwidths:
         for name in ("gpu", "host", "pcie"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise MoepassError(f"--{name}-bandwidth {value} is not a positive number of GB/s")
+                raise MoepassError(f"{Bandwidths.given(name, value)} is not a positive number of GB/s")
+
+    @staticmethod
+    def given(name: str, value: object) -> str:
+        """The bandwidth `name` given as `value`, as the caller gives it: `--gpu-bandwidth 900` on the
+        command line, `Bandwidths(gpu=900)` in Python."""
+        words = wording()
+        return words.option(f"--{name}-bandwidth", value) if words.cli else f"Bandwidths({name}={value!r})"
+
+    def advice(self) -> str:
+        """Where the figures come from, and with the assumed ones, how to give the card's own."""
+        if self.source != ASSUMED_BANDWIDTHS:
+            return self.source
+        words = wording()
+        card = (
+            f"{words.option('--gpu', 'NAME')} or {words.name('--gpu-bandwidth')}"
+            if words.cli
+            else "bandwidths=Bandwidths(gpu=...)"
+        )
+        return f"{self.source}: give {card}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,18 +23,58 @@ class MoepassError(Exception):
     """Bad input or an impossible request, with a one-line message for the user."""
 
 
+# the flags whose Python keyword is not the flag's own name, the dashes made underscores
+_KEYWORDS = {"--force": "overwrite", "-o": "output"}
+# the switches whose Python form is not `keyword=True` (or `keyword=False` for a --no- flag)
+_SWITCHES = {"--force": "overwrite=True", "--keep-form": "lower=False", "--ignore-kernel-table": "kernel_table=False"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Wording:
     """How a message names the way out that its caller offers: the Python API's keywords (the
     default), or the command line's flags where the CLI is the caller (moepass.cli runs every command
-    `worded_as(CLI_WORDING)`). `overwrite`: what replaces an existing output; `output`: what names it."""
+    `worded_as(CLI_WORDING)`). A message names an option by its flag, through `option`, and a call by
+    its command, through `call`; `overwrite`: what replaces an existing output; `output`: what names it."""
 
-    overwrite: str = "overwrite=True"
-    output: str = "output path"
+    cli: bool = False
+
+    @property
+    def overwrite(self) -> str:
+        return self.option("--force")
+
+    @property
+    def output(self) -> str:
+        return "-o" if self.cli else "output path"
+
+    def name(self, flag: str) -> str:
+        """The option `flag` named alone: `--kv-cache`, or `kv_cache`."""
+        return flag if self.cli else _KEYWORDS.get(flag) or flag.lstrip("-").replace("-", "_")
+
+    def option(self, flag: str, value: object = None) -> str:
+        """The option `flag` (with `value`, if any) as the caller gives it: `--kv-cache int8` on the
+        command line, `kv_cache='int8'` in Python. A value in capitals (N, FILE, SIZE) is a
+        placeholder, not quoted; a flag without a value is a switch: `--exact` or `exact=True`,
+        `--no-calibrate` or `calibrate=False`."""
+        if self.cli:
+            return flag if value is None else f"{flag} {value}"
+        keyword = self.name(flag)
+        if value is None:
+            return _SWITCHES.get(flag) or (
+                f"{keyword.removeprefix('no_')}=False" if keyword.startswith("no_") else f"{keyword}=True"
+            )
+        placeholder = isinstance(value, str) and value.isalpha() and value.isupper()
+        return f"{keyword}={value if placeholder or not isinstance(value, str) else repr(value)}"
+
+    def call(self, command: str, *options: str) -> str:
+        """`command` given `options` (each worded by `option`): `convert --context N`, or
+        `moepass.convert(..., context=N)`."""
+        if self.cli:
+            return " ".join((command, *options))
+        return f"moepass.{command}({', '.join(('...', *options))})"
 
 
 API_WORDING = Wording()
-CLI_WORDING = Wording(overwrite="--force", output="-o")
+CLI_WORDING = Wording(cli=True)
 _WORDING: contextvars.ContextVar[Wording] = contextvars.ContextVar("moepass_wording", default=API_WORDING)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from moepass.core.errors import MoepassError, no_such_path
+from moepass.core.errors import MoepassError, no_such_path, wording
 from moepass.core.quants import has_non_finite
 
 GGUF_MAGIC = b"GGUF"
@@ -97,7 +97,7 @@ class GGUFTensor:
             raise MoepassError(
                 f"{self.path}: tensor '{self.name}' holds non-finite values (NaN or Inf"
                 f"{'' if self.ggml_type.name in ('F32', 'F16', 'BF16') else ' block scales'}); the "
-                "model would compute NaN; --allow-non-finite converts it anyway"
+                f"model would compute NaN; {wording().option('--allow-non-finite')} converts it anyway"
             )
         return out
 

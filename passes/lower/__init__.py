@@ -26,7 +26,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.architectures import Architecture, HParams
 from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT, one_of
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.files import LOGITS_TO_KEEP
 from moepass.core.gguf_reader import GGUFModel
 from moepass.core.onnx_format import OPSETS, ir_version_for
@@ -137,7 +137,8 @@ def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None
         raise MoepassError(
             f"{gguf.path}: metadata key '{arch.gguf_arch}.context_length' is {hp.context_length:,}: "
             f"its RoPE tables would take {table_bytes / 2**30:.1f} GiB, more than the whole model "
-            f"({gguf.file_bytes / 2**30:.2f} GiB); convert with --context N for the positions you need"
+            f"({gguf.file_bytes / 2**30:.2f} GiB); convert with {wording().option('--context', 'N')} for the "
+            "positions you need"
         )
 
 
@@ -157,7 +158,7 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
     arch.check_tensors(gguf, b.hp)  # every tensor present and of the right shape, before any work is done
     if options.context is not None:  # the RoPE tables' length; RoPE itself keeps the GGUF's parameters
         if not 0 < options.context <= MAX_CONTEXT:
-            raise MoepassError(f"--context {options.context} must be between 1 and {MAX_CONTEXT}")
+            raise MoepassError(f"{wording().option('--context', options.context)} must be between 1 and {MAX_CONTEXT}")
         b.hp = dataclasses.replace(b.hp, context_length=options.context)
     else:
         _check_rope_tables(gguf, arch, b.hp)

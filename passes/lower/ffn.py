@@ -6,7 +6,7 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.moe_nodes import ExpertCodes, Experts, Router, moe_node, packed_moe_node
 from moepass.core.quants import OFFLOAD_FORM, ExpertForms, expert_form, quant_type, requantize_form, scales_in_float16
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
@@ -84,7 +84,7 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
             t = (gate, up, down)[floats.index(True)]
             raise MoepassError(
                 f"{t.path}: expert tensor '{t.name}' is {t.type_name} while the other experts of layer "
-                f"{layer} are quantized; pass --float-experts int8 (or int4) to quantize it"
+                f"{layer} are quantized; pass {wording().option('--float-experts', 'int8')} (or int4) to quantize it"
             )
         ks = [gate.shape[-1], down.shape[-1]]
         if all(floats):
@@ -112,7 +112,8 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
                 PackOptions(scale_dtype=scales, prepack=prepack, workers=builder.options.threads),
             )
         except MoepassError as e:
-            raise MoepassError(f"{e}; convert without --expert-format offload" if prepack else str(e)) from None
+            offload = wording().option("--expert-format", "offload")
+            raise MoepassError(f"{e}; convert without {offload}" if prepack else str(e)) from None
         pad = tensors.pad
         fc1_w, fc1_s = builder.group_initializers(tensors.fc1)
         fc2_w, fc2_s = builder.group_initializers(tensors.fc2)
@@ -163,8 +164,9 @@ def _packed(builder: GraphBuilder, name: str, x2d: ir.Value, router: ir.Value, s
     activation = ACTIVATIONS[feats.activation]
     if feats.expert_biases or (activation.alpha, activation.beta, activation.limit) != (1.0, 0.0, None):
         raise MoepassError(
-            f"{name}: --expert-format packed: MoEPacked has no expert biases and computes the plain SwiGLU; "
-            f"this {builder.arch.gguf_arch} model's experts need them (convert with --expert-format offload)"
+            f"{name}: {wording().option('--expert-format', 'packed')}: MoEPacked has no expert biases and computes "
+            f"the plain SwiGLU; this {builder.arch.gguf_arch} model's experts need them (convert with "
+            f"{wording().option('--expert-format', 'offload')})"
         )
     prefix = f"{name.removesuffix('.moe')}.ffn_experts"
     gate, up, down = (builder.gguf_blob(f"{prefix}.{role}", src) for role, src in zip(("gate", "up", "down"), sources))
