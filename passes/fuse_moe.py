@@ -251,7 +251,7 @@ class ExpertWriter:
     def float_stack(self, name: str, groups: Sequence[tuple[Linear, ...]]) -> ir.Value:
         """[E, N * len(group), K] float32 of the groups' matrices (one group per expert), rows interleaved
         (gate/up)."""
-        return self._initializer(float_expert_stack(ExpertRows.of(groups, exact=True), name, self.report))
+        return self._initializer(float_expert_stack(StackedMatrix.of(groups, exact=True), name, self.report))
 
     def packed_stack(
         self, name: str, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], form: BlockForm, exact: bool
@@ -261,12 +261,12 @@ class ExpertWriter:
         measured)."""
         with_zeros = exact and any(isinstance(lin, Linear) and lin.zero_points is not None for g in groups for lin in g)
         options = PackOptions(zero_points=with_zeros, codes_name="weight")
-        packed = PackedGroup(ExpertRows.of(groups, exact), form, name, self.report, options)
+        packed = PackedGroup(StackedMatrix.of(groups, exact), form, name, self.report, options)
         codes, scales = self._initializer(packed.codes), self._initializer(packed.scales)  # in the file's order
         return Experts(codes, scales, None if packed.zero_points is None else self._initializer(packed.zero_points))
 
 
-class ExpertRows:
+class StackedMatrix:
     """One matrix (gate, up or down) of every expert of a layer, as a weights.RowSource (packed or float):
     a span is one expert's matrix. MatMulNBits blobs move unchanged when `exact` (with their zero
     points, or ONNX Runtime's default ones where the group has zero points and this matrix has none),
@@ -277,7 +277,7 @@ class ExpertRows:
         self.rows, self.k = matrices[0].shape
 
     @classmethod
-    def of(cls, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], exact: bool) -> list[ExpertRows]:
+    def of(cls, groups: Sequence[tuple[Linear | ExpertMatrix, ...]], exact: bool) -> list[StackedMatrix]:
         """One source per matrix of the groups (gate, up; or down), each over every expert."""
         return [cls([group[j] for group in groups], exact) for j in range(len(groups[0]))]
 
