@@ -72,6 +72,7 @@ from moepass.core.files import (
     write_report,
 )
 from moepass.core.gguf_reader import GGUFModel, is_gguf
+from moepass.core.ir_values import copy_model
 from moepass.core.moe_nodes import MoeNode, moe_nodes
 from moepass.core.version import __version__
 from moepass.genai import with_session_entries
@@ -264,16 +265,21 @@ class PartitionSource:
     report: ModelReport
     gguf: GgufSource
     conversion: GgufConversion | None = None
+    _model: ir.Model | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def model(self) -> ir.Model:
+        """The model as it came: the GGUF's lowering, or the folder's model.onnx read once (lazily: its
+        weights stay on disk). Passes run on copies of it (`fresh`), never on it."""
+        if self._model is None:
+            self._model = self.conversion.model if self.conversion is not None else load_model(model_file(self.label))
+        return self._model
 
     def fresh(self) -> tuple[ir.Model, GgufConversion | None]:
         """A fresh copy of the model (partition lowers one to plan on and another to write), and for
-        GGUF input the conversion it belongs to (whose weight report its tensors fill in)."""
-        if self.conversion is None:
-            return load_model(model_file(self.label)), None
-        from moepass.convert import lower_gguf_file
-
-        conversion = lower_gguf_file(self.conversion.source, DEFAULT_LOWERING, echo=lambda line: None)
-        return conversion.model, conversion
+        GGUF input the conversion it belongs to (whose weight report its tensors fill in). The copy
+        shares the source's tensors, which no pass changes in place: a GGUF is lowered once."""
+        return copy_model(self.model), self.conversion
 
     @property
     def context_length(self) -> int | None:
@@ -550,7 +556,7 @@ class PlanRequest:
 
     @classmethod
     def of(cls, source: PartitionSource, vram: str | int, options: PartitionOptions) -> PlanRequest:
-        model = source.conversion.model if source.conversion is not None else source.fresh()[0]
+        model = source.model
         identity = model_identity(model)
         words = wording()
         one_of(options.kv_cache, ("keep", "auto", *KV_CACHE_TYPES), words.name("--kv-cache"))

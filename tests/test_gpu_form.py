@@ -9,6 +9,7 @@ What is not checked here: a GPU. docs/gpu.md says what has run where."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -115,6 +116,27 @@ def test_a_gguf_is_converted_and_placed_in_one_step(make_gguf, converted, tmp_pa
     np.testing.assert_array_equal(_logits(direct.output_dir), _logits(twice.output_dir))
     default = moepass.partition(gguf, None, "8G", target="layers", calibrate=False)  # no -o: beside the file
     assert default.output_dir == gguf.parent / f"{gguf.stem}-placed"
+
+
+def test_a_gguf_is_lowered_once_whatever_the_plan(make_gguf, converted, tmp_path, monkeypatch):
+    """partition MODEL.gguf plans on one copy of the lowered model and writes another: the GGUF is
+    lowered once, also where the plan keeps a layer on the CPU (the written copy lowered for fewer
+    GPU nodes than the planned one), and the placed model is the one placing its conversion gives."""
+    converting = importlib.import_module("moepass.convert")  # the module (moepass.convert is the API's function)
+    lowerings = []
+    lower = converting.lower_gguf_file
+    monkeypatch.setattr(converting, "lower_gguf_file", lambda *a, **k: lowerings.append(a[0]) or lower(*a, **k))
+    gguf = make_gguf("q4_k_m")
+    full = moepass.partition(converted("q4_k_m"), tmp_path / "full", "8G", target="layers", calibrate=False)
+    memory, last = full.plan.memory, full.plan.nodes[-1]
+    one_layer = memory.non_expert_bytes + memory.kv_cache_bytes + memory.work_bytes + memory.reserve_bytes + \
+        last.experts * last.bytes_per_expert + 1024
+    lowerings.clear()
+    direct = moepass.partition(gguf, tmp_path / "direct", one_layer, target="layers", calibrate=False)
+    assert lowerings == [gguf]
+    assert [n.device for n in direct.plan.nodes] == ["cpu", "gpu"]
+    twice = moepass.partition(converted("q4_k_m"), tmp_path / "twice", one_layer, target="layers", calibrate=False)
+    np.testing.assert_array_equal(_logits(direct.output_dir), _logits(twice.output_dir))
 
 
 def test_a_gguf_that_moved_or_changed_is_refused_naming_it(make_gguf, tmp_path):

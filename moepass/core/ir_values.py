@@ -8,6 +8,7 @@ what the caller needs or raises a one-line MoepassError naming the node or value
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -15,6 +16,19 @@ import onnx_ir as ir
 
 from moepass.core.errors import MoepassError
 from moepass.core.onnx_format import ir_version_for
+
+
+def copy_model(model: ir.Model) -> ir.Model:
+    """A copy of `model` that passes change without changing it: new nodes and values, the same
+    tensors (onnx-ir's clone: no pass here changes a tensor in place). The clone shares each value's
+    type object, which `Value.dtype = ...` changes in place, so each value of the copy gets its own."""
+    clone = model.clone()
+    for graph in (clone.graph, *clone.graph.subgraphs()):
+        values = (*graph.inputs, *graph.initializers.values(), *(out for node in graph for out in node.outputs))
+        for value in values:
+            if value.type is not None:
+                value.type = copy.deepcopy(value.type)
+    return clone
 
 
 def input_at(node: ir.Node, index: int) -> ir.Value | None:
