@@ -96,7 +96,7 @@ def main() -> None:
     from moepass.convert import convert
     from moepass.core.files import load_model
     from moepass.partition import partition
-    from moepass.placement import MemoryModel
+    from moepass.pipeline.placement import MemoryModel
     from moepass.runtime import load
     from moepass.runtime.bench import measure
 

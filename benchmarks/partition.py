@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from moepass.placement import Budget, ExpertGroup, MemoryModel, plan_placement
-from moepass.popularity import Popularity
+from moepass.pipeline.placement import Budget, ExpertGroup, MemoryModel, plan_placement
+from moepass.pipeline.popularity import Popularity
 
 LAYERS, EXPERTS, TOP_K = 48, 128, 8
 BYTES_PER_EXPERT = 2_949_120  # 3 x 768 x 2048 weights at 4.5 bits + scales, about Q4_K_M's

@@ -39,7 +39,7 @@ _API = {
     "partition": "moepass.partition",
     "PlanReport": "moepass.core.files",
     "read_plan": "moepass.core.files",
-    "Popularity": "moepass.popularity",
+    "Popularity": "moepass.pipeline.popularity",
     "profile": "moepass.profile",
     "Sampling": "moepass.runtime",
     "Conversation": "moepass.runtime",
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from moepass.gguf_cache import load
     from moepass.inspection import inspect
     from moepass.partition import PartitionResult, partition
-    from moepass.popularity import Popularity
+    from moepass.pipeline.popularity import Popularity
     from moepass.profile import profile
     from moepass.runtime import Conversation, Sampling
 

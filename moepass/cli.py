@@ -916,7 +916,7 @@ def chat(
     """Talk to the model in the terminal, turn after turn (the KV cache keeps the history).
 
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
-    from moepass.chat import chat_loop
+    from moepass.serve.chat import chat_loop
 
     _require("chat", "moepass chat", "jinja2")
     sampling = _sampling(options)
@@ -975,8 +975,8 @@ def serve(
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from pathlib import Path
 
-    from moepass.server import check_api_key, listen
-    from moepass.server import serve as run_server
+    from moepass.serve.server import check_api_key, listen
+    from moepass.serve.server import serve as run_server
 
     _require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
     check_api_key(api_key)  # before the port and the model
@@ -1183,8 +1183,8 @@ def profile(
     """Measure expert popularity: run calibration prompts through a model on the CPU.
 
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
-    from moepass.atomic import check_destination
-    from moepass.popularity import Popularity
+    from moepass.pipeline.atomic import check_destination
+    from moepass.pipeline.popularity import Popularity
     from moepass.profile import profile as run_profile
     from moepass.profile import read_prompts
 
@@ -1219,8 +1219,8 @@ def profile(
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 def merge_profiles(profiles: tuple[str, ...], output: str, force: bool) -> None:
     """Add up popularity profiles of the same model."""
-    from moepass.atomic import check_destination
-    from moepass.popularity import Popularity
+    from moepass.pipeline.atomic import check_destination
+    from moepass.pipeline.popularity import Popularity
 
     check_destination(output, force, is_dir=False)  # before reading the profiles
     merged = Popularity.load(profiles[0])

@@ -230,11 +230,11 @@ def converted(
         source_bytes = sum(part["size"] for part in identity)
         if _current(root, name, source, identity, content):
             return CachedConversion(source, folder, False, 0.0, _tree_bytes(folder), source_bytes)
-        from moepass.convert import convert
+        from moepass.pipeline.conversion import ConvertOptions, convert_gguf
 
         start = time.perf_counter()
         _remove_entry(root, name)
-        convert(source, folder, progress=progress, echo=lambda line: None)
+        convert_gguf(source, folder, ConvertOptions(), progress=progress, echo=lambda line: None)
         if file_identity(source) != identity or content_digest(source) != content:
             _remove_entry(root, name)
             raise MoepassError(f"{source}: changed while it was converted; run again once it is written")

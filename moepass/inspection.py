@@ -22,8 +22,8 @@ from moepass.core.files import as_ir_model, read_report
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.core.quants import BlockForm, parse_form
-from moepass.kv_precision import cache_type_of, describe_cache, kv_bytes_per_position
 from moepass.passes.fuse_moe import FuseMoePass
+from moepass.pipeline.kv_precision import cache_type_of, describe_cache, kv_bytes_per_position
 
 
 def _gguf_group(name: str) -> str:

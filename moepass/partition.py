@@ -26,12 +26,11 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import onnx
 import onnx_ir as ir
 
-from moepass.atomic import atomic_directory, atomic_file, check_destination
 from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals, offload_violations
@@ -75,18 +74,18 @@ from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.ir_values import copy_model
 from moepass.core.moe_nodes import MoeNode, moe_nodes
 from moepass.core.version import __version__
-from moepass.genai import with_session_entries
-from moepass.kv_precision import AUTO_CHOICES, cache_type_of, set_kv_cache
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.gpu_form import ExpertRows, GgufExperts, GpuFormPass, StoredExperts
 from moepass.passes.lower import LowerOptions
 from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.passes.weights import WeightReport, merged_records
-from moepass.placement import Budget, MemoryModel, Plan, Speeds, onnxruntime_options, plan_placement
-from moepass.popularity import Popularity, model_identity
-
-if TYPE_CHECKING:
-    from moepass.convert import GgufConversion
+from moepass.pipeline import conversion as gguf_conversion
+from moepass.pipeline.atomic import atomic_directory, atomic_file, check_destination
+from moepass.pipeline.conversion import GgufConversion
+from moepass.pipeline.genai import with_session_entries
+from moepass.pipeline.kv_precision import AUTO_CHOICES, cache_type_of, set_kv_cache
+from moepass.pipeline.placement import Budget, MemoryModel, Plan, Speeds, onnxruntime_options, plan_placement
+from moepass.pipeline.popularity import Popularity, model_identity
 
 
 @dataclasses.dataclass
@@ -354,9 +353,7 @@ def read_source(model: str | os.PathLike, gguf: str | os.PathLike | None = None)
     lowered here with convert's defaults (nothing written until the placed model is)."""
     label = Path(model)
     if label.is_file() and is_gguf(label):
-        from moepass.convert import lower_gguf_file
-
-        conversion = lower_gguf_file(label, DEFAULT_LOWERING, echo=lambda line: None)
+        conversion = gguf_conversion.lower_gguf_file(label, DEFAULT_LOWERING, echo=lambda line: None)
         report = ModelReport({"input": "gguf"}, input="gguf", context_length=conversion.lowered.hparams.context_length)
         recorded = {"path": str(label.resolve()), "fingerprint": conversion.gguf.fingerprint()}
         return PartitionSource(
@@ -436,7 +433,7 @@ class PartitionOptions:
     model on this CPU (`threads`; moepass.runtime.calibrate) for the CPU side of the prediction, or
     take them from `cpu_profile` (an earlier plan.json); False: the bandwidth model alone.
     `kv_cache`: "keep" the model's KV cache type, give a float32 one another (float16, int8;
-    moepass.kv_precision), or "auto": the type of AUTO_CHOICES with the fastest predicted decode.
+    moepass.pipeline.kv_precision), or "auto": the type of AUTO_CHOICES with the fastest predicted decode.
     `gguf`: where the GGUF the model was converted from is now, if it moved. `report`: a PNG
     picture of the plan."""
 
@@ -490,7 +487,7 @@ def partition(
     """Plan expert placement for a GPU budget and write the model lowered for it, the plan and options.
 
     Stages: read (the converted model, or a GGUF lowered with convert's defaults), plan (the memory
-    model of the GPU form, placement, prediction: moepass.placement), lower (passes/gpu_form.py:
+    model of the GPU form, placement, prediction: moepass.pipeline.placement), lower (passes/gpu_form.py:
     float16 on the GPU, each MoE node there in the form its EP takes, experts packed anew from the
     GGUF's own blocks where that form differs; the layer annotations or the expert order), write
     (what changed; the source's unchanged weights shared with it, `output_dir`/shared.onnx.data).
@@ -515,7 +512,7 @@ def partition(
         weights_how = _write_model(source, lowered, lowered.model, tmp, progress, options.threads)
         placed = _write_placed(source, lowered, placement, document, weights_how, tmp, output_dir, options)
         if options.report is not None:
-            from moepass.plan_report import draw_plan
+            from moepass.pipeline.plan_report import draw_plan
 
             with atomic_file(options.report, overwrite) as picture:
                 draw_plan(placed, request.popularity, picture)
@@ -913,11 +910,11 @@ def _write_model(
 ) -> str:
     """The placed model's files; says how its weights came to be."""
     if lowered.conversion is not None:  # a GGUF lowered in this run: written as convert writes it
-        from moepass.convert import ConvertOptions, write_gguf_conversion
-
         conversion = dataclasses.replace(lowered.conversion, model=model)
-        options = ConvertOptions(threads=threads)
-        write_gguf_conversion(conversion, tmp, options, progress, echo=lambda line: None, also=lowered.report)
+        options = gguf_conversion.ConvertOptions(threads=threads)
+        gguf_conversion.write_gguf_conversion(
+            conversion, tmp, options, progress, echo=lambda line: None, also=lowered.report
+        )
         return f"{DATA_FILE} written (converted from {source.label.name} in this run)"
     assert source.folder is not None
     how = save_model(model, tmp / MODEL_FILE, progress, share_from=source.folder / DATA_FILE)

@@ -21,7 +21,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import load_model, model_file, read_text
 from moepass.core.moe_nodes import moe_nodes
 from moepass.passes.expose_router import ExposeRouterLogitsPass
-from moepass.popularity import Popularity, model_identity
+from moepass.pipeline.popularity import Popularity, model_identity
 
 Prompt = str | Sequence[int]  # text (tokenized with the model's tokenizer) or token ids
 

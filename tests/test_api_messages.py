@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]+")
 # the modules that only the command line reaches: serve (its flags are its only interface), the CLI,
 # and the generator of docs/ tables
-CLI_ONLY = {"moepass/cli.py", "moepass/server.py", "moepass/support_tables.py"}
+CLI_ONLY = {"moepass/cli.py", "moepass/serve/server.py", "moepass/support_tables.py"}
 
 
 def _refused(call) -> str:

@@ -133,7 +133,7 @@ def test_the_api_names_its_keyword_and_the_cli_its_flag(tmp_path, make_gguf, con
     """An output in the way: the Python API says `overwrite=True` (its keyword), the CLI --force and
     -o (its flags) as it always has; check_destination takes the wording its caller gives."""
     import moepass
-    from moepass.atomic import atomic_file, check_destination
+    from moepass.pipeline.atomic import atomic_file, check_destination
     from moepass.core.errors import API_WORDING, CLI_WORDING, MoepassError
 
     out = tmp_path / "out"
@@ -240,7 +240,7 @@ def test_outputs_are_checked_before_any_work(converted, make_gguf, tmp_path, mon
     (tmp_path / "taken" / "mine.txt").write_text("keep")
     monkeypatch.setattr(sys.modules["moepass.profile"], "profile", no_work)
     monkeypatch.setattr(sys.modules["moepass.partition"], "load_model", no_work)
-    monkeypatch.setattr(sys.modules["moepass.convert"], "GGUFModel", no_work)
+    monkeypatch.setattr(sys.modules["moepass.pipeline.conversion"], "GGUFModel", no_work)
     model = str(converted("q4_0"))
     runner = CliRunner()
     for args in (["profile", model, "--prompt-ids", "1,2,3", "-o", str(taken)],

@@ -20,7 +20,7 @@ from moepass import MoepassError
 from moepass.core.files import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, read_json_object
 from moepass.core.gguf_reader import GGUFModel
 from moepass.runtime.chat_template import ChatTemplate
-from moepass.tokenizer import tokenizer_from_gguf
+from moepass.pipeline.tokenizer import tokenizer_from_gguf
 
 
 # OpenAI-style messages; tool calls carry their arguments as a mapping, as transformers documents them

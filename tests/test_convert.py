@@ -66,7 +66,7 @@ def test_result_and_report(tmp_path, make_gguf):
 def test_a_model_larger_than_the_machines_memory_is_said(tmp_path, make_gguf, monkeypatch):
     """A 48-layer Q4_K_M model with 8-bit experts (31 GB) on a 24 GiB machine: the summary says
     that decoding there reads from the disk, and which form would fit."""
-    convert_module = importlib.import_module("moepass.convert")
+    convert_module = importlib.import_module("moepass.pipeline.conversion")
     result = moepass.convert(make_gguf("q4_k"), tmp_path / "out")
     monkeypatch.setattr(convert_module, "physical_memory", lambda: result.output_bytes - 1)
     lines = [line for line in result.summary_lines() if "memory" in line]
@@ -337,7 +337,8 @@ def test_deepened_fixture_repeats_layers_by_llamas_layer_rule(tmp_path):
 def test_an_unknown_convert_option_is_refused_naming_the_nearest(make_gguf, tmp_path):
     """convert's keywords are ConvertOptions' fields: a misspelt one is one line naming the field
     meant, before any work; an options object and keywords combine, the keywords winning."""
-    from moepass.convert import ConvertOptions, convert
+    from moepass.convert import convert
+    from moepass.pipeline.conversion import ConvertOptions
 
     with pytest.raises(moepass.MoepassError, match=r"convert: no option 'expert_fromat' \(did you mean expert_format\?\)"):
         convert(make_gguf("q4_0"), tmp_path / "out", expert_fromat="int8")

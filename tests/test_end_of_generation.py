@@ -1,5 +1,5 @@
 """Generation ends where llama.cpp's ends: at the end-of-generation tokens its vocabulary loader
-finds (moepass.tokenizer.eog_token_ids), not only at the ids the file's metadata names.
+finds (moepass.pipeline.tokenizer.eog_token_ids), not only at the ids the file's metadata names.
 
 The vocabularies (tests/support/vocabularies.py) carry the control tokens of five model families,
 as their published GGUFs do (the texts of their tokenizer.json files, the tokens their chat
@@ -18,7 +18,7 @@ from support.vocabularies import FAMILIES, preferring
 import moepass
 from moepass.cli import main
 from moepass.core.gguf_reader import GGUFModel
-from moepass.tokenizer import tokenizer_from_gguf
+from moepass.pipeline.tokenizer import tokenizer_from_gguf
 
 
 def _family_gguf(tmp_path, family: str):

@@ -122,7 +122,7 @@ def test_a_gguf_is_lowered_once_whatever_the_plan(make_gguf, converted, tmp_path
     """partition MODEL.gguf plans on one copy of the lowered model and writes another: the GGUF is
     lowered once, also where the plan keeps a layer on the CPU (the written copy lowered for fewer
     GPU nodes than the planned one), and the placed model is the one placing its conversion gives."""
-    converting = importlib.import_module("moepass.convert")  # the module (moepass.convert is the API's function)
+    converting = importlib.import_module("moepass.pipeline.conversion")
     lowerings = []
     lower = converting.lower_gguf_file
     monkeypatch.setattr(converting, "lower_gguf_file", lambda *a, **k: lowerings.append(a[0]) or lower(*a, **k))

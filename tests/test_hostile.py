@@ -674,7 +674,7 @@ def test_an_interrupt_as_the_temporary_is_made_leaves_nothing(tmp_path, monkeypa
     the interrupt lands before its name is returned to the code that removes it."""
     import tempfile
 
-    from moepass import atomic
+    from moepass.pipeline import atomic
 
     make = tempfile.mkdtemp if kind == "directory" else tempfile.mkstemp
 
@@ -724,7 +724,7 @@ def test_leftovers_of_killed_runs_are_swept_and_said_never_a_live_or_foreign_one
     does one of another user's (seen here through a uid not the owner's)."""
     import subprocess
 
-    from moepass import atomic
+    from moepass.pipeline import atomic
 
     ended = subprocess.Popen(["true"])
     ended.wait()
@@ -761,7 +761,7 @@ def test_leftovers_of_killed_runs_are_swept_and_said_never_a_live_or_foreign_one
 
 def test_output_appearing_meanwhile_is_not_replaced(make_gguf, tmp_path, monkeypatch):
     """Two runs to the same -o: the one that finishes second refuses at the rename."""
-    convert_module = importlib.import_module("moepass.convert")
+    convert_module = importlib.import_module("moepass.pipeline.conversion")
 
     out = tmp_path / "out"
     real_save = convert_module.save_model
@@ -782,7 +782,7 @@ def test_output_appearing_meanwhile_is_not_replaced(make_gguf, tmp_path, monkeyp
 def test_full_disk_is_one_line_naming_the_output(make_gguf, tmp_path, monkeypatch):
     import errno
 
-    convert_module = importlib.import_module("moepass.convert")
+    convert_module = importlib.import_module("moepass.pipeline.conversion")
 
     def no_space(model, path, progress):
         (path.parent / "model.onnx.data").write_bytes(b"partial")
@@ -798,7 +798,7 @@ def test_full_disk_is_one_line_naming_the_output(make_gguf, tmp_path, monkeypatc
 
 def test_a_bug_keeps_its_traceback(make_gguf, tmp_path, monkeypatch):
     """An unexpected exception is not dressed up as bad input: traceback, 'this is a bug', exit 1."""
-    convert_module = importlib.import_module("moepass.convert")
+    convert_module = importlib.import_module("moepass.pipeline.conversion")
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug")

@@ -13,9 +13,12 @@ import moepass.core
 import moepass.cuda_ops
 import moepass.passes
 import moepass.passes.lower
+import moepass.pipeline
 import moepass.runtime
+import moepass.serve
 
-PACKAGES = (moepass, moepass.core, moepass.cuda_ops, moepass.passes, moepass.passes.lower, moepass.runtime)
+PACKAGES = (moepass, moepass.core, moepass.cuda_ops, moepass.passes, moepass.passes.lower, moepass.runtime,
+            moepass.pipeline, moepass.serve)
 
 
 def _modules() -> list[str]:
@@ -57,22 +60,31 @@ def test_no_module_imports_through_the_package_root():
     assert not offenders, offenders
 
 
-# ---- the house: which folder may import which ------------------------------------------------------
+# ---- the house: which layer may import which --------------------------------------------------------
 # core: the facts (GGUF reading, quant and architecture tables, MoE node layout, names, errors);
-# cuda_ops: kernel layouts; passes: graph rewrites; runtime: ONNX Runtime sessions; drivers: the rest of
-# moepass/ (convert, partition, profile, inspect, the CLI and the API), which may use everything.
+# cuda_ops: kernel layouts; passes: graph rewrites; runtime: ONNX Runtime sessions; pipeline: the
+# stages commands are made of (the GGUF conversion, the KV cache's type, the files beside a model, the
+# placement); commands: convert, partition, profile, inspect and the GGUF cache, none importing
+# another; serve: the server and the chat; front: the CLI, the API (moepass/__init__.py) and the
+# generator of docs' tables, which may use everything.
 ALLOWED = {
     "core": {"core"},
     "cuda_ops": {"cuda_ops", "core"},
     "passes": {"passes", "core", "cuda_ops"},
     "runtime": {"runtime", "core"},
-    "drivers": {"drivers", "core", "cuda_ops", "passes", "runtime"},
+    "pipeline": {"pipeline", "core", "cuda_ops", "passes", "runtime"},
+    "commands": {"core", "cuda_ops", "passes", "runtime", "pipeline"},
+    "serve": {"serve", "core", "runtime", "pipeline"},
+    "front": {"front", "core", "cuda_ops", "passes", "runtime", "pipeline", "commands", "serve"},
 }
+FRONT = {"moepass", "moepass.cli", "moepass.support_tables"}
 
 
 def _folder(module: str) -> str:
+    if module in FRONT:
+        return "front"
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else "drivers"
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else "commands"
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -100,10 +112,14 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 def test_imports_run_down_the_house():
-    """No folder imports one above it: runtime never imports passes, passes never the drivers, and the
-    core nothing but itself."""
+    """No layer imports one above it (runtime never imports passes, passes never a stage, a stage never
+    a command, the core nothing but itself), and no command imports another."""
     graph = _import_graph()
-    assert {"moepass.core.keys", "moepass.passes.lower", "moepass.runtime.providers", "moepass.cli"} <= set(graph)
+    assert {"moepass.core.keys", "moepass.passes.lower", "moepass.runtime.providers", "moepass.cli",
+            "moepass.pipeline.conversion", "moepass.serve.server"} <= set(graph)
+    assert {_folder(m) for m in ("moepass.partition", "moepass.pipeline", "moepass.pipeline.atomic", "moepass.cli",
+                                 "moepass.serve.chat", "moepass.passes.lower")} == \
+        {"commands", "pipeline", "front", "serve", "passes"}
     wrong = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
                    if _folder(b) not in ALLOWED[_folder(a)])
     assert not wrong, wrong

@@ -17,8 +17,8 @@ import moepass
 from moepass.cli import main
 from moepass.core.files import load_model
 from moepass.core.architectures import Rope
-from moepass.kv_precision import Rotation, key_ranges, rope_pairs, rotation_of
-from moepass.placement import MemoryModel
+from moepass.pipeline.kv_precision import Rotation, key_ranges, rope_pairs, rotation_of
+from moepass.pipeline.placement import MemoryModel
 from moepass.runtime import KVCache, Speculator, load
 import make_fixtures
 from support.bounds import assert_same_greedy_tokens, assert_within, float_rounding_bound

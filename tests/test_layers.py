@@ -21,7 +21,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.files import load_model
 from moepass.partition import partition
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS, LAYER_SETTINGS_KEY
-from moepass.placement import ExpertGroup, MemoryModel, choose_layers
+from moepass.pipeline.placement import ExpertGroup, MemoryModel, choose_layers
 from moepass.profile import profile
 from moepass.runtime import load
 from moepass.runtime.providers import CPU_EP, CUDA_EP, check_layer_placement, plan_session

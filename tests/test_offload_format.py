@@ -87,8 +87,8 @@ def test_a_profile_applies_to_every_form_of_the_same_model(offload_pair, convert
     both layouts), so a profile measured on one conversion of a GGUF plans every other: the default,
     int4 and the offload form share one fingerprint, and inspect and the memory model see the same
     hidden and expert sizes."""
-    from moepass.placement import MemoryModel
-    from moepass.popularity import model_identity
+    from moepass.pipeline.placement import MemoryModel
+    from moepass.pipeline.popularity import model_identity
 
     offload, unpacked = offload_pair
     default = converted("q4_0")

@@ -18,7 +18,7 @@ import moepass
 from moepass.cli import main
 from moepass.partition import partition
 from moepass.core.choices import parse_bytes
-from moepass.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, plan_placement)
+from moepass.pipeline.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, plan_placement)
 from moepass.core.capabilities import offload_violations
 from moepass.core.files import PLAN_VERSION, SHARED_DATA_FILE, OffloadState, load_model, read_plan
 from moepass.core.moe_nodes import moe_nodes
@@ -401,7 +401,7 @@ def test_the_plan_picture_says_an_inactive_plan_and_hides_no_cell(tmp_path, conv
     import matplotlib
 
     matplotlib.use("Agg")
-    from moepass.plan_report import plan_figure
+    from moepass.pipeline.plan_report import plan_figure
 
     inactive = partition(converted("q4_0"), tmp_path / "placed", "8G", kernel_table=False, profile=popularity,
                          target="offload", lower=False)
@@ -428,7 +428,7 @@ def test_the_summary_names_the_picture_and_the_estimate_that_applies(tmp_path, c
     import matplotlib
 
     matplotlib.use("Agg")
-    from moepass.plan_report import plan_figure
+    from moepass.pipeline.plan_report import plan_figure
 
     picture = tmp_path / "plan.png"
     result = CliRunner().invoke(main, ["partition", str(converted("q4_0")), "--vram", "8G", "--target", "layers",

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import moepass
 from moepass.cli import main
-from moepass.popularity import Popularity
+from moepass.pipeline.popularity import Popularity
 from moepass.profile import profile, read_prompts
 from support.reference_forward import Qwen3MoeReference
 

@@ -19,7 +19,7 @@ from moepass.cli import main
 from moepass.core.gguf_reader import GGUFModel
 from moepass.runtime import Sampling, choose_token, load
 from moepass.runtime.providers import PLUGIN_EP, SessionPlan, offload_violations, plan_session, provider_in_effect
-from moepass.tokenizer import tokenizer_from_gguf
+from moepass.pipeline.tokenizer import tokenizer_from_gguf
 from support.bounds import assert_within, float_rounding_bound, int8_rerun_bound
 from support.oracle import llama_cpp_module
 

@@ -228,7 +228,7 @@ def test_a_stream_cut_mid_send_ends_its_turn_before_the_request_ends(model, api_
     import asyncio
 
     from moepass.runtime import load
-    from moepass.server import ModelServer, create_app
+    from moepass.serve.server import ModelServer, create_app
 
     said: list[str] = []
     server = ModelServer(load(model, threads=1), model.name, 4, echo=said.append)
@@ -390,7 +390,7 @@ def test_with_a_key_the_docs_pages_need_it_too(model):
     from starlette.testclient import TestClient
 
     from moepass.runtime import load
-    from moepass.server import ModelServer, create_app
+    from moepass.serve.server import ModelServer, create_app
 
     app = create_app(ModelServer(load(model, device="cpu", threads=1), "m", 4), "sesame")
     with TestClient(app) as client:
@@ -406,7 +406,7 @@ def test_with_a_key_the_docs_pages_need_it_too(model):
 def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, host, key, warned):
     import asyncio
 
-    import moepass.server as server
+    import moepass.serve.server as server
 
     class Listener:
         def getsockname(self):
@@ -597,7 +597,7 @@ def test_fuzzed_requests_are_answered_4xx_or_200_never_500(model):
     from starlette.testclient import TestClient
 
     from moepass.runtime import load
-    from moepass.server import CHAT_FIELDS, COMPLETION_FIELDS, ModelServer, create_app
+    from moepass.serve.server import CHAT_FIELDS, COMPLETION_FIELDS, ModelServer, create_app
 
     scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3000), st.floats(allow_nan=False, allow_infinity=False, width=32),
                         st.text(max_size=12))

@@ -252,7 +252,7 @@ def test_any_model_name_is_answered_with_the_served_one(server, model):
 def test_with_a_key_the_llama_server_endpoints_need_it(model, decoder):
     from starlette.testclient import TestClient
 
-    from moepass.server import ModelServer, create_app
+    from moepass.serve.server import ModelServer, create_app
 
     with TestClient(create_app(ModelServer(decoder, "m", 4), "sesame")) as client:
         for path in ("/props", "/slots", "/metrics"):
@@ -266,7 +266,7 @@ def test_metrics_are_counted_exactly_from_many_threads():
     left), /metrics read meanwhile: no count is lost."""
     from types import SimpleNamespace
 
-    from moepass.server import Metrics
+    from moepass.serve.server import Metrics
 
     metrics = Metrics()
     stream = SimpleNamespace(first_token_at=1.0, prefilled_tokens=7, prompt_seconds=0.5, completion_tokens=3,
@@ -293,7 +293,7 @@ def test_fuzzed_completion_requests_are_answered_4xx_or_200_never_500(model, dec
     from hypothesis import HealthCheck, given, settings, strategies as st
     from starlette.testclient import TestClient
 
-    from moepass.server import LLAMA_COMPLETION_FIELDS, ModelServer, create_app
+    from moepass.serve.server import LLAMA_COMPLETION_FIELDS, ModelServer, create_app
 
     scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3000), st.sampled_from([-1, 0xFFFFFFFF, 2**70]),
                         st.floats(allow_nan=False, allow_infinity=False, width=32), st.text(max_size=12))

@@ -23,7 +23,7 @@ from support.chat_templates import NO_TEMPLATES, TEMPLATES_DIR
 from support.vocabularies import FAMILIES
 
 import moepass
-from moepass.answers import HARMONY, HERMES, AnswerReader
+from moepass.serve.answers import HARMONY, HERMES, AnswerReader
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
 pytest.importorskip("fastapi", reason="moepass serve needs the serve extra")
@@ -40,7 +40,7 @@ class Running:
     def __init__(self, decoder, model_id: str = "fixture"):
         import uvicorn
 
-        from moepass.server import ModelServer, create_app, listen
+        from moepass.serve.server import ModelServer, create_app, listen
 
         listener = listen("127.0.0.1", 0)
         self.port = listener.getsockname()[1]

@@ -95,7 +95,7 @@ PASS_NAMES = {
     "onnx": ("read", "fuse-moe", "remove-unused", "topological-sort", "quantize-activations"),
 }
 PRINT_AFTER_CHOICES = tuple(dict.fromkeys(name for names in PASS_NAMES.values() for name in names))
-# --kv-cache: GroupQueryAttention's cache type -> bytes per cached value (moepass.kv_precision)
+# --kv-cache: GroupQueryAttention's cache type -> bytes per cached value (moepass.pipeline.kv_precision)
 KV_CACHE_TYPES = {"float32": 4, "float16": 2, "int8": 1}
 MAX_CONTEXT = 1 << 24  # positions: 16M, above every released model's context
 

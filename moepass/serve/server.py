@@ -13,7 +13,7 @@ stops its generation. Request fields beyond OpenAI's, as llama-server has them: 
 `repeat_penalty`, `repeat_last_n`, `cache_prompt` (default true: the prefix a prompt shares with
 the previous request's is not computed again), `chat_template_kwargs` (e.g.
 `{"enable_thinking": false}`); absent sampling fields take llama-server's defaults. `tools` reach
-the chat template and the answer's tool calls and reasoning are read out of it (moepass.answers)
+the chat template and the answer's tool calls and reasoning are read out of it (moepass.serve.answers)
 into OpenAI's `tool_calls` and llama-server's `reasoning_content`; `logprobs` are the model's own
 (chat: `logprobs`/`top_logprobs`; completions: `logprobs` N). Bad requests, and fields the server
 does not take, get OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`) with a
@@ -46,9 +46,9 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from moepass.answers import HARMONY, HERMES, AnswerReader, answer_format
 from moepass.core.choices import Sampling
 from moepass.core.errors import MoepassError, first_line
+from moepass.serve.answers import HARMONY, HERMES, AnswerReader, answer_format
 
 if TYPE_CHECKING:
     from fastapi import Request

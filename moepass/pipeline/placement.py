@@ -49,8 +49,8 @@ from moepass.core.choices import GPU_NODE_US, GPU_STEP_US, PLAN_MODES, POLICIES,
 from moepass.core.errors import MoepassError, wording
 from moepass.core.ir_values import dim, folded, input_at
 from moepass.core.moe_nodes import is_moe, moe_nodes, tensor_bytes
-from moepass.kv_precision import cache_inputs, cache_type_of, kv_bytes_per_position
-from moepass.popularity import Popularity
+from moepass.pipeline.kv_precision import cache_inputs, cache_type_of, kv_bytes_per_position
+from moepass.pipeline.popularity import Popularity
 
 
 @dataclasses.dataclass(frozen=True)

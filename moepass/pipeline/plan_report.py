@@ -9,7 +9,7 @@ import numpy as np
 
 from moepass.core.errors import MoepassError, wording
 from moepass.core.files import PlanReport
-from moepass.popularity import Popularity
+from moepass.pipeline.popularity import Popularity
 
 
 def _unit(nbytes: int) -> tuple[str, float]:

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from moepass.atomic import atomic_file
 from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.files import read_json
 from moepass.core.moe_nodes import moe_nodes
+from moepass.pipeline.atomic import atomic_file
 
 FORMAT = "moepass-popularity"
 VERSION = 1
