@@ -131,7 +131,7 @@ class PartitionResult:
             f"  non-expert       {format_bytes(mem.non_expert_bytes):>12}",
             f"  KV cache         {format_bytes(mem.kv_cache_bytes):>12}  "
             f"(context {plan.inputs.context:,}"
-            + (f": {plan.document['context_words']}" if plan.document.get("context_words") else "")
+            + (f": {plan.context_words}" if plan.context_words else "")
             + f", batch {plan.inputs.batch}"
             + (f", {kv.type}" if kv else "")
             + ")"
@@ -667,8 +667,6 @@ class Placement:
             }
         document["active"] = self.inactive is None
         document["inactive_reason"] = self.inactive
-        if request.target == "offload":
-            document["offload"] = {"active": self.inactive is None, "reason": self.inactive}
         return document
 
 
@@ -824,8 +822,9 @@ def _write_placed(
             "identity": shared_data_identity(tmp / SHARED_DATA_FILE),  # checked at every load
         }
     document["expert_regions"] = _expert_regions(tmp / MODEL_FILE, placement.memory, placement.plan)
-    (tmp / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
-    placed = PlanReport.from_json(document, output_dir / PLAN_FILE)  # what readers of the file will take
+    # the file is the plan's class written out, what its readers take: a key no field reads is refused
+    placed = PlanReport.from_json(document, output_dir / PLAN_FILE, strict=True)
+    (tmp / PLAN_FILE).write_text(json.dumps(placed.to_json(), indent=1) + "\n")
     if source.folder is not None:
         for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
             copy_companion(source.folder, name, tmp)

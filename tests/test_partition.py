@@ -20,7 +20,7 @@ from moepass.partition import partition
 from moepass.core.choices import parse_bytes
 from moepass.pipeline.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, plan_placement)
 from moepass.core.capabilities import offload_violations
-from moepass.core.files import PLAN_VERSION, SHARED_DATA_FILE, OffloadState, load_model, read_plan
+from moepass.core.files import PLAN_VERSION, SHARED_DATA_FILE, load_model, read_plan
 from moepass.core.moe_nodes import moe_nodes
 from moepass.profile import profile
 from moepass.runtime import load
@@ -227,7 +227,7 @@ def test_everything_fits(tmp_path, converted):
     offloadable = converted("q4_0", expert_format="offload")
     result = partition(offloadable, tmp_path / "all", "1G", profile=profile(offloadable, PROMPTS), target="offload")
     assert all(n.resident_count == 8 for n in result.plan.nodes) and not result.warnings
-    assert result.plan.offload == OffloadState(True, None) and result.plan.offload_active
+    assert result.plan.active and result.plan.inactive_reason is None and result.plan.offload_active
 
 
 def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, converted, popularity):
@@ -240,7 +240,7 @@ def test_a_model_onnx_runtime_will_not_offload_gets_an_inactive_plan(tmp_path, c
                        warn=warnings.append, target="offload", lower=False)
     assert "ONNX Runtime will not offload this model's experts (blk.0.moe: int4 experts need weights_prepacked=1" \
         in warnings[0] and "(lower=True, the default)" in warnings[0] and warnings[0].endswith("inactive")
-    assert result.plan.offload is not None and "blk.0.moe" in (result.plan.offload.reason or "")
+    assert not result.plan.active and "blk.0.moe" in (result.plan.inactive_reason or "")
     plan = read_plan(tmp_path / "placed")
     assert plan.offload_active is False and plan.active is False and "blk.0.moe" in (plan.inactive_reason or "")
     assert "(inactive: ONNX Runtime will not offload this model)" in result.summary_lines()[0]
@@ -377,7 +377,9 @@ def test_a_per_layer_plan_shares_the_weights_unchanged(converted, tmp_path):
     assert added < 0.2 * shared.stat().st_size
     assert placed.weights.startswith(f"{SHARED_DATA_FILE}: ") and "(hard link)" in placed.weights
     assert f"  weights          {placed.weights}" in placed.summary_lines()
-    recorded = read_plan(placed.output_dir).document["shared_data"]["source"]  # from the placed folder
+    shared_data = read_plan(placed.output_dir).shared_data
+    assert shared_data is not None and shared_data.file == SHARED_DATA_FILE
+    recorded = shared_data.source  # from the placed folder
     assert (placed.output_dir / recorded).resolve() == (source / "model.onnx.data").resolve()
     # float16 on the GPU side: as far from the source as convert's own float16 graph (the offload
     # form, the same Q4_0 weights) is, and the same greedy token wherever the source's margin is wider

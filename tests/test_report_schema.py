@@ -7,7 +7,15 @@ import re
 import pytest
 
 import moepass
-from moepass.core.files import PLAN_FILE, PLAN_VERSION, REPORT_FILE, REPORT_SCHEMA, read_plan, read_report
+from moepass.core.files import (
+    PLAN_FILE,
+    PLAN_VERSION,
+    REPORT_FILE,
+    REPORT_SCHEMA,
+    PlanReport,
+    read_plan,
+    read_report,
+)
 
 
 def test_both_inputs_write_the_same_schema(converted, tmp_path):
@@ -88,6 +96,30 @@ def test_plan_json_reads_back_as_the_plan_partition_returned(converted, placed, 
     assert all(isinstance(n.resident, tuple) for n in plan.nodes)
     assert plan.memory.resident_expert_bytes == sum(n.resident_count * n.bytes_per_expert for n in plan.nodes)
     assert plan.prediction.decode_ms_per_token.cpu_only is None and plan.prediction.cpu is None
+
+
+def test_plan_json_is_its_class_written_out(placed, tmp_path):
+    """plan.json holds exactly the plan's fields, as PlanReport writes them: the file as JSON reads
+    (not through the reader) equals the read plan written out again, so no key is written that no
+    field reads, and nothing read is lost; the round trip gives the same plan."""
+    written = json.loads((placed / PLAN_FILE).read_text())
+    plan = read_plan(placed)
+    assert written == plan.to_json()
+    assert PlanReport.from_json(plan.to_json(), placed / PLAN_FILE) == plan
+    assert {"context_words", "shared_data", "lowering", "expert_regions", "active"} <= set(written)
+    assert plan.context_words == "the model's" and plan.shared_data is None  # the offload form shares no data
+    assert "offload" not in written or written["offload"] is None  # version 2: active and inactive_reason
+
+
+def test_the_plan_writer_refuses_a_key_no_field_reads(placed):
+    """A key the writer adds without a field to read it is refused when written (strict), and read
+    past where a newer moepass wrote it (a reader ignores what it does not know)."""
+    written = json.loads((placed / PLAN_FILE).read_text())
+    for extra in ({**written, "context_note": "x"},
+                  {**written, "memory": {**written["memory"], "spare_bytes": 1}}):
+        with pytest.raises(moepass.MoepassError, match="no field reads it"):
+            PlanReport.from_json(extra, placed / PLAN_FILE, strict=True)
+        assert PlanReport.from_json(extra, placed / PLAN_FILE) == read_plan(placed)
 
 
 @pytest.mark.parametrize("change, message", [

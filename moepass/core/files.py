@@ -525,11 +525,34 @@ class ExpertRegion:
 
 
 @dataclasses.dataclass(frozen=True)
+class FileIdentity:
+    """What identifies a file: device, inode, size, mtime and a digest of sampled blocks
+    (shared_data_identity)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    digest: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedData:
+    """The source's data file a placed model shares (hard-linked or copied as shared.onnx.data): its
+    name in the placed folder, the source's file relative to it, and its identity when written
+    (checked at every load: check_shared_data)."""
+
+    file: str
+    source: str
+    identity: FileIdentity
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanReport:
     """plan.json as its readers take it: every field checked once, here, against its type, naming
     the file and the key; `document` is the whole JSON object as partition wrote it."""
 
-    document: dict[str, Any]
+    document: dict[str, Any] = dataclasses.field(compare=False, repr=False)
     version: int
     moepass_version: str
     target: str  # offload (per expert) or layers (whole MoE layers)
@@ -542,22 +565,30 @@ class PlanReport:
     warnings: tuple[str, ...]
     onnxruntime_options: dict[str, str]
     kv_cache: KvCacheChoice | None = None
-    offload: OffloadState | None = None  # per-expert plans only (version 1)
+    offload: OffloadState | None = None  # per-expert plans of version 1 (version 2: active, inactive_reason)
     cpu_costs: dict[str, Any] | None = None  # runtime.calibrate's document, when timed
     expert_regions: tuple[ExpertRegion, ...] = ()
     # version 2: whether ONNX Runtime will carry out the plan on a GPU (either target), and why not
     active: bool = True
     inactive_reason: str | None = None
     lowering: Lowering | None = None
+    context_words: str = ""  # how the planned context was chosen, in words
+    shared_data: SharedData | None = None  # the source's data file the placed model shares
 
     @property
     def offload_active(self) -> bool:
         """False for a plan ONNX Runtime will not carry out (written, but inactive)."""
         return self.active and (self.offload is None or self.offload.active)
 
+    def to_json(self) -> dict[str, Any]:
+        """The plan as plan.json holds it: what partition writes, every field of this class and nothing
+        else (from_json(to_json()) is the same plan)."""
+        return {"format": PLAN_FORMAT, **_plain(self)}
+
     @classmethod
-    def from_json(cls, document: Any, path: Path) -> PlanReport:
-        """The plan of a plan.json object read from `path`."""
+    def from_json(cls, document: Any, path: Path, strict: bool = False) -> PlanReport:
+        """The plan of a plan.json object read from `path`. `strict` (the writer's check): a key no
+        field reads is a bug, not a newer moepass's addition."""
         if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
             raise MoepassError(f"{path}: not a moepass plan (format {PLAN_FORMAT!r})")
         version = document.get("version")
@@ -566,7 +597,19 @@ class PlanReport:
                 f"{path}: plan version {version!r}; this moepass reads versions 1 to {PLAN_VERSION} "
                 "(a newer moepass wrote it?)"
             )
-        return _typed(cls, document, path, "", document=document)
+        return _typed(cls, document, path, "", strict, document=document)
+
+
+def _plain(value: Any) -> Any:
+    """A typed report's value as JSON holds it: dataclasses as objects (all fields but `document`, the
+    JSON read), tuples as arrays."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "document"}
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 def read_plan(folder: str | os.PathLike) -> PlanReport:
@@ -578,26 +621,36 @@ def read_plan(folder: str | os.PathLike) -> PlanReport:
     return PlanReport.from_json(read_json_object(path), path)
 
 
-def _typed(cls: type, data: Any, path: Path, where: str, **given: Any) -> Any:
+# keys a typed file holds beside its class's fields: what it is
+_FILE_KEYS = frozenset({"format"})
+
+
+def _typed(cls: type, data: Any, path: Path, where: str, strict: bool = False, **given: Any) -> Any:
     """An instance of the dataclass `cls` from the JSON object `data`, each field checked against its
     annotation (nested dataclasses, tuples from arrays, optional fields); `given` fields are set as
-    they are. A field of the wrong type, or a required one missing, is one error naming the key."""
+    they are. A field of the wrong type, or a required one missing, is one error naming the key;
+    `strict`: so is a key no field reads (the writer's check that nothing is written unread)."""
     if not isinstance(data, dict):
         raise MoepassError(f"{path}: '{where}' must be a JSON object, found {type(data).__name__}")
     hints = typing.get_type_hints(cls)
+    names = {field.name for field in dataclasses.fields(cls)}
+    unread = sorted(set(data) - names - (_FILE_KEYS if not where else set()))
+    if strict and unread:
+        keys = ", ".join(repr(f"{where}.{k}" if where else k) for k in unread)
+        raise MoepassError(f"{path}: {keys}: no field reads it")
     values = dict(given)
     for field in dataclasses.fields(cls):
         if field.name in given:
             continue
         key = f"{where}.{field.name}" if where else field.name
         if field.name in data:
-            values[field.name] = _checked(hints[field.name], data[field.name], path, key)
+            values[field.name] = _checked(hints[field.name], data[field.name], path, key, strict)
         elif field.default is dataclasses.MISSING:
             raise MoepassError(f"{path}: has no '{key}'")
     return cls(**values)
 
 
-def _checked(kind: Any, value: Any, path: Path, key: str) -> Any:
+def _checked(kind: Any, value: Any, path: Path, key: str, strict: bool = False) -> Any:
     """`value` as the annotation `kind` says (see _typed)."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
@@ -606,11 +659,11 @@ def _checked(kind: Any, value: Any, path: Path, key: str) -> Any:
         kind = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(kind), typing.get_args(kind)
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        return _typed(kind, value, path, key)
+        return _typed(kind, value, path, key, strict)
     if origin is tuple and isinstance(value, list):
-        return tuple(_checked(args[0], item, path, f"{key}[{i}]") for i, item in enumerate(value))
+        return tuple(_checked(args[0], item, path, f"{key}[{i}]", strict) for i, item in enumerate(value))
     if origin is dict and isinstance(value, dict):
-        return {k: _checked(args[1], v, path, f"{key}.{k}") for k, v in value.items()}
+        return {k: _checked(args[1], v, path, f"{key}.{k}", strict) for k, v in value.items()}
     if kind is Any:
         return value
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -744,18 +797,13 @@ def check_shared_data(folder: Path) -> None:
     plan = folder / PLAN_FILE
     if not shared.is_file() or not plan.is_file():
         return
-    document = read_json_object(plan)
-    entry = document.get("shared_data")
-    if not isinstance(entry, dict) or entry.get("identity") is None:
+    entry = read_plan(folder).shared_data
+    if entry is None:
         return
-    recorded = entry["identity"]
-    if not isinstance(recorded, dict):
-        raise MoepassError(f"{plan}: 'shared_data.identity' must be a JSON object")
-    now = shared_data_identity(shared)
+    recorded, now = dataclasses.asdict(entry.identity), shared_data_identity(shared)
     changed = [key for key in now if recorded.get(key) != now[key]]
     if changed:
-        source = entry.get("source")
-        source = recorded_path(source, folder) if isinstance(source, str) else "the source model's data file"
+        source = recorded_path(entry.source, folder)
         raise MoepassError(
             f"{shared}: changed since partition wrote this model ({', '.join(changed)} differ): it shares "
             f"{source}, which was rewritten or replaced; partition the source again"
