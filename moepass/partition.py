@@ -354,7 +354,8 @@ def read_source(model: str | os.PathLike, gguf: str | os.PathLike | None = None)
     label = Path(model)
     if label.is_file() and is_gguf(label):
         conversion = gguf_conversion.lower_gguf_file(label, DEFAULT_LOWERING, echo=lambda line: None)
-        report = ModelReport({"input": "gguf"}, input="gguf", context_length=conversion.lowered.hparams.context_length)
+        hparams = {"context_length": conversion.lowered.hparams.context_length}
+        report = ModelReport({"input": "gguf"}, input="gguf", hparams=hparams)
         recorded = {"path": str(label.resolve()), "fingerprint": conversion.gguf.fingerprint()}
         return PartitionSource(
             label, None, report, GgufSource(recorded, label, Path(gguf) if gguf else None), conversion

@@ -12,9 +12,11 @@ from moepass.core.files import (
     PLAN_VERSION,
     REPORT_FILE,
     REPORT_SCHEMA,
+    ModelReport,
     PlanReport,
     read_plan,
     read_report,
+    write_report,
 )
 
 
@@ -32,6 +34,24 @@ def test_both_inputs_write_the_same_schema(converted, tmp_path):
     assert onnx_report.stop_token_ids == gguf_report.stop_token_ids
     assert gguf_report.activations == onnx_report.activations == "int8"
     assert len(gguf_report.weights) == len(gguf_report.document["weights"]) > 0
+
+
+@pytest.mark.parametrize("kind", ["gguf", "onnx"])
+def test_moepass_json_is_its_class_written_out(kind, converted, tmp_path):
+    """Both of convert's routes write moepass.json through ModelReport: the file as JSON reads equals
+    the read report written out again (nothing written that no field reads, nothing read lost), and
+    the round trip gives the same report; a key no field reads is refused when written."""
+    folder = converted("q4_0")
+    if kind == "onnx":
+        folder = moepass.convert(folder / "model.onnx", tmp_path / "again").output_dir
+    written = json.loads((folder / REPORT_FILE).read_text())
+    report = read_report(folder, required=True)
+    assert written == report.to_json() and report.input == kind
+    assert ModelReport.from_json(report.to_json(), folder / REPORT_FILE) == report
+    assert report.stop_token_ids == tuple(written.get("tokenizer", {}).get("stop_token_ids", ()))
+    with pytest.raises(moepass.MoepassError, match="'conversion_note': no field reads it"):
+        write_report(tmp_path, {**written, "conversion_note": "x"})
+    assert not (tmp_path / REPORT_FILE).exists()  # refused before anything was written
 
 
 def _copy_with_report(source, target, change):
@@ -109,6 +129,8 @@ def test_plan_json_is_its_class_written_out(placed, tmp_path):
     assert {"context_words", "shared_data", "lowering", "expert_regions", "active"} <= set(written)
     assert plan.context_words == "the model's" and plan.shared_data is None  # the offload form shares no data
     assert "offload" not in written or written["offload"] is None  # version 2: active and inactive_reason
+    # partition's moepass.json (the conversion's, its weights and KV cache as placed) is its class's too
+    assert json.loads((placed / REPORT_FILE).read_text()) == read_report(placed).to_json()
 
 
 def test_the_plan_writer_refuses_a_key_no_field_reads(placed):

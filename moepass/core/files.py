@@ -278,22 +278,46 @@ REPORT_SCHEMA = 1
 
 @dataclasses.dataclass(frozen=True)
 class ModelReport:
-    """moepass.json as its readers take it: each field read back is checked once, here, naming the
-    file; `document` is the whole JSON object ({} where a folder has none), for what is carried over
-    as it is (partition copies it, a re-conversion of moepass's ONNX output keeps its tokenizer)."""
+    """moepass.json: the one class its writers (convert's two routes, partition) write through
+    (`to_json`, each top-level key a field; a key no field reads refused when written) and its readers
+    take it by (`from_json`: each field checked once, here, naming the file). The sections other
+    modules own (hparams, tokenizer, weight records, MoE layers, the KV cache's calibration) are JSON
+    objects whose read parts are checked here; `document` is the JSON read ({} where a folder has
+    none)."""
 
-    document: dict[str, Any]
+    document: dict[str, Any] = dataclasses.field(compare=False, repr=False)
     schema: int = REPORT_SCHEMA
+    moepass_version: str = ""  # the moepass that converted the model (partition keeps it)
     input: str | None = None  # "gguf" or "onnx" (None before schema 1)
+    source: dict[str, Any] = dataclasses.field(default_factory=dict)  # the file converted, its path, fingerprint
+    architecture: str | None = None  # the GGUF architecture ("onnx" for ONNX input without one)
     activations: str = "float"  # "int8": inside the quantized products (absent before: float)
-    stop_token_ids: tuple[int, ...] = ()
-    context_length: int | None = None  # positions the model has RoPE tables for (GGUF conversions)
+    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)  # HParams.as_dict()
+    tokenizer: dict[str, Any] = dataclasses.field(default_factory=dict)  # what tokenizer.json was made from
+    moe_layers: tuple[dict[str, Any], ...] = ()  # per MoE layer: node, experts, top-k, form
     weights: tuple[dict[str, Any], ...] = ()  # per initializer group: sources, target form, bytes, error
     fusion: tuple[dict[str, Any], ...] = ()  # ONNX input: what fuse-moe did with each candidate
+    kv_cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # its type, and int8's calibration
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.get("stop_token_ids", ()))
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model has RoPE tables for (GGUF conversions)."""
+        return self.hparams.get("context_length")
+
+    def to_json(self) -> dict[str, Any]:
+        """moepass.json as written: every field but an empty section or an unknown architecture (an
+        absent one reads as such), in the current schema."""
+        fields = {k: v for k, v in _plain(self).items() if v is not None and v != {}}
+        return {**fields, "schema": REPORT_SCHEMA}
 
     @classmethod
-    def from_json(cls, document: dict[str, Any], path: Path) -> ModelReport:
-        """The report of a moepass.json object read from `path`."""
+    def from_json(cls, document: dict[str, Any], path: Path, strict: bool = False) -> ModelReport:
+        """The report of a moepass.json object read from `path`. `strict` (the writer's check): a
+        top-level key no field reads is refused."""
         if "moepass_version" not in document:
             raise MoepassError(f"{path}: not moepass's (no moepass_version)")
         schema = document.get("schema", 0)
@@ -302,14 +326,20 @@ class ModelReport:
                 f"{path}: schema {schema!r}; this moepass reads schemas 0 to {REPORT_SCHEMA} "
                 "(a newer moepass wrote it?)"
             )
-        tokenizer, hparams = (json_field(document, key, dict, path) for key in ("tokenizer", "hparams"))
-        stop = json_field(tokenizer, "stop_token_ids", list, path)
+        unread = sorted(set(document) - {f.name for f in dataclasses.fields(cls)})
+        if strict and unread:
+            raise MoepassError(f"{path}: {', '.join(map(repr, unread))}: no field reads it")
+        if not isinstance(document["moepass_version"], str):
+            raise MoepassError(f"{path}: 'moepass_version' must be a string")
+        sections = {key: json_field(document, key, dict, path) for key in ("source", "hparams", "tokenizer")}
+        sections["kv_cache"] = json_field(document, "kv_cache", dict, path)
+        stop = json_field(sections["tokenizer"], "stop_token_ids", list, path)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
             raise MoepassError(f"{path}: tokenizer.stop_token_ids must be integers")
-        context = hparams.get("context_length")
+        context = sections["hparams"].get("context_length")
         if context is not None and (not isinstance(context, int) or isinstance(context, bool) or context < 1):
             raise MoepassError(f"{path}: hparams.context_length must be a positive integer")
-        records = {key: json_field(document, key, list, path) for key in ("weights", "fusion")}
+        records = {key: json_field(document, key, list, path) for key in ("moe_layers", "weights", "fusion")}
         for key, items in records.items():
             if not all(isinstance(r, dict) for r in items):
                 raise MoepassError(f"{path}: every entry of '{key}' must be a JSON object")
@@ -319,15 +349,23 @@ class ModelReport:
         kind = document.get("input")
         if kind is not None and kind not in PASS_NAMES:  # the input kinds, each with its pipeline
             raise MoepassError(f"{path}: input {kind!r} is not {' or '.join(PASS_NAMES)}")
+        architecture = document.get("architecture")
+        if architecture is not None and not isinstance(architecture, str):
+            raise MoepassError(f"{path}: 'architecture' must be a string")
         return cls(
             document,
             schema,
+            document["moepass_version"],
             kind,
+            sections["source"],
+            architecture,
             activations,
-            tuple(stop),
-            context,
+            sections["hparams"],
+            sections["tokenizer"],
+            tuple(records["moe_layers"]),
             tuple(records["weights"]),
             tuple(records["fusion"]),
+            sections["kv_cache"],
         )
 
 
@@ -353,15 +391,18 @@ def read_report(folder: Path, required: bool = False) -> ModelReport:
     return ModelReport.from_json(read_json_object(path), path)
 
 
-def write_report(folder: Path, report: dict) -> None:
-    """Write moepass.json in the current schema (sorted keys, one space of indent), naming this
-    moepass as its writer unless `report` carries the version of the one that converted it."""
+def write_report(folder: Path, report: dict[str, Any]) -> ModelReport:
+    """Write moepass.json in the current schema (sorted keys, one space of indent) through ModelReport,
+    checked strictly (a key no field reads is refused), naming this moepass as its writer unless
+    `report` carries the version of the one that converted it. Returns the report as readers take it."""
     import json
 
     from moepass.core.version import __version__
 
-    document = {"moepass_version": __version__, **report, "schema": REPORT_SCHEMA}
-    (folder / REPORT_FILE).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    path = folder / REPORT_FILE
+    written = ModelReport.from_json({"moepass_version": __version__, **report, "schema": REPORT_SCHEMA}, path, True)
+    path.write_text(json.dumps(written.to_json(), indent=1, sort_keys=True) + "\n")
+    return written
 
 
 PLAN_FORMAT = "moepass-plan"  # plan.json's "format"
