@@ -57,7 +57,9 @@ from moepass.core.files import (
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     ModelReport,
+    PlacementMode,
     PlanReport,
+    SessionOptionsFile,
     copy_companion,
     load_model,
     model_file,
@@ -837,13 +839,7 @@ def _write_placed(
         entry = set_kv_cache(tmp, chosen, cache, source.context_length, threads=options.threads)
         write_report(tmp, {**read_report(tmp).document, "kv_cache": entry})
     target = placed.target
-    (tmp / OPTIONS_FILE).write_text(
-        json.dumps(
-            {"session_config_entries": placement.options, "placement": {"target": target, "mode": options.mode}},
-            indent=1,
-        )
-        + "\n"
-    )
+    SessionOptionsFile(dict(placement.options), PlacementMode(target, options.mode)).write(tmp)
     genai_source = tmp / GENAI_CONFIG_FILE if source.folder is None else source.folder / GENAI_CONFIG_FILE
     if genai_source.is_file():
         # a per-layer plan is for onnxruntime-genai-cuda's in-tree CUDA EP; expert offload needs the

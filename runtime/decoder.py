@@ -20,7 +20,7 @@ from moepass.core.files import (
     OPTIONS_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
-    json_field,
+    SessionOptionsFile,
     load_model,
     model_file,
     read_json_object,
@@ -99,11 +99,9 @@ class Decoder:
         model_path = model_file(self.model_dir)
         folder = model_path.parent
         self.report = read_report(folder)
-        options_file = read_json_object(folder / OPTIONS_FILE)
-        option_entries = json_field(options_file, "session_config_entries", dict, folder / OPTIONS_FILE)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in option_entries.items()):
-            raise MoepassError(f"{folder / OPTIONS_FILE}: session_config_entries must map strings to strings")
-        placement_mode = json_field(options_file, "placement", dict, folder / OPTIONS_FILE).get("mode")
+        options_file = SessionOptionsFile.read(folder)
+        option_entries = options_file.session_config_entries
+        placement_mode = options_file.placement.mode if options_file.placement is not None else None
         if placement_mode is not None:
             one_of(placement_mode, keys.OFFLOAD_MODES, f"{folder / OPTIONS_FILE}: placement.mode")
         structure = graph if graph is not None else load_model(model_path)

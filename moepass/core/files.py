@@ -653,6 +653,37 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacementMode:
+    """How partition placed the model: its target, and its mode (required: fail where ONNX Runtime
+    would not carry the plan out)."""
+
+    target: str
+    mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionOptionsFile:
+    """onnxruntime_options.json, written by partition and read by the runtime: the session config
+    entries ONNX Runtime is given (session.moe.offload.*, ...), and the placement they come from. An
+    absent file reads as no entries."""
+
+    session_config_entries: dict[str, str] = dataclasses.field(default_factory=dict)
+    placement: PlacementMode | None = None
+
+    def write(self, folder: Path) -> None:
+        import json
+
+        _typed(SessionOptionsFile, _plain(self), folder / OPTIONS_FILE, "", strict=True)  # nothing unread
+        (folder / OPTIONS_FILE).write_text(json.dumps(_plain(self), indent=1) + "\n")
+
+    @classmethod
+    def read(cls, folder: Path) -> SessionOptionsFile:
+        """The file beside a model, each field checked, naming the file and the key."""
+        path = folder / OPTIONS_FILE
+        return _typed(cls, read_json_object(path), path, "")
+
+
 def read_plan(folder: str | os.PathLike) -> PlanReport:
     """plan.json of a folder partition wrote, checked (the one reader of plan files)."""
     folder = Path(folder)
@@ -686,7 +717,7 @@ def _typed(cls: type, data: Any, path: Path, where: str, strict: bool = False, *
         key = f"{where}.{field.name}" if where else field.name
         if field.name in data:
             values[field.name] = _checked(hints[field.name], data[field.name], path, key, strict)
-        elif field.default is dataclasses.MISSING:
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise MoepassError(f"{path}: has no '{key}'")
     return cls(**values)
 
