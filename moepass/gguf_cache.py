@@ -48,7 +48,7 @@ from typing import Any
 
 from moepass.core.choices import format_bytes
 from moepass.core.errors import MoepassError, no_such_path, wording
-from moepass.core.files import sampled_digest
+from moepass.core.files import plain_json, sampled_digest, typed_from_json
 from moepass.core.gguf_reader import is_gguf, split_parts
 from moepass.core.version import __version__
 
@@ -238,8 +238,7 @@ def converted(
         if file_identity(source) != identity or content_digest(source) != content:
             _remove_entry(root, name)
             raise MoepassError(f"{source}: changed while it was converted; run again once it is written")
-        _write_record(root, name, {"source": str(source), "parts": identity, "content": content,
-                                   "files": _entry_files(folder)})  # fmt: skip
+        _write_record(root, name, CacheRecord(__version__, str(source), tuple(identity), content, _entry_files(folder)))
         _remove_older(root, source, keep=name)
         seconds = time.perf_counter() - start
         return CachedConversion(source, folder, True, seconds, _tree_bytes(folder), source_bytes)
@@ -337,21 +336,21 @@ def _describe(root: Path, name: str) -> Entry:
     size = _tree_bytes(folder)
     if owners - {os.getuid()}:
         return Entry(name, None, size, "another user's")
-    data = _read_record(record)
-    if data is None:
+    written = _read_record(record)
+    if written is None:
         return Entry(name, None, size, "incomplete")
-    source = data["source"]
-    if data.get("moepass") != __version__:
-        return Entry(name, source, size, f"older moepass ({data.get('moepass')})")
+    source = written.source
+    if written.moepass != __version__:
+        return Entry(name, source, size, f"older moepass ({written.moepass})")
     if not Path(source).is_file():
         return Entry(name, source, size, "source gone")
     try:
-        changed = file_identity(Path(source)) != data.get("parts")
+        changed = file_identity(Path(source)) != list(written.parts)
     except MoepassError:
         changed = True
     if changed:
         return Entry(name, source, size, "source changed")
-    return Entry(name, source, size, "current" if _files_match(folder, data) else "incomplete")
+    return Entry(name, source, size, "current" if _files_match(folder, written) else "incomplete")
 
 
 # ---- one entry
@@ -464,7 +463,34 @@ def _own(path: Path, kind: Callable[[int], bool]) -> bool:
     return kind(st.st_mode) and st.st_uid == os.getuid()
 
 
-def _read_record(record: Path) -> dict | None:
+@dataclasses.dataclass(frozen=True)
+class CacheRecord:
+    """An entry's record (NAME.json beside its folder), the one class that writes and reads it: the
+    moepass that converted it, the GGUF's path and each part's identity, the content's digest, and
+    each file of the folder with its size and digest."""
+
+    moepass: str
+    source: str
+    parts: tuple[dict[str, Any], ...]
+    content: str
+    files: dict[str, dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": RECORD_FORMAT, "version": RECORD_VERSION, **plain_json(self)}
+
+    @classmethod
+    def from_json(cls, data: Any, path: Path) -> CacheRecord | None:
+        """The record of the JSON `data`; None for another format or version, or a field of the wrong
+        type (the entry is then incomplete, and converted anew)."""
+        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT or data.get("version") != RECORD_VERSION:
+            return None
+        try:
+            return typed_from_json(cls, {k: v for k, v in data.items() if k not in ("format", "version")}, path, "")
+        except MoepassError:
+            return None
+
+
+def _read_record(record: Path) -> CacheRecord | None:
     """The record, where it is this user's regular file, in moepass's format, naming its source."""
     try:
         fd = os.open(record, os.O_RDONLY | _NOFOLLOW)
@@ -479,23 +505,16 @@ def _read_record(record: Path) -> dict | None:
         return None
     finally:
         os.close(fd)
-    ok = (
-        isinstance(data, dict)
-        and data.get("format") == RECORD_FORMAT
-        and data.get("version") == RECORD_VERSION
-        and isinstance(data.get("source"), str)
-        and isinstance(data.get("files"), dict)
-    )
-    return data if ok else None
+    return CacheRecord.from_json(data, record)
 
 
 def _current(root: Path, name: str, source: Path, identity: list, content: str) -> bool:
-    data = _read_record(root / f"{name}.json")
-    if data is None or data.get("moepass") != __version__ or data["source"] != str(source):
+    record = _read_record(root / f"{name}.json")
+    if record is None or record.moepass != __version__ or record.source != str(source):
         return False
-    if data.get("parts") != identity or data.get("content") != content:
+    if list(record.parts) != identity or record.content != content:
         return False
-    return _files_match(root / name, data)
+    return _files_match(root / name, record)
 
 
 def _entry_files(folder: Path) -> dict[str, dict[str, Any]]:
@@ -509,22 +528,22 @@ def _entry_files(folder: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
-def _files_match(folder: Path, data: dict) -> bool:
+def _files_match(folder: Path, record: CacheRecord) -> bool:
     """Whether the entry's folder is this user's and holds just its recorded files, each whole."""
     if not _own(folder, stat.S_ISDIR):
         return False
     try:
-        if sorted(os.listdir(folder)) != sorted(data["files"]):
+        if sorted(os.listdir(folder)) != sorted(record.files):
             return False
-        if not all(_own(folder / child, stat.S_ISREG) for child in data["files"]):
+        if not all(_own(folder / child, stat.S_ISREG) for child in record.files):
             return False
-        return _entry_files(folder) == data["files"]
+        return _entry_files(folder) == record.files
     except OSError:  # unreadable: rebuilt
         return False
 
 
-def _write_record(root: Path, name: str, fields: dict[str, Any]) -> None:
-    data = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "moepass": __version__, **fields}
+def _write_record(root: Path, name: str, record: CacheRecord) -> None:
+    data = record.to_json()
     tmp = root / f".{name}.json.{secrets.token_hex(8)}.tmp"
     fd = _open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:

@@ -16,6 +16,7 @@ from make_fixtures import DEMO_DIMS, DEMO_FIXTURE, write_moe_gguf
 import moepass
 from moepass.cli import main
 from moepass.core.errors import MoepassError
+from moepass.gguf_cache import CacheRecord
 
 
 @pytest.fixture
@@ -150,7 +151,8 @@ def test_content_digest_covers_the_whole_header_past_the_first_mib(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "damage", ["no record", "cut data", "foreign record", "empty folder", "damaged data", "record of another source"]
+    "damage", ["no record", "cut data", "foreign record", "empty folder", "damaged data", "record of another source",
+               "record with a field of the wrong type"]
 )
 def test_an_entry_not_whole_is_rebuilt_never_used(gguf, cache, damage):
     _run(gguf)
@@ -171,12 +173,28 @@ def test_an_entry_not_whole_is_rebuilt_never_used(gguf, cache, damage):
     elif damage == "record of another source":
         forged = json.loads(record.read_text())
         record.write_text(json.dumps({**forged, "source": "/elsewhere/tiny.gguf"}))
+    elif damage == "record with a field of the wrong type":
+        forged = json.loads(record.read_text())
+        record.write_text(json.dumps({**forged, "files": {name: {**f, "size": str(f["size"])}
+                                                          for name, f in forged["files"].items()}}))
     else:
         shutil.rmtree(cache / entry)
         (cache / entry).mkdir()
     result = _run(gguf)
     assert "converted with the defaults" in result.stderr, result.stderr
     assert _entries(cache) == [entry] and json.loads(record.read_text())["format"] == "moepass-gguf-cache"
+
+
+def test_the_record_is_its_class_written_out(gguf, cache):
+    """An entry's record holds exactly CacheRecord's fields, as the class writes them: the file as JSON
+    reads equals the record read back and written out again."""
+    _run(gguf)
+    (entry,) = _entries(cache)
+    path = cache / f"{entry}.json"
+    written = json.loads(path.read_text())
+    record = CacheRecord.from_json(written, path)
+    assert record is not None and record.to_json() == written
+    assert record.source == str(gguf.resolve()) and set(record.files) == {p.name for p in (cache / entry).iterdir()}
 
 
 def test_cache_dir_option_then_xdg_cache_home(gguf, tmp_path, monkeypatch):

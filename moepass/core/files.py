@@ -311,7 +311,7 @@ class ModelReport:
     def to_json(self) -> dict[str, Any]:
         """moepass.json as written: every field but an empty section or an unknown architecture (an
         absent one reads as such), in the current schema."""
-        fields = {k: v for k, v in _plain(self).items() if v is not None and v != {}}
+        fields = {k: v for k, v in plain_json(self).items() if v is not None and v != {}}
         return {**fields, "schema": REPORT_SCHEMA}
 
     @classmethod
@@ -624,7 +624,7 @@ class PlanReport:
     def to_json(self) -> dict[str, Any]:
         """The plan as plan.json holds it: what partition writes, every field of this class and nothing
         else (from_json(to_json()) is the same plan)."""
-        return {"format": PLAN_FORMAT, **_plain(self)}
+        return {"format": PLAN_FORMAT, **plain_json(self)}
 
     @classmethod
     def from_json(cls, document: Any, path: Path, strict: bool = False) -> PlanReport:
@@ -638,18 +638,18 @@ class PlanReport:
                 f"{path}: plan version {version!r}; this moepass reads versions 1 to {PLAN_VERSION} "
                 "(a newer moepass wrote it?)"
             )
-        return _typed(cls, document, path, "", strict, document=document)
+        return typed_from_json(cls, document, path, "", strict, document=document)
 
 
-def _plain(value: Any) -> Any:
+def plain_json(value: Any) -> Any:
     """A typed report's value as JSON holds it: dataclasses as objects (all fields but `document`, the
     JSON read), tuples as arrays."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "document"}
+        return {f.name: plain_json(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "document"}
     if isinstance(value, (tuple, list)):
-        return [_plain(item) for item in value]
+        return [plain_json(item) for item in value]
     if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: plain_json(item) for key, item in value.items()}
     return value
 
 
@@ -674,14 +674,14 @@ class SessionOptionsFile:
     def write(self, folder: Path) -> None:
         import json
 
-        _typed(SessionOptionsFile, _plain(self), folder / OPTIONS_FILE, "", strict=True)  # nothing unread
-        (folder / OPTIONS_FILE).write_text(json.dumps(_plain(self), indent=1) + "\n")
+        typed_from_json(SessionOptionsFile, plain_json(self), folder / OPTIONS_FILE, "", strict=True)  # nothing unread
+        (folder / OPTIONS_FILE).write_text(json.dumps(plain_json(self), indent=1) + "\n")
 
     @classmethod
     def read(cls, folder: Path) -> SessionOptionsFile:
         """The file beside a model, each field checked, naming the file and the key."""
         path = folder / OPTIONS_FILE
-        return _typed(cls, read_json_object(path), path, "")
+        return typed_from_json(cls, read_json_object(path), path, "")
 
 
 def read_plan(folder: str | os.PathLike) -> PlanReport:
@@ -697,7 +697,7 @@ def read_plan(folder: str | os.PathLike) -> PlanReport:
 _FILE_KEYS = frozenset({"format"})
 
 
-def _typed(cls: type, data: Any, path: Path, where: str, strict: bool = False, **given: Any) -> Any:
+def typed_from_json(cls: type, data: Any, path: Path, where: str, strict: bool = False, **given: Any) -> Any:
     """An instance of the dataclass `cls` from the JSON object `data`, each field checked against its
     annotation (nested dataclasses, tuples from arrays, optional fields); `given` fields are set as
     they are. A field of the wrong type, or a required one missing, is one error naming the key;
@@ -723,7 +723,7 @@ def _typed(cls: type, data: Any, path: Path, where: str, strict: bool = False, *
 
 
 def _checked(kind: Any, value: Any, path: Path, key: str, strict: bool = False) -> Any:
-    """`value` as the annotation `kind` says (see _typed)."""
+    """`value` as the annotation `kind` says (see typed_from_json)."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -731,7 +731,7 @@ def _checked(kind: Any, value: Any, path: Path, key: str, strict: bool = False) 
         kind = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(kind), typing.get_args(kind)
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        return _typed(kind, value, path, key, strict)
+        return typed_from_json(kind, value, path, key, strict)
     if origin is tuple and isinstance(value, list):
         return tuple(_checked(args[0], item, path, f"{key}[{i}]", strict) for i, item in enumerate(value))
     if origin is dict and isinstance(value, dict):
