@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "fixtures"))
 
 import make_fixtures  # noqa: E402
 
-from moepass.core.files import read_plan  # noqa: E402
+from moepass.core.formats import read_plan
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ def main() -> None:
 
     import make_fixtures
     from moepass.convert import convert
-    from moepass.core.files import load_model
+    from moepass.core.model_io import load_model
     from moepass.partition import partition
     from moepass.pipeline.placement import MemoryModel
     from moepass.runtime import load

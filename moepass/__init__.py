@@ -37,8 +37,8 @@ _API = {
     "inspect": "moepass.inspection",
     "PartitionResult": "moepass.partition",
     "partition": "moepass.partition",
-    "PlanReport": "moepass.core.files",
-    "read_plan": "moepass.core.files",
+    "PlanReport": "moepass.core.formats",
+    "read_plan": "moepass.core.formats",
     "Popularity": "moepass.pipeline.popularity",
     "profile": "moepass.profile",
     "Sampling": "moepass.runtime",
@@ -48,7 +48,7 @@ _API = {
 
 if TYPE_CHECKING:
     from moepass.convert import ConvertResult, convert
-    from moepass.core.files import PlanReport, read_plan
+    from moepass.core.formats import PlanReport, read_plan
     from moepass.gguf_cache import load
     from moepass.inspection import inspect
     from moepass.partition import PartitionResult, partition

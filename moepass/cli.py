@@ -735,7 +735,8 @@ def _context_size(given: str, model_dir: str, ctx_size: int) -> int | None:
     `given`, or its conversion) was converted for (None: that one, -c 0)."""
     if not ctx_size:
         return None
-    from moepass.core.files import model_file, read_report
+    from moepass.core.formats import read_report
+    from moepass.core.model_io import model_file
 
     built = read_report(model_file(model_dir).parent).context_length
     if built and ctx_size > built:

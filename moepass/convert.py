@@ -31,19 +31,10 @@ from moepass.core.choices import (
     one_of,
 )
 from moepass.core.errors import API_WORDING, MoepassError, wording
-from moepass.core.files import (
-    GENAI_CONFIG_FILE,
-    MODEL_FILE,
-    TOKENIZER_CONFIG_FILE,
-    TOKENIZER_FILE,
-    as_ir_model,
-    copy_companion,
-    model_file,
-    read_report,
-    save_model,
-    write_report,
-)
+from moepass.core.files import GENAI_CONFIG_FILE, MODEL_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, copy_companion
+from moepass.core.formats import read_report, write_report
 from moepass.core.gguf_reader import is_gguf
+from moepass.core.model_io import as_ir_model, model_file, save_model
 from moepass.core.moe_nodes import moe_nodes
 from moepass.core.version import __version__
 from moepass.passes import PipelineRun, run_pipeline

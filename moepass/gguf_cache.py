@@ -48,7 +48,8 @@ from typing import Any
 
 from moepass.core.choices import format_bytes
 from moepass.core.errors import MoepassError, no_such_path, wording
-from moepass.core.files import plain_json, sampled_digest, typed_from_json
+from moepass.core.files import sampled_digest
+from moepass.core.formats import plain_json, typed_from_json
 from moepass.core.gguf_reader import is_gguf, split_parts
 from moepass.core.version import __version__
 

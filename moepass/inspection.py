@@ -18,8 +18,9 @@ from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals
 from moepass.core.errors import MoepassError, no_such_path, wording
-from moepass.core.files import as_ir_model, read_report
+from moepass.core.formats import read_report
 from moepass.core.gguf_reader import GGUFModel, is_gguf
+from moepass.core.model_io import as_ir_model
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.core.quants import BlockForm, parse_form
 from moepass.passes.fuse_moe import FuseMoePass

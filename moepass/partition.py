@@ -51,29 +51,29 @@ from moepass.core.files import (
     MODEL_FILE,
     OPTIONS_FILE,
     PLAN_FILE,
-    PLAN_FORMAT,
-    PLAN_VERSION,
     SHARED_DATA_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    copy_companion,
+    read_json_object,
+    recorded_path,
+    refuse_linked,
+    relative_to_folder,
+    shared_data_identity,
+)
+from moepass.core.formats import (
+    PLAN_FORMAT,
+    PLAN_VERSION,
     ModelReport,
     PlacementMode,
     PlanReport,
     SessionOptionsFile,
-    copy_companion,
-    load_model,
-    model_file,
-    read_json_object,
     read_report,
-    recorded_path,
-    refuse_linked,
-    relative_to_folder,
-    save_model,
-    shared_data_identity,
     write_report,
 )
 from moepass.core.gguf_reader import GGUFModel, is_gguf
 from moepass.core.ir_values import copy_model
+from moepass.core.model_io import load_model, model_file, save_model
 from moepass.core.moe_nodes import MoeNode, moe_nodes
 from moepass.core.version import __version__
 from moepass.passes.annotate_layers import AnnotateLayersPass

@@ -18,7 +18,8 @@ import numpy as np
 
 from moepass.core.choices import PROMPT_FORMATS, one_of
 from moepass.core.errors import MoepassError
-from moepass.core.files import load_model, model_file, read_text
+from moepass.core.files import read_text
+from moepass.core.model_io import load_model, model_file
 from moepass.core.moe_nodes import moe_nodes
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.pipeline.popularity import Popularity, model_identity

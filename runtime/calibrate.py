@@ -27,8 +27,8 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.capabilities import activation_dtype
 from moepass.core.errors import MoepassError, no_such_path
-from moepass.core.files import load_model, model_file
 from moepass.core.ir_values import dims, required_input, stored_constant, tensor_of
+from moepass.core.model_io import load_model, model_file
 from moepass.core.moe_nodes import MoeNode, moe_nodes, tensor_bytes
 from moepass.core.onnx_format import OPSETS, stamp
 

@@ -15,17 +15,9 @@ import numpy as np
 from moepass.core import keys
 from moepass.core.choices import one_of
 from moepass.core.errors import MoepassError, first_line, wording
-from moepass.core.files import (
-    LOGITS_TO_KEEP,
-    OPTIONS_FILE,
-    TOKENIZER_CONFIG_FILE,
-    TOKENIZER_FILE,
-    SessionOptionsFile,
-    load_model,
-    model_file,
-    read_json_object,
-    read_report,
-)
+from moepass.core.files import LOGITS_TO_KEEP, OPTIONS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, read_json_object
+from moepass.core.formats import SessionOptionsFile, read_report
+from moepass.core.model_io import load_model, model_file
 from moepass.core.onnx_format import stamp
 from moepass.runtime import speculative
 from moepass.runtime.chat_template import ChatTemplate

@@ -17,7 +17,7 @@ import make_fixtures
 
 import moepass
 from moepass.core.architectures import ARCHITECTURES, Rope
-from moepass.core.files import load_model
+from moepass.core.model_io import load_model
 from moepass.core.ir_values import folded
 
 

@@ -22,7 +22,8 @@ from support.gpu_form import gpu_nodes_are_taken
 import make_fixtures
 import moepass
 from moepass.core.capabilities import layout_problems
-from moepass.core.files import load_model, read_plan
+from moepass.core.formats import read_plan
+from moepass.core.model_io import load_model
 from moepass.core.moe_nodes import moe_nodes
 from moepass.core.quants import QUANT_TYPES
 from moepass.runtime import load

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from moepass.cli import main
 from moepass.core.errors import MoepassError
-from moepass.core.files import load_model
+from moepass.core.model_io import load_model
 from moepass.partition import partition
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS, LAYER_SETTINGS_KEY
 from moepass.pipeline.placement import ExpertGroup, MemoryModel, choose_layers

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 
 from moepass.core.capabilities import release_refusal
 from moepass.core.errors import MoepassError
-from moepass.core.files import load_model, model_file
+from moepass.core.model_io import load_model, model_file
 from moepass.core.ir_values import folded
 from moepass.core.onnx_format import MAX_IR_VERSION, MAX_OPSET, OPSETS, ORT_LIMITS, ir_version_for
 from moepass.runtime.providers import plan_session

@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as GT, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 import moepass
-from moepass.core.files import load_model, read_report
+from moepass.core.formats import read_report
+from moepass.core.model_io import load_model
 from moepass.core.moe_nodes import PACKED_SLOTS, moe_nodes
 from moepass.runtime import load
 

@@ -20,7 +20,9 @@ from moepass.partition import partition
 from moepass.core.choices import parse_bytes
 from moepass.pipeline.placement import (Budget, ExpertGroup, MemoryModel, choose_resident, plan_placement)
 from moepass.core.capabilities import offload_violations
-from moepass.core.files import PLAN_VERSION, SHARED_DATA_FILE, load_model, read_plan
+from moepass.core.files import SHARED_DATA_FILE
+from moepass.core.formats import PLAN_VERSION, read_plan
+from moepass.core.model_io import load_model
 from moepass.core.moe_nodes import moe_nodes
 from moepass.profile import profile
 from moepass.runtime import load

@@ -7,17 +7,8 @@ import re
 import pytest
 
 import moepass
-from moepass.core.files import (
-    PLAN_FILE,
-    PLAN_VERSION,
-    REPORT_FILE,
-    REPORT_SCHEMA,
-    ModelReport,
-    PlanReport,
-    read_plan,
-    read_report,
-    write_report,
-)
+from moepass.core.files import PLAN_FILE, REPORT_FILE
+from moepass.core.formats import PLAN_VERSION, REPORT_SCHEMA, ModelReport, PlanReport, read_plan, read_report, write_report
 
 
 def test_both_inputs_write_the_same_schema(converted, tmp_path):

@@ -33,8 +33,8 @@ from moepass.core.files import (
     SHARED_DATA_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
-    read_report,
 )
+from moepass.core.formats import read_report
 
 log = logging.getLogger("moepass")
 

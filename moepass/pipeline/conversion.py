@@ -42,11 +42,11 @@ from moepass.core.files import (
     TOKENIZER_FILE,
     read_text,
     relative_to_folder,
-    save_model,
-    write_report,
 )
+from moepass.core.formats import write_report
 from moepass.core.gguf_reader import GGUFModel
 from moepass.core.imatrix import load_imatrix
+from moepass.core.model_io import save_model
 from moepass.core.quants import parse_form, speed_class
 from moepass.passes import PipelineRun, run_pipeline
 from moepass.passes.lower import Lowered, LowerOptions, lower_gguf

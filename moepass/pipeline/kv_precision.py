@@ -33,8 +33,9 @@ import onnx_ir as ir
 
 from moepass.core.choices import KV_CACHE_TYPES, format_bytes, one_of
 from moepass.core.errors import MoepassError, wording
-from moepass.core.files import MODEL_FILE, load_model
+from moepass.core.files import MODEL_FILE
 from moepass.core.ir_values import dim, dtype_of, folded, required_input
+from moepass.core.model_io import load_model
 from moepass.core.onnx_format import stamp
 
 CALIBRATION_TOKENS = 256

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from moepass.core.errors import MoepassError, wording
-from moepass.core.files import PlanReport
+from moepass.core.formats import PlanReport
 from moepass.pipeline.popularity import Popularity
 
 

@@ -5,7 +5,8 @@ expert offload takes."""
 from __future__ import annotations
 
 from moepass.core.capabilities import cuda_refusals, layout_problems, offload_violations
-from moepass.core.files import load_model, read_plan
+from moepass.core.formats import read_plan
+from moepass.core.model_io import load_model
 
 
 def gpu_nodes_are_taken(model_dir, target: str) -> None:

@@ -210,7 +210,7 @@ def routing_near_ties(model_dir, ids=PROMPT):
 
     from moepass.passes.expose_router import ExposeRouterLogitsPass
     from moepass.core.moe_nodes import moe_nodes
-    from moepass.core.files import load_model
+    from moepass.core.model_io import load_model
     from moepass.runtime import Decoder
 
     report = json.loads((Path(model_dir) / "moepass.json").read_text())
