@@ -16,7 +16,8 @@ from onnx_ir import tape as ir_tape
 import make_fixtures
 
 import moepass
-from moepass.core.architectures import ARCHITECTURES, Rope
+from moepass.core.architectures import ARCHITECTURES
+from moepass.core.rope import Rope
 from moepass.core.model_io import load_model
 from moepass.core.ir_values import folded
 
@@ -135,7 +136,7 @@ def test_gpt_oss_sliding_window_pattern_key_is_followed_like_llama_cpp(make_gguf
 def test_yarn_tables_match_the_yarn_formula():
     """cos/sin tables (ggml's angle mixing in float32) against YaRN as published (mixed inverse
     frequencies, float64): gpt-oss-20b's parameters, every position up to 2048."""
-    from moepass.core.architectures import Rope
+    from moepass.core.rope import Rope
     from moepass.passes.lower.rope import rope_cache
 
     d, base, factor, orig = 64, 150000.0, 32.0, 4096

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 import moepass
 from moepass.cli import main
 from moepass.core.model_io import load_model
-from moepass.core.architectures import Rope
+from moepass.core.rope import Rope
 from moepass.pipeline.kv_precision import Rotation, key_ranges, rope_pairs, rotation_of
 from moepass.pipeline.placement import MemoryModel
 from moepass.runtime import KVCache, Speculator, load

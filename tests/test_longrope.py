@@ -23,7 +23,7 @@ import pytest
 
 import make_fixtures
 import moepass
-from moepass.core.architectures import Rope, llama_context_size
+from moepass.core.rope import Rope, llama_context_size
 from moepass.runtime import load
 from support.oracle import F32_TOLERANCE, llama_cpp_module  # test_llama_oracle.py's F32 bound
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from moepass.core.architectures import Rope
 from moepass.core.errors import MoepassError
+from moepass.core.rope import Rope
 
 if TYPE_CHECKING:
     from moepass.passes.lower.graph_builder import GraphBuilder
