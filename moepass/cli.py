@@ -31,9 +31,7 @@ from moepass.core.choices import (
     DEVICES,
     EXPERT_FORMATS,
     FLOAT_EXPERT_CHOICES,
-    GPU_PRESETS,
     KV_CACHE_TYPES,
-    LLAMA_SERVER,
     MAX_CONTEXT,
     PLAN_MODES,
     PLUGIN_ENV,
@@ -41,12 +39,12 @@ from moepass.core.choices import (
     PRINT_AFTER_CHOICES,
     PROMPT_FORMATS,
     TARGETS,
-    Bandwidths,
-    Sampling,
     format_bytes,
     parse_bytes,
 )
 from moepass.core.errors import CLI_WORDING, MoepassError, expected_failure, no_such_path, worded_as
+from moepass.core.gpus import GPU_PRESETS, Bandwidths
+from moepass.core.sampling import LLAMA_SERVER, Sampling
 from moepass.core.terminal import for_stdout
 
 # `moepass --help` lists the commands in the order a model goes through them

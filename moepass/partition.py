@@ -34,16 +34,7 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.architectures import architecture_of
 from moepass.core.capabilities import cuda_refusals, offload_violations
-from moepass.core.choices import (
-    KV_CACHE_TYPES,
-    PLUGIN_ENV,
-    TARGETS,
-    Bandwidths,
-    format_bytes,
-    one_of,
-    parse_bytes,
-    with_settings,
-)
+from moepass.core.choices import KV_CACHE_TYPES, PLUGIN_ENV, TARGETS, format_bytes, one_of, parse_bytes, with_settings
 from moepass.core.errors import MoepassError, wording
 from moepass.core.files import (
     DATA_FILE,
@@ -72,6 +63,7 @@ from moepass.core.formats import (
     write_report,
 )
 from moepass.core.gguf_reader import GGUFModel, is_gguf
+from moepass.core.gpus import Bandwidths
 from moepass.core.ir_values import copy_model
 from moepass.core.model_io import load_model, model_file, save_model
 from moepass.core.moe_nodes import MoeNode, moe_nodes

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 
-from moepass.core.choices import DEFAULT_DRAFT_TOKENS, LLAMA_SERVER
+from moepass.core.choices import DEFAULT_DRAFT_TOKENS
+from moepass.core.sampling import LLAMA_SERVER
 from moepass.runtime import speculative as speculation
 from moepass.runtime.conversation import Conversation
 from moepass.runtime.decoder import ContextOverflow, Decoder, TextStream, usable_threads

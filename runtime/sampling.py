@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from moepass.core.choices import Sampling
+from moepass.core.sampling import Sampling
 
 
 def penalized(logits: np.ndarray, sampling: Sampling, history: Sequence[int]) -> np.ndarray:

@@ -97,7 +97,7 @@ def test_runtime_messages(converted):
 
 
 def test_the_bandwidths_advice(converted, tmp_path):
-    from moepass.core.choices import Bandwidths
+    from moepass.core.gpus import Bandwidths
 
     api = _refused(lambda: Bandwidths(gpu=0))
     assert api == "Bandwidths(gpu=0) is not a positive number of GB/s", api

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import moepass
 from moepass.cli import main
-from moepass.core.choices import GPU_PRESETS
+from moepass.core.gpus import GPU_PRESETS
 from moepass.core.formats import read_plan
 from moepass.core.moe_nodes import moe_nodes, tensor_bytes
 from moepass.runtime import calibrate

@@ -82,7 +82,7 @@ def test_partition_host_bandwidth_shows_its_default_as_the_others_do(monkeypatch
     then names only the figures given), the figure where given."""
     import importlib
 
-    from moepass.core.choices import Bandwidths
+    from moepass.core.gpus import Bandwidths
 
     module = importlib.import_module("moepass.partition")
     result = CliRunner().invoke(main, ["partition", "-h"], prog_name="moepass", terminal_width=200)

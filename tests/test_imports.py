@@ -154,5 +154,5 @@ def test_help_imports_only_the_cli(tmp_path):
     assert "Usage: " in out
     modules = set(out.splitlines()[-1].split())
     assert modules == {"moepass", "moepass.cli", "moepass.core", "moepass.core.choices",
-                                  "moepass.core.errors", "moepass.core.keys", "moepass.core.terminal",
-                                  "moepass.core.version"}, modules
+                                  "moepass.core.errors", "moepass.core.gpus", "moepass.core.keys",
+                                  "moepass.core.sampling", "moepass.core.terminal", "moepass.core.version"}, modules

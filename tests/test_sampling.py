@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moepass import MoepassError
-from moepass.core.choices import LLAMA_SERVER
+from moepass.core.sampling import LLAMA_SERVER
 from moepass.runtime.sampling import Sampling, StopStrings, candidates, choose_token, penalized
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")

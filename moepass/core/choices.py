@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from moepass.core import keys
-from moepass.core.errors import MoepassError, wording
+from moepass.core.errors import MoepassError
 
 T = TypeVar("T")
 
@@ -110,106 +109,6 @@ PLAN_MODES = keys.OFFLOAD_MODES[1:]  # what a plan asks of ONNX Runtime: auto or
 # the in-tree CUDA EP of a pip-installed onnxruntime-gpu follows; auto: offload when the model is
 # eligible and a CUDA plugin EP is named, else layers
 TARGETS = ("auto", "offload", "layers")
-# where partition's bandwidths come from when neither a card nor a figure is given
-ASSUMED_BANDWIDTHS = "assumed, a desktop GDDR6X card"
-
-
-@dataclasses.dataclass(frozen=True)
-class Bandwidths:
-    """GB/s used by partition's decode-time estimate (defaults: a desktop GPU with GDDR6X,
-    dual-channel DDR5 host memory, PCIe 4.0 x16), and where the figures come from (`source`, said
-    beside the estimate)."""
-
-    gpu: float = 900.0
-    host: float = 60.0
-    pcie: float = 25.0
-    source: str = ASSUMED_BANDWIDTHS
-
-    def gbps(self) -> dict[str, float]:
-        return {"gpu": self.gpu, "host": self.host, "pcie": self.pcie}
-
-    def __post_init__(self) -> None:
-        for name in ("gpu", "host", "pcie"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise MoepassError(f"{Bandwidths.given(name, value)} is not a positive number of GB/s")
-
-    @staticmethod
-    def given(name: str, value: object) -> str:
-        """The bandwidth `name` given as `value`, as the caller gives it: `--gpu-bandwidth 900` on the
-        command line, `Bandwidths(gpu=900)` in Python."""
-        words = wording()
-        return words.option(f"--{name}-bandwidth", value) if words.cli else f"Bandwidths({name}={value!r})"
-
-    def advice(self) -> str:
-        """Where the figures come from, and with the assumed ones, how to give the card's own."""
-        if self.source != ASSUMED_BANDWIDTHS:
-            return self.source
-        words = wording()
-        card = (
-            f"{words.option('--gpu', 'NAME')} or {words.name('--gpu-bandwidth')}"
-            if words.cli
-            else "bandwidths=Bandwidths(gpu=...)"
-        )
-        return f"{self.source}: give {card}"
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuPreset:
-    """A card's memory, memory bandwidth and host link, as its vendor's data sheet states them."""
-
-    vram: str  # as partition --vram takes it
-    bandwidth: float  # GB/s
-    pcie: float  # GB/s, one direction: PCIe 4.0 x16 31.5, x8 15.8; PCIe 5.0 x16 63
-    source: str
-
-
-# What a decode step costs on a GPU besides reading its bytes, assumed (not measured here: no GPU was
-# lent): ONNX Runtime's dispatch and the kernel launch of each node the GPU runs, which a step pays in
-# turn however small the node; and the step's synchronisation with the host (the logits copied back).
-GPU_NODE_US = 8.0
-GPU_STEP_US = 30.0
-
-# partition --gpu NAME (NVIDIA's product pages, read 2026-12-01)
-GPU_PRESETS = {
-    "rtx3060-12g": GpuPreset(
-        "12GiB",
-        360.0,
-        31.5,
-        "https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/"
-        "rtx-3060-3060ti/ (GDDR6 192-bit 15 Gbps; PCIe 4.0 x16)",
-    ),
-    "rtx4060-8g": GpuPreset(
-        "8GiB",
-        272.0,
-        15.8,
-        "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
-        "rtx-4060-4060ti/ (GDDR6 128-bit 17 Gbps; PCIe 4.0 x8)",
-    ),
-    "rtx4090-24g": GpuPreset(
-        "24GiB",
-        1008.0,
-        31.5,
-        "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
-        "rtx-4090/ (GDDR6X 384-bit 21 Gbps; PCIe 4.0 x16)",
-    ),
-    "a100-80g": GpuPreset(
-        "80GiB",
-        2039.0,
-        31.5,
-        "https://www.nvidia.com/en-us/data-center/a100/ (80 GB HBM2e SXM: 2,039 GB/s; PCIe 4.0 x16)",
-    ),
-    "h100": GpuPreset(
-        "80GiB",
-        3350.0,
-        63.0,
-        "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM 80 GB HBM3: 3.35 TB/s; PCIe 5.0 x16)",
-    ),
-    "h200": GpuPreset(
-        "141GB", 4800.0, 63.0, "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e: 4.8 TB/s; PCIe 5.0 x16)"
-    ),
-}
-
 # run / bench
 DEVICES = ("auto", "cpu", "cuda")
 PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"  # path of the CUDA plugin EP library, when not given as an option
@@ -218,57 +117,6 @@ PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"  # path of the CUDA plugin EP library, when n
 # run, chat, serve, bench: speculative decoding (moepass.runtime.speculative): --speculative ngram | draft:PATH
 SPECULATIVE_KINDS = ("ngram", "draft")
 DEFAULT_DRAFT_TOKENS = 4
-
-
-# run, chat, serve: how the next token is chosen (moepass.runtime.sampling applies it)
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Sampling settings. The defaults keep every token and change no logit: greedy decoding.
-    `LLAMA_SERVER` holds llama-server's defaults."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    def __post_init__(self) -> None:
-        numbers = (
-            self.temperature,
-            self.top_p,
-            self.min_p,
-            self.repeat_penalty,
-            self.presence_penalty,
-            self.frequency_penalty,
-        )
-        if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in numbers):
-            raise MoepassError(f"invalid sampling settings {self}: every number must be finite")
-        if (
-            self.temperature < 0
-            or self.top_k < 0
-            or not 0 < self.top_p <= 1
-            or not 0 <= self.min_p <= 1
-            or self.repeat_penalty <= 0
-            or self.repeat_last_n < 0
-        ):
-            raise MoepassError(
-                f"invalid sampling settings {self}: temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
-                "0 <= min_p <= 1, repeat_penalty > 0, repeat_last_n >= 0"
-            )
-
-    @property
-    def penalizes(self) -> bool:
-        return self.repeat_last_n > 0 and (
-            self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
-        )
-
-
-# llama-server's defaults (common/common.h, llama.cpp as vendored by llama-cpp-python 0.3.36)
-LLAMA_SERVER = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 
 def with_settings(kind: type[T], options: T | None, settings: dict[str, Any], command: str) -> T:

@@ -45,8 +45,9 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.capabilities import cuda_refusals
-from moepass.core.choices import GPU_NODE_US, GPU_STEP_US, PLAN_MODES, POLICIES, Bandwidths, format_bytes, one_of
+from moepass.core.choices import PLAN_MODES, POLICIES, format_bytes, one_of
 from moepass.core.errors import MoepassError, wording
+from moepass.core.gpus import GPU_NODE_US, GPU_STEP_US, Bandwidths
 from moepass.core.ir_values import dim, folded, input_at
 from moepass.core.moe_nodes import is_moe, moe_nodes, tensor_bytes
 from moepass.pipeline.kv_precision import cache_inputs, cache_type_of, kv_bytes_per_position

@@ -46,8 +46,8 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from moepass.core.choices import Sampling
 from moepass.core.errors import MoepassError, first_line
+from moepass.core.sampling import Sampling
 from moepass.serve.answers import HARMONY, HERMES, AnswerReader, answer_format
 
 if TYPE_CHECKING:
