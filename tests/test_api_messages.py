@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]+")
 # the modules that only the command line reaches: serve (its flags are its only interface), the CLI,
 # and the generator of docs/ tables
-CLI_ONLY = {"moepass/cli.py", "moepass/serve/server.py", "moepass/support_tables.py"}
+CLI_ONLY = {"moepass/serve/server.py", "moepass/support_tables.py"}  # and the CLI, moepass/cli/
 
 
 def _refused(call) -> str:
@@ -126,7 +126,8 @@ def test_no_library_message_writes_a_flag_itself():
     written into the text would tell an API caller to type a command-line flag."""
     written = [f"{path.relative_to(ROOT)}:{line}: {text!r}"
                for folder in ("moepass", "passes", "runtime", "cuda_ops")
-               for path in sorted((ROOT / folder).rglob("*.py")) if str(path.relative_to(ROOT)) not in CLI_ONLY
+               for path in sorted((ROOT / folder).rglob("*.py"))
+               if str(path.relative_to(ROOT)) not in CLI_ONLY and path.parent != ROOT / "moepass" / "cli"
                for line, text in _message_strings(path) if FLAG.search(text)]
     assert not written, "\n".join(written)
 

@@ -113,9 +113,9 @@ def test_missing_extras_are_named_before_the_model_loads(converted, monkeypatch)
 def test_progress_without_a_terminal_is_lines_with_rate_and_time_left(make_gguf, converted, tmp_path, monkeypatch):
     """A log file gets a line every few seconds (here every report) and one at the end: what is done
     of what, the rate and the time left; convert, partition and profile all report."""
-    from moepass.cli import _Progress
+    from moepass.cli.common import Progress
 
-    monkeypatch.setattr(_Progress, "LOG_EVERY", 0.0)
+    monkeypatch.setattr(Progress, "LOG_EVERY", 0.0)
     out = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out")]).stderr
     lines = [line for line in out.splitlines() if line.startswith("writing weights: ")]
     assert len(lines) > 2 and all(re.fullmatch(r"writing weights: [\d.]+ MB of [\d.]+ MB \(\d+%\), [\d.]+ MB/s, "
@@ -132,9 +132,9 @@ def test_progress_without_a_terminal_is_lines_with_rate_and_time_left(make_gguf,
 def test_the_cache_conversion_reports_to_a_log_too(make_gguf, tmp_path, monkeypatch):
     """`moepass run FILE.gguf` with stderr a log: the cache's conversion says how far it is (a line
     every LOG_EVERY seconds, here every report), not nothing for minutes."""
-    from moepass.cli import _Progress
+    from moepass.cli.common import Progress
 
-    monkeypatch.setattr(_Progress, "LOG_EVERY", 0.0)
+    monkeypatch.setattr(Progress, "LOG_EVERY", 0.0)
     monkeypatch.setenv("MOEPASS_CACHE", str(tmp_path / "cache"))
     said = _ok(["run", str(make_gguf("q4_0")), "--prompt-ids", "1,2", "-n", "2"]).stderr.splitlines()
     lines = [line for line in said if line.startswith("converting q4_0.gguf: ")]
@@ -147,7 +147,7 @@ def test_the_terminal_bar_ends_its_line_at_its_last_update(monkeypatch):
     (the callers' finally) ends nothing twice, and a report of the whole again draws no second bar."""
     import io
 
-    from moepass.cli import _Progress
+    from moepass.cli.common import Progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -155,7 +155,7 @@ def test_the_terminal_bar_ends_its_line_at_its_last_update(monkeypatch):
 
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    progress = _Progress("writing weights", enabled=True)
+    progress = Progress("writing weights", enabled=True)
     for done in (0, 4 << 20, 8 << 20):
         progress(done, 8 << 20)
     terminal.write("next message\n")
