@@ -21,8 +21,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core import keys
 from moepass.core.choices import ACTIVATION_MODES, one_of
-
-QUANTIZED_MATMULS = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "QMoE"))
+from moepass.core.ort import operator
 
 
 class QuantizeActivationsPass(InPlacePass):
@@ -37,7 +36,8 @@ class QuantizeActivationsPass(InPlacePass):
         level = ACTIVATION_MODES[self.mode]
         modified = False
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            if (node.domain, node.op_type) not in QUANTIZED_MATMULS:
+            op = operator(node)
+            if op is None or not op.quantized_matmul:
                 continue
             current = node.attributes.get_int("accuracy_level", None)
             if current == level:

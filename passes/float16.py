@@ -10,7 +10,7 @@ Runtime folds when the session loads, in float32 as llama.cpp computes them) com
 
 What changes: every float32 value a converted node produces or reads (graph inputs such as the KV
 cache, graph outputs such as the logits) becomes float16, except the inputs and outputs an operator
-fixes to float32 (FIXED_FLOAT: QMoE's global scales, GroupQueryAttention's KV scales, ...); float32
+fixes to float32 (moepass.core.ort's records: QMoE's global scales, GroupQueryAttention's KV scales, ...); float32
 initializers a converted node reads get a float16 copy (their rounding recorded in `rounded`); Cast
 nodes that widened float16 weights to float32 now cast to float16 and fold away. A float32 value
 crossing into a converted node, or a float16 one into a kept node, gets one Cast per value.
@@ -26,17 +26,9 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from moepass.core.ir_values import infer_dtypes, read_rows, tensor_dims, tensor_of
+from moepass.core.ort import operator
 
 FLOAT, HALF = ir.DataType.FLOAT, ir.DataType.FLOAT16
-# (domain, op) -> (input slots, output slots) an operator's schema types float32 whatever the
-# activations (ONNX Runtime 1.32's schemas); every other float slot of a float16 node takes float16
-FIXED_FLOAT: dict[tuple[str, str], tuple[frozenset[int], frozenset[int]]] = {
-    ("com.microsoft", "QMoE"): (frozenset({15, 16, 17, 18}), frozenset()),
-    ("com.microsoft", "GroupQueryAttention"): (frozenset({12, 13}), frozenset()),
-    ("com.microsoft", "MoEGroupRouter"): (frozenset({1}), frozenset({1, 2})),
-    ("com.microsoft", "SkipSimplifiedLayerNormalization"): (frozenset(), frozenset({1, 2})),
-    ("", "SimplifiedLayerNormalization"): (frozenset(), frozenset({1})),
-}
 
 
 @dataclasses.dataclass
@@ -63,7 +55,9 @@ def constant_nodes(graph: ir.Graph) -> set[ir.Node]:
 
 
 def _fixed(node: ir.Node) -> tuple[frozenset[int], frozenset[int]]:
-    return FIXED_FLOAT.get((node.domain or "", node.op_type), (frozenset(), frozenset()))
+    """The inputs and outputs of `node` its schema fixes to float32 (moepass.core.ort)."""
+    op = operator(node)
+    return (op.float_inputs, op.float_outputs) if op is not None else (frozenset(), frozenset())
 
 
 def _half_copy(value: ir.Value, name: str) -> tuple[ir.Value, float]:

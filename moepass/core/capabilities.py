@@ -19,12 +19,8 @@ import onnx_ir as ir
 from moepass.core.errors import wording
 from moepass.core.ir_values import input_at, required_input, tensor_dims
 from moepass.core.moe_nodes import QMOE_SLOTS, moe_nodes
+from moepass.core.ort import CUDA_REGISTRY, HALF, OPERATORS
 from moepass.core.quants import CUDA_QMOE_BLOCKS
-
-CONTRIB = "onnxruntime/contrib_ops/cuda/"
-REGISTRY = CONTRIB + "cuda_contrib_kernels.cc"
-HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-FLOATS = (ir.DataType.FLOAT, *HALF)
 
 
 def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
@@ -149,6 +145,10 @@ class CudaKernel:
     check: Callable[[ir.Node], str | None] = lambda node: None
 
 
+def _any_form(node: ir.Node) -> str | None:
+    return None
+
+
 def _qmoe(node: ir.Node) -> str | None:
     attrs = node.attributes
     bits = attrs.get_int("expert_weight_bits", 4)
@@ -218,24 +218,19 @@ def _gather_block_quantized(node: ir.Node) -> str | None:
     return None
 
 
-# (domain, op) -> the CUDA kernel; ops of the ONNX domain moepass emits (MatMul, Gather, Reshape, ...)
-# have CUDA kernels for every type they take here and are not listed
+# the constructor checks of each CUDA kernel that has some (the others take every form they are given)
+_CUDA_CHECKS: dict[tuple[str, str], Callable[[ir.Node], str | None]] = {
+    ("com.microsoft", "QMoE"): _qmoe,
+    ("com.microsoft", "MoEPacked"): _moe_packed,
+    ("com.microsoft", "GroupQueryAttention"): _gqa,
+    ("com.microsoft", "MatMulNBits"): _matmul_nbits,
+    ("com.microsoft", "GatherBlockQuantized"): _gather_block_quantized,
+}
+# (domain, op) -> the CUDA kernel (None: none), from moepass.core.ort's records; ops of the ONNX
+# domain moepass emits (MatMul, Gather, Reshape, ...) have CUDA kernels for every type they take here
 CUDA_KERNELS: dict[tuple[str, str], CudaKernel | None] = {
-    ("com.microsoft", "QMoE"): CudaKernel(HALF, CONTRIB + "moe/moe_quantization.cc", _qmoe),
-    ("com.microsoft", "MoE"): CudaKernel(FLOATS, CONTRIB + "moe/moe.cc"),
-    # ONNX Runtime 1.32's schema: float16/bfloat16, CUDA only ("CUDA execution requires weights in device
-    # memory"); which GGML type ids its CUDA kernel decodes is not known here (docs/gpu.md)
-    ("com.microsoft", "MoEPacked"): CudaKernel(
-        HALF, "the 1.32 MoEPacked schema (docs/PackedWeightFormats.md)", _moe_packed
-    ),
-    ("com.microsoft", "GroupQueryAttention"): CudaKernel(HALF, CONTRIB + "bert/group_query_attention.cc", _gqa),
-    ("com.microsoft", "MatMulNBits"): CudaKernel(FLOATS, CONTRIB + "quantization/matmul_nbits.cc", _matmul_nbits),
-    ("com.microsoft", "GatherBlockQuantized"): CudaKernel(
-        FLOATS, CONTRIB + "quantization/gather_block_quantized.cc", _gather_block_quantized
-    ),
-    ("com.microsoft", "SkipSimplifiedLayerNormalization"): CudaKernel(FLOATS, REGISTRY),
-    ("", "SimplifiedLayerNormalization"): CudaKernel(FLOATS, CONTRIB + "layer_norm.cc"),
-    ("com.microsoft", "MoEGroupRouter"): None,  # no such kernel in the registry read
+    key: None if op.cuda_types is None else CudaKernel(op.cuda_types, op.cuda_source, _CUDA_CHECKS.get(key, _any_form))
+    for key, op in OPERATORS.items()
 }
 
 
@@ -247,7 +242,7 @@ def cuda_refusal(node: ir.Node, graph_dtype: ir.DataType = ir.DataType.FLOAT) ->
         return None if key[0] in ("", "ai.onnx") else f"{node.op_type} ({key[0]}) is not in moepass's CUDA table"
     kernel = CUDA_KERNELS[key]
     if kernel is None:
-        return f"{node.op_type}: ONNX Runtime's CUDA EP registers no kernel for it ({REGISTRY})"
+        return f"{node.op_type}: ONNX Runtime's CUDA EP registers no kernel for it ({CUDA_REGISTRY})"
     dtype = _activations(node, graph_dtype)
     if dtype not in kernel.types:
         names = "/".join(_name(t) for t in kernel.types)

@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from moepass.core.errors import MoepassError
 from moepass.core.onnx_format import ir_version_for
+from moepass.core.ort import OPERATORS
 
 
 def copy_model(model: ir.Model) -> ir.Model:
@@ -174,18 +175,6 @@ def read_rows(tensor: ir.TensorProtocol, first: int = 0, count: int | None = Non
     return np.frombuffer(data, dtype=dtype).reshape((count, *shape[1:]))
 
 
-# (domain, op) -> for each output, the input whose type it takes (None: float32 whatever the inputs):
-# ONNX Runtime's contrib schemas as moepass's graphs use them (ONNX's own ops: their schemas)
-CONTRIB_OUTPUT_TYPES: dict[tuple[str, str], tuple[int | None, ...]] = {
-    ("com.microsoft", "GroupQueryAttention"): (0, 3, 3, 0),
-    ("com.microsoft", "QMoE"): (0,),
-    ("com.microsoft", "MoE"): (0,),
-    ("com.microsoft", "MatMulNBits"): (0,),
-    ("com.microsoft", "GatherBlockQuantized"): (2,),
-    ("com.microsoft", "SkipSimplifiedLayerNormalization"): (0, None, None, 0),
-    ("", "SimplifiedLayerNormalization"): (1, None),
-    ("com.microsoft", "MoEGroupRouter"): (0, None, None),
-}
 _BOOLEAN_OPS = {
     "Equal",
     "Less",
@@ -204,7 +193,7 @@ _BOOLEAN_OPS = {
 def infer_dtypes(graph: ir.Graph) -> None:
     """Element types of the values a graph's nodes make and that carry none (onnx-ir tapes leave
     them unset), propagated from the graph's inputs and initializers in topological order: ONNX's
-    operator schemas for its own ops, CONTRIB_OUTPUT_TYPES for ONNX Runtime's."""
+    operator schemas for its own ops, moepass.core.ort's records for ONNX Runtime's."""
     import onnx.defs
 
     for node in graph:
@@ -223,8 +212,8 @@ def _output_dtype(node: ir.Node, index: int, key: tuple[str, str], defs) -> ir.D
         value = node.inputs[i] if i < len(node.inputs) else None
         return value.dtype if value is not None else None
 
-    if key in CONTRIB_OUTPUT_TYPES:
-        sources = CONTRIB_OUTPUT_TYPES[key]
+    if key in OPERATORS:
+        sources = OPERATORS[key].output_types
         source = sources[index] if index < len(sources) else None
         return ir.DataType.FLOAT if source is None else input_type(source)
     op = node.op_type
