@@ -118,7 +118,7 @@ def test_progress_without_a_terminal_is_lines_with_rate_and_time_left(make_gguf,
     monkeypatch.setattr(Progress, "LOG_EVERY", 0.0)
     out = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out")]).stderr
     lines = [line for line in out.splitlines() if line.startswith("writing weights: ")]
-    assert len(lines) > 2 and all(re.fullmatch(r"writing weights: [\d.]+ MB of [\d.]+ MB \(\d+%\), [\d.]+ MB/s, "
+    assert len(lines) > 2 and all(re.fullmatch(r"writing weights: [\d.]+ (?:B|[KM]iB) of [\d.]+ MiB \(\d+%\), [\d.]+ [MG]B/s, "
                                                r"(\d+ s left|time left unknown|done)", line) for line in lines), lines
     assert " s left" in lines[1] and lines[-1].endswith("(100%), " + lines[-1].split("(100%), ")[1])
     assert lines[-1].endswith("done") and sum(line.endswith("done") for line in lines) == 1

@@ -20,6 +20,8 @@ from moepass.core.choices import (
     DEFAULT_DRAFT_TOKENS,
     DEVICES,
     PLUGIN_ENV,
+    format_bytes,
+    format_rate,
 )
 from moepass.core.errors import MoepassError, no_such_path
 from moepass.core.sampling import LLAMA_SERVER, Sampling
@@ -28,7 +30,8 @@ from moepass.core.sampling import LLAMA_SERVER, Sampling
 class Progress:
     """Progress on stderr, its length learned from the first report: a bar on a terminal; elsewhere
     (a log file, CI) a line every LOG_EVERY seconds and one at the end, with what is done, the rate
-    and the time left. `unit`: "bytes" (shown in MB/GB) or a noun counted as it is ("prompts")."""
+    and the time left. `unit`: "bytes" (sizes in MiB/GiB, the rate in MB/s or GB/s) or a noun counted
+    as it is ("prompts")."""
 
     LOG_EVERY = 5.0
 
@@ -41,9 +44,7 @@ class Progress:
         self.done = self.total = 0
 
     def _amount(self, n: float) -> str:
-        if self.unit != "bytes":
-            return f"{int(n)}"
-        return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+        return format_bytes(n) if self.unit == "bytes" else f"{int(n)}"
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
@@ -66,7 +67,7 @@ class Progress:
         what = f"{self._amount(self.done)} of {self._amount(self.total)}" + (
             "" if self.unit == "bytes" else f" {self.unit}"
         )
-        speed = f"{self._amount(rate)}/s" if self.unit == "bytes" else f"{rate:.1f} {self.unit}/s"
+        speed = format_rate(rate) if self.unit == "bytes" else f"{rate:.1f} {self.unit}/s"
         eta = (
             "done" if self.done >= self.total else f"{left:.0f} s left" if math.isfinite(left) else "time left unknown"
         )

@@ -73,11 +73,29 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
     return value
 
 
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+# sizes are shown in binary units (as --vram takes them), rates of bytes in decimal ones (as bandwidths
+# are given on data sheets and by llama.cpp)
+_BINARY_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+
+
+def byte_unit(n: float) -> tuple[str, int]:
+    """The unit a size of `n` bytes is shown in: the largest binary unit not above it (B below 1 KiB)."""
+    for unit, size in _BINARY_UNITS:
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+            return unit, size
+    return "B", 1
+
+
+def format_bytes(n: float) -> str:
+    """A size: 1.50 GiB, 12.00 MiB, 512 B."""
+    unit, size = byte_unit(n)
+    return f"{int(n)} B" if size == 1 else f"{n / size:.2f} {unit}"
+
+
+def format_rate(bytes_per_second: float) -> str:
+    """A rate of bytes, in decimal units: 1.23 GB/s, 45.6 MB/s (never 0.00 GB/s)."""
+    rate = bytes_per_second
+    return f"{rate / 1e9:.2f} GB/s" if rate >= 1e8 else f"{rate / 1e6:.1f} MB/s"
 
 
 # convert

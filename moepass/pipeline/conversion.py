@@ -31,6 +31,8 @@ from moepass.core.choices import (
     ACTIVATION_MODES,
     DEFAULT_DRAFT_TOKENS,
     KV_CACHE_TYPES,
+    format_bytes,
+    format_rate,
     one_of,
     with_settings,
 )
@@ -174,7 +176,7 @@ class ConvertResult:
         memory = physical_memory()
         if memory and self.output_bytes > memory:
             lines.append(
-                f"    more than this machine's memory ({memory / 2**30:.1f} GiB): run here, a decode step reads "
+                f"    more than this machine's memory ({format_bytes(memory)}): run here, a decode step reads "
                 "experts from the disk"
                 + (f"; {words.option('--expert-format', 'int4')} is about the GGUF's size" if requantized8 else "")
             )
@@ -207,8 +209,7 @@ class ConvertResult:
             pre = f", {self.tokenizer['pre']} pre-tokenizer" if self.tokenizer.get("pre") else ""
             lines.append(f"  tokenizer     {self.tokenizer.get('model')}{pre} -> {TOKENIZER_FILE}")
         rate = self.source_bytes / self.seconds if self.seconds else 0.0
-        speed = f"{rate / 1e9:.2f} GB/s" if rate >= 1e8 else f"{rate / 1e6:.1f} MB/s"
-        lines.append(f"  time          {self.seconds:.2f} s ({speed} of input)")
+        lines.append(f"  time          {self.seconds:.2f} s ({format_rate(rate)} of input)")
         return lines
 
 

@@ -7,16 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from moepass.core.choices import byte_unit
 from moepass.core.errors import MoepassError, wording
 from moepass.core.formats import PlanReport
 from moepass.pipeline.popularity import Popularity
-
-
-def _unit(nbytes: int) -> tuple[str, float]:
-    for name, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if nbytes >= size:
-            return name, float(size)
-    return "B", 1.0
 
 
 def draw_plan(plan: PlanReport, popularity: Popularity | None, path: Path) -> None:
@@ -117,7 +111,7 @@ def plan_figure(plan: PlanReport, popularity: Popularity | None):
 
     bar = fig.add_subplot(grid[1])
     mem = plan.memory
-    unit, scale = _unit(mem.vram_bytes)
+    unit, scale = byte_unit(mem.vram_bytes)
     parts = [
         ("non-expert", mem.non_expert_bytes, "#4c72b0"),
         ("KV cache", mem.kv_cache_bytes, "#55a868"),

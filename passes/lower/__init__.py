@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.architectures import Architecture, HParams
-from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT, one_of
+from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTEXT, format_bytes, one_of
 from moepass.core.errors import MoepassError, wording
 from moepass.core.files import LOGITS_TO_KEEP
 from moepass.core.gguf_reader import GGUFModel
@@ -136,8 +136,8 @@ def _check_rope_tables(gguf: GGUFModel, arch: Architecture, hp: HParams) -> None
     if table_bytes > ROPE_TABLES_PLAUSIBLE and table_bytes > gguf.file_bytes:
         raise MoepassError(
             f"{gguf.path}: metadata key '{arch.gguf_arch}.context_length' is {hp.context_length:,}: "
-            f"its RoPE tables would take {table_bytes / 2**30:.1f} GiB, more than the whole model "
-            f"({gguf.file_bytes / 2**30:.2f} GiB); convert with {wording().option('--context', 'N')} for the "
+            f"its RoPE tables would take {format_bytes(table_bytes)}, more than the whole model "
+            f"({format_bytes(gguf.file_bytes)}); convert with {wording().option('--context', 'N')} for the "
             "positions you need"
         )
 
