@@ -72,7 +72,7 @@ from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.gpu_form import ExpertRows, GgufExperts, GpuFormPass, StoredExperts
 from moepass.passes.lower import LowerOptions
 from moepass.passes.reorder_experts import ReorderExpertsPass
-from moepass.passes.weights import WeightReport, merged_records
+from moepass.passes.weights.report import WeightReport, merged_records
 from moepass.pipeline import conversion as gguf_conversion
 from moepass.pipeline.atomic import atomic_directory, atomic_file, check_destination
 from moepass.pipeline.conversion import GgufConversion

@@ -49,7 +49,9 @@ from moepass.core.moe_nodes import (
     moe_node,
 )
 from moepass.core.quants import BlockForm, Packed, qmoe_takes, quantize_values, requantize_form, unpack_values
-from moepass.passes.weights import PackedGroup, PackOptions, Slots, WeightReport, float_expert_stack
+from moepass.passes.weights.packing import PackedGroup, PackOptions, float_expert_stack
+from moepass.passes.weights.report import WeightReport
+from moepass.passes.weights.sources import Slots
 
 
 @dataclasses.dataclass

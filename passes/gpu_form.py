@@ -62,7 +62,9 @@ from moepass.core.quants import (
 from moepass.passes.float16 import FLOAT, HALF, Float16Pass
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
-from moepass.passes.weights import GgufRows, PackOptions, RowSource, StoredRows, WeightReport
+from moepass.passes.weights.packing import PackOptions
+from moepass.passes.weights.report import WeightReport
+from moepass.passes.weights.sources import GgufRows, RowSource, StoredRows
 
 TARGETS = ("layers", "offload")
 

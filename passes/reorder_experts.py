@@ -23,7 +23,7 @@ from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import input_at, read_rows, required_input, stored_constant, tensor_dims, tensor_of
 from moepass.core.moe_nodes import EXPERT_INPUTS, ROUTER_LOGITS, ROUTER_WEIGHTS, moe_nodes
-from moepass.passes.weights import StreamedTensor
+from moepass.passes.weights.streaming import StreamedTensor
 
 
 def _is_constant(value: ir.Value | None) -> bool:

@@ -198,9 +198,9 @@ def test_chunked_conversion_gives_the_same_bytes(preset, tmp_path, make_gguf, co
     """Weights are read and packed a few rows at a time (and requantized a few rows of a chunk at a
     time); the chunking must not show in the output."""
     from moepass.core import quants
-    from moepass.passes import weights as lower
+    from moepass.passes.weights import streaming
 
-    monkeypatch.setattr(lower, "CHUNK_BYTES", 3000)
+    monkeypatch.setattr(streaming, "CHUNK_BYTES", 3000)
     monkeypatch.setattr(quants, "REQUANTIZE_SLICE", 1000)
     moepass.convert(make_gguf(preset), tmp_path / "chunked")
     assert filecmp.cmp(tmp_path / "chunked" / "model.onnx.data", converted(preset) / "model.onnx.data", shallow=False)

@@ -1,4 +1,4 @@
-"""Large tensors are written past the page cache (passes.weights.DirectSink): the bytes on disk must
+"""Large tensors are written past the page cache (passes.weights.direct.DirectSink): the bytes on disk must
 be those of the ordinary buffered write, whatever the tensor's offset in the file, the chunk sizes
 and the staging buffer's fill, and where the file system refuses O_DIRECT (tmpfs)."""
 
@@ -14,7 +14,7 @@ import onnx_ir as ir
 import pytest
 
 import moepass
-from moepass.passes import weights
+from moepass.passes.weights import direct, streaming
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
 
@@ -29,7 +29,7 @@ def _model(sizes: list[int], chunk: int) -> tuple[ir.Model, list[np.ndarray]]:
         def chunks(a=a):
             return (a[j : j + chunk] for j in range(0, len(a), chunk))
 
-        tensor = weights.StreamedTensor(chunks, ir.DataType.UINT8, (len(a),), f"w{i}")
+        tensor = streaming.StreamedTensor(chunks, ir.DataType.UINT8, (len(a),), f"w{i}")
         inits.append(ir.Value(name=f"w{i}", const_value=tensor, type=ir.TensorType(ir.DataType.UINT8)))
     out = ir.Value(name="y", type=ir.TensorType(ir.DataType.UINT8), shape=ir.Shape([sizes[0]]))
     node = ir.Node("", "Identity", [inits[0]], outputs=[out])
@@ -81,9 +81,9 @@ def _refuse_direct_writes(monkeypatch, fds: list[int], code: int) -> None:
 @pytest.mark.parametrize("chunk", [1, 999, 4096, 50_000])
 def test_direct_writes_give_the_buffered_bytes(tmp_path, monkeypatch, chunk):
     buffered = _save(tmp_path / "buffered", SIZES, chunk)
-    monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
-    monkeypatch.setattr(weights, "_STAGING_BYTES", 2 * 4096)  # several flushes per tensor
-    monkeypatch.setattr(weights._staging, "buffers", None, raising=False)
+    monkeypatch.setattr(direct, "DIRECT_MIN_BYTES", 4096)
+    monkeypatch.setattr(direct, "_STAGING_BYTES", 2 * 4096)  # several flushes per tensor
+    monkeypatch.setattr(direct._staging, "buffers", None, raising=False)
     opened = _direct_fds(monkeypatch)
     assert _save(tmp_path / "direct", SIZES, chunk) == buffered
     if not opened:
@@ -95,7 +95,7 @@ def test_a_file_system_without_o_direct_gets_the_buffered_bytes(tmp_path, monkey
     shm = Path("/dev/shm")
     if not shm.is_dir():
         pytest.skip("no /dev/shm")
-    monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
+    monkeypatch.setattr(direct, "DIRECT_MIN_BYTES", 4096)
     folder = Path(os.path.join(shm, f"moepass-test-{os.getpid()}"))
     try:
         assert _save(folder, SIZES, 999)  # tmpfs refuses the open (EINVAL): written buffered
@@ -109,14 +109,14 @@ def test_writes_refused_after_the_open_fall_back(tmp_path, monkeypatch):
     """A file system that opens with O_DIRECT but refuses the writes (EINVAL: an alignment it
     wants larger) gets the rest of the tensor through the ordinary file."""
     buffered = _save(tmp_path / "buffered", SIZES, 999)
-    monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
+    monkeypatch.setattr(direct, "DIRECT_MIN_BYTES", 4096)
     _refuse_direct_writes(monkeypatch, _direct_fds(monkeypatch), errno.EINVAL)
     assert _save(tmp_path / "refused", SIZES, 999) == buffered
 
 
 def test_a_conversion_written_directly_is_the_same(tmp_path, make_gguf, converted, monkeypatch):
     """A whole conversion with every tensor of 4 KiB or more written past the page cache."""
-    monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
+    monkeypatch.setattr(direct, "DIRECT_MIN_BYTES", 4096)
     moepass.convert(make_gguf("q4_k"), tmp_path / "direct")
     assert filecmp.cmp(tmp_path / "direct" / "model.onnx.data", converted("q4_k") / "model.onnx.data", shallow=False)
     assert filecmp.cmp(tmp_path / "direct" / "model.onnx", converted("q4_k") / "model.onnx", shallow=False)
@@ -124,9 +124,9 @@ def test_a_conversion_written_directly_is_the_same(tmp_path, make_gguf, converte
 
 def test_a_full_disk_in_the_background_write_is_raised(tmp_path, monkeypatch):
     """The staging buffers go to the disk on a thread: its error (ENOSPC) reaches the writer."""
-    monkeypatch.setattr(weights, "DIRECT_MIN_BYTES", 4096)
-    monkeypatch.setattr(weights, "_STAGING_BYTES", 2 * 4096)
-    monkeypatch.setattr(weights._staging, "buffers", None, raising=False)
+    monkeypatch.setattr(direct, "DIRECT_MIN_BYTES", 4096)
+    monkeypatch.setattr(direct, "_STAGING_BYTES", 2 * 4096)
+    monkeypatch.setattr(direct._staging, "buffers", None, raising=False)
     _refuse_direct_writes(monkeypatch, _direct_fds(monkeypatch), errno.ENOSPC)
     with pytest.raises(OSError) as raised:
         _save(tmp_path / "full", SIZES, 999)

@@ -14,11 +14,13 @@ import moepass.core
 import moepass.cuda_ops
 import moepass.passes
 import moepass.passes.lower
+import moepass.passes.weights
 import moepass.pipeline
 import moepass.runtime
 import moepass.serve
 
-PACKAGES = (moepass, moepass.core, moepass.cuda_ops, moepass.passes, moepass.passes.lower, moepass.runtime,
+PACKAGES = (moepass, moepass.core, moepass.cuda_ops, moepass.passes, moepass.passes.lower, moepass.passes.weights,
+            moepass.runtime,
             moepass.pipeline, moepass.serve, moepass.cli)
 
 

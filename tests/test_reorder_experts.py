@@ -217,7 +217,9 @@ def test_experts_packed_in_this_run_are_packed_once_in_the_new_order(make_gguf, 
     from moepass.core.gguf_reader import GGUFModel
     from moepass.core.quants import OFFLOAD_FORM, quant_type
     from moepass.passes.reorder_experts import _permuted
-    from moepass.passes.weights import GgufRows, PackedGroup, PackOptions, WeightReport
+    from moepass.passes.weights.sources import GgufRows
+    from moepass.passes.weights.packing import PackedGroup, PackOptions
+    from moepass.passes.weights.report import WeightReport
 
     gguf = GGUFModel(make_gguf("q4_0"))
     arch = architecture_of(gguf)

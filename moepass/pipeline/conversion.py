@@ -52,7 +52,7 @@ from moepass.core.model_io import save_model
 from moepass.core.quants import parse_form, speed_class
 from moepass.passes import PipelineRun, run_pipeline
 from moepass.passes.lower import Lowered, LowerOptions, lower_gguf
-from moepass.passes.weights import WeightReport, merged_records
+from moepass.passes.weights.report import WeightReport, merged_records
 from moepass.pipeline.atomic import atomic_directory, check_destination
 from moepass.pipeline.genai import check_speculation, genai_config, with_speculation
 from moepass.pipeline.kv_precision import cache_type_of, describe_cache, kv_bytes_per_position, set_kv_cache

@@ -34,7 +34,7 @@ from moepass.core.version import __version__
 from moepass.passes.lower.attention import attention, attention_inputs
 from moepass.passes.lower.ffn import feed_forward
 from moepass.passes.lower.graph_builder import GraphBuilder, LowerOptions
-from moepass.passes.weights import WeightReport
+from moepass.passes.weights.report import WeightReport
 
 # ---- recipes ----------------------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ from moepass.core.errors import MoepassError
 from moepass.core.quants import BlockForm
 from moepass.cuda_ops.prepack import prepack_problem
 from moepass.passes.lower.block_sums import fc2_padding
-from moepass.passes.weights import PackedGroup, PackOptions, RowSource, WeightReport
+from moepass.passes.weights.packing import PackedGroup, PackOptions
+from moepass.passes.weights.report import WeightReport
+from moepass.passes.weights.sources import RowSource
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
 from moepass.passes.lower.graph_builder import GraphBuilder
 from moepass.passes.lower.routing import renormalizes, router_input
-from moepass.passes.weights import PackOptions
+from moepass.passes.weights.packing import PackOptions
 
 
 def feed_forward(builder: GraphBuilder, x2d: ir.Value, layer: int) -> ir.Value:

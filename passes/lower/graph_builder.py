@@ -1,7 +1,7 @@
 """GraphBuilder: the onnx-ir tape a recipe writes the decoder on, with the GGUF model's weights as
 lazy initializers and the building blocks every layer uses (linear, RMSNorm, embedding).
 
-Weights are lazy (`passes/weights.py`): nothing is read from the GGUF file until the model is
+Weights are lazy (`passes/weights/`): nothing is read from the GGUF file until the model is
 saved, and then chunk by chunk, so memory does not grow with the size of the model. Each weight's
 conversion (source type, target form, measured error) is recorded in a `WeightReport`. The layer
 modules (attention, routing, ffn) are functions of a GraphBuilder.
@@ -21,17 +21,10 @@ from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, SourceTensor
 from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type, scales_in_float16
-from moepass.passes.weights import (
-    GgufRows,
-    PackedGroup,
-    PackOptions,
-    StreamedTensor,
-    WeightRecord,
-    WeightReport,
-    float_expert_stack,
-    float_tensor,
-    row_chunks,
-)
+from moepass.passes.weights.packing import PackedGroup, PackOptions, float_expert_stack, float_tensor
+from moepass.passes.weights.report import WeightRecord, WeightReport
+from moepass.passes.weights.sources import GgufRows
+from moepass.passes.weights.streaming import StreamedTensor, row_chunks
 
 
 @dataclasses.dataclass(frozen=True)
