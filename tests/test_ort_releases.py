@@ -96,6 +96,22 @@ def test_prepacked_experts_are_refused_before_1_32(converted):
     assert plan_session(_ort_of("1.32.0"), model, {}, device="cpu").provider == "CPUExecutionProvider"
 
 
+def test_sigmoid_group_routing_is_refused_before_1_32(converted):
+    """DeepSeek-V3-style routing (sigmoid over expert groups) is com.microsoft::MoEGroupRouter, which
+    onnxruntime-gpu 1.31.1 does not have (its schemas: tests/test_ort_operators.py): refused in one
+    line naming the operator and the install that runs it, not ONNX Runtime's own failure."""
+    model = load_model(model_file(converted("q4_0", arch="deepseek2")))
+    why = release_refusal(model, (1, 31), "ONNX Runtime 1.31.1")
+    assert why is not None and "MoEGroupRouter" in why and "moepass[cpu]" in why and "\n" not in why
+    assert "no form of this model runs on ONNX Runtime 1.31.1" in why and "expert format" not in why
+    assert release_refusal(model, (1, 32), "ONNX Runtime 1.32.0") is None
+    if _release() < (1, 32):
+        import moepass
+
+        with pytest.raises(MoepassError, match="MoEGroupRouter nodes .* need ONNX Runtime 1.32"):
+            moepass.load(converted("q4_0", arch="deepseek2"), device="cpu", threads=1)
+
+
 def test_the_default_form_runs_on_every_release(converted):
     """Row-major int4/int8 experts, the default forms, run alike on both releases (probed: same greedy
     tokens on every default, int8, float-activation, KV-cache, Q4_K_M and float form): not refused."""

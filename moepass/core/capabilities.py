@@ -284,6 +284,7 @@ class ReleaseGap:
     form: str
     what: str
     applies: Callable[[ir.Node], bool]
+    converts_around: bool = True  # another expert form or target avoids it (else: only a newer release)
 
 
 RELEASE_GAPS = (
@@ -299,6 +300,13 @@ RELEASE_GAPS = (
         "the operator is new in 1.32",
         lambda node: node.op_type == "MoEPacked",
     ),
+    ReleaseGap(
+        (1, 32),
+        "com.microsoft::MoEGroupRouter nodes (sigmoid routing over expert groups: DeepSeek-V3-style models)",
+        "the operator is new in 1.32",
+        lambda node: node.op_type == "MoEGroupRouter",
+        converts_around=False,
+    ),
 )
 
 
@@ -308,14 +316,18 @@ def release_refusal(model: ir.Model, version: tuple[int, int], label: str) -> st
     for gap in RELEASE_GAPS:
         if version >= gap.since:
             continue
-        nodes = [m.name for m in moe_nodes(model.graph) if m.node.domain == "com.microsoft" and gap.applies(m.node)]
+        nodes = [node.name for node in model.graph if node.domain == "com.microsoft" and gap.applies(node)]
         if nodes:
             since = ".".join(map(str, gap.since))
             more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
+            around = (
+                f"convert with the default expert format (or "
+                f"{wording().call('partition', wording().option('--target', 'layers'))}) to run on {label}, or "
+                if gap.converts_around
+                else f"no form of this model runs on {label}: "
+            )
             return (
                 f"{gap.form} need ONNX Runtime {since} or newer; {label} is installed, and {gap.what} "
-                f"({nodes[0]}{more}): convert with the default expert format (or "
-                f"{wording().call('partition', wording().option('--target', 'layers'))}) "
-                f"to run on {label}, or install moepass[cpu] (onnxruntime {since})"
+                f"({nodes[0]}{more}): {around}install moepass[cpu] (onnxruntime {since})"
             )
     return None
