@@ -7,8 +7,18 @@ import re
 import pytest
 
 import moepass
-from moepass.core.files import PLAN_FILE, REPORT_FILE
-from moepass.core.formats import PLAN_VERSION, REPORT_SCHEMA, ModelReport, PlanReport, read_plan, read_report, write_report
+from moepass.core.files import OPTIONS_FILE, PLAN_FILE, REPORT_FILE
+from moepass.core.formats import (
+    PLAN_VERSION,
+    REPORT_SCHEMA,
+    ModelReport,
+    PlanReport,
+    SessionOptionsFile,
+    read_plan,
+    read_report,
+    typed_from_json,
+    write_report,
+)
 
 
 def test_both_inputs_write_the_same_schema(converted, tmp_path):
@@ -122,6 +132,23 @@ def test_plan_json_is_its_class_written_out(placed, tmp_path):
     assert "offload" not in written or written["offload"] is None  # version 2: active and inactive_reason
     # partition's moepass.json (the conversion's, its weights and KV cache as placed) is its class's too
     assert json.loads((placed / REPORT_FILE).read_text()) == read_report(placed).to_json()
+
+
+def test_onnxruntime_options_json_is_its_class_written_out(placed, tmp_path):
+    """onnxruntime_options.json is SessionOptionsFile written out, read back the same; an entry that
+    is not a string, or a key no field reads, is refused naming the file and the key."""
+    written = json.loads((placed / OPTIONS_FILE).read_text())
+    options = SessionOptionsFile.read(placed)
+    assert options.placement is not None and options.placement.target == "offload"
+    assert options.session_config_entries and written["session_config_entries"] == options.session_config_entries
+    options.write(tmp_path)
+    assert json.loads((tmp_path / OPTIONS_FILE).read_text()) == written and SessionOptionsFile.read(tmp_path) == options
+    (tmp_path / OPTIONS_FILE).write_text(json.dumps({**written, "session_config_entries": {"a": 1}}))
+    with pytest.raises(moepass.MoepassError, match=r"'session_config_entries.a' must be a string, found int"):
+        SessionOptionsFile.read(tmp_path)
+    with pytest.raises(moepass.MoepassError, match="'note': no field reads it"):  # the writer's check
+        typed_from_json(SessionOptionsFile, {**written, "note": 1}, tmp_path / OPTIONS_FILE, "", strict=True)
+    assert SessionOptionsFile.read(tmp_path / "absent") == SessionOptionsFile()  # no file: no entries
 
 
 def test_the_plan_writer_refuses_a_key_no_field_reads(placed):
