@@ -70,6 +70,7 @@ from moepass.core.moe_nodes import MoeNode, moe_nodes
 from moepass.core.version import __version__
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.gpu_form import ExpertRows, GgufExperts, GpuFormPass, StoredExperts
+from moepass.passes.kv_cache import KvCachePass
 from moepass.passes.lower import LowerOptions
 from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.passes.weights.report import WeightReport, merged_records
@@ -782,6 +783,8 @@ def lower_for_plan(
         AnnotateLayersPass({g.node: bool(plan.resident[g.node]) for g in placement.memory.groups})(model)
     else:
         ReorderExpertsPass(plan.order, {n: len(r) for n, r in plan.resident.items()})(model)
+    if placement.kv_type == "float16" and placement.cache == "float32":  # int8's is calibrated on the written model
+        KvCachePass("float16")(model)
     model.metadata_props[keys.PLACEMENT] = json.dumps(
         {
             "plan": PLAN_FILE,
@@ -824,10 +827,10 @@ def _write_placed(
         for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
             copy_companion(source.folder, name, tmp)
         _write_report(source, lowered, tmp)
-    # the cache retyped once the weights are in place and before the placement options (int8 is
-    # calibrated on the CPU)
-    chosen, cache = placement.kv_type, placement.cache
-    if chosen is not None and chosen != cache:
+    # an int8 cache once the weights are in place and before the placement options (it is calibrated
+    # on the CPU, running the written model); a float16 one was given before the write
+    chosen, cache = placement.kv_type, cache_type_of(lowered.model)  # float16 given before the write
+    if chosen is not None and chosen != placement.cache:
         entry = set_kv_cache(tmp, chosen, cache, source.context_length, threads=options.threads)
         write_report(tmp, {**read_report(tmp).document, "kv_cache": entry})
     target = placed.target

@@ -23,6 +23,7 @@ from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.expose_router import ExposeRouterLogitsPass
 from moepass.passes.fuse_moe import FuseMoePass
 from moepass.passes.fuse_skip_norm import FuseSkipNormPass
+from moepass.passes.kv_cache import KvCachePass
 from moepass.passes.lower import LowerOptions, lower_gguf
 from moepass.passes.reorder_experts import ReorderExpertsPass
 
@@ -33,6 +34,7 @@ class PipelineRun:
     (the caller reads their records, e.g. fuse-moe's, afterwards)."""
 
     activations: str = "int8"  # "int8" (inside the quantized matrix products, as llama.cpp) or "float"
+    kv_cache: str = "float32"  # GGUF input: float16 given here; int8 after the write (its calibration runs the model)
     float_experts: str = "keep"  # ONNX input: float experts kept (MoE) or quantized into QMoE
     ran: dict[str, PassBase] = dataclasses.field(default_factory=dict)
 
@@ -58,6 +60,7 @@ PIPELINES: dict[str, dict[str, Callable[[PipelineRun], PassBase | None]]] = {
     "gguf": {
         "fuse-skip-norm": lambda run: FuseSkipNormPass(),
         "quantize-activations": lambda run: QuantizeActivationsPass(run.activations),
+        "kv-cache": lambda run: KvCachePass("float16") if run.kv_cache == "float16" else None,
         "remove-unused": _cleanup(RemoveUnusedNodesPass),
         "topological-sort": _cleanup(TopologicalSortPass),
     },
@@ -102,6 +105,7 @@ __all__ = [
     "ExposeRouterLogitsPass",
     "FuseMoePass",
     "FuseSkipNormPass",
+    "KvCachePass",
     "LowerOptions",
     "PASS_NAMES",
     "PIPELINES",

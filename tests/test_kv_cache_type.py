@@ -54,6 +54,25 @@ def test_the_cache_type_and_scales_are_written(converted, make_gguf, tmp_path, k
     assert ours.dims["activation_bytes"] == theirs.dims["activation_bytes"] == 4
 
 
+def test_a_float16_cache_is_a_pass_of_converts_pipeline(make_gguf, tmp_path, monkeypatch):
+    """--kv-cache float16 is the kv-cache pass, run before the write: --print-after kv-cache shows the
+    cache's inputs in float16, and the written model is not read back and retyped (as an int8 cache
+    is, whose calibration runs the written model)."""
+    import importlib
+
+    kv_precision = importlib.import_module("moepass.pipeline.kv_precision")
+    reread = []
+    monkeypatch.setattr(kv_precision, "load_model", lambda folder: reread.append(folder) or load_model(folder))
+    lines: list[str] = []
+    out = moepass.convert(make_gguf("q4_0"), tmp_path / "f16", kv_cache="float16", print_after="kv-cache",
+                          echo=lines.append).output_dir
+    past = [line for line in "\n".join(lines).splitlines() if "past_key_values.0.key" in line]
+    assert past and "FLOAT16" in past[0], past
+    assert reread == [] and all(n.inputs[3].dtype == ir.DataType.FLOAT16 for n in _attention(out))
+    moepass.convert(make_gguf("q4_0"), tmp_path / "i8", kv_cache="int8")
+    assert len(reread) == 1  # int8: retyped once the model is written
+
+
 def test_the_summary_gives_the_caches_bytes_and_points_long_contexts_to_int8(make_gguf, tmp_path):
     """convert's summary: the KV cache's bytes a position (every layer's keys and values in the
     cache's type) and at the model's context; a float32 cache of 8,192 positions or more is pointed

@@ -108,7 +108,7 @@ ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}
 # --print-after, per input kind: the step that makes the graph ("lower" a GGUF, "read" an ONNX model),
 # then the passes of moepass.passes.PIPELINES[kind] in order (moepass.passes checks them at import)
 PASS_NAMES = {
-    "gguf": ("lower", "fuse-skip-norm", "quantize-activations", "remove-unused", "topological-sort"),
+    "gguf": ("lower", "fuse-skip-norm", "quantize-activations", "kv-cache", "remove-unused", "topological-sort"),
     "onnx": ("read", "fuse-moe", "remove-unused", "topological-sort", "quantize-activations"),
 }
 PRINT_AFTER_CHOICES = tuple(dict.fromkeys(name for names in PASS_NAMES.values() for name in names))

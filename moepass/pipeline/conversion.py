@@ -352,14 +352,17 @@ def lower_gguf_file(
     activations: str = "int8",
     *,
     allow_non_finite: bool = False,
+    kv_cache: str = "float32",
     print_after: str | None = None,
     echo: Callable[[str], None] = print,
 ) -> GgufConversion:
-    """Read a GGUF file, lower it and run the GGUF pipeline's passes: nothing written yet."""
+    """Read a GGUF file, lower it and run the GGUF pipeline's passes (a float16 `kv_cache` among
+    them): nothing written yet."""
     gguf = GGUFModel(source, allow_non_finite=allow_non_finite)
     arch = architecture_of(gguf)
     lowered = lower_gguf(gguf, arch, options)
-    model = run_pipeline(lowered.model, "gguf", PipelineRun(activations=activations), print_after, echo)
+    run = PipelineRun(activations=activations, kv_cache=kv_cache)
+    model = run_pipeline(lowered.model, "gguf", run, print_after, echo)
     return GgufConversion(source, gguf, arch, lowered, model, activations, options.expert_format)
 
 
@@ -446,6 +449,7 @@ def convert_gguf(
         options.lowering(),
         options.activations,
         allow_non_finite=options.allow_non_finite,
+        kv_cache=options.kv_cache,
         print_after=options.print_after,
         echo=echo,
     )

@@ -37,6 +37,7 @@ from moepass.core.files import MODEL_FILE
 from moepass.core.ir_values import dim, dtype_of, folded, required_input
 from moepass.core.model_io import load_model
 from moepass.core.onnx_format import stamp
+from moepass.passes.kv_cache import KvCachePass
 
 CALIBRATION_TOKENS = 256
 INT8_MAX = 127
@@ -215,9 +216,10 @@ def set_kv_cache(
     echo: Callable[[str], None] = lambda line: None,
 ) -> dict:
     """Give every GroupQueryAttention of the converted model in `folder`, whose cache is of type
-    `current` (cache_type_of), a `kind` cache, calibrated on at most `context` tokens (the model's
-    positions); rewrites model.onnx (the weights' data file stays as it is). "float32" keeps the
-    cache as converted (the offload format's is float16). Returns moepass.json's entry."""
+    `current` (cache_type_of), a `kind` cache (the kv-cache pass), int8 calibrated on at most
+    `context` tokens (the model's positions); rewrites model.onnx (the weights' data file stays as it
+    is). "float32", or the type the model has (a float16 cache given in convert's pipeline), keeps
+    the cache as it is. Returns moepass.json's entry."""
     one_of(kind, KV_CACHE_TYPES, wording().name("--kv-cache"))
     if kind == "float32" or kind == current:
         return cache_entry(current)
@@ -245,28 +247,7 @@ def set_kv_cache(
             for name, top in cache_ranges(decoder, ids, rotations).items()
         }
         del decoder
-    cache_type = ir.TensorType(ir.DataType.FLOAT16 if kind == "float16" else ir.DataType.INT8)
-    for node in attention:
-        for value in (required_input(node, 3), required_input(node, 4), node.outputs[1], node.outputs[2]):
-            value.type = cache_type
-        if kind != "int8":
-            continue
-        node.resize_inputs(14)  # k_scale, v_scale: inputs 12 and 13, the optional ones before them left empty
-        for index, output in ((12, node.outputs[1]), (13, node.outputs[2])):
-            present = output.name or ""
-            scale = scales[present].astype(np.float32)[:, None, :]  # [kv_heads, 1, head_size]
-            name = present.replace("present.", "kv_scale.")
-            initializer = ir.Value(
-                name=name,
-                type=ir.TensorType(ir.DataType.FLOAT),
-                shape=ir.Shape(scale.shape),
-                const_value=ir.tensor(scale, name=name),
-            )
-            model.graph.register_initializer(initializer)
-            node.replace_input_with(index, initializer)
-        for key in ("k_quant_type", "v_quant_type"):
-            node.attributes[key] = ir.AttrString(key, "PER_CHANNEL")
-        node.attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", 8)
+    KvCachePass(kind, scales if kind == "int8" else None)(model)
     stamp(model, str(folder / MODEL_FILE))
     onnx.save(ir.to_proto(model), folder / MODEL_FILE)  # external weights stay where they are
     return info
