@@ -67,6 +67,7 @@ from moepass.core.gpus import Bandwidths
 from moepass.core.ir_values import copy_model
 from moepass.core.model_io import load_model, model_file, save_model
 from moepass.core.moe_nodes import MoeNode, moe_nodes
+from moepass.core.options import PARTITION_OPTIONS
 from moepass.core.version import __version__
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.gpu_form import ExpertRows, GgufExperts, GpuFormPass, StoredExperts
@@ -433,24 +434,25 @@ class PartitionOptions:
     `gguf`: where the GGUF the model was converted from is now, if it moved. `report`: a PNG
     picture of the plan."""
 
-    profile: str | os.PathLike | Popularity | None = None
-    context: int | None = None
-    batch: int = 1
-    prefill_tokens: int = 512
-    reserve: str | int = "512MiB"
-    policy: str | None = None
-    mode: str = "auto"
-    bandwidths: Bandwidths = Bandwidths()
-    report: str | os.PathLike | None = None
-    target: str = "auto"
-    cuda_plugin: str | os.PathLike | None = None
-    kernel_table: bool = True
-    cpu_profile: str | os.PathLike | None = None
-    calibrate: bool = True
-    threads: int | None = None
-    kv_cache: str = "keep"
-    lower: bool = True
-    gguf: str | os.PathLike | None = None
+    # each default is its option's (moepass.core.options.PARTITION_OPTIONS), declared once for the CLI too
+    profile: str | os.PathLike | Popularity | None = PARTITION_OPTIONS["profile"].default
+    context: int | None = PARTITION_OPTIONS["context"].default
+    batch: int = PARTITION_OPTIONS["batch"].default
+    prefill_tokens: int = PARTITION_OPTIONS["prefill_tokens"].default
+    reserve: str | int = PARTITION_OPTIONS["reserve"].default
+    policy: str | None = PARTITION_OPTIONS["policy"].default
+    mode: str = PARTITION_OPTIONS["mode"].default
+    bandwidths: Bandwidths = Bandwidths()  # the CLI composes it from three flags and --gpu's data sheet
+    report: str | os.PathLike | None = PARTITION_OPTIONS["report"].default
+    target: str = PARTITION_OPTIONS["target"].default
+    cuda_plugin: str | os.PathLike | None = PARTITION_OPTIONS["cuda_plugin"].default
+    kernel_table: bool = PARTITION_OPTIONS["kernel_table"].default
+    cpu_profile: str | os.PathLike | None = PARTITION_OPTIONS["cpu_profile"].default
+    calibrate: bool = PARTITION_OPTIONS["calibrate"].default
+    threads: int | None = None  # ONNX Runtime's: every core (the CLI's --threads, shared by commands)
+    kv_cache: str = PARTITION_OPTIONS["kv_cache"].default
+    lower: bool = PARTITION_OPTIONS["lower"].default
+    gguf: str | os.PathLike | None = PARTITION_OPTIONS["gguf"].default
 
     def __post_init__(self) -> None:
         one_of(self.target, TARGETS, "target")

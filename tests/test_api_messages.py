@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]+")
 # the modules that only the command line reaches: serve (its flags are its only interface), the CLI,
 # and the generator of docs/ tables
-CLI_ONLY = {"moepass/serve/server.py", "moepass/support_tables.py"}  # and the CLI, moepass/cli/
+CLI_ONLY = {"moepass/serve/server.py", "moepass/support_tables.py",
+            "moepass/core/options.py"}  # and the CLI, moepass/cli/; options.py: the options' --help texts
 
 
 def _refused(call) -> str:

@@ -160,4 +160,5 @@ def test_help_imports_only_the_cli(tmp_path):
     assert {"moepass.cli.convert", "moepass.cli.partition", "moepass.cli.common"} <= commands
     assert modules - commands == {"moepass", "moepass.cli", "moepass.core", "moepass.core.choices",
                                   "moepass.core.errors", "moepass.core.gpus", "moepass.core.keys",
-                                  "moepass.core.sampling", "moepass.core.terminal", "moepass.core.version"}, modules
+                                  "moepass.core.options", "moepass.core.sampling", "moepass.core.terminal",
+                                  "moepass.core.version"}, modules

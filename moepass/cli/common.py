@@ -9,7 +9,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
@@ -24,6 +24,7 @@ from moepass.core.choices import (
     format_rate,
 )
 from moepass.core.errors import MoepassError, no_such_path
+from moepass.core.options import Option
 from moepass.core.sampling import LLAMA_SERVER, Sampling
 
 
@@ -104,6 +105,43 @@ def _finite_option(ctx: click.Context, param: click.Parameter, value: float | No
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a finite number", param=param)
     return value
+
+
+def declared(options: Iterable[Option]) -> Callable:
+    """The click options of `options` (moepass.core.options), in their order: each passes its value
+    under its Python keyword, so the command hands them to the API as they are."""
+    made = [_click_option(o) for o in options]
+
+    def apply(f: Callable) -> Callable:
+        for option in reversed(made):
+            f = option(f)
+        return f
+
+    return apply
+
+
+def _click_option(o: Option) -> Callable:
+    if o.kind in ("switch", "off"):  # "off": the flag gives False, its absence True
+        return click.option(*o.flags, o.name, is_flag=True, flag_value=o.kind == "switch", default=o.kind == "off",
+                            show_default=False, help=o.help)  # fmt: skip
+    kind: Any = (
+        click.Choice(list(o.choices))
+        if o.choices
+        else click.IntRange(o.low, o.high)
+        if o.kind == "int"
+        else click.Path(dir_okay=False)
+        if o.kind == "path"
+        else None
+    )
+    return click.option(
+        *o.flags,
+        o.name,
+        type=kind,
+        default=o.default,
+        show_default=o.shown if o.shown is not None else True,
+        metavar=o.metavar,
+        help=o.help,
+    )
 
 
 def threads_option(shown: str, help: str) -> Callable:

@@ -29,7 +29,6 @@ from moepass.core.architectures import Architecture, architecture_of
 from moepass.core.capabilities import offload_violations
 from moepass.core.choices import (
     ACTIVATION_MODES,
-    DEFAULT_DRAFT_TOKENS,
     KV_CACHE_TYPES,
     format_bytes,
     format_rate,
@@ -49,6 +48,7 @@ from moepass.core.formats import write_report
 from moepass.core.gguf_reader import GGUFModel
 from moepass.core.imatrix import load_imatrix
 from moepass.core.model_io import save_model
+from moepass.core.options import CONVERT_OPTIONS
 from moepass.core.quants import parse_form, speed_class
 from moepass.passes import PipelineRun, run_pipeline
 from moepass.passes.lower import Lowered, LowerOptions, lower_gguf
@@ -241,19 +241,20 @@ class ConvertOptions:
         moepass.pipeline.kv_precision).
     """
 
-    float_experts: str = "keep"
-    expert_format: str = "auto"
-    activations: str = "int8"
-    imatrix: str | os.PathLike | None = None
-    print_after: str | None = None
-    allow_non_finite: bool = False
-    context: int | None = None
-    exact: bool = False
-    threads: int | None = None
-    genai_speculative: str | None = None
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS
-    kv_cache: str = "float32"
-    kv_calibration: str | os.PathLike | None = None
+    # each default is its option's (moepass.core.options.CONVERT_OPTIONS), declared once for the CLI too
+    float_experts: str = CONVERT_OPTIONS["float_experts"].default
+    expert_format: str = CONVERT_OPTIONS["expert_format"].default
+    activations: str = CONVERT_OPTIONS["activations"].default
+    imatrix: str | os.PathLike | None = CONVERT_OPTIONS["imatrix"].default
+    print_after: str | None = CONVERT_OPTIONS["print_after"].default
+    allow_non_finite: bool = CONVERT_OPTIONS["allow_non_finite"].default
+    context: int | None = CONVERT_OPTIONS["context"].default
+    exact: bool = CONVERT_OPTIONS["exact"].default
+    threads: int | None = None  # every core the process may use (the CLI's --threads, shared by commands)
+    genai_speculative: str | None = CONVERT_OPTIONS["genai_speculative"].default
+    draft_tokens: int = CONVERT_OPTIONS["draft_tokens"].default
+    kv_cache: str = CONVERT_OPTIONS["kv_cache"].default
+    kv_calibration: str | os.PathLike | None = CONVERT_OPTIONS["kv_calibration"].default
 
     def __post_init__(self) -> None:
         one_of(self.activations, ACTIVATION_MODES, "activations")
