@@ -9,7 +9,6 @@ import ctypes.util
 import json
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import onnx_ir as ir
@@ -18,6 +17,7 @@ import pytest
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from moepass.core.ort import OPERATORS, Operator
+from moepass.runtime.decoder import installed_onnxruntimes
 
 RELEASE = tuple(int(p) for p in onnxruntime.__version__.split(".")[:2])
 # operators newer than a release moepass supports (capabilities.RELEASE_GAPS refuses their models there)
@@ -75,16 +75,6 @@ def test_the_check_finds_a_wrong_record(monkeypatch):
         test_each_record_is_its_schemas()
 
 
-def _distribution() -> str:
-    for name in ("onnxruntime-gpu", "onnxruntime"):
-        try:
-            version(name)
-            return name
-        except PackageNotFoundError:
-            continue
-    return "neither"
-
-
 # the CUDA kernels onnxruntime-gpu registers, listed in a child process: without an NVIDIA driver
 # ONNX Runtime cannot load its CUDA provider, and listing the kernels then crashes the process
 _CUDA_KERNELS = """
@@ -104,7 +94,7 @@ def test_the_cuda_kernels_are_registered_as_recorded():
     """In the GPU install on a machine with an NVIDIA driver, each record's CUDA types are among those
     its kernel is registered for, and an operator recorded without one has none; the CPU wheel
     registers no CUDA kernel at all."""
-    if _distribution() == "onnxruntime":
+    if not any(found.startswith("onnxruntime-gpu ") for found in installed_onnxruntimes()):
         assert not any(k.provider == "CUDAExecutionProvider" for k in ort_state.get_all_opkernel_def())
         return
     if ctypes.util.find_library("cuda") is None and not Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists():

@@ -142,11 +142,7 @@ class CudaKernel:
 
     types: tuple[ir.DataType, ...]
     source: str
-    check: Callable[[ir.Node], str | None] = lambda node: None
-
-
-def _any_form(node: ir.Node) -> str | None:
-    return None
+    check: Callable[[ir.Node], str | None] = lambda node: None  # takes every form it is given
 
 
 def _qmoe(node: ir.Node) -> str | None:
@@ -229,7 +225,9 @@ _CUDA_CHECKS: dict[tuple[str, str], Callable[[ir.Node], str | None]] = {
 # (domain, op) -> the CUDA kernel (None: none), from moepass.core.ort's records; ops of the ONNX
 # domain moepass emits (MatMul, Gather, Reshape, ...) have CUDA kernels for every type they take here
 CUDA_KERNELS: dict[tuple[str, str], CudaKernel | None] = {
-    key: None if op.cuda_types is None else CudaKernel(op.cuda_types, op.cuda_source, _CUDA_CHECKS.get(key, _any_form))
+    key: None
+    if op.cuda_types is None
+    else CudaKernel(op.cuda_types, op.cuda_source, _CUDA_CHECKS.get(key, CudaKernel.check))
     for key, op in OPERATORS.items()
 }
 

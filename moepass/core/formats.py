@@ -84,9 +84,8 @@ class ModelReport:
                 f"{path}: schema {schema!r}; this moepass reads schemas 0 to {REPORT_SCHEMA} "
                 "(a newer moepass wrote it?)"
             )
-        unread = sorted(set(document) - {f.name for f in dataclasses.fields(cls)})
-        if strict and unread:
-            raise MoepassError(f"{path}: {', '.join(map(repr, unread))}: no field reads it")
+        if strict:
+            refuse_unread(cls, document, path, "")
         if not isinstance(document["moepass_version"], str):
             raise MoepassError(f"{path}: 'moepass_version' must be a string")
         sections = {key: json_field(document, key, dict, path) for key in ("source", "hparams", "tokenizer")}
@@ -432,8 +431,9 @@ class SessionOptionsFile:
     def write(self, folder: Path) -> None:
         import json
 
-        typed_from_json(SessionOptionsFile, plain_json(self), folder / OPTIONS_FILE, "", strict=True)  # nothing unread
-        (folder / OPTIONS_FILE).write_text(json.dumps(plain_json(self), indent=1) + "\n")
+        document = plain_json(self)
+        typed_from_json(SessionOptionsFile, document, folder / OPTIONS_FILE, "")  # each entry as its reader takes it
+        (folder / OPTIONS_FILE).write_text(json.dumps(document, indent=1) + "\n")
 
     @classmethod
     def read(cls, folder: Path) -> SessionOptionsFile:
@@ -455,6 +455,16 @@ def read_plan(folder: str | os.PathLike) -> PlanReport:
 _FILE_KEYS = frozenset({"format"})
 
 
+def refuse_unread(cls: type, data: dict[str, Any], path: Path, where: str) -> None:
+    """Refuses the keys of the JSON object `data` (at `where` in `path`) that no field of the dataclass
+    `cls` reads: the writers' check that nothing is written unread."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    unread = sorted(set(data) - names - (_FILE_KEYS if not where else set()))
+    if unread:
+        keys = ", ".join(repr(f"{where}.{k}" if where else k) for k in unread)
+        raise MoepassError(f"{path}: {keys}: no field reads it")
+
+
 def typed_from_json(cls: type, data: Any, path: Path, where: str, strict: bool = False, **given: Any) -> Any:
     """An instance of the dataclass `cls` from the JSON object `data`, each field checked against its
     annotation (nested dataclasses, tuples from arrays, optional fields); `given` fields are set as
@@ -463,11 +473,8 @@ def typed_from_json(cls: type, data: Any, path: Path, where: str, strict: bool =
     if not isinstance(data, dict):
         raise MoepassError(f"{path}: '{where}' must be a JSON object, found {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = {field.name for field in dataclasses.fields(cls)}
-    unread = sorted(set(data) - names - (_FILE_KEYS if not where else set()))
-    if strict and unread:
-        keys = ", ".join(repr(f"{where}.{k}" if where else k) for k in unread)
-        raise MoepassError(f"{path}: {keys}: no field reads it")
+    if strict:
+        refuse_unread(cls, data, path, where)
     values = dict(given)
     for field in dataclasses.fields(cls):
         if field.name in given:
