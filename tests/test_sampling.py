@@ -11,7 +11,7 @@ import pytest
 
 from moepass import MoepassError
 from moepass.core.sampling import LLAMA_SERVER
-from moepass.runtime.sampling import Sampling, StopStrings, candidates, choose_token, penalized
+from moepass.runtime.sampling import Sampling, StopStrings, candidates, choose_token, likeliest, penalized
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
 
@@ -70,6 +70,17 @@ def test_candidates_are_llama_cpps(settings):
         expected /= expected.sum()
         bound = 4 * np.finfo(np.float32).eps * (np.abs(z).max() + 1)  # relative: float32 rounding of z
         np.testing.assert_allclose(probs, expected, rtol=bound, atol=0, err_msg=f"trial {trial}")
+
+
+def test_the_partial_sort_is_the_head_of_a_stable_sort():
+    """top-k's candidates by a partial sort: the first k of a stable argsort of -z, ties (many, at
+    the k-th value too) in the order of their ids, for every k from none to past the vocabulary."""
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        n = int(rng.integers(1, 200))
+        z = rng.integers(-4, 4, n).astype(np.float64) if trial % 2 else rng.standard_normal(n)
+        for k in {0, 1, int(rng.integers(1, n + 1)), n, n + 3}:
+            assert likeliest(z, k).tolist() == np.argsort(-z, kind="stable")[: k or None].tolist(), (n, k)
 
 
 def test_penalties_are_llama_cpps_to_the_bit_and_greedy_takes_them():
