@@ -4,7 +4,9 @@ and generation through a KV cache (`moepass.runtime.kv_cache`) with llama.cpp's 
 
 from __future__ import annotations
 
+import copy
 import os
+import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
@@ -22,7 +24,7 @@ from moepass.core.onnx_format import stamp
 from moepass.runtime import speculative
 from moepass.runtime.chat_template import ChatTemplate
 from moepass.runtime.host_memory import check_fits
-from moepass.runtime.kv_cache import KVCache
+from moepass.runtime.kv_cache import Cache, KVCache
 from moepass.runtime.providers import (
     CPU_EP,
     SessionPlan,
@@ -141,6 +143,9 @@ class Decoder:
         self.cache_dtype = (
             cache_types.get(inputs[self.past_names[0]].type, np.float32) if self.past_names else np.float32
         )
+        # several sequences decode together (moepass.runtime.batch) over a cache in place, where
+        # GroupQueryAttention takes a length per row; else why not
+        self.batch_refusal = _batch_refusal(model_path, self.plan.provider, self.past_names, structure)
         # models converted by moepass >= 0.1 compute the logits of the last N positions on request
         self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
         self.stop_ids = self.report.stop_token_ids
@@ -154,6 +159,7 @@ class Decoder:
         self._chat_template: ChatTemplate | None = None
         self._added_tokens: tuple[list[int], list[int]] | None = None
         self._tokenizer_path = folder / TOKENIZER_FILE
+        self.model_runs = 0  # steps of the model so far (a server's n_decode_total)
         # drafts checked K at a time (moepass.runtime.speculative); None: one token per step
         self.speculator: Speculator | None = None
 
@@ -236,6 +242,13 @@ class Decoder:
             self._token_bytes = _token_bytes_table(self.tokenizer)
         return self._token_bytes(token)
 
+    def kv_bytes_per_position(self) -> int:
+        """The KV cache's bytes for one position of one sequence (every layer's keys and values)."""
+        return (
+            sum(int(shape[1]) * int(shape[3]) for shape in self._cache_shapes.values())
+            * np.dtype(self.cache_dtype).itemsize
+        )
+
     def empty_cache(self, batch: int = 1, length: int = 0) -> dict[str, np.ndarray]:
         """Zero KV cache tensors of `length` positions (0: an empty cache for `forward`)."""
         return {
@@ -277,13 +290,74 @@ class Decoder:
             ).copy()
         return feeds
 
+    def row_feeds(self, input_ids: np.ndarray, held: Sequence[int]) -> dict[str, np.ndarray]:
+        """`feeds` for a batch whose row i runs input_ids[i] after `held[i]` cached positions: the
+        attention mask right-padded (row i: ones for its held and new positions), the positions
+        per row."""
+        batch, length = input_ids.shape
+        feeds = {"input_ids": input_ids}
+        starts = np.asarray(held, dtype=np.int64)
+        if self.feeds_mask:
+            width = int(starts.max()) + length
+            feeds["attention_mask"] = (np.arange(width) < (starts + length)[:, None]).astype(np.int64)
+        if self.feeds_positions:
+            feeds["position_ids"] = starts[:, None] + np.arange(length, dtype=np.int64)
+        return feeds
+
+    @property
+    def batchable(self) -> bool:
+        """Whether several sequences can decode together (`generate_batch`, `serve --parallel`)."""
+        return not self.batch_refusal
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        stop: Sequence[str] = (),
+        parallel: int = 4,
+        logprobs: int | None = None,
+    ) -> list[TextStream]:
+        """Each prompt's answer, `parallel` prompts decoding together in one batch (continuous
+        batching: a finished one's slot takes the next prompt at once); the finished streams in the
+        prompts' order (their `text`, `token_ids`, `finish_reason`, timings). Each answer is the one
+        `generate_text` gives that prompt alone."""
+        import concurrent.futures
+
+        from moepass.runtime.batch import Slots
+
+        ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for i, p in enumerate(ids):
+            if not p:
+                raise MoepassError(f"prompt {i} is empty")
+        slots = Slots(self, max(1, min(parallel, len(ids))))
+        # each sequence on a thread of its own; a slot for each thread
+        turn = threading.Semaphore(slots.count)
+
+        def answer(prompt: list[int]) -> TextStream:
+            with turn:
+                cache = slots.open(prompt)
+                try:
+                    stream = self.generate_text(prompt, max_new_tokens, sampling, stop, cache, logprobs)
+                    for _ in stream:
+                        pass
+                    return stream
+                finally:
+                    slots.release(cache)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(slots.count, thread_name_prefix="moepass-sequence") as pool:
+                return list(pool.map(answer, ids))
+        finally:
+            slots.close()
+
     def generate(
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         stop_ids: Sequence[int] | None = None,
         sampling: Sampling = Sampling(),
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
     ) -> Iterator[int]:
         """Prefill the prompt, then one token per step through the KV cache; yields each new token as
         soon as it is chosen, and stops after a stop token (default: the GGUF's). `cache`: a
@@ -298,7 +372,7 @@ class Decoder:
         max_new_tokens: int,
         stop_ids: Sequence[int] | None = None,
         sampling: Sampling = Sampling(),
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
     ) -> Iterator[tuple[int, np.ndarray]]:
         """`generate`, each token with the logits `[V]` it was chosen from (the model's own, before
         sampling's penalties)."""
@@ -375,7 +449,7 @@ class Decoder:
         max_new_tokens: int,
         sampling: Sampling = Sampling(),
         stop: Sequence[str] = (),
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         logprobs: int | None = None,
     ) -> TextStream:
         """Text (or token ids) in, text out, streamed: iterating yields pieces of text as tokens
@@ -402,7 +476,7 @@ class TextStream:
         max_new_tokens: int,
         sampling: Sampling,
         stop: Sequence[str],
-        cache: KVCache | None,
+        cache: Cache | None,
         logprobs: int | None = None,
     ):
         self._decoder = decoder
@@ -435,6 +509,13 @@ class TextStream:
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+    def snapshot(self) -> TextStream:
+        """The stream as it is now, its tokens, text and log probabilities fixed (for a reader on
+        another thread while this one goes on generating)."""
+        frozen = copy.copy(self)
+        frozen.token_ids, frozen.logprobs = list(self.token_ids), list(self.logprobs)
+        return frozen
 
     def __iter__(self) -> Generator[str, None, None]:
         d = self._decoder
@@ -532,6 +613,24 @@ def _check_inputs(model_path: Path, inputs: dict, past_names: list[str]) -> None
             f"it computes exactly {shape[1]} tokens and cannot generate; export it with a dynamic "
             "sequence axis (torch.onnx.export dynamic_axes / dynamic_shapes)"
         )
+
+
+def _batch_refusal(model_path: Path, provider: str, past_names: list[str], structure: onnx_ir.Model) -> str:
+    """Why several sequences cannot decode together in this session ("" where they can): that
+    needs the KV cache in place (the CPU EP) and GroupQueryAttention, which takes a length per row."""
+    if not past_names:
+        return f"{model_path}: the model has no KV cache; sequences cannot decode together"
+    if provider != CPU_EP:
+        return (
+            f"{model_path}: sequences decode together on the CPU EP only (the KV cache in place); "
+            f"this session runs on {provider}"
+        )
+    if not any(node.op_type == "GroupQueryAttention" for node in structure.graph.all_nodes()):
+        return (
+            f"{model_path}: the model's attention is not GroupQueryAttention (an ONNX export's own); "
+            "sequences of different lengths cannot decode together"
+        )
+    return ""
 
 
 def usable_threads(requested: int | None) -> int | None:

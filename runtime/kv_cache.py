@@ -17,6 +17,7 @@ written over. A full cache grows (to twice its size, up to the model's context) 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,6 +29,24 @@ from moepass.core.files import LOGITS_TO_KEEP
 # needs at most heads x 512 x context floats.
 PREFILL_CHUNK = 512
 FIRST_CAPACITY = 8192
+
+
+class Cache(Protocol):
+    """What generation steps through: a `KVCache`, or a slot of a batch (moepass.runtime.batch.SlotCache)."""
+
+    prefilled: int
+    draft_cache: Any
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    def extend(self, token_ids: Sequence[int]) -> np.ndarray: ...
+
+    def run(self, token_ids: Sequence[int]) -> np.ndarray: ...
+
+    def run_rows(self, token_ids: Sequence[int], keep: int) -> np.ndarray: ...
+
+    def truncate(self, length: int) -> None: ...
 
 
 class KVCache:
@@ -57,6 +76,7 @@ class KVCache:
         }
         self.tokens: list[int] = []  # what the filled positions hold
         self.prefilled = 0  # tokens the last extend() ran through the model
+        self.draft_cache: Any = None  # a KVCache of the draft model's, following this one (speculative decoding)
         if self._in_place:
             self._bind_cache()
 
@@ -67,12 +87,8 @@ class KVCache:
         token_ids = list(token_ids)
         if not token_ids:
             raise MoepassError("nothing to run: the context is empty")
-        shared = 0
-        for cached, new in zip(self.tokens, token_ids):
-            if cached != new:
-                break
-            shared += 1
-        shared = min(shared, len(token_ids) - 1)  # the last token runs again: its logits are wanted
+        # the last token runs again: its logits are wanted
+        shared = min(shared_prefix(self.tokens, token_ids), len(token_ids) - 1)
         self.truncate(shared)
         return self.run(token_ids[shared:])
 
@@ -85,8 +101,7 @@ class KVCache:
         `token_ids` (row i: the next-token logits after all but the last keep - 1 - i of them), as
         speculative decoding checks its drafts."""
         token_ids = list(token_ids)
-        if not 1 <= keep <= min(len(token_ids), PREFILL_CHUNK):
-            raise MoepassError(f"logits of {keep} positions asked after {len(token_ids)} new tokens")
+        check_run(len(token_ids), keep)
         self.prefilled = len(token_ids)
         rest = token_ids
         while len(rest) > PREFILL_CHUNK:  # the last chunk holds the `keep` positions
@@ -143,6 +158,7 @@ class KVCache:
             if d.keeps_logits:
                 feeds[LOGITS_TO_KEEP] = np.array([keep], dtype=np.int64)
             logits = d.session.run(["logits"], feeds)[0]
+            d.model_runs += 1
             self.tokens.extend(int(t) for t in token_ids)
             return logits[0, -keep:]
         if d.keeps_logits and keep != self._kept:
@@ -162,9 +178,29 @@ class KVCache:
         for name, value in d.feeds(ids, length - ids.shape[1]).items():  # replaces the previous step's binding
             binding.bind_cpu_input(name, value)
         d.session.run_with_iobinding(binding)
+        d.model_runs += 1
         self.tokens.extend(int(t) for t in token_ids)
         outputs = binding.get_outputs()
         if not self._in_place:
             self._cache = dict(zip(d.past_names, outputs[1:]))
         # a copy: ONNX Runtime writes the next step's logits into the same buffer
         return outputs[0].numpy()[0, -keep:].copy()
+
+
+def shared_prefix(held: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many tokens `held` and `tokens` share from the start."""
+    shared = 0
+    for cached, new in zip(held, tokens):
+        if cached != new:
+            break
+        shared += 1
+    return shared
+
+
+def check_run(new_tokens: int, keep: int, held: int = 0, context: int | None = None) -> None:
+    """A step of `new_tokens` after `held` cached ones, keeping the logits of the last `keep`
+    positions, is one a cache can run (within the model's `context`, where the caller checks it)."""
+    if not 1 <= keep <= min(new_tokens, PREFILL_CHUNK):
+        raise MoepassError(f"logits of {keep} positions asked after {new_tokens} new tokens")
+    if context and held + new_tokens > context:
+        raise MoepassError(f"{held + new_tokens} tokens do not fit the model's context of {context}")

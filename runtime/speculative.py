@@ -26,6 +26,7 @@ sampler chain's (moepass.runtime.sampling.candidates) at that position.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 from moepass.core.choices import DEFAULT_DRAFT_TOKENS, one_of
 from moepass.core.choices import SPECULATIVE_KINDS as KINDS
 from moepass.core.errors import MoepassError, wording
-from moepass.runtime.kv_cache import KVCache
+from moepass.runtime.kv_cache import Cache, KVCache
 from moepass.runtime.sampling import Sampling, candidates, choose_token, penalized
 
 Decoder = Any  # moepass.runtime.decoder.Decoder, which imports this module
@@ -100,7 +101,7 @@ class Speculator:
         self.draft_tokens = draft_tokens
         self.draft = draft
         self.ngram_sizes = tuple(ngram_sizes)  # context suffix lengths looked up, longest first
-        self._draft_cache: KVCache | None = None
+        self._counting = threading.Lock()  # sequences decoding together count from their own threads
         self._checked_for: Decoder | None = None  # the target check_target passed
         self.drafted = 0  # draft tokens checked by the target
         self.accepted = 0  # of them, kept
@@ -110,6 +111,13 @@ class Speculator:
     def acceptance(self) -> float:
         """The share of drafted tokens the target kept (0 before any was drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    def count(self, drafted: int, kept: int) -> None:
+        """One step of the target checked `drafted` drafts and kept `kept`."""
+        with self._counting:
+            self.steps += 1
+            self.drafted += drafted
+            self.accepted += kept
 
     def describe(self) -> str:
         what = "n-gram lookup" if self.draft is None else f"draft model {self.draft.model_dir}"
@@ -138,18 +146,20 @@ class Speculator:
         self._checked_for = target
 
     def propose(
-        self, history: list[int], count: int, sampling: Sampling, rng: np.random.Generator
+        self, history: list[int], count: int, sampling: Sampling, rng: np.random.Generator, target: Any
     ) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray] | None]]:
         """Up to `count` draft tokens after `history`, each with the draft's distribution
         (candidate ids, probabilities) where it sampled, None where the draft is certain (n-gram,
-        greedy)."""
+        greedy). `target`: the target's cache (a KVCache or a batch's SlotCache), whose
+        `draft_cache` the draft model decodes in."""
         draft = self.draft
         if draft is None:  # n-gram lookup
             looked_up = ngram_draft(history, count, self.ngram_sizes)
             return looked_up, [None] * len(looked_up)
-        if self._draft_cache is None:
-            self._draft_cache = KVCache(draft, capacity=len(history) + count)
-        logits = self._draft_cache.extend(history)  # computes only what it does not hold yet
+        if target.draft_cache is None:
+            target.draft_cache = KVCache(draft, capacity=len(history) + count)
+        draft_cache = target.draft_cache
+        logits = draft_cache.extend(history)  # computes only what it does not hold yet
         tokens: list[int] = []
         dists: list[tuple[np.ndarray, np.ndarray] | None] = []
         context = list(history)
@@ -163,7 +173,7 @@ class Speculator:
             dists.append(dist)
             context.append(token)
             if i < count - 1:
-                logits = self._draft_cache.run([token])
+                logits = draft_cache.run([token])
         return tokens, dists
 
 
@@ -209,7 +219,7 @@ def _draw_residual(p: dict[int, float], q: dict[int, float], rng: np.random.Gene
 
 def generate(
     speculator: Speculator,
-    cache: KVCache,
+    cache: Cache,
     history: list[int],
     first_logits: np.ndarray,
     max_new_tokens: int,
@@ -228,12 +238,10 @@ def generate(
     history.append(token)  # the cache holds history[:-1]: each step runs the last token with the drafts
     while True:
         count = min(speculator.draft_tokens, max_new_tokens - produced - 1)  # no draft past the limit
-        drafts, dists = speculator.propose(history, count, sampling, rng) if count > 0 else ([], [])
+        drafts, dists = speculator.propose(history, count, sampling, rng, cache) if count > 0 else ([], [])
         rows = cache.run_rows([history[-1], *drafts], keep=len(drafts) + 1)
-        speculator.steps += 1
         kept, extra = verify(rows, drafts, dists, history, sampling, rng)
-        speculator.drafted += len(drafts)
-        speculator.accepted += kept
+        speculator.count(len(drafts), kept)
         cache.truncate(len(history) + kept)  # the rejected drafts' positions are written over next
         for row, token in enumerate((*drafts[:kept], extra)):
             produced += 1
