@@ -26,7 +26,17 @@ from moepass.core.choices import (
     type=click.IntRange(0, None),
     default=8,
     show_default=True,
-    help="Requests that may wait while one is answered; more get 503.",
+    help="Requests that may wait while every slot is answering; more get 503.",
+)
+@click.option(
+    "--parallel",
+    "-np",
+    "parallel",
+    type=click.IntRange(1, 256),
+    default=1,
+    show_default=True,
+    help="Slots: requests generated at once, decoded together in one batch (llama-server's -np); "
+    "each slot has its own KV cache.",
 )
 @click.option(
     "--max-body",
@@ -49,6 +59,7 @@ def serve(
     port: int,
     api_key: str | None,
     queue_size: int,
+    parallel: int,
     max_body: str,
     body_seconds: float,
     **options,
@@ -59,7 +70,7 @@ def serve(
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from pathlib import Path
 
-    from moepass.serve.server import check_api_key, listen
+    from moepass.serve.server import Limits, check_api_key, listen
     from moepass.serve.server import serve as run_server
 
     require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
@@ -69,6 +80,5 @@ def serve(
     decoder = load_decoder(model_dir, options)
     given = Path(model_dir).resolve()  # a GGUF goes by its file's name, as in llama-server
     model_id = given.stem if given.suffix == ".gguf" else (given.parent if given.is_file() else given).name
-    run_server(
-        decoder, model_id, listener, api_key, queue_size, echo=stderr, max_body=body_limit, body_seconds=body_seconds
-    )
+    limits = Limits(parallel, queue_size, body_limit, body_seconds)
+    run_server(decoder, model_id, listener, api_key, echo=stderr, limits=limits)

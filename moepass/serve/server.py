@@ -33,6 +33,7 @@ log.
 # no `from __future__ import annotations`: FastAPI reads the endpoints' parameter types (Request) at runtime
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -43,11 +44,12 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from moepass.core.errors import MoepassError, first_line
 from moepass.core.sampling import Sampling
+from moepass.runtime.batch import Cancelled, SlotCache
 from moepass.serve.answers import HARMONY, HERMES, AnswerReader, answer_format
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ _RANGES = {
 }
 MAX_BODY = 8 << 20  # bytes: a 2-million-token prompt as text, several times over
 BODY_SECONDS = 30.0
+DISCONNECT_POLL = 0.25  # seconds between looks for a client gone while its answer is computed
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 _N_PREDICT = ("n_predict", "max_completion_tokens", "max_tokens")  # llama-server's order: the first given counts
@@ -307,8 +310,10 @@ def message_text(message: Any, i: int) -> dict:
 
 
 class ModelServer:
-    """The model, its one worker thread and its queue; `chat_prompt` and `completion_prompt` turn a
-    request body into prompt tokens, then `answer` streams the answer."""
+    """The model, its slots and its queue; `chat_prompt` and `completion_prompt` turn a request body
+    into prompt tokens, then `answer` streams the answer. With `parallel` slots (llama-server's
+    -np) that many requests generate at once, decoded together in one batch
+    (moepass.runtime.batch.Slots); more wait in the queue of `queue_size`, and past it get 503."""
 
     def __init__(
         self,
@@ -317,6 +322,7 @@ class ModelServer:
         queue_size: int = 8,
         defaults=None,
         echo: Callable[[str], None] = lambda text: None,
+        parallel: int = 1,
     ):
         from moepass.runtime import LLAMA_SERVER
 
@@ -326,15 +332,35 @@ class ModelServer:
         self.created = int(time.time())
         self.queue_size = queue_size
         self.echo = echo
-        # every ONNX Runtime call on one thread, in the order requests came: the KV cache is one
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moepass-model")
-        self._turn = asyncio.Lock()
-        self._waiting = 0
+        if parallel < 1:
+            raise MoepassError(f"{parallel} slots: at least 1")
+        if parallel > 1 and not decoder.batchable:
+            raise MoepassError(f"--parallel {parallel}: {decoder.batch_refusal}")
+        self.parallel = parallel
+        # the slots' KV cache, decoded together on one model thread; a session that cannot batch
+        # (a GPU EP) generates one request at a time through one KVCache
+        self.batch = None
+        if decoder.batchable:
+            from moepass.runtime.batch import Slots
+
+            self.batch = Slots(decoder, parallel)
         self._cache: KVCache | None = None
+        # each request's generation on a thread of its own; its pieces reach the event loop
+        self._workers = concurrent.futures.ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="moepass-slot")
+        self._turns = asyncio.Semaphore(parallel)
+        self._waiting = 0
         self._longest_token: int | None = None
         self.metrics = Metrics()
+        self._runs_at_start = decoder.model_runs
         self._task_ids = itertools.count()
-        self.task: Task | None = None  # the request generating now, else the last one (for /slots)
+        # per slot: the request generating in it now, else its last one (for /slots)
+        self.tasks: list[Task | None] = [None] * parallel
+
+    def close(self) -> None:
+        """Stop the slots' model thread (the server has stopped)."""
+        if self.batch is not None:
+            self.batch.close()
+        self._workers.shutdown(wait=False)
 
     def check_model(self, body: dict) -> None:
         """Any model name is taken, as llama-server takes it with one model (the answer names the
@@ -436,16 +462,20 @@ class ModelServer:
                     bool(body.get("stream")))  # fmt: skip
 
     def busy(self) -> bool:
-        """Whether a request has the model now."""
-        return self._turn.locked()
+        """Whether every slot is generating."""
+        return self._turns.locked()
+
+    def processing(self) -> int:
+        """Requests generating now."""
+        return sum(t is not None and t.processing for t in self.tasks)
 
     def waiting(self) -> int:
-        """Requests waiting for their turn."""
+        """Requests waiting for a slot."""
         return self._waiting
 
     async def take_turn(self) -> None:
-        """Waits for the model (503 at once when the queue is full)."""
-        if self._turn.locked() and self._waiting >= self.queue_size:
+        """Waits for a slot (503 at once when the queue is full)."""
+        if self._turns.locked() and self._waiting >= self.queue_size:
             raise RequestError(
                 503,
                 f"the server is busy: {self._waiting} requests are waiting already",
@@ -454,73 +484,135 @@ class ModelServer:
             )
         self._waiting += 1
         try:
-            await self._turn.acquire()
+            await self._turns.acquire()
         finally:
             self._waiting -= 1
 
     async def answer(
         self, prompt_ids: list[int], body: dict, disconnected: Callable, request_line: str = ""
     ) -> AsyncGenerator[tuple, None]:
-        """Yields ("piece", text, stream) as the answer comes, then ("end", stream). Waits its turn in the
-        queue (503 when it is full); stops when `disconnected()` says the client went away. The
-        metrics count each generation once: at its end, or (a client that left) on the worker
-        thread after its last step."""
-        from moepass.runtime import KVCache
-
+        """Yields ("piece", text, stream) as the answer comes (the stream as it was when the piece
+        came), then ("end", stream). Waits for a slot in the queue (503 when it is full). The
+        generation runs on a thread of its own (`_generate`) and stops at its next step when
+        `disconnected()` says the client went away; the metrics count it once, at its end."""
         task = self.task_of(body, prompt_ids)
         await self.take_turn()
-        self.task = task
         loop = asyncio.get_running_loop()
-        pieces: Generator[str, None, None] | None = None
-        stream = None
-        finished = False
+        events: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+        finished = started = False
+        cache = None
         try:
-            if self._cache is None or not task.reuse:
-                capacity = len(prompt_ids) + task.max_new
-                self._cache = await loop.run_in_executor(self._worker, lambda: KVCache(self.decoder, capacity))
+            cache = self._cache_for(task, prompt_ids)
+            task.slot = cache.slot.id if self.batch is not None else 0
+            self.tasks[task.slot] = task
             stream = self.decoder.generate_text(
-                prompt_ids, task.max_new, task.sampling, task.stops, cache=self._cache, logprobs=task.top
+                prompt_ids, task.max_new, task.sampling, task.stops, cache=cache, logprobs=task.top
             )
             task.stream = stream
-            pieces = iter(stream)
-            end = object()
-            while not await disconnected():
-                piece = await loop.run_in_executor(self._worker, next, pieces, end)
-                if piece is end:
+
+            def put(event: tuple) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+            def free() -> None:  # the slot's turn passes on once the slot itself is free
+                with contextlib.suppress(RuntimeError):  # the event loop has ended: nobody waits
+                    loop.call_soon_threadsafe(self._turns.release)
+
+            self._workers.submit(self._generate, stream, cache, stop, put, free)
+            started = True
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
+                except TimeoutError:
+                    if await disconnected():
+                        break
+                    continue
+                if event[0] == "error":
+                    raise event[1]
+                if event[0] == "end":
                     finished = True
+                    if request_line:
+                        self.echo(_served_line(request_line, len(prompt_ids), stream))
+                    yield "end", stream
                     break
-                yield "piece", piece, stream
-            if finished:
-                self.metrics.record(stream)
-                if request_line:
-                    self.echo(_served_line(request_line, len(prompt_ids), stream))
-                yield "end", stream
+                yield event
+                if await disconnected():
+                    break
         finally:
-            if pieces is not None:  # closed on the worker thread, after any step still running there
-                self._worker.submit(pieces.close)
+            stop.set()
+            if isinstance(cache, SlotCache):  # a step it asked for is dropped: the slot frees at the next step
+                cache.cancel()
             task.processing = False
-            self._turn.release()
-            if not finished and stream is not None:
-                self._worker.submit(self.metrics.record, stream)
+            if not started:  # nothing runs on a worker: the slot and the turn are freed here
+                if isinstance(cache, SlotCache):
+                    cache.slots.release(cache)
+                self._turns.release()
+            if not finished and task.stream is not None:
                 self.echo(
-                    f"a client went away after {stream.completion_tokens} of {task.max_new} tokens; its generation "
-                    "stopped"
+                    f"a client went away after {task.stream.completion_tokens} of {task.max_new} tokens; its "
+                    "generation stopped"
                 )
+
+    def _cache_for(self, task: "Task", prompt_ids: list[int]):
+        """The KV cache a request generates in: a free slot of the batch (the one holding the
+        longest prefix of its prompt, with cache_prompt), or the one KVCache of a session that
+        cannot batch (made anew without cache_prompt)."""
+        from moepass.runtime import KVCache
+
+        if self.batch is not None:
+            return self.batch.open(prompt_ids, reuse=task.reuse)
+        if self._cache is None or not task.reuse:
+            self._cache = KVCache(self.decoder, len(prompt_ids) + task.max_new)
+        return self._cache
+
+    def _generate(
+        self, stream, cache, stop: threading.Event, put: Callable[[tuple], None], free: Callable[[], None]
+    ) -> None:
+        """(on a worker thread) the answer's pieces, each with a snapshot of the stream, then its
+        end; stops at the next step once `stop` is set. However it ends: the metrics record it,
+        then its slot is freed and `free()` passes the turn on."""
+        pieces = iter(stream)
+        try:
+            for piece in pieces:
+                put(("piece", piece, stream.snapshot()))
+                if stop.is_set():
+                    return
+            self.metrics.record(stream)
+            put(("end",))
+        except Cancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - the request's own coroutine raises it
+            put(("error", e))
+        finally:
+            pieces.close()
+            if not stream.finish_reason:  # stopped: what it did is counted all the same
+                self.metrics.record(stream)
+            if isinstance(cache, SlotCache):
+                cache.slots.release(cache)
+            free()
+
+    def model_runs(self) -> int:
+        """The model's steps since the server started (llama-server's n_decode_total)."""
+        return self.decoder.model_runs - self._runs_at_start
 
     def n_ctx(self) -> int:
         return self.decoder.context_length or 0
 
-    def slot(self) -> dict:
-        """The one slot as llama-server's /slots shows it: the request generating now (or the last one)."""
-        task = self.task
+    def slot_states(self) -> list[dict]:
+        """The slots as llama-server's /slots shows them: each one's request generating now (or its last one)."""
+        return [self._slot_state(i, task) for i, task in enumerate(self.tasks)]
+
+    def _slot_state(self, index: int, task: "Task | None") -> dict:
         params = llama_params(self.defaults, -1, [], False) if task is None else task.params()
         stream = task.stream if task is not None else None
         decoded = stream.completion_tokens if stream is not None else 0
         processing = task is not None and task.processing
+        held = self.batch.slots[index].tokens if self.batch is not None else (self._cache.tokens if self._cache else [])
         return {
-            "id": 0,
+            "id": index,
             "id_task": -1 if task is None else task.id,
             "n_ctx": self.n_ctx(),
+            "n_tokens": len(held),  # the positions its KV cache holds (a later prompt may reuse them)
             "speculative": getattr(self.decoder, "speculator", None) is not None,
             "is_processing": processing,
             "params": params,
@@ -530,6 +622,21 @@ class ModelServer:
                 "n_remain": -1 if task is None or task.n_predict == -1 else task.n_predict - decoded,
                 "n_decoded": decoded,
             },
+        }
+
+    def kv_cache(self) -> dict:
+        """The KV cache's memory (moepass's own /props field): bytes a position of one slot takes,
+        what the slots hold now, and what they take when each fills the context."""
+        per_position = self.decoder.kv_bytes_per_position()
+        allocated = self.batch.allocated_bytes if self.batch is not None else 0
+        if self.batch is None and self._cache is not None:
+            allocated = self._cache.capacity * per_position
+        return {
+            "slots": self.parallel,
+            "type": self.decoder.cache_dtype.__name__,
+            "bytes_per_position": per_position,
+            "allocated_bytes": allocated,
+            "bytes_at_context": per_position * self.n_ctx() * self.parallel,
         }
 
     def props(self) -> dict:
@@ -549,7 +656,8 @@ class ModelServer:
                 "is_processing": False,
                 "params": llama_params(self.defaults, -1, [], False),
             },
-            "total_slots": 1,
+            "total_slots": self.parallel,
+            "kv_cache": self.kv_cache(),
             "model_alias": self.model_id,
             "model_path": "" if path is None else str(path),
             "n_ctx": self.n_ctx(),
@@ -577,6 +685,7 @@ class Task:
     reuse: bool  # cache_prompt
     streamed: bool
     stream: Any = None
+    slot: int = 0
     processing: bool = True
 
     def params(self) -> dict:
@@ -594,13 +703,10 @@ class Metrics:
         self.prompt_seconds = 0.0
         self.predicted_tokens = 0
         self.predicted_seconds = 0.0
-        self.decodes = 0
         self._window = [0, 0.0, 0, 0.0]  # prompt tokens, seconds; steps after the first token, seconds
 
     def record(self, stream) -> None:
         """A generation's counts: its prompt's computation (none when it did not end) and its tokens."""
-        from moepass.runtime.kv_cache import PREFILL_CHUNK
-
         if not stream.first_token_at:
             return
         prompt = stream.prefilled_tokens
@@ -610,13 +716,12 @@ class Metrics:
             self.prompt_seconds += stream.prompt_seconds
             self.predicted_tokens += stream.completion_tokens
             self.predicted_seconds += stream.generation_seconds
-            self.decodes += -(-prompt // PREFILL_CHUNK) + steps
             for i, value in enumerate((prompt, stream.prompt_seconds, steps, stream.generation_seconds)):
                 self._window[i] += value
 
-    def text(self, processing: int, deferred: int) -> str:
-        """The Prometheus text exposition of the metrics (and the requests processing and waiting now);
-        the throughput window starts again."""
+    def text(self, processing: int, deferred: int, model_runs: int) -> str:
+        """The Prometheus text exposition of the metrics (and the requests processing and waiting
+        now, the model's steps so far); the throughput window starts again."""
         with self._lock:
             prompt_n, prompt_s, steps, steps_s = self._window
             self._window = [0, 0.0, 0, 0.0]
@@ -626,7 +731,7 @@ class Metrics:
                 ("prompt_seconds_total", "Total time spent processing prompts", self.prompt_seconds),
                 ("tokens_predicted_total", "Number of generation tokens processed", self.predicted_tokens),
                 ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.predicted_seconds),
-                ("n_decode_total", "Total number of model steps (llama_decode() calls)", self.decodes),
+                ("n_decode_total", "Total number of model steps (llama_decode() calls)", model_runs),
             ]  # fmt: skip
         prompt_rate, predicted_rate = prompt_n / prompt_s if prompt_s else 0.0, steps / steps_s if steps_s else 0.0
         gauges = [
@@ -939,14 +1044,14 @@ class Endpoints:
         """llama-server's /slots; with `?fail_on_no_slot=1`, 503 while the slot is busy."""
         if request.query_params.get("fail_on_no_slot") not in (None, "", "0", "false") and self.server.busy():
             return self.refuse(request, RequestError(503, "no slot available", kind="unavailable_error"))
-        return [self.server.slot()]
+        return self.server.slot_states()
 
     def metrics(self) -> Any:
         """llama-server's /metrics in Prometheus' text format."""
         from fastapi.responses import PlainTextResponse
 
         server = self.server
-        text = server.metrics.text(int(server.busy()), server.waiting())
+        text = server.metrics.text(server.processing(), server.waiting(), server.model_runs())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -1279,6 +1384,23 @@ def _version() -> str:
     return __version__
 
 
+def slots_line(model: ModelServer) -> str:
+    """The start-up line on the slots and their KV cache's memory."""
+    from moepass.core.choices import format_bytes
+
+    kv = model.kv_cache()
+    batched = "decoded together in one batch" if model.batch is not None else "one request at a time"
+    at_context = (
+        f", {format_bytes(kv['bytes_at_context'])} when every slot fills the context of {model.n_ctx():,}"
+        if model.n_ctx()
+        else ""
+    )
+    return (
+        f"{model.parallel} slot{'s' if model.parallel > 1 else ''} ({batched}); KV cache {kv['type']}, "
+        f"{format_bytes(kv['bytes_per_position'])} a position{at_context}"
+    )
+
+
 def listen(host: str, port: int):
     """A socket bound to host:port, before the model loads: a busy port fails at once, in one line."""
     import socket
@@ -1294,15 +1416,19 @@ def listen(host: str, port: int):
     return listener
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the server takes on: `parallel` requests generating at once (slots), `queue_size`
+    waiting, request bodies of `max_body` bytes arriving within `body_seconds`."""
+
+    parallel: int = 1
+    queue_size: int = 8
+    max_body: int = MAX_BODY
+    body_seconds: float = BODY_SECONDS
+
+
 def serve(
-    decoder,
-    model_id: str,
-    listener,
-    api_key: str | None,
-    queue_size: int,
-    echo: Callable[[str], None],
-    max_body: int = MAX_BODY,
-    body_seconds: float = BODY_SECONDS,
+    decoder, model_id: str, listener, api_key: str | None, echo: Callable[[str], None], limits: Limits = Limits()
 ) -> None:
     """Serve on `listener` (from `listen`) until interrupted (uvicorn: Ctrl-C or SIGTERM stop it
     after the running request)."""
@@ -1318,10 +1444,15 @@ def serve(
         )
 
     async def main() -> None:
-        app = create_app(ModelServer(decoder, model_id, queue_size, echo=echo), api_key, max_body, body_seconds)
+        model = ModelServer(decoder, model_id, limits.queue_size, echo=echo, parallel=limits.parallel)
+        app = create_app(model, api_key, limits.max_body, limits.body_seconds)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        echo(slots_line(model))
         echo(f"serving '{model_id}' on http://{host}:{port}/v1 (OpenAI-compatible; Ctrl-C stops)")
-        await server.serve(sockets=[listener])
+        try:
+            await server.serve(sockets=[listener])
+        finally:
+            model.close()
 
     try:
         asyncio.run(main())
