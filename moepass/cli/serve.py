@@ -52,20 +52,11 @@ from moepass.core.choices import (
     show_default=True,
     help="Seconds a request's body may take to arrive; a slower one is answered 408.",
 )
+@click.option("--no-webui", "no_webui", is_flag=True, help="Serve no chat page at / (the API only).")
 @runtime_options
-def serve(
-    model_dir: str,
-    host: str,
-    port: int,
-    api_key: str | None,
-    queue_size: int,
-    parallel: int,
-    max_body: str,
-    body_seconds: float,
-    **options,
-) -> None:
+def serve(model_dir: str, host: str, port: int, api_key: str | None, max_body: str, **options) -> None:
     """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health) with
-    llama-server's own endpoints (/completion, /props, /slots, /metrics).
+    llama-server's own endpoints (/completion, /props, /slots, /metrics) and a chat page at /.
 
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from pathlib import Path
@@ -76,9 +67,15 @@ def serve(
     require("serve", "moepass serve", "fastapi", "uvicorn", "jinja2")
     check_api_key(api_key)  # before the port and the model
     body_limit = parse_bytes(max_body, "--max-body")
+    limits = Limits(
+        options.pop("parallel"),
+        options.pop("queue_size"),
+        body_limit,
+        options.pop("body_seconds"),
+        webui=not options.pop("no_webui"),
+    )
     listener = listen(host, port)  # before the model loads: a busy port says so at once
     decoder = load_decoder(model_dir, options)
     given = Path(model_dir).resolve()  # a GGUF goes by its file's name, as in llama-server
     model_id = given.stem if given.suffix == ".gguf" else (given.parent if given.is_file() else given).name
-    limits = Limits(parallel, queue_size, body_limit, body_seconds)
     run_server(decoder, model_id, listener, api_key, echo=stderr, limits=limits)

@@ -788,10 +788,15 @@ def check_api_key(api_key: str | None) -> None:
 
 
 def create_app(
-    server: ModelServer, api_key: str | None = None, max_body: int = MAX_BODY, body_seconds: float = BODY_SECONDS
+    server: ModelServer,
+    api_key: str | None = None,
+    max_body: int = MAX_BODY,
+    body_seconds: float = BODY_SECONDS,
+    webui: bool = True,
 ):
     """The FastAPI application over `server`: refusals in OpenAI's error shape, the API key when
-    there is one, and the endpoints (OpenAI's and llama-server's), which `Endpoints` answers."""
+    there is one, the endpoints (OpenAI's and llama-server's), which `Endpoints` answers, and with
+    `webui` the chat page at / (its files served without the key: the API behind it asks for it)."""
     from fastapi import FastAPI, Request
     from starlette.exceptions import HTTPException
 
@@ -799,7 +804,9 @@ def create_app(
     app = FastAPI(title="moepass", version=_version())
     app.exception_handler(HTTPException)(_not_there)
     if api_key:
-        app.add_middleware(RequireKey, expected=f"Bearer {api_key}".encode())
+        app.add_middleware(
+            RequireKey, expected=f"Bearer {api_key}".encode(), open_paths=WEBUI_PATHS if webui else frozenset()
+        )
     app.add_middleware(OneLine, server=server)  # the outermost: it sees what every other one lets through
     endpoints = Endpoints(server, max_body, body_seconds)
 
@@ -841,7 +848,55 @@ def create_app(
     async def metrics():
         return endpoints.metrics()
 
+    if webui:
+
+        @app.get("/")
+        async def page():
+            return _webui_file("index.html")
+
+        @app.get("/webui/{name}")
+        async def page_file(name: str):
+            return _webui_file(name)
+
     return app
+
+
+# the chat page's files (moepass/serve/webui), by the path they are served at; the page itself and
+# its script and style come without the API key (the page asks for the key, the API checks it)
+WEBUI_FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+WEBUI_PATHS = frozenset({"/", *(f"/webui/{name}" for name in WEBUI_FILES)})
+# the page loads nothing from anywhere but this server, and runs no inline script, so that markup
+# in a model's answer could not run even where the page's own escaping failed
+WEBUI_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+
+
+def _webui_file(name: str) -> Any:
+    """One of the chat page's files, from the package (404 for any other name)."""
+    from importlib import resources
+
+    from fastapi.responses import Response
+
+    if name not in WEBUI_FILES:
+        raise _not_found()
+    data = resources.files("moepass.serve").joinpath("webui").joinpath(name).read_bytes()
+    return Response(
+        data,
+        media_type=WEBUI_FILES[name],
+        headers={
+            "Content-Security-Policy": WEBUI_POLICY,
+            "Cache-Control": "no-cache",
+            "X-Content-Type-Options": "nosniff",
+        },
+    )
+
+
+def _not_found():
+    from starlette.exceptions import HTTPException
+
+    return HTTPException(404, "Not Found")
 
 
 def _error_response(e: RequestError) -> "JSONResponse":
@@ -899,17 +954,18 @@ def _served_line(request_line: str, prompt_tokens: int, stream: Any) -> str:
 
 
 class RequireKey:
-    """The API key, checked before any endpoint but /health: the Authorization header must be
+    """The API key, checked before any endpoint but /health (and `open_paths`: the chat page's
+    files): the Authorization header must be
     `expected` ("Bearer KEY"). Plain ASGI: Starlette's BaseHTTPMiddleware would pass every streamed
     answer through a second stream, with its own handling of a client that leaves."""
 
-    def __init__(self, app, expected: bytes) -> None:
-        self.app, self.expected = app, expected
+    def __init__(self, app, expected: bytes, open_paths: frozenset[str] = frozenset()) -> None:
+        self.app, self.expected, self.open_paths = app, expected, open_paths | {"/health"}
 
     async def __call__(self, scope, receive, send) -> None:
         from starlette.datastructures import Headers
 
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = Headers(scope=scope).get("authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, self.expected):  # in a time that does not tell how much matched
                 refused = RequestError(
@@ -1425,6 +1481,7 @@ class Limits:
     queue_size: int = 8
     max_body: int = MAX_BODY
     body_seconds: float = BODY_SECONDS
+    webui: bool = True  # the chat page at /
 
 
 def serve(
@@ -1445,10 +1502,13 @@ def serve(
 
     async def main() -> None:
         model = ModelServer(decoder, model_id, limits.queue_size, echo=echo, parallel=limits.parallel)
-        app = create_app(model, api_key, limits.max_body, limits.body_seconds)
+        app = create_app(model, api_key, limits.max_body, limits.body_seconds, limits.webui)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         echo(slots_line(model))
-        echo(f"serving '{model_id}' on http://{host}:{port}/v1 (OpenAI-compatible; Ctrl-C stops)")
+        base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        echo(f"serving '{model_id}' on {base}/v1 (OpenAI-compatible; Ctrl-C stops)")
+        if limits.webui:
+            echo(f"chat in a browser: {base}/")
         try:
             await server.serve(sockets=[listener])
         finally:

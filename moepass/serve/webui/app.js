@@ -1,0 +1,480 @@
+// moepass serve's chat page: conversations kept in this browser (localStorage), answers streamed from
+// the server's own /v1/chat/completions. Model output is untrusted: it is only ever put into the page
+// as text nodes (markdown is parsed here into elements whose text is set with textContent), so markup,
+// event handlers and javascript: links in an answer show as the text they are.
+"use strict";
+
+const STORE = "moepass.conversations";
+const KEY_STORE = "moepass.apiKey";
+const SETTINGS_STORE = "moepass.settings";
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  key: localStorage.getItem(KEY_STORE) || "",
+  conversations: loadConversations(),
+  current: null, // the conversation shown
+  controller: null, // the answer streaming now (AbortController)
+  contextSize: 0,
+};
+
+function loadConversations() {
+  try {
+    const saved = JSON.parse(localStorage.getItem(STORE) || "[]");
+    return Array.isArray(saved) ? saved.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages)) : [];
+  } catch {
+    return [];
+  }
+}
+
+function save() {
+  localStorage.setItem(STORE, JSON.stringify(state.conversations));
+}
+
+function el(tag, attributes = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes)) {
+    if (value == null) continue;
+    if (name === "text") node.textContent = value;
+    else if (name === "class") node.className = value;
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value);
+  }
+  for (const child of children) if (child != null) node.append(child);
+  return node;
+}
+
+// ---- the server --------------------------------------------------------------------------------
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if (state.key) h.Authorization = `Bearer ${state.key}`;
+  return h;
+}
+
+async function askForKey(message) {
+  const dialog = $("key-dialog");
+  $("key-message").textContent = message;
+  $("key").value = "";
+  dialog.showModal();
+  await new Promise((resolve) => dialog.addEventListener("close", resolve, { once: true }));
+  state.key = $("key").value.trim();
+  localStorage.setItem(KEY_STORE, state.key);
+}
+
+// a GET of the server's API, asking for the API key while the server refuses the one held
+async function getJSON(path) {
+  for (;;) {
+    const response = await fetch(path, { headers: headers() });
+    if (response.status !== 401) return response.json();
+    await askForKey(state.key ? "The server refused this API key. Give the right one:" : "This server needs an API key:");
+  }
+}
+
+async function loadModel() {
+  const props = await getJSON("props");
+  const name = (props.model_alias || "moepass").toString();
+  $("model-name").textContent = name;
+  document.title = `${name} · moepass chat`;
+  state.contextSize = Number(props.n_ctx) || 0;
+  $("model-context").textContent = state.contextSize ? `context ${state.contextSize.toLocaleString()} tokens` : "";
+}
+
+// ---- conversations -------------------------------------------------------------------------------
+
+function newConversation() {
+  const conversation = { id: `c${Date.now()}${Math.random().toString(36).slice(2, 6)}`, title: "New chat",
+    system: "", messages: [], created: Date.now() };
+  state.conversations.unshift(conversation);
+  save();
+  show(conversation);
+}
+
+function show(conversation) {
+  state.current = conversation;
+  $("system").value = conversation.system || "";
+  renderSidebar();
+  renderMessages();
+  $("sidebar").classList.remove("open");
+  $("input").focus();
+}
+
+function renderSidebar() {
+  const list = $("conversations");
+  list.replaceChildren();
+  for (const conversation of state.conversations) {
+    const item = el("li", { class: conversation === state.current ? "current" : "" },
+      el("button", { class: "title", type: "button", text: conversation.title, title: conversation.title,
+        onclick: () => show(conversation) }),
+      el("button", { class: "icon rename", type: "button", text: "✎", title: "Rename",
+        onclick: () => rename(conversation) }),
+      el("button", { class: "icon delete", type: "button", text: "✕", title: "Delete",
+        onclick: () => remove(conversation) }));
+    list.append(item);
+  }
+}
+
+function rename(conversation) {
+  const title = prompt("Name this conversation", conversation.title);
+  if (title && title.trim()) {
+    conversation.title = title.trim().slice(0, 120);
+    save();
+    renderSidebar();
+  }
+}
+
+function remove(conversation) {
+  if (!confirm(`Delete "${conversation.title}"?`)) return;
+  if (conversation === state.current) stop();
+  state.conversations = state.conversations.filter((c) => c !== conversation);
+  save();
+  if (state.conversations.length === 0) newConversation();
+  else show(state.conversations[0]);
+}
+
+// ---- messages ------------------------------------------------------------------------------------
+
+function renderMessages() {
+  const box = $("messages");
+  box.replaceChildren();
+  const messages = state.current.messages;
+  messages.forEach((message, index) => box.append(messageView(message, index, index === messages.length - 1)));
+  box.scrollTop = box.scrollHeight;
+}
+
+function messageView(message, index, last) {
+  const view = el("div", { class: `message ${message.role}`, "data-index": String(index) },
+    el("div", { class: "who", text: message.role === "user" ? "You" : "Assistant" }));
+  const body = el("div", { class: "body" });
+  view.append(body);
+  fillBody(body, message);
+  if (message.error) view.append(el("div", { class: "error", text: message.error }));
+  if (message.stats) view.append(el("div", { class: "stats", text: message.stats }));
+  const busy = state.controller !== null;
+  const actions = el("div", { class: "actions" });
+  if (message.role === "user") {
+    actions.append(el("button", { type: "button", class: "edit", text: "Edit", disabled: busy ? "" : null,
+      onclick: () => edit(view, index) }));
+  } else if (last && !busy) {
+    actions.append(el("button", { type: "button", class: "regenerate", text: "Regenerate", onclick: regenerate }));
+  }
+  if (busy) for (const b of actions.querySelectorAll("button")) b.disabled = true;
+  view.append(actions);
+  return view;
+}
+
+function fillBody(body, message) {
+  body.replaceChildren();
+  if (message.role === "user") {
+    body.textContent = message.content;
+    return;
+  }
+  const { reasoning, answer } = splitReasoning(message.reasoning || "", message.content || "");
+  if (reasoning) {
+    body.append(el("details", { class: "reasoning" }, el("summary", { text: "Reasoning" }),
+      el("div", { class: "thought", text: reasoning })));
+  }
+  body.append(renderMarkdown(answer));
+}
+
+// the reasoning a template writes into the content (<think>...</think>) and the answer after it
+function splitReasoning(reasoning, content) {
+  const open = content.indexOf("<think>");
+  if (open !== -1 && content.slice(0, open).trim() === "") {
+    const close = content.indexOf("</think>", open);
+    if (close === -1) return { reasoning: reasoning + content.slice(open + 7), answer: "" };
+    return { reasoning: reasoning + content.slice(open + 7, close), answer: content.slice(close + 8).replace(/^\s+/, "") };
+  }
+  return { reasoning, answer: content };
+}
+
+// ---- markdown, as elements whose text is set as text -----------------------------------------------
+
+function renderMarkdown(text) {
+  const root = el("div", { class: "markdown" });
+  const fence = /^```([^\n`]*)\n([\s\S]*?)(?:\n```|$)/m;
+  let rest = text;
+  while (rest) {
+    const found = fence.exec(rest);
+    if (!found) {
+      blocks(root, rest);
+      break;
+    }
+    blocks(root, rest.slice(0, found.index));
+    const code = el("code", { text: found[2] });
+    if (found[1].trim()) code.dataset.language = found[1].trim().slice(0, 40);
+    root.append(el("pre", {}, code));
+    rest = rest.slice(found.index + found[0].length);
+  }
+  return root;
+}
+
+function blocks(root, text) {
+  let list = null;
+  for (const paragraph of text.split(/\n{2,}/)) {
+    if (!paragraph.trim()) continue;
+    for (const line of paragraph.split("\n")) {
+      const heading = /^(#{1,6})\s+(.*)$/.exec(line);
+      const item = /^\s*(?:[-*+]|(\d+)[.)])\s+(.*)$/.exec(line);
+      if (item) {
+        const kind = item[1] ? "ol" : "ul";
+        if (!list || list.tagName.toLowerCase() !== kind) root.append((list = el(kind)));
+        list.append(inline(el("li"), item[2]));
+        continue;
+      }
+      list = null;
+      if (heading) root.append(inline(el(`h${Math.min(heading[1].length + 2, 6)}`), heading[2]));
+      else {
+        const last = root.lastElementChild;
+        if (last && last.tagName === "P" && last.dataset.open === "1") {
+          last.append("\n");
+          inline(last, line);
+        } else {
+          const p = inline(el("p"), line);
+          p.dataset.open = "1";
+          root.append(p);
+        }
+      }
+    }
+    const last = root.lastElementChild;
+    if (last) delete last.dataset.open;
+    list = null;
+  }
+}
+
+// `code`, **bold**, *italic*, [text](http(s) or mailto URL); anything else stays text
+function inline(parent, text) {
+  const pattern = /`([^`]+)`|\*\*([^*]+)\*\*|\*([^*\s][^*]*)\*|\[([^\]]+)\]\(([^)\s]+)\)/g;
+  let at = 0;
+  for (const m of text.matchAll(pattern)) {
+    parent.append(text.slice(at, m.index));
+    if (m[1] !== undefined) parent.append(el("code", { text: m[1] }));
+    else if (m[2] !== undefined) parent.append(el("strong", { text: m[2] }));
+    else if (m[3] !== undefined) parent.append(el("em", { text: m[3] }));
+    else if (safeLink(m[5])) parent.append(el("a", { href: m[5], text: m[4], rel: "noopener noreferrer nofollow", target: "_blank" }));
+    else parent.append(m[0]);
+    at = m.index + m[0].length;
+  }
+  parent.append(text.slice(at));
+  return parent;
+}
+
+function safeLink(url) {
+  try {
+    return ["http:", "https:", "mailto:"].includes(new URL(url).protocol);
+  } catch {
+    return false;
+  }
+}
+
+// ---- generation ---------------------------------------------------------------------------------
+
+function settings() {
+  const number = (id) => Number($(id).value);
+  const body = { temperature: number("temperature"), top_p: number("top-p"), max_tokens: Math.round(number("max-tokens")) };
+  const stops = $("stops").value.split("\n").filter((s) => s.length > 0);
+  if (stops.length) body.stop = stops.slice(0, 4);
+  localStorage.setItem(SETTINGS_STORE, JSON.stringify({ ...body, stops: $("stops").value }));
+  return body;
+}
+
+function restoreSettings() {
+  try {
+    const saved = JSON.parse(localStorage.getItem(SETTINGS_STORE) || "{}");
+    if (typeof saved.temperature === "number") $("temperature").value = saved.temperature;
+    if (typeof saved.top_p === "number") $("top-p").value = saved.top_p;
+    if (typeof saved.max_tokens === "number") $("max-tokens").value = saved.max_tokens;
+    if (typeof saved.stops === "string") $("stops").value = saved.stops;
+  } catch {
+    /* settings as the page has them */
+  }
+}
+
+function send(text) {
+  const conversation = state.current;
+  if (state.controller || !text.trim()) return;
+  conversation.messages.push({ role: "user", content: text });
+  if (conversation.title === "New chat") conversation.title = text.trim().replace(/\s+/g, " ").slice(0, 48);
+  save();
+  renderSidebar();
+  answer(conversation);
+}
+
+async function answer(conversation) {
+  const history = conversation.messages.map(({ role, content }) => ({ role, content }));
+  const system = (conversation.system || "").trim();
+  const message = { role: "assistant", content: "", reasoning: "" };
+  conversation.messages.push(message);
+  const controller = new AbortController();
+  state.controller = controller;
+  busy(true);
+  renderMessages();
+  const view = $("messages").lastElementChild;
+  const body = view.querySelector(".body");
+  const request = { messages: system ? [{ role: "system", content: system }, ...history] : history,
+    stream: true, stream_options: { include_usage: true }, ...settings() };
+  let usage = null;
+  let timings = null;
+  try {
+    let response;
+    for (;;) {
+      response = await fetch("v1/chat/completions", { method: "POST", headers: headers(),
+        body: JSON.stringify(request), signal: controller.signal });
+      if (response.status !== 401) break;
+      await askForKey("The server refused this API key. Give the right one:");
+    }
+    if (!response.ok) {
+      message.error = await refusal(response);
+    } else {
+      const reader = response.body.getReader();
+      const decoder = new TextDecoder();
+      let buffered = "";
+      let last = 0;
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffered += decoder.decode(value, { stream: true });
+        const events = buffered.split("\n\n");
+        buffered = events.pop();
+        for (const event of events) {
+          const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+          if (!data || data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) message.error = chunk.error.message;
+          const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
+          if (typeof delta.content === "string") message.content += delta.content;
+          if (typeof delta.reasoning_content === "string") message.reasoning += delta.reasoning_content;
+          if (chunk.usage) usage = chunk.usage;
+          if (chunk.timings) timings = chunk.timings;
+        }
+        if (performance.now() - last > 50) {
+          fillBody(body, message);
+          $("messages").scrollTop = $("messages").scrollHeight;
+          last = performance.now();
+        }
+      }
+    }
+  } catch (e) {
+    if (e.name === "AbortError") message.stopped = true;
+    else message.error = `The request failed: ${e.message}`;
+  }
+  message.stats = statsLine(usage, timings, message.stopped);
+  state.controller = null;
+  busy(false);
+  save();
+  if (state.current === conversation) renderMessages();
+}
+
+async function refusal(response) {
+  let text = `The server answered ${response.status}.`;
+  try {
+    const error = (await response.json()).error || {};
+    if (error.code === "context_length_exceeded") {
+      return `The conversation no longer fits the model's context (${state.contextSize.toLocaleString()} tokens): `
+        + "start a new chat, or edit an earlier turn to continue from there.";
+    }
+    if (error.message) text = `The server refused the request: ${error.message}`;
+  } catch {
+    /* not JSON: the status says it */
+  }
+  return text;
+}
+
+function statsLine(usage, timings, stopped) {
+  const parts = [];
+  if (usage) parts.push(`${usage.prompt_tokens} prompt tokens`, `${usage.completion_tokens} generated`);
+  if (timings && timings.predicted_per_second) parts.push(`${timings.predicted_per_second.toFixed(1)} tokens/s`);
+  if (stopped) parts.push("stopped");
+  return parts.join(" · ");
+}
+
+function stop() {
+  if (state.controller) state.controller.abort();
+}
+
+function busy(on) {
+  $("send").hidden = on;
+  $("stop").hidden = !on;
+}
+
+function regenerate() {
+  const messages = state.current.messages;
+  if (state.controller || !messages.length) return;
+  if (messages[messages.length - 1].role === "assistant") messages.pop();
+  save();
+  answer(state.current);
+}
+
+// edit a user turn in place, then continue the conversation from it (what came after it is dropped)
+function edit(view, index) {
+  const message = state.current.messages[index];
+  const body = view.querySelector(".body");
+  const box = el("textarea", { class: "edit", rows: "3" });
+  box.value = message.content;
+  const done = el("button", { type: "button", class: "save", text: "Send",
+    onclick: () => {
+      if (!box.value.trim()) return;
+      message.content = box.value;
+      state.current.messages.length = index + 1;
+      save();
+      answer(state.current);
+    } });
+  const cancel = el("button", { type: "button", text: "Cancel", onclick: renderMessages });
+  body.replaceChildren(box, el("div", { class: "actions" }, done, cancel));
+  box.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      done.click();
+    }
+  });
+  box.focus();
+}
+
+// ---- wiring -------------------------------------------------------------------------------------
+
+function wire() {
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = $("input").value;
+    if (!text.trim() || state.controller) return;
+    $("input").value = "";
+    send(text);
+  });
+  $("input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && state.controller) stop();
+  });
+  $("stop").addEventListener("click", stop);
+  $("new-chat").addEventListener("click", newConversation);
+  $("toggle-sidebar").addEventListener("click", () => $("sidebar").classList.toggle("open"));
+  $("toggle-settings").addEventListener("click", () => {
+    const panel = $("settings");
+    panel.hidden = !panel.hidden;
+    $("toggle-settings").setAttribute("aria-expanded", String(!panel.hidden));
+  });
+  $("system").addEventListener("change", () => {
+    state.current.system = $("system").value;
+    save();
+  });
+  for (const id of ["temperature", "top-p", "max-tokens", "stops"]) $(id).addEventListener("change", settings);
+}
+
+async function start() {
+  wire();
+  restoreSettings();
+  if (state.conversations.length) show(state.conversations[0]);
+  else newConversation();
+  try {
+    await loadModel();
+  } catch (e) {
+    const notice = $("notice");
+    notice.textContent = `The server did not answer: ${e.message}`;
+    notice.hidden = false;
+  }
+}
+
+start();

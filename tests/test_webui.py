@@ -1,0 +1,259 @@
+"""The chat page `moepass serve` answers / with, driven in a real browser: Debian's Chromium through
+Playwright (`executable_path`; nothing downloaded), against the server on the demo fixture. A
+message gets the text the API gives greedily; Stop cancels the answer and the server takes the next
+request at once; a reload finds the conversation; markup in an answer is shown as text and runs
+nothing; with --api-key the page asks for the key, refuses a wrong one and works with the right
+one; every request the page makes goes to the server itself; the page's files are in the package,
+small."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from support.serving import ServeProcess
+
+pytest.importorskip("fastapi")
+playwright = pytest.importorskip("playwright.sync_api")
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = {"temperature": "0", "max-tokens": "24"}
+
+
+def chromium() -> str:
+    """Debian's Chromium (`apt-get install chromium`, as .ci/run does), or $MOEPASS_CHROMIUM."""
+    found = os.environ.get("MOEPASS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    assert found, "no Chromium: apt-get install chromium (or set MOEPASS_CHROMIUM)"
+    return found
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    """The demo fixture, converted as the README's demo converts it."""
+    from moepass.convert import convert
+
+    return Path(convert(ROOT / "fixtures" / "qwen3moe-tiny-q4_0.gguf", tmp_path_factory.mktemp("webui") / "out").output_dir)
+
+
+@pytest.fixture(scope="module")
+def server(demo, tmp_path_factory):
+    process = ServeProcess(demo, tmp_path_factory.mktemp("webui-server") / "server.log")
+    yield process
+    assert process.stop() == 0, process.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    """A fresh browser context (its own localStorage) on the page; every request it makes recorded.
+    The page's Content-Security-Policy is bypassed: the test's own probes are evaluated strings, and
+    the page's escaping is tested without the policy behind it."""
+    context = browser.new_context(bypass_csp=True)
+    opened = context.new_page()
+    opened.requests = []
+    opened.on("request", lambda request: opened.requests.append(request.url))
+    opened.goto(f"{server.base}/")
+    yield opened
+    context.close()
+
+
+def settle(page, settings: dict[str, str]) -> None:
+    page.click("#toggle-settings")
+    for field, value in settings.items():
+        page.fill(f"#{field}", value)
+        page.dispatch_event(f"#{field}", "change")
+    page.click("#toggle-settings")
+
+
+def ask(page, text: str) -> None:
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+
+
+def wait_answered(page, count: int = 1) -> None:
+    """Until `count` answers are done (each ends with its stats line, or an error)."""
+    page.wait_for_function(
+        f"document.querySelectorAll('.message.assistant .stats, .message.assistant .error').length >= {count}"
+    )
+
+
+def stored(page) -> list[dict]:
+    return json.loads(page.evaluate("localStorage.getItem('moepass.conversations')"))
+
+
+def test_a_message_gets_the_apis_answer_and_a_reload_keeps_it(page, server):
+    settle(page, GREEDY)
+    assert page.text_content("#model-name") == "out"
+    assert "context 512 tokens" in page.text_content("#model-context")
+    ask(page, "the other one")
+    wait_answered(page)
+    expected = httpx.post(f"{server.base}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "the other one"}], "temperature": 0, "top_p": 0.95,
+        "max_tokens": 24}).json()["choices"][0]["message"]["content"]
+    [conversation] = stored(page)
+    assert conversation["messages"][0] == {"role": "user", "content": "the other one"}
+    assert conversation["messages"][1]["content"] == expected
+    stats = page.text_content(".message.assistant .stats")
+    assert "prompt tokens" in stats and "generated" in stats and "tokens/s" in stats
+    assert conversation["title"] == "the other one"
+    # a reload finds the conversation, its answer shown again
+    page.reload()
+    page.wait_for_selector(".message.assistant")
+    assert page.text_content("#conversations li.current .title") == "the other one"
+    assert page.locator(".message.user .body").inner_text() == "the other one"
+    # every request went to the server itself
+    assert page.requests and all(url.startswith(f"{server.base}/") for url in page.requests), page.requests
+
+
+def long_answer_prompt(model: Path) -> str:
+    """A message whose greedy answer runs long on this CPU (at least 100 tokens before a stop token)."""
+    from moepass.runtime import Sampling, load
+
+    decoder = load(model, threads=1)
+    lengths = {}
+    for text in ("tell me more", "once upon a time", "hello there", "why", "more", "a long story", "and again"):
+        ids = decoder.encode_chat(decoder.apply_chat_template(text))
+        lengths[text] = len(list(decoder.generate(ids, 200, sampling=Sampling(temperature=0))))
+    best = max(lengths, key=lengths.get)
+    assert lengths[best] >= 100, lengths
+    return best
+
+
+def test_stop_cancels_and_the_server_takes_the_next_request(page, server, demo):
+    prompt = long_answer_prompt(demo)
+    settle(page, {"temperature": "0", "max-tokens": "200"})
+    # a slow reader: the page takes each network read 300 ms late (the demo writes 200 tokens in well
+    # under a second), so that Esc lands while the answer still streams
+    page.evaluate("""() => {
+        const read = window.originalRead = ReadableStreamDefaultReader.prototype.read;
+        ReadableStreamDefaultReader.prototype.read = async function () {
+            await new Promise((r) => setTimeout(r, 300)); return read.call(this); };
+    }""")
+    ask(page, prompt)
+    page.wait_for_selector("#stop:not([hidden])")
+    page.wait_for_function("document.querySelector('.message.assistant .body').textContent.length > 0")
+    page.keyboard.press("Escape")
+    wait_answered(page)
+    assert "stopped" in page.text_content(".message.assistant .stats")
+    assert page.is_visible("#send") and not page.is_visible("#stop")
+    started = time.monotonic()
+    answer = httpx.post(f"{server.base}/v1/completions", timeout=60,
+                        json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).json()
+    assert answer["usage"]["completion_tokens"] >= 1 and time.monotonic() - started < 10
+    deadline = time.monotonic() + 10
+    while any(slot["is_processing"] for slot in httpx.get(f"{server.base}/slots").json()):
+        assert time.monotonic() < deadline, "the stopped answer still holds its slot"
+        time.sleep(0.05)
+    # regenerate and edit, after a stop
+    page.evaluate("() => { ReadableStreamDefaultReader.prototype.read = window.originalRead; }")
+    settle(page, GREEDY)
+    page.click(".message.assistant .regenerate")
+    wait_answered(page)
+    page.click(".message.user .edit")
+    page.fill(".message.user textarea.edit", "hello there")
+    page.click(".message.user .save")
+    wait_answered(page)
+    messages = stored(page)[0]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "hello there"
+
+
+HOSTILE = ('<img src=x onerror="window.pwned=1"><script>window.pwned=2</script> '
+           '[click](javascript:window.pwned=3) **bold** `code`\n\n```\n<b onmouseover="window.pwned=4">x</b>\n```')
+
+
+def test_markup_in_an_answer_is_text_and_runs_nothing(page):
+    """The answer comes from a stand-in for the server (the demo model writes no markup): raw HTML,
+    a script, an event handler and a javascript: link all show as text; markdown still renders."""
+    chunks = [{"choices": [{"index": 0, "delta": {"content": HOSTILE[:40]}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": HOSTILE[40:]}, "finish_reason": None}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    ask(page, "anything")
+    wait_answered(page)
+    answer = page.locator(".message.assistant .body")
+    text = answer.inner_text()
+    assert '<img src=x onerror="window.pwned=1">' in text and "<script>window.pwned=2</script>" in text
+    assert "[click](javascript:window.pwned=3)" in text
+    assert answer.locator("img, script, a, b").count() == 0
+    assert answer.locator("strong").inner_text() == "bold" and answer.locator("pre code").count() == 1
+    page.hover(".message.assistant pre")
+    assert page.evaluate("window.pwned") is None
+
+
+def test_the_page_asks_for_the_api_key(browser, demo, tmp_path):
+    guarded = ServeProcess(demo, tmp_path / "server.log", "--api-key", "sesame")
+    try:
+        assert httpx.get(f"{guarded.base}/").status_code == 200  # the page itself needs no key
+        assert httpx.get(f"{guarded.base}/props").status_code == 401  # the API does
+        context = browser.new_context(bypass_csp=True)
+        page = context.new_page()
+        page.goto(f"{guarded.base}/")
+        page.wait_for_selector("#key-dialog[open]")
+        page.fill("#key", "wrong")
+        page.click("#key-save")
+        page.wait_for_function("document.getElementById('key-message').textContent.includes('refused')")
+        assert page.is_visible("#key-dialog")
+        page.fill("#key", "sesame")
+        page.click("#key-save")
+        page.wait_for_function("document.getElementById('model-name').textContent === 'out'")
+        settle(page, GREEDY)
+        ask(page, "the other one")
+        wait_answered(page)
+        assert stored(page)[0]["messages"][1]["content"]
+        context.close()
+    finally:
+        assert guarded.stop() == 0
+
+
+def test_no_webui_serves_no_page(demo, tmp_path):
+    bare = ServeProcess(demo, tmp_path / "server.log", "--no-webui")
+    try:
+        assert httpx.get(f"{bare.base}/").status_code == 404
+        assert httpx.get(f"{bare.base}/webui/app.js").status_code == 404
+    finally:
+        assert bare.stop() == 0
+    assert "chat in a browser" not in bare.log.read_text()
+
+
+def test_the_wheel_carries_the_page(tmp_path):
+    """Built as a wheel (not only the editable install these tests run from), the package holds the page."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from moepass.serve.server import WEBUI_FILES
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True)
+    [wheel] = tmp_path.glob("moepass-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"moepass/serve/webui/{name}" for name in WEBUI_FILES} <= names
+
+
+def test_the_pages_files_are_in_the_package_and_small(server):
+    from importlib import resources
+
+    from moepass.serve.server import WEBUI_FILES
+
+    folder = resources.files("moepass.serve").joinpath("webui")
+    sizes = {name: len(folder.joinpath(name).read_bytes()) for name in WEBUI_FILES}
+    assert sum(sizes.values()) < 300_000, sizes
+    for name in WEBUI_FILES:
+        reply = httpx.get(f"{server.base}/" if name == "index.html" else f"{server.base}/webui/{name}")
+        assert reply.status_code == 200 and "default-src 'none'" in reply.headers["content-security-policy"]
+    assert httpx.get(f"{server.base}/webui/../server.py").status_code == 404
+    assert "chat in a browser: http://127.0.0.1:" in server.log.read_text()
