@@ -169,6 +169,35 @@ def test_stop_cancels_and_the_server_takes_the_next_request(page, server, demo):
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "hello there"
 
 
+def test_a_full_context_says_so(page):
+    ask(page, "one two three " * 300)  # well past the demo's 512 positions
+    wait_answered(page)
+    assert "no longer fits the model's context (512 tokens)" in page.text_content(".message.assistant .error")
+
+
+def test_a_phones_width_and_the_keys(browser, server):
+    context = browser.new_context(bypass_csp=True, viewport={"width": 390, "height": 800})
+    page = context.new_page()
+    page.goto(f"{server.base}/")
+    page.wait_for_function("document.getElementById('model-name').textContent === 'out'")
+    assert not page.is_visible("#sidebar") and page.is_visible("#composer")
+    page.click("#toggle-sidebar")
+    assert page.is_visible("#new-chat")
+    page.click("#new-chat")  # a new conversation folds the list away again
+    assert not page.is_visible("#sidebar")
+    page.fill("#input", "first line")
+    page.press("#input", "Shift+Enter")
+    page.type("#input", "second line")
+    assert page.input_value("#input") == "first line\nsecond line" and page.locator(".message").count() == 0
+    settle(page, GREEDY)
+    page.press("#input", "Enter")
+    wait_answered(page)
+    assert page.locator(".message.user .body").inner_text() == "first line\nsecond line"
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390, width  # nothing wider than the screen
+    context.close()
+
+
 HOSTILE = ('<img src=x onerror="window.pwned=1"><script>window.pwned=2</script> '
            '[click](javascript:window.pwned=3) **bold** `code`\n\n```\n<b onmouseover="window.pwned=4">x</b>\n```')
 
