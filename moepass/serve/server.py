@@ -4,14 +4,16 @@ Endpoints as llama-server offers them: `POST /v1/chat/completions`, `POST /v1/co
 streamed as server-sent events with `"stream": true`), `GET /v1/models` (the model's id is its
 folder's name), `GET /health`, and llama-server's own: `POST /completion` (its request and answer
 fields, `n_predict`, `stop_type`, ...: `llama_body`, `LlamaReply`), `GET /props`, `GET /slots` (one
-slot: requests are generated one at a time) and `GET /metrics` (Prometheus text, `llamacpp:` names:
-`Metrics`). The server holds one model, so a request's `model` may name any (as llama-server takes
-it); the answer names the served one. The model loads as `moepass run` loads it (a partitioned
-model with its expert placement), and requests are answered one at a time, in the order they came,
-from a bounded queue: a request that finds it full is answered 503 at once. A client that goes away
-stops its generation. Request fields beyond OpenAI's, as llama-server has them: `top_k`, `min_p`,
-`repeat_penalty`, `repeat_last_n`, `cache_prompt` (default true: the prefix a prompt shares with
-the previous request's is not computed again), `chat_template_kwargs` (e.g.
+entry a slot) and `GET /metrics` (Prometheus text, `llamacpp:` names: `Metrics`); and the chat page
+at `/` (moepass/serve/webui). The server holds one model, so a request's `model` may name any (as
+llama-server takes it); the answer names the served one. The model loads as `moepass run` loads it
+(a partitioned model with its expert placement). Up to `parallel` requests generate at once in the
+slots of one batch (moepass.runtime.batch; one at a time on a session that cannot batch), the others
+wait in a bounded queue, in the order they came: a request that finds it full is answered 503 at
+once. A client that goes away stops its generation at its next step. Request fields beyond
+OpenAI's, as llama-server has them: `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`,
+`cache_prompt` (default true: the prefix a prompt shares with what a slot holds is not computed
+again), `chat_template_kwargs` (e.g.
 `{"enable_thinking": false}`); absent sampling fields take llama-server's defaults. `tools` reach
 the chat template and the answer's tool calls and reasoning are read out of it (moepass.serve.answers)
 into OpenAI's `tool_calls` and llama-server's `reasoning_content`; `logprobs` are the model's own
