@@ -13,11 +13,12 @@ each in its own process; every client is an OpenAI client streaming /v1/completi
 (temperature 0: the same work on both sides, none of it in sampling). A client's time to first
 token is from its request to its first streamed token; its rate is its tokens after the first over
 the time they took; aggregate tokens/s is every client's tokens over the wall time from the first
-request to the last token, and decode tokens/s the tokens after each client's first over the time
-from the first client's first token to the last token (with more clients than slots, the later
-clients' prompts are computed within it). For each round the two servers alternate (interleaved rounds; the table
-gives medians over the rounds), each started once a round and warmed up with one request. Peak RSS
-is the server process's VmHWM.
+request to the last token (prompts included), and decode tokens/s the tokens that came while every
+client was decoding (from the last client's first token to the first client's last) over that time;
+with more clients than slots, every token after each client's first over the time from the first
+first token to the last token (the later clients' prompts computed within it). For each round the
+two servers alternate (interleaved rounds; the table gives medians over the rounds), each started
+once a round and warmed up with one request. Peak RSS is the server process's VmHWM.
 
 llama-server: the llama.cpp that llama-cpp-python 0.3.36's source distribution vendors, built with
 `cmake -B BUILD -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
@@ -166,7 +167,7 @@ def stream_one(port: int, prompt: list[int], start: threading.Barrier) -> dict:
     return {"sent": sent, "stamps": stamps}
 
 
-def drive(port: int, clients: int, rng: np.random.Generator, vocab: int) -> dict:
+def drive(port: int, clients: int, rng: np.random.Generator, vocab: int, slots: int = 4) -> dict:
     """`clients` streaming clients at once: aggregate tokens/s, time to first token p50/p95, per-client rate."""
     prompts = [rng.integers(1000, vocab - 1000, PROMPT_TOKENS).tolist() for _ in range(clients)]
     start = threading.Barrier(clients)
@@ -185,11 +186,16 @@ def drive(port: int, clients: int, rng: np.random.Generator, vocab: int) -> dict
     tokens = sum(len(r["stamps"]) for r in results)
     ttft = sorted(r["stamps"][0] - r["sent"] for r in results)
     rates = [(len(r["stamps"]) - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in results if len(r["stamps"]) > 1]
-    first_token = min(r["stamps"][0] for r in results)
+    # decode: while every client decodes (from the last first token to the first last one), the
+    # tokens that came then over that time; with more clients than slots, over the whole run
+    everyone, someone_done = max(r["stamps"][0] for r in results), min(r["stamps"][-1] for r in results)
+    if clients <= slots and someone_done > everyone:
+        decode = sum(everyone < s <= someone_done for r in results for s in r["stamps"]) / (someone_done - everyone)
+    else:
+        decode = (tokens - clients) / (last - min(r["stamps"][0] for r in results))
     return {
         "aggregate": tokens / (last - first_sent),
-        # the tokens after each client's first, over the time from the first client's first token to the end
-        "decode_aggregate": (tokens - len(results)) / (last - first_token),
+        "decode_aggregate": decode,
         "ttft_p50": float(np.percentile(ttft, 50)),
         "ttft_p95": float(np.percentile(ttft, 95)),
         "per_client": statistics.median(rates),
@@ -298,7 +304,7 @@ def main() -> None:
                 try:
                     drive(port, 1, rng, 151936)  # warm-up
                     for clients in args.clients:
-                        figures = drive(port, clients, rng, 151936)
+                        figures = drive(port, clients, rng, 151936, args.slots)
                         rows.setdefault((preset, side, clients), []).append(figures)
                         print(
                             f"{preset} round {round_ + 1} {side} {clients} clients: "
