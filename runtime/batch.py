@@ -14,8 +14,11 @@ then runs (or after GATHER_SECONDS, with those that asked)
   is computed between decode steps, so that the running streams keep flowing; a speculative
   decoding check (the last token and its drafts) is such a step too.
 
-Each row's result is bitwise the one that sequence gets alone: every operator computes a row
-without looking at the others (checked by tests/test_batch.py against `KVCache`).
+Each row's result is bitwise the one that sequence gets alone where every kernel computes a row
+the same at any batch size: the 4-bit forms of Q4_0 (checked by tests/test_batch.py against
+`KVCache`). MLAS's float32 MatMul (the router, K-quants' offsets) and 8-bit MatMulNBits compute
+one row in another order than several, so there a row's logits differ from its logits alone in the
+last bits, as llama.cpp's differ between batch sizes.
 
 The sequences of a decode step must sit in rows 0..m-1: before the step, slots swap rows (their
 filled positions copied, which costs far less than computing them). A slot that is free keeps the
@@ -40,7 +43,7 @@ from moepass.runtime.kv_cache import FIRST_CAPACITY, PREFILL_CHUNK, check_run, s
 
 Decoder = Any  # moepass.runtime.decoder.Decoder, which imports this module
 
-
+# the longest a step waits for a sequence that has not asked yet (one held up elsewhere)
 GATHER_SECONDS = 0.1
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
@@ -144,7 +143,7 @@ class Decoder:
             cache_types.get(inputs[self.past_names[0]].type, np.float32) if self.past_names else np.float32
         )
         # several sequences decode together (moepass.runtime.batch) over a cache in place, where
-        # GroupQueryAttention takes a length per row; else why not
+        # GroupQueryAttention takes a length per row; where they cannot, why not
         self.batch_refusal = _batch_refusal(model_path, self.plan.provider, self.past_names, structure)
         # models converted by moepass >= 0.1 compute the logits of the last N positions on request
         self.keeps_logits = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
@@ -321,7 +320,8 @@ class Decoder:
         """Each prompt's answer, `parallel` prompts decoding together in one batch (continuous
         batching: a finished one's slot takes the next prompt at once); the finished streams in the
         prompts' order (their `text`, `token_ids`, `finish_reason`, timings). Each answer is the one
-        `generate_text` gives that prompt alone."""
+        `generate_text` gives that prompt alone, to the bit where every kernel computes a row
+        without regard to the others (Q4_0's forms; docs/usage.md, "Serving many at once")."""
         import concurrent.futures
 
         from moepass.runtime.batch import Slots
@@ -331,19 +331,16 @@ class Decoder:
             if not p:
                 raise MoepassError(f"prompt {i} is empty")
         slots = Slots(self, max(1, min(parallel, len(ids))))
-        # each sequence on a thread of its own; a slot for each thread
-        turn = threading.Semaphore(slots.count)
 
-        def answer(prompt: list[int]) -> TextStream:
-            with turn:
-                cache = slots.open(prompt)
-                try:
-                    stream = self.generate_text(prompt, max_new_tokens, sampling, stop, cache, logprobs)
-                    for _ in stream:
-                        pass
-                    return stream
-                finally:
-                    slots.release(cache)
+        def answer(prompt: list[int]) -> TextStream:  # on a thread of its own, a slot of its own
+            cache = slots.open(prompt)
+            try:
+                stream = self.generate_text(prompt, max_new_tokens, sampling, stop, cache, logprobs)
+                for _ in stream:
+                    pass
+                return stream
+            finally:
+                slots.release(cache)
 
         try:
             with concurrent.futures.ThreadPoolExecutor(slots.count, thread_name_prefix="moepass-sequence") as pool:
