@@ -15,10 +15,10 @@ then runs (or after GATHER_SECONDS, with those that asked)
   decoding check (the last token and its drafts) is such a step too.
 
 Each row's result is bitwise the one that sequence gets alone where every kernel computes a row
-the same at any batch size: the 4-bit forms of Q4_0 (checked by tests/test_batch.py against
-`KVCache`). MLAS's float32 MatMul (the router, K-quants' offsets) and 8-bit MatMulNBits compute
-one row in another order than several, so there a row's logits differ from its logits alone in the
-last bits, as llama.cpp's differ between batch sizes.
+the same at any batch size: at the test fixtures' sizes (checked by tests/test_batch.py against
+`KVCache`). At Qwen3-30B-A3B's sizes QMoE and 8-bit MatMulNBits compute an expert's rows in another
+order for one token than for several, so a row's logits differ from its logits alone in the last
+bits, as llama.cpp's differ between batch sizes.
 
 The sequences of a decode step must sit in rows 0..m-1: before the step, slots swap rows (their
 filled positions copied, which costs far less than computing them). A slot that is free keeps the

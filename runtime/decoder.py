@@ -320,8 +320,8 @@ class Decoder:
         """Each prompt's answer, `parallel` prompts decoding together in one batch (continuous
         batching: a finished one's slot takes the next prompt at once); the finished streams in the
         prompts' order (their `text`, `token_ids`, `finish_reason`, timings). Each answer is the one
-        `generate_text` gives that prompt alone, to the bit where every kernel computes a row
-        without regard to the others (Q4_0's forms; docs/usage.md, "Serving many at once")."""
+        `generate_text` gives that prompt alone, to the bit where every kernel computes a row the
+        same at any batch size (docs/usage.md, "Serving many at once", says where not)."""
         import concurrent.futures
 
         from moepass.runtime.batch import Slots

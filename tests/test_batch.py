@@ -59,7 +59,8 @@ def together(slots: Slots, prompts: list[list[int]], new_tokens: int, sampling: 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_streams_decoded_together_are_each_the_one_alone(decoder, sampling):
     """Four streams of different prompt lengths, decoded in one batch: each the tokens and text
-    the same request gives alone (Q4_0: every kernel computes a row without the others' rounding)."""
+    the same request gives alone, to the bit (at these sizes every kernel computes a row the same in
+    any batch; docs/usage.md says where not)."""
     prompts = prompts_of(decoder, (3, 17, 40, 9))
     expected = [alone(decoder, p, 24, sampling) for p in prompts]
     slots = Slots(decoder, 4)
