@@ -3,6 +3,13 @@
     python benchmarks/runtime.py                       # Q4_0, Q4_K_M and Q8_0, 6 layers
     python benchmarks/runtime.py --presets q4_0 --layers 6 --rounds 2
     python benchmarks/runtime.py --presets q4_k_m --layers 48 --expert-format int4   # full size, streamed
+    python benchmarks/runtime.py --presets q4_0 q4_k_m --ik-llama-bench PATH         # ik_llama.cpp beside
+
+ik_llama.cpp (github:ikawrakow/ik_llama.cpp, a checkout outside this repository) is built with
+`cmake -B BUILD -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release &&
+cmake --build BUILD --target llama-bench` (12 minutes on 2 cores of an AMD EPYC); its llama-bench runs
+each round without and with `-rtr 1` (run-time repacking), prefill from `-p`, decode after a depth from
+`-gp depth,n`.
 
 Files: Qwen3-30B-A3B layer sizes (hidden 2048, 128 experts, top-8, expert ffn 768, 32 q / 4 kv
 heads x 128) and vocabulary (151,936 tokens: the LM head is a large share of a decode step), fewer
@@ -140,6 +147,24 @@ def theirs(gguf: Path, args) -> tuple[dict, int]:
     return {kind: {int(n): v for n, v in values.items()} for kind, values in raw.items()}, rss
 
 
+def ik_llama(gguf: Path, args, repack: int) -> tuple[dict, int]:
+    """ik_llama.cpp's llama-bench (`--ik-llama-bench`) on the same file and threads, with `-rtr
+    repack` (its run-time repacking into row-interleaved blocks): prefill of each prompt size from
+    an empty context (`-p`), decode of --new-tokens after each depth (`-gp depth,n`), one
+    repetition a round after its own warm-up; (results in tokens/s, peak RSS)."""
+    cmd = [args.ik_llama_bench, "-m", str(gguf), "-t", str(args.threads), "-p", ",".join(map(str, args.prompts)),
+           "-n", "0", *[a for d in args.depths for a in ("-gp", f"{d},{args.new_tokens}")], "-r", "1",
+           "-rtr", str(repack), "-o", "json"]
+    text, rss = timed(cmd)
+    out: dict = {"prefill": {}, "decode": {}}
+    for test in json.loads(text[text.index("["):]):
+        if test.get("n_gen", 0) == 0:
+            out["prefill"][int(test["n_prompt"])] = float(test["avg_ts"])
+        else:
+            out["decode"][int(test["n_prompt"])] = float(test["avg_ts"])
+    return out, rss
+
+
 def best(runs: list[dict]) -> dict:
     return {kind: {n: max(r[kind][n] for r in runs) for n in runs[0][kind]} for kind in runs[0]}
 
@@ -243,6 +268,9 @@ def main() -> None:
                          "and their floor at the copy bandwidth, the layers' spread, the executor's share")
     ap.add_argument("--expert-format", default="auto", help="moepass convert --expert-format (default: auto)")
     ap.add_argument("--workdir", type=Path, default=None, help="Keep the generated files here (default: a temp dir).")
+    ap.add_argument("--ik-llama-bench", default=None,
+                    help="ik_llama.cpp's llama-bench binary: a third side, run without and with -rtr 1 (its "
+                         "build: docs/benchmarks.md, Decode)")
     ap.add_argument("--llama-python", default=sys.executable,
                     help="Python whose llama_cpp runs the llama.cpp side (default: this one; the tests' oracle is "
                          "an AVX2 build, a benchmark wants the best build the CPU runs)")
@@ -262,6 +290,8 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q",
                                 "--expert-format", args.expert_format], check=True, capture_output=True)
             our_runs, their_runs, our_rss, their_rss = [], [], 0, 0
+            ik_runs: dict[int, list] = {0: [], 1: []}
+            ik_rss = {0: 0, 1: 0}
             for r in range(args.rounds):
                 print(f"{preset}: round {r + 1}/{args.rounds}: moepass", file=sys.stderr, flush=True)
                 result, rss = ours(out, args)
@@ -271,13 +301,19 @@ def main() -> None:
                 result, rss = theirs(gguf, args)
                 their_runs.append(result)
                 their_rss = max(their_rss, rss)
+                for repack in (0, 1) if args.ik_llama_bench else ():
+                    print(f"{preset}: round {r + 1}/{args.rounds}: ik_llama.cpp -rtr {repack}", file=sys.stderr,
+                          flush=True)
+                    result, rss = ik_llama(gguf, args, repack)
+                    ik_runs[repack].append(result)
+                    ik_rss[repack] = max(ik_rss[repack], rss)
             expert_bytes, other_bytes = bytes_per_decode_step(out)
             rows.append({"preset": preset, "gguf_bytes": gguf.stat().st_size,
                          "onnx_bytes": sum(f.stat().st_size for f in out.iterdir()),
                          "ours": best(our_runs), "theirs": best(their_runs), "our_runs": our_runs,
                          "their_runs": their_runs, "ours_rss": our_rss,
                          "theirs_rss": their_rss, "expert_bytes": expert_bytes, "other_bytes": other_bytes,
-                         "model_dir": out})
+                         "model_dir": out, "ik_runs": ik_runs, "ik_rss": ik_rss})
         report(rows, args, bandwidth)  # before the profiles: a profile that fails loses no timing
         if args.profile:
             for row in rows:
@@ -309,6 +345,8 @@ def report(rows: list[dict], args, bandwidth: float) -> None:
                 ratios = [o[key][n] / t[key][n] for o, t in zip(r["our_runs"], r["their_runs"])]
                 rounds = ", ".join(f"{o[key][n]:.2f} / {t[key][n]:.2f}" for o, t in zip(r["our_runs"], r["their_runs"]))
                 print(f"- {r['preset']} {kind} {n}: {rounds}; median ratio **{float(np.median(ratios)):.2f}x**")
+    if args.ik_llama_bench:
+        ik_report(rows, args)
     print(f"\nmoepass / llama.cpp, tokens/s. A decode step (after {depths[0]} tokens) against the memory-bandwidth "
           "floor, the weight bytes it reads over the copy bandwidth:")
     print("| file | expert bytes / other bytes per step | floor at copy bandwidth | moepass step | llama.cpp step |")
@@ -318,6 +356,26 @@ def report(rows: list[dict], args, bandwidth: float) -> None:
         print(f"| {r['preset']} | {r['expert_bytes'] / 2**20:.0f} / {r['other_bytes'] / 2**20:.0f} MiB | "
               f"{floor * 1e3:.1f} ms | {1e3 / r['ours']['decode'][depths[0]]:.1f} ms | "
               f"{1e3 / r['theirs']['decode'][depths[0]]:.1f} ms |")
+
+
+def ik_report(rows: list[dict], args) -> None:
+    """moepass against ik_llama.cpp's better of -rtr 0 and 1, as medians of the rounds (the
+    rounds interleaved: moepass, llama.cpp, ik_llama.cpp -rtr 0, -rtr 1)."""
+    prompts, depths = args.prompts, args.depths
+    print(f"\nmoepass / ik_llama.cpp ({args.ik_llama_bench}), medians of {args.rounds} interleaved rounds; "
+          "ik_llama.cpp's -rtr 0 and -rtr 1 beside, then the ratio to the better of them:")
+    print("| file | phase | moepass | llama.cpp | ik_llama.cpp | ik_llama.cpp -rtr 1 | moepass / best ik | peak RSS moepass / "
+          "ik -rtr 1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for kind, sizes in (("prefill", prompts), ("decode", depths)):
+            for n in sizes:
+                ours_, theirs_ = (float(np.median([run[kind][n] for run in runs]))
+                                  for runs in (r["our_runs"], r["their_runs"]))
+                ik0, ik1 = (float(np.median([run[kind][n] for run in r["ik_runs"][k]])) for k in (0, 1))
+                what = f"prefill {n}" if kind == "prefill" else f"decode after {n}"
+                print(f"| {r['preset']} | {what} | {ours_:.1f} | {theirs_:.1f} | {ik0:.1f} | {ik1:.1f} | "
+                      f"**{ours_ / max(ik0, ik1):.2f}x** | {r['ours_rss'] / 2**20:.0f} / {r['ik_rss'][1] / 2**20:.0f} MiB |")
 
 
 if __name__ == "__main__":
