@@ -35,7 +35,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import cpu_family  # noqa: E402
+from support.serving import free_port  # noqa: E402
 
 from runtime import bytes_per_decode_step, copy_bandwidth, qwen3_sized_gguf  # noqa: E402
 
@@ -107,12 +107,6 @@ def build_llama_server(work: Path) -> Path:
         ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)], check=True
     )
     return binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -39,7 +39,7 @@ import numpy as np
 
 from moepass.core.errors import MoepassError
 from moepass.core.files import LOGITS_TO_KEEP
-from moepass.runtime.kv_cache import FIRST_CAPACITY, PREFILL_CHUNK, check_run, shared_prefix
+from moepass.runtime.kv_cache import FIRST_CAPACITY, PREFILL_CHUNK, Cache, check_run, shared_prefix
 
 Decoder = Any  # moepass.runtime.decoder.Decoder, which imports this module
 
@@ -331,23 +331,20 @@ class Slots:
         return binding.get_outputs()[0].numpy()[:, -keep:]
 
 
-class SlotCache:
-    """One sequence's view of its slot, with KVCache's interface (`extend`, `run`, `run_rows`,
+class SlotCache(Cache):
+    """One sequence's view of its slot, a `Cache` as KVCache is (`extend`, `run`, `run_rows`,
     `truncate`, `tokens`, `prefilled`): each step is asked of the model thread, which runs it with
     the other sequences'. `cancel()` (from any thread) ends the sequence at its next step."""
 
     def __init__(self, slots: Slots, slot: Slot):
         self.slots = slots
         self.slot = slot
-        self.prefilled = 0  # tokens the last extend() ran through the model
+        self.tokens = slot.tokens  # the slot's own list: changed in place only, whoever changes it
+        self.prefilled = 0
         self.cancelled = False
         self.released = False
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.slot.tokens
-
-    @property
+    @property  # the slot's: it stays with the slot for the next sequence
     def draft_cache(self):
         return self.slot.draft_cache
 
@@ -360,21 +357,7 @@ class SlotCache:
             self.cancelled = True
             self.slots._cond.notify_all()
 
-    def extend(self, token_ids: Sequence[int]) -> np.ndarray:
-        """KVCache.extend: the next-token logits after `token_ids`, the prefix the slot holds kept."""
-        token_ids = list(token_ids)
-        if not token_ids:
-            raise MoepassError("nothing to run: the context is empty")
-        shared = min(shared_prefix(self.tokens, token_ids), len(token_ids) - 1)
-        self.truncate(shared)
-        return self.run(token_ids[shared:])
-
-    def run(self, token_ids: Sequence[int]) -> np.ndarray:
-        return self.run_rows(token_ids, keep=1)[0]
-
     def run_rows(self, token_ids: Sequence[int], keep: int) -> np.ndarray:
-        """KVCache.run_rows: the logits [keep, vocab] of the last `keep` positions after the slot's
-        tokens and `token_ids`."""
         token_ids = list(token_ids)
         check_run(len(token_ids), keep, len(self.tokens), self.slots.decoder.context_length)
         self.prefilled = len(token_ids)

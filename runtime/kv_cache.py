@@ -17,7 +17,7 @@ written over. A full cache grows (to twice its size, up to the model's context) 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -31,25 +31,43 @@ PREFILL_CHUNK = 512
 FIRST_CAPACITY = 8192
 
 
-class Cache(Protocol):
-    """What generation steps through: a `KVCache`, or a slot of a batch (moepass.runtime.batch.SlotCache)."""
+class Cache:
+    """What generation steps through: a `KVCache`, or a slot of a batch (moepass.runtime.batch.SlotCache).
+    Each holds `tokens` (what its filled positions hold) and runs steps after them (`run_rows`);
+    `extend` and `run` are built on those."""
 
-    prefilled: int
-    draft_cache: Any
+    tokens: list[int]
+    prefilled: int  # tokens the last extend() ran through the model
+    draft_cache: Any  # a KVCache of the draft model's, following this one (speculative decoding)
 
-    @property
-    def tokens(self) -> list[int]: ...
+    def extend(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The next-token logits after `token_ids`, the whole context: the cached prefix they share
+        is kept, the rest runs in PREFILL_CHUNK-token steps (as llama.cpp's n_ubatch), so the
+        attention and expert buffers stay bounded."""
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise MoepassError("nothing to run: the context is empty")
+        # the last token runs again: its logits are wanted
+        shared = min(shared_prefix(self.tokens, token_ids), len(token_ids) - 1)
+        self.truncate(shared)
+        return self.run(token_ids[shared:])
 
-    def extend(self, token_ids: Sequence[int]) -> np.ndarray: ...
+    def run(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The next-token logits after the cached tokens and `token_ids`."""
+        return self.run_rows(token_ids, keep=1)[0]
 
-    def run(self, token_ids: Sequence[int]) -> np.ndarray: ...
+    def run_rows(self, token_ids: Sequence[int], keep: int) -> np.ndarray:
+        """The logits `[keep, vocab]` of the last `keep` positions after the cached tokens and
+        `token_ids` (row i: the next-token logits after all but the last keep - 1 - i of them), as
+        speculative decoding checks its drafts."""
+        raise NotImplementedError
 
-    def run_rows(self, token_ids: Sequence[int], keep: int) -> np.ndarray: ...
+    def truncate(self, length: int) -> None:
+        """Forget the positions from `length` on."""
+        raise NotImplementedError
 
-    def truncate(self, length: int) -> None: ...
 
-
-class KVCache:
+class KVCache(Cache):
     """Decoding steps through an IO binding, over a KV cache that holds `tokens`."""
 
     def __init__(self, decoder, capacity: int):
@@ -74,32 +92,13 @@ class KVCache:
             n: ort.OrtValue.ortvalue_from_numpy(a)
             for n, a in decoder.empty_cache(length=self.capacity if self._in_place else 0).items()
         }
-        self.tokens: list[int] = []  # what the filled positions hold
-        self.prefilled = 0  # tokens the last extend() ran through the model
-        self.draft_cache: Any = None  # a KVCache of the draft model's, following this one (speculative decoding)
+        self.tokens = []
+        self.prefilled = 0
+        self.draft_cache = None
         if self._in_place:
             self._bind_cache()
 
-    def extend(self, token_ids: Sequence[int]) -> np.ndarray:
-        """The next-token logits after `token_ids`, the whole context: the cached prefix they share
-        is kept, the rest runs in PREFILL_CHUNK-token steps (as llama.cpp's n_ubatch), so the
-        attention and expert buffers stay bounded."""
-        token_ids = list(token_ids)
-        if not token_ids:
-            raise MoepassError("nothing to run: the context is empty")
-        # the last token runs again: its logits are wanted
-        shared = min(shared_prefix(self.tokens, token_ids), len(token_ids) - 1)
-        self.truncate(shared)
-        return self.run(token_ids[shared:])
-
-    def run(self, token_ids: Sequence[int]) -> np.ndarray:
-        """The next-token logits after the cached tokens and `token_ids`."""
-        return self.run_rows(token_ids, keep=1)[0]
-
     def run_rows(self, token_ids: Sequence[int], keep: int) -> np.ndarray:
-        """The logits `[keep, vocab]` of the last `keep` positions after the cached tokens and
-        `token_ids` (row i: the next-token logits after all but the last keep - 1 - i of them), as
-        speculative decoding checks its drafts."""
         token_ids = list(token_ids)
         check_run(len(token_ids), keep)
         self.prefilled = len(token_ids)
@@ -111,7 +110,6 @@ class KVCache:
         return self._step(rest, keep)
 
     def truncate(self, length: int) -> None:
-        """Forget the positions from `length` on."""
         if length < len(self.tokens):
             del self.tokens[length:]
             if not self._in_place:

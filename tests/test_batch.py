@@ -44,8 +44,9 @@ def alone(decoder, prompt: list[int], new_tokens: int, sampling: Sampling = GREE
     return stream.token_ids, text, stream.finish_reason
 
 
-def together(slots: Slots, prompts: list[list[int]], new_tokens: int, sampling: Sampling = GREEDY, stop=()):
-    """Each prompt generated on a thread of its own through `slots`, all started at once."""
+def on_own_threads(slots: Slots, prompts: list[list[int]], work) -> list:
+    """work(prompt, slot cache) for every prompt, each on a thread of its own with a slot of
+    `slots`, all started at once; the results in the prompts' order."""
     results: list = [None] * len(prompts)
     start = threading.Barrier(len(prompts))
 
@@ -53,8 +54,7 @@ def together(slots: Slots, prompts: list[list[int]], new_tokens: int, sampling: 
         start.wait()
         cache = slots.open(prompts[i])
         try:
-            stream = slots.decoder.generate_text(prompts[i], new_tokens, sampling, stop, cache=cache)
-            results[i] = (stream.token_ids, "".join(stream), stream.finish_reason)
+            results[i] = work(prompts[i], cache)
         finally:
             slots.release(cache)
 
@@ -64,6 +64,16 @@ def together(slots: Slots, prompts: list[list[int]], new_tokens: int, sampling: 
     for t in threads:
         t.join(300)
     return results
+
+
+def together(slots: Slots, prompts: list[list[int]], new_tokens: int, sampling: Sampling = GREEDY, stop=()):
+    """Each prompt's (tokens, text, finish reason), generated together through `slots`."""
+
+    def answer(prompt: list[int], cache) -> tuple:
+        stream = slots.decoder.generate_text(prompt, new_tokens, sampling, stop, cache=cache)
+        return stream.token_ids, "".join(stream), stream.finish_reason
+
+    return on_own_threads(slots, prompts, answer)
 
 
 def steps_alone(decoder, prompt: list[int], new_tokens: int, sampling: Sampling) -> tuple[list[int], np.ndarray]:
@@ -73,24 +83,12 @@ def steps_alone(decoder, prompt: list[int], new_tokens: int, sampling: Sampling)
 
 def steps_together(slots: Slots, prompts: list[list[int]], new_tokens: int, sampling: Sampling) -> list:
     """(tokens, logits of each step) of every prompt, generated together through `slots`."""
-    results: list = [None] * len(prompts)
-    start = threading.Barrier(len(prompts))
 
-    def run(i: int) -> None:
-        start.wait()
-        cache = slots.open(prompts[i])
-        try:
-            steps = list(slots.decoder.generate_steps(prompts[i], new_tokens, (), sampling, cache))
-            results[i] = ([t for t, _ in steps], np.stack([logits for _, logits in steps]))
-        finally:
-            slots.release(cache)
+    def steps(prompt: list[int], cache) -> tuple:
+        taken = list(slots.decoder.generate_steps(prompt, new_tokens, (), sampling, cache))
+        return [t for t, _ in taken], np.stack([logits for _, logits in taken])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return results
+    return on_own_threads(slots, prompts, steps)
 
 
 def test_streams_decoded_together_are_each_the_one_alone(decoder):

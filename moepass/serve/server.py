@@ -880,9 +880,10 @@ def _webui_file(name: str) -> Any:
     from importlib import resources
 
     from fastapi.responses import Response
+    from starlette.exceptions import HTTPException
 
     if name not in WEBUI_FILES:
-        raise _not_found()
+        raise HTTPException(404, "Not Found")
     data = resources.files("moepass.serve").joinpath("webui").joinpath(name).read_bytes()
     return Response(
         data,
@@ -893,12 +894,6 @@ def _webui_file(name: str) -> Any:
             "X-Content-Type-Options": "nosniff",
         },
     )
-
-
-def _not_found():
-    from starlette.exceptions import HTTPException
-
-    return HTTPException(404, "Not Found")
 
 
 def _error_response(e: RequestError) -> "JSONResponse":
