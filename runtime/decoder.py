@@ -279,20 +279,12 @@ class Decoder:
     def feeds(self, input_ids: np.ndarray, past_len: int) -> dict[str, np.ndarray]:
         """input_ids [B, S] after `past_len` cached positions, with the attention mask and position
         ids where the model takes them (exported models may take either, neither or both)."""
-        feeds = {"input_ids": input_ids}
-        batch, length = input_ids.shape
-        if self.feeds_mask:
-            feeds["attention_mask"] = np.ones((batch, past_len + length), dtype=np.int64)
-        if self.feeds_positions:
-            feeds["position_ids"] = np.broadcast_to(
-                np.arange(past_len, past_len + length, dtype=np.int64), (batch, length)
-            ).copy()
-        return feeds
+        return self.row_feeds(input_ids, [past_len] * input_ids.shape[0])
 
     def row_feeds(self, input_ids: np.ndarray, held: Sequence[int]) -> dict[str, np.ndarray]:
         """`feeds` for a batch whose row i runs input_ids[i] after `held[i]` cached positions: the
-        attention mask right-padded (row i: ones for its held and new positions), the positions
-        per row."""
+        attention mask right-padded (row i: ones for its held and new positions; all ones where
+        every row holds as many), the positions per row."""
         batch, length = input_ids.shape
         feeds = {"input_ids": input_ids}
         starts = np.asarray(held, dtype=np.int64)
