@@ -4,6 +4,7 @@
     python benchmarks/runtime.py --presets q4_0 --layers 6 --rounds 2
     python benchmarks/runtime.py --presets q4_k_m --layers 48 --expert-format int4   # full size, streamed
     python benchmarks/runtime.py --presets q4_0 q4_k_m --ik-llama-bench PATH         # ik_llama.cpp beside
+    python benchmarks/runtime.py --presets iq4_xs --llama-quantize PATH --ik-llama-bench PATH --profile
 
 ik_llama.cpp (github:ikawrakow/ik_llama.cpp, a checkout outside this repository) is built with
 `cmake -B BUILD -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release &&
@@ -36,6 +37,8 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,7 +55,9 @@ import cpu_family  # noqa: E402
 import make_fixtures  # noqa: E402
 
 PRESET_NAMES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M (llama.cpp's layer rule)",
-                "q4_k": "Q4_K, Q6_K down/attn_v/output", "q6_k": "Q6_K", "q8_0": "Q8_0"}
+                "q4_k": "Q4_K, Q6_K down/attn_v/output", "q6_k": "Q6_K", "q8_0": "Q8_0",
+                "iq4_xs": "IQ4_XS (llama-quantize's mix, from the Q8_0 file)"}
+QUANTIZED = {"iq4_xs": ("q8_0", "IQ4_XS")}  # made by --llama-quantize from another preset's file (gguf-py cannot)
 
 LLAMA_SCRIPT = r"""
 import json, sys, time
@@ -85,14 +90,24 @@ print(json.dumps(out))
 WRITTEN_WHOLE_LAYERS = 6
 
 
-def qwen3_sized_gguf(work: Path, preset: str, layers: int) -> Path:
+def qwen3_sized_gguf(work: Path, preset: str, layers: int, quantize: str | None = None) -> Path:
     """The benchmarks' file: Qwen3-30B-A3B's layer sizes and vocabulary, `layers` layers, `preset`
     (fixed seed), written into `work` unless it is there already; past WRITTEN_WHOLE_LAYERS, the
-    3-layer file's layers repeated (in llama.cpp's Q4_K_M rule for `layers` where the preset has it)."""
+    3-layer file's layers repeated (in llama.cpp's Q4_K_M rule for `layers` where the preset has it).
+    A QUANTIZED preset is made from its source preset's file by `quantize` (a llama-quantize binary:
+    the type's own mix of tensor types, as published files of that type are made)."""
     gguf = work / f"qwen3moe-30b-sizes-{preset}-{layers}l.gguf"
     if not gguf.exists():
         print(f"writing {gguf.name}", file=sys.stderr, flush=True)
-        if layers > WRITTEN_WHOLE_LAYERS:
+        if preset in QUANTIZED:
+            source, ftype = QUANTIZED[preset]
+            if not quantize:
+                raise SystemExit(f"--presets {preset} needs --llama-quantize PATH (gguf-py cannot write {ftype})")
+            part = gguf.with_suffix(".part")
+            subprocess.run([quantize, "--allow-requantize", str(qwen3_sized_gguf(work, source, layers)), str(part),
+                            ftype], check=True, capture_output=True)
+            part.rename(gguf)
+        elif layers > WRITTEN_WHOLE_LAYERS:
             make_fixtures.deepen_gguf(qwen3_sized_gguf(work, preset, 3), gguf, layers)
         else:
             dims = dataclasses.replace(make_fixtures.QWEN3_30B_DIMS, n_layers=layers)
@@ -186,72 +201,199 @@ MOE_OPS = ("QMoE", "MoE")
 
 
 def bytes_per_decode_step(model_dir: Path) -> tuple[int, int]:
-    """(expert bytes, other weight bytes) one decode step reads (weight_bytes_by_operator)."""
-    by_op = weight_bytes_by_operator(model_dir)
-    expert = sum(by_op.get(op, 0) for op in MOE_OPS)
-    return expert, sum(by_op.values()) - expert
+    """(expert bytes, other weight bytes) one decode step reads, as stored (operator_work)."""
+    work = operator_work(model_dir, 1)
+    expert = sum(w["decode_bytes"] for op, w in work.items() if op in MOE_OPS)
+    return int(expert), int(sum(w["decode_bytes"] for w in work.values()) - expert)
 
 
-def weight_bytes_by_operator(model_dir: Path) -> dict[str, int]:
-    """Weight bytes a decode step reads per operator type of model.onnx, as stored: each node's
-    initializer inputs (also through a Cast of one, which ONNX Runtime folds at load); of a MoE
-    node its top-k experts; of a Gather one row of its table."""
+LM_HEAD = "lm_head"  # the converter's name for the node that only sees the kept positions
+OFFSET_NODES = (".block_sums", ".offsets")  # Q4_K's exact form: work of moepass's, not of the model
+MATRIX_OPS = ("QMoE", "MoE", "MatMulNBits", "MatMul", "Gemm")
+ATTENTION_OPS = ("GroupQueryAttention", "MultiHeadAttention", "Attention")
+
+
+def operator_work(model_dir: Path, prompt_tokens: int) -> dict[str, dict[str, float]]:
+    """Per operator type of model.onnx: the weight bytes (as stored: each node's initializer
+    inputs, also through a Cast of one, which ONNX Runtime folds at load) and multiply-adds of a
+    decode step and of a prefill of `prompt_tokens` tokens. A MoE node reads its top-k experts a
+    step and, over a prefill, each expert some token routes to (expected share 1 - (1 - k/E)^P
+    under even routing); a Gather one row a token; the LM head sees the last position alone."""
     import onnx
 
     model = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
-    sizes = {}
+    sizes, dims = {}, {}
     for t in model.graph.initializer:
         external = {e.key: e.value for e in t.external_data}
         sizes[t.name] = int(external["length"]) if "length" in external else len(t.raw_data)
+        dims[t.name] = list(t.dims)
     cast_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast" and n.input[0] in sizes}
-    rows_of = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
-    out: dict[str, int] = {}
+    out: dict[str, dict[str, float]] = {}
     for n in model.graph.node:
         if n.op_type == "Cast":
             continue
-        read = sum(sizes.get(cast_of.get(i, i), 0) for i in n.input)
-        if n.op_type in MOE_OPS:  # inputs (x, router logits, fc1 weights, ...): experts on the first axis
-            k = next(a.i for a in n.attribute if a.name == "k")
-            read = read * k // rows_of[n.input[2]]
-        elif n.op_type.startswith("Gather") and cast_of.get(n.input[0], n.input[0]) in rows_of:
-            read //= rows_of[cast_of.get(n.input[0], n.input[0])]
-        if read:
-            out[n.op_type] = out.get(n.op_type, 0) + read
+        inputs = [cast_of.get(i, i) for i in n.input]
+        stored = sum(sizes.get(i, 0) for i in inputs)
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        rows = 1 if n.name == LM_HEAD else prompt_tokens
+        step_bytes, prefill_bytes, macs = stored, stored, 0
+        if n.op_type in MOE_OPS:  # inputs (x, router logits, fc1 weights, scales, bias, fc2 weights, ...)
+            experts, k = dims[inputs[2]][0], attrs["k"]
+            per_byte = 8 // attrs.get("expert_weight_bits", 8) if n.op_type == "QMoE" else 1
+            fc1, fc2 = dims[inputs[2]], dims[inputs[5] if n.op_type == "QMoE" else inputs[3]]
+            macs = k * (fc1[1] * fc1[2] * per_byte + fc2[1] * fc2[2] * per_byte)
+            step_bytes = stored * k // experts
+            prefill_bytes = stored * (1 - (1 - k / experts) ** prompt_tokens)
+        elif n.op_type == "MatMulNBits":
+            macs = attrs["K"] * attrs["N"]
+        elif n.op_type in ("MatMul", "Gemm") and len(inputs) > 1 and inputs[1] in dims:
+            macs = dims[inputs[1]][0] * dims[inputs[1]][1]
+        elif n.op_type.startswith("Gather") and inputs[0] in dims:
+            step_bytes = stored // dims[inputs[0]][0]
+            prefill_bytes = step_bytes * prompt_tokens
+        if not (stored or macs):
+            continue
+        key = f"{n.op_type} ({LM_HEAD})" if n.name == LM_HEAD else \
+            f"{n.op_type} (block offsets)" if n.name.endswith(OFFSET_NODES) else n.op_type
+        w = out.setdefault(key, {"decode_bytes": 0, "prefill_bytes": 0, "decode_macs": 0, "prefill_macs": 0})
+        w["decode_bytes"] += step_bytes
+        w["prefill_bytes"] += prefill_bytes
+        w["decode_macs"] += macs
+        w["prefill_macs"] += macs * rows
     return out
 
 
 def profile(model_dir: Path, args) -> dict:
-    """ONNX Runtime's profile of 16 decode steps after 128 tokens (`moepass bench --profile`)."""
+    """ONNX Runtime's profile of three prefills of the first --prompts size and of 16 decode steps
+    after the first --depths size (`moepass bench --profile`): {"prefill": ..., "decode": ...}."""
     text, _ = timed([sys.executable, "-m", "moepass.cli", "bench", str(model_dir), "--json", "--profile", "--threads",
-                     str(args.threads), "--prompt-tokens", "128", "--new-tokens", "4", "--repeats", "1"])
-    return json.loads(text)["decode_profile"]
+                     str(args.threads), "--prompt-tokens", str(args.prompts[0]), "--depth", str(args.depths[0]),
+                     "--new-tokens", "4", "--repeats", "1"])
+    report = json.loads(text)
+    return {phase: report[f"{phase}_profile"] for phase in ("prefill", "decode")}
 
 
-def profile_table(row: dict, bandwidth: float) -> None:
-    """The step by operator type beside the weight bytes each reads and their floor at the copy
-    bandwidth; then the layers' spread and the executor's share."""
-    where, op_bytes = row["profile"], row["op_bytes"]
-    print(f"\n{row['preset']}: a decode step after 128 tokens under ONNX Runtime's profiler, "
-          f"{where['step_ms']:.1f} ms ({where['steps']} steps; the profiler adds its own cost to each node)")
-    print("| operator | nodes a step | ms a step | share of the step | weight MiB a step | floor at copy bandwidth | "
-          "ms over the floor |")
-    print("|---|---|---|---|---|---|---|")
-    for op, v in where["operators"].items():
-        nbytes = op_bytes.get(op, 0)
-        floor = nbytes / bandwidth * 1e3
-        cells = (f"{nbytes / 2**20:.0f} | {floor:.1f} ms | {v['ms'] - floor:+.1f}") if nbytes else "0 | | "
-        if v["ms"] >= 0.05:
-            print(f"| {op} | {v['nodes']:.0f} | {v['ms']:.2f} | {v['ms'] / where['step_ms']:.1%} | {cells} |")
-    print(f"| the executor between kernels | | {where['framework_ms']:.2f} | "
-          f"{where['framework_ms'] / where['step_ms']:.1%} | | | |")
-    total = sum(op_bytes.values())
-    print(f"| **step** | {sum(v['nodes'] for v in where['operators'].values()):.0f} | {where['step_ms']:.2f} | | "
-          f"{total / 2**20:.0f} | {total / bandwidth * 1e3:.1f} ms | {where['step_ms'] - total / bandwidth * 1e3:+.1f} |")
-    layers = sorted(ms for layer, ms in where["layers"].items() if int(layer) >= 0)
-    if layers:
-        print(f"layers: {len(layers)}, ms a step each min / median / max {layers[0]:.2f} / "
-              f"{layers[len(layers) // 2]:.2f} / {layers[-1]:.2f}; outside them (embedding, LM head) "
-              f"{where['layers'].get('-1', 0.0):.2f} ms")
+def profile_table(row: dict, args, bandwidth: float) -> None:
+    """Each phase by operator type: time, multiply-adds and weight bytes, and the rates they imply
+    (GMAC/s; GB/s of the bytes as stored, beside the copy bandwidth); then the executor's share."""
+    for phase, where in row["profile"].items():
+        work = row["work"]
+        unit = (f"a prefill of {args.prompts[0]} tokens" if phase == "prefill"
+                else f"a decode step after {args.depths[0]}")
+        print(f"\n{row['preset']}: {unit} under ONNX Runtime's profiler, {where['step_ms']:.1f} ms "
+              f"({where['runs']} runs; the profiler adds its own cost to each node; copy bandwidth "
+              f"{bandwidth / 1e9:.0f} GB/s)")
+        print("| operator | nodes | ms | share | GMAC | GMAC/s | weight MiB read | GB/s |")
+        print("|---|---|---|---|---|---|---|---|")
+        operators = dict(where["operators"])
+        head = where["node_ms"].get(LM_HEAD)
+        for op in list(operators):  # the LM head apart: it sees one position of a prefill
+            if head is not None and f"{op} ({LM_HEAD})" in work:
+                v = operators.pop(op)
+                operators[f"{op} ({LM_HEAD})"] = {"ms": head, "nodes": 1}
+                operators[op] = {"ms": v["ms"] - head, "nodes": v["nodes"] - 1}
+        for op, v in sorted(operators.items(), key=lambda kv: -kv[1]["ms"]):
+            w = work.get(op, {})
+            macs, nbytes = w.get(f"{phase}_macs", 0), w.get(f"{phase}_bytes", 0)
+            rate = f"{macs / v['ms'] / 1e6:.0f}" if macs and v["ms"] else ""
+            speed = f"{nbytes / v['ms'] / 1e6:.1f}" if nbytes and v["ms"] else ""
+            if v["ms"] >= 0.01 * where["step_ms"]:
+                print(f"| {op} | {v['nodes']:.0f} | {v['ms']:.2f} | {v['ms'] / where['step_ms']:.1%} | "
+                      f"{macs / 1e9:.2f} | {rate} | {nbytes / 2**20:.0f} | {speed} |")
+        print(f"| the executor between kernels | | {where['framework_ms']:.2f} | "
+              f"{where['framework_ms'] / where['step_ms']:.1%} | | | | |")
+        layers = sorted(ms for layer, ms in where["layers"].items() if int(layer) >= 0)
+        if layers:
+            print(f"layers: {len(layers)}, ms each min / median / max {layers[0]:.2f} / {layers[len(layers) // 2]:.2f}"
+                  f" / {layers[-1]:.2f}; outside them (embedding, LM head) {where['layers'].get('-1', 0.0):.2f} ms")
+
+
+IK_GROUPS = (  # ik_llama.cpp's kernels (perf symbols, in order of precedence) -> what they do
+    (re.compile(r"iqk_convert"), "weights converted on the fly (to Q8_0_R8)"),
+    (re.compile(r"fa4|Flash|flash"), "attention (flash)"),
+    (re.compile(r"mul_mat_qX_q8_Helper<[^>]*?(Q\w+?)_1_Unpacker"), "matrix multiply, {} weights"),
+    (re.compile(r"mul_mat_(i?q\w+?)_q8"), "matrix multiply, {} weights"),
+    (re.compile(r"mul_mat_Qx_Qy|mul_mat_up_gate|iqk_mul_mat|mul_mat"), "matrix multiply, float or other"),
+    (re.compile(r"quantize_row"), "activations quantized"),
+    (re.compile(r"rms_norm"), "norms"),
+    (re.compile(r"rope"), "rope"),
+    (re.compile(r"ggml_barrier"), "threads waiting (barrier)"),
+)
+
+
+def ik_group(symbol: str, kernel: bool) -> str:
+    """What one of ik_llama.cpp's perf symbols does (IK_GROUPS; a kernel-mode sample: the system)."""
+    if kernel:
+        return "operating system (page faults, scheduling)"
+    for pattern, what in IK_GROUPS:
+        match = pattern.search(symbol)
+        if match:
+            return what.format(*(g.lower() for g in match.groups()))
+    return "other"
+
+
+def ik_perf(gguf: Path, args, repack: int) -> dict[str, dict[str, float]]:
+    """ik_llama.cpp's llama-bench under `perf record` (user and kernel samples of its threads,
+    after a 4 s delay that skips the model's load and repacking), one run a phase: a prefill of the
+    first --prompts size (-p, 60 repetitions) and decode (-n 128, 10 repetitions); per phase the ms
+    a prefill or a step of each kernel group (its share of the samples times llama-bench's own
+    time for the phase)."""
+    out = {}
+    for phase, bench_args in (("prefill", ["-p", str(args.prompts[0]), "-n", "0", "-r", "60"]),
+                              ("decode", ["-p", "0", "-n", "128", "-r", "10"])):
+        with tempfile.TemporaryDirectory(prefix="moepass-ik-perf-") as tmp:
+            data = str(Path(tmp) / "perf.data")
+            proc = subprocess.run(["perf", "record", "-F", "1999", "-D", "4000", "-o", data, args.ik_llama_bench,
+                                   "-m", str(gguf), "-t", str(args.threads), *bench_args, "-rtr", str(repack),
+                                   "-o", "json"], capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"perf record of {args.ik_llama_bench} failed:\n{proc.stderr[-2000:]}")
+            test = json.loads(proc.stdout[proc.stdout.index("["):])[0]
+            unit_ms = 1e3 / float(test["avg_ts"]) * (args.prompts[0] if phase == "prefill" else 1)
+            report = subprocess.run(["perf", "report", "-i", data, "--no-children", "--sort", "symbol", "-g", "none",
+                                     "--stdio", "--percent-limit", "0.05"], capture_output=True, text=True,
+                                    check=True).stdout
+        groups: dict[str, float] = {}
+        for line in report.splitlines():
+            match = re.match(r"\s*([\d.]+)%\s+\[(.)\]\s+(.*\S)", line)
+            if match:
+                what = ik_group(match[3], match[2] == "k")
+                groups[what] = groups.get(what, 0.0) + float(match[1]) / 100 * unit_ms
+        out[phase] = {"unit_ms": unit_ms, "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
+    return out
+
+
+def profile_summary(row: dict) -> None:
+    """The two engines side by side, ms a prefill and a step: matrices (every weight matrix), their
+    rate in the model's multiply-adds (Q4_K's block offsets not counted), attention, the rest."""
+    macs = sum(w["prefill_macs"] for key, w in row["work"].items()
+               if key.split(" ")[0] in MATRIX_OPS and "offsets" not in key)
+    print(f"\n{row['preset']}: moepass / ik_llama.cpp -rtr 1, ms (each under its profiler)")
+    print("| phase | matrices | their GMAC/s | attention | rest | whole |")
+    print("|---|---|---|---|---|---|")
+    for phase in ("prefill", "decode"):
+        ours, theirs = row["profile"][phase], row["ik_profile"][phase]
+        ours_m = sum(v["ms"] for op, v in ours["operators"].items() if op in MATRIX_OPS)
+        ours_a = sum(v["ms"] for op, v in ours["operators"].items() if op in ATTENTION_OPS)
+        groups = theirs["groups"]
+        theirs_m = sum(ms for what, ms in groups.items() if what.startswith(("matrix multiply", "weights converted")))
+        theirs_a = groups.get("attention (flash)", 0.0)
+        rate = f"{macs / ours_m / 1e6:.0f} / {macs / theirs_m / 1e6:.0f}" if phase == "prefill" else ""
+        print(f"| {phase} | {ours_m:.1f} / {theirs_m:.1f} | {rate} | {ours_a:.1f} / {theirs_a:.1f} | "
+              f"{ours['step_ms'] - ours_m - ours_a:.1f} / {theirs['unit_ms'] - theirs_m - theirs_a:.1f} | "
+              f"{ours['step_ms']:.1f} / {theirs['unit_ms']:.1f} |")
+
+
+def ik_profile_table(row: dict, args) -> None:
+    for phase, where in row["ik_profile"].items():
+        unit = (f"a prefill of {args.prompts[0]} tokens" if phase == "prefill"
+                else "a decode step (from an empty context)")
+        print(f"\n{row['preset']}: ik_llama.cpp -rtr 1, {unit} under perf, {where['unit_ms']:.1f} ms")
+        print("| kernels | ms | share |")
+        print("|---|---|---|")
+        for what, ms in where["groups"].items():
+            if ms >= 0.005 * where["unit_ms"]:
+                print(f"| {what} | {ms:.2f} | {ms / where['unit_ms']:.1%} |")
 
 
 def main() -> None:
@@ -264,13 +406,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", action="store_true",
-                    help="Also profile 16 decode steps after 128 tokens: time by operator beside its weight bytes "
-                         "and their floor at the copy bandwidth, the layers' spread, the executor's share")
+                    help="Also profile a prefill and a decode step: time by operator beside its multiply-adds and "
+                         "weight bytes and the rates they imply, the layers' spread, the executor's share; with "
+                         "--ik-llama-bench and perf installed, ik_llama.cpp -rtr 1's kernels under perf beside")
     ap.add_argument("--expert-format", default="auto", help="moepass convert --expert-format (default: auto)")
     ap.add_argument("--workdir", type=Path, default=None, help="Keep the generated files here (default: a temp dir).")
     ap.add_argument("--ik-llama-bench", default=None,
                     help="ik_llama.cpp's llama-bench binary: a third side, run without and with -rtr 1 (its "
                          "build: docs/benchmarks.md, Decode)")
+    ap.add_argument("--llama-quantize", default=None,
+                    help="llama.cpp's (or ik_llama.cpp's) llama-quantize binary: makes the iq4_xs file from the "
+                         "q8_0 one (--allow-requantize; its IQ4_XS mix of tensor types)")
     ap.add_argument("--llama-python", default=sys.executable,
                     help="Python whose llama_cpp runs the llama.cpp side (default: this one; the tests' oracle is "
                          "an AVX2 build, a benchmark wants the best build the CPU runs)")
@@ -282,7 +428,7 @@ def main() -> None:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for preset in args.presets:
-            gguf = qwen3_sized_gguf(work, preset, args.layers)
+            gguf = qwen3_sized_gguf(work, preset, args.layers, args.llama_quantize)
             out = work / f"{gguf.stem}-onnx" if args.expert_format == "auto" else \
                 work / f"{gguf.stem}-{args.expert_format}-onnx"
             if not out.exists():
@@ -313,12 +459,17 @@ def main() -> None:
                          "ours": best(our_runs), "theirs": best(their_runs), "our_runs": our_runs,
                          "their_runs": their_runs, "ours_rss": our_rss,
                          "theirs_rss": their_rss, "expert_bytes": expert_bytes, "other_bytes": other_bytes,
-                         "model_dir": out, "ik_runs": ik_runs, "ik_rss": ik_rss})
+                         "model_dir": out, "gguf": gguf, "ik_runs": ik_runs, "ik_rss": ik_rss})
         report(rows, args, bandwidth)  # before the profiles: a profile that fails loses no timing
         if args.profile:
             for row in rows:
-                row.update(profile=profile(row["model_dir"], args), op_bytes=weight_bytes_by_operator(row["model_dir"]))
-                profile_table(row, bandwidth)
+                row.update(profile=profile(row["model_dir"], args),
+                           work=operator_work(row["model_dir"], args.prompts[0]))
+                profile_table(row, args, bandwidth)
+                if args.ik_llama_bench and shutil.which("perf"):
+                    row["ik_profile"] = ik_perf(row["gguf"], args, 1)
+                    ik_profile_table(row, args)
+                    profile_summary(row)
 
 
 def report(rows: list[dict], args, bandwidth: float) -> None:

@@ -7,8 +7,9 @@ after `depth` cached tokens (default: after the prompt). Each figure is given as
 over `repeats`; tokens/s come from the best (the least disturbed) run, as llama-bench reports its
 mean over quiet runs. The prompt is a fixed pseudo-random token sequence (seed 0) so runs compare.
 
-`decode_profile` runs a few decode steps under ONNX Runtime's profiler and adds up the kernel
-time per operator type, node and layer, and what the executor takes between kernels.
+`profile_phases` runs a few prefills and decode steps under ONNX Runtime's profiler and adds up, for
+each phase, the kernel time per operator type, node and layer, and what the executor takes
+between kernels.
 """
 
 from __future__ import annotations
@@ -115,46 +116,66 @@ def measure(
     return result
 
 
-def decode_profile(model_dir, new_tokens: int = 16, depth: int = 128, **load_options) -> dict[str, Any]:
-    """Where `new_tokens` decode steps (after `depth` cached tokens) spend their time, from ONNX
-    Runtime's profiler (the prefill left out), per step in milliseconds: `step_ms` (the session's
-    run), `nodes_ms` (the kernels' sum), `framework_ms` (the rest: the executor between kernels),
-    `operators` (op type -> ms and nodes a step), `layers` (layer index, or -1 for nodes outside
-    the layers, -> ms), `node_ms` (node name -> ms), `operator_shares` (op type -> share of the
-    kernel time)."""
+def profile_phases(
+    model_dir, prompt_tokens: int = 128, new_tokens: int = 16, depth: int = 128, repeats: int = 3, **load_options
+) -> dict[str, dict[str, Any]]:
+    """Where a prefill and a decode step spend their time, from ONNX Runtime's profiler, on the
+    generation path: `repeats` prefills of `prompt_tokens` tokens from an empty cache (distinct
+    pseudo-random prompts), then `new_tokens` decode steps after `depth` cached tokens, after a
+    warm-up. Returns {"prefill": ..., "decode": ...}, each per prefill or per decode step in
+    milliseconds: `runs` (the model runs it covers), `step_ms` (the session's runs), `nodes_ms`
+    (the kernels' sum), `framework_ms` (the rest: the executor between kernels), `operators` (op
+    type -> ms and nodes), `layers` (layer index, or -1 for nodes outside the layers, -> ms),
+    `node_ms` (node name -> ms), `operator_shares` (op type -> share of the kernel time); and
+    `prompt_tokens` (prefill) or `steps` and `depth` (decode)."""
     from moepass.runtime import Decoder
 
     with tempfile.TemporaryDirectory(prefix="moepass-profile-") as tmp:
         decoder = Decoder(model_dir, profile_prefix=str(Path(tmp) / "run"), **load_options)
-        prompt = _prompt(decoder, depth)
-        list(decoder.generate(prompt, new_tokens + 1, stop_ids=()))  # a prefill, then new_tokens steps
+        rng = np.random.default_rng(1)
+        list(decoder.generate(_prompt(decoder, 8), 2, stop_ids=()))  # warm-up: the first runs pay for allocation
+        first_prefill = decoder.model_runs
+        for _ in range(repeats):
+            list(decoder.generate(rng.integers(0, decoder.vocab_size, size=prompt_tokens).tolist(), 1, stop_ids=()))
+        last_prefill = decoder.model_runs
+        list(decoder.generate(_prompt(decoder, depth), new_tokens + 1, stop_ids=()))  # a prefill, then the steps
         events = json.loads(Path(decoder.session.end_profiling()).read_text())
+        end = decoder.model_runs
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    steps = runs[-new_tokens:] if len(runs) > new_tokens else runs
-    decode_from = steps[0]["ts"] if steps else 0
-    per_step = 1 / max(len(steps), 1)
+    runs = runs[len(runs) - end :]  # the profiler counts the same runs as model_runs, from the session's start
+    return {
+        "prefill": {**_where(events, runs[first_prefill:last_prefill], repeats), "prompt_tokens": prompt_tokens},
+        "decode": {**_where(events, runs[end - new_tokens : end], new_tokens), "steps": new_tokens, "depth": depth},
+    }
+
+
+def _where(events: list[dict], runs: list[dict], units: int) -> dict[str, Any]:
+    """The kernel time of the nodes inside `runs` (profiler events), per unit (a prefill or a step)."""
+    spans = [(r["ts"], r["ts"] + r["dur"]) for r in runs]
+    per = 1 / max(units, 1)
     operators: dict[str, dict[str, float]] = {}
     layers: dict[int, float] = {}
     node_ms: dict[str, float] = {}
     suffix = "_kernel_time"
     for e in events:
-        if e.get("cat") != "Node" or not e.get("name", "").endswith(suffix) or e["ts"] < decode_from:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith(suffix):
+            continue
+        if not any(start <= e["ts"] <= stop for start, stop in spans):
             continue
         name = e["name"][: -len(suffix)]
-        ms = e["dur"] / 1e3 * per_step
+        ms = e["dur"] / 1e3 * per
         op = operators.setdefault(e.get("args", {}).get("op_name", "?"), {"ms": 0.0, "nodes": 0.0})
         op["ms"] += ms
-        op["nodes"] += per_step
+        op["nodes"] += per
         node_ms[name] = node_ms.get(name, 0.0) + ms
         layer = int(name.split(".")[1]) if name.startswith("blk.") and name.split(".")[1].isdigit() else -1
         layers[layer] = layers.get(layer, 0.0) + ms
-    step_ms = sum(r["dur"] for r in steps) / 1e3 * per_step
+    step_ms = sum(r["dur"] for r in runs) / 1e3 * per
     nodes_ms = sum(op["ms"] for op in operators.values())
     whole = nodes_ms or 1.0
     ordered = dict(sorted(operators.items(), key=lambda kv: -kv[1]["ms"]))
     return {
-        "steps": len(steps),
-        "depth": depth,
+        "runs": len(runs),
         "step_ms": step_ms,
         "nodes_ms": nodes_ms,
         "framework_ms": step_ms - nodes_ms,

@@ -167,18 +167,22 @@ def test_bench_cli(converted):
     assert decode["avg_ts"] == pytest.approx(statistics.fmean(rates))
     assert decode["stddev_ts"] == pytest.approx(statistics.stdev(rates))
     assert decode["tokens_per_s"] == pytest.approx(max(rates))
-    shares = report["decode_operator_shares"]
-    assert {"QMoE", "MatMulNBits", "GroupQueryAttention"} <= set(shares) and sum(shares.values()) == pytest.approx(1)
-    where = report["decode_profile"]
-    assert where["steps"] == 16 and where["depth"] == 20
-    # the parts add up: kernels by operator, by node and by layer; the executor's share is the rest
-    assert sum(v["ms"] for v in where["operators"].values()) == pytest.approx(where["nodes_ms"])
-    assert sum(where["node_ms"].values()) == pytest.approx(where["nodes_ms"])
-    assert sum(where["layers"].values()) == pytest.approx(where["nodes_ms"])
-    assert 0 < where["nodes_ms"] < where["step_ms"]
-    assert where["framework_ms"] == pytest.approx(where["step_ms"] - where["nodes_ms"])
-    assert where["operators"]["QMoE"]["nodes"] == pytest.approx(2)  # one a layer, two layers
-    assert set(where["layers"]) == {"-1", "0", "1"} and where["node_ms"]["blk.1.moe"] > 0
+    for phase, runs in (("prefill", 3), ("decode", 16)):  # three prefills of -p tokens, 16 decode steps
+        shares = report[f"{phase}_operator_shares"]
+        assert {"QMoE", "MatMulNBits", "GroupQueryAttention"} <= set(shares)
+        assert sum(shares.values()) == pytest.approx(1)
+        where = report[f"{phase}_profile"]
+        assert where["runs"] == runs  # the profiler's runs of this phase alone: one a prefill of 8 tokens
+        # the parts add up: kernels by operator, by node and by layer; the executor's share is the rest
+        assert sum(v["ms"] for v in where["operators"].values()) == pytest.approx(where["nodes_ms"])
+        assert sum(where["node_ms"].values()) == pytest.approx(where["nodes_ms"])
+        assert sum(where["layers"].values()) == pytest.approx(where["nodes_ms"])
+        assert 0 < where["nodes_ms"] < where["step_ms"]
+        assert where["framework_ms"] == pytest.approx(where["step_ms"] - where["nodes_ms"])
+        assert where["operators"]["QMoE"]["nodes"] == pytest.approx(2)  # one a layer, two layers, per unit
+        assert set(where["layers"]) == {"-1", "0", "1"} and where["node_ms"]["blk.1.moe"] > 0
+    assert report["prefill_profile"]["prompt_tokens"] == 8
+    assert report["decode_profile"]["steps"] == 16 and report["decode_profile"]["depth"] == 20
 
 
 def test_a_model_larger_than_memory_is_refused_before_onnx_runtime_packs_it(converted, monkeypatch, tmp_path):

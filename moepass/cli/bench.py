@@ -64,7 +64,8 @@ from moepass.core.errors import MoepassError
 @click.option(
     "--profile",
     is_flag=True,
-    help="Also profile 16 decode steps: kernel time per operator type, and the executor's time between kernels.",
+    help="Also profile three prefills of -p tokens and 16 decode steps: kernel time per operator type, and the "
+    "executor's time between kernels, for each phase.",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout (llama-bench-like fields).")
 @runtime_options
@@ -74,7 +75,7 @@ def bench(model_dir: str, prompt_file, profile: bool, as_json: bool, **options) 
 
     MODEL: a converted folder, or a GGUF file (converted once with the defaults into a cache, then reused)."""
     from moepass.runtime import load
-    from moepass.runtime.bench import decode_profile, measure
+    from moepass.runtime.bench import measure, profile_phases
     from moepass.runtime.decoder import default_threads
 
     prompt_tokens, new_tokens, depth, repeats = (
@@ -124,9 +125,10 @@ def bench(model_dir: str, prompt_file, profile: bool, as_json: bool, **options) 
         del load_options["speculative"], load_options["draft_tokens"]
         del decoder  # the profiling session loads the model again: not two copies of its weights at once
         gc.collect()
-        where = decode_profile(model_dir, depth=depth or prompt_tokens, **load_options)
-        result["decode_profile"] = where
-        result["decode_operator_shares"] = where["operator_shares"]
+        phases = profile_phases(model_dir, prompt_tokens, depth=depth or prompt_tokens, **load_options)
+        for phase, where in phases.items():
+            result[f"{phase}_profile"] = where
+            result[f"{phase}_operator_shares"] = where["operator_shares"]
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))
         return
@@ -150,16 +152,18 @@ def bench(model_dir: str, prompt_file, profile: bool, as_json: bool, **options) 
         f"peak RSS {result['peak_rss_bytes'] / 2**20:10.0f} MiB      ({provider}, "
         f"{used} threads, {result['activations']} activations)"
     )
-    if "decode_profile" in result:
-        where = result["decode_profile"]
+    for phase, unit in (("prefill", f"a prefill of {prompt_tokens} tokens"), ("decode", "a decode step")):
+        spent = result.get(f"{phase}_profile")
+        if spent is None:
+            continue
         click.echo(
-            f"profile  {where['step_ms']:10.2f} ms a decode step under the profiler: kernels "
-            f"{where['nodes_ms']:.2f} ms, the executor between them {where['framework_ms']:.2f} ms"
+            f"profile  {spent['step_ms']:10.2f} ms {unit} under the profiler: kernels "
+            f"{spent['nodes_ms']:.2f} ms, the executor between them {spent['framework_ms']:.2f} ms"
         )
-        for op, v in where["operators"].items():
-            if v["ms"] >= 0.01 * where["nodes_ms"]:
+        for op, v in spent["operators"].items():
+            if v["ms"] >= 0.01 * spent["nodes_ms"]:
                 click.echo(
-                    f"  {op:<36}{v['ms'] / where['nodes_ms']:7.1%} of decode kernel time ({v['nodes']:.0f} nodes)"
+                    f"  {op:<36}{v['ms'] / spent['nodes_ms']:7.1%} of {phase} kernel time ({v['nodes']:.0f} nodes)"
                 )
 
 
