@@ -45,6 +45,9 @@ Cases (--cases, comma-separated; default all):
             accuracy_level 0 and 4; per node the time, the bytes as stored and as ONNX Runtime holds
             them after prepacking (the session's anonymous memory, measured), and each one's floor
             at the copy bandwidth.
+  peak      the machine's dense rates, what MLAS's own GEMMs reach on it (M = N = K = 2048):
+            MatMulInteger u8 x s8 (int8 dot products: VNNI where the CPU has it) and float32 MatMul,
+            GMAC/s; the ceiling against which the block-quantized kernels above are read.
 
 `--family both` (the default) runs itself twice, natively and under tests/cpu_family.py's AVX2-only
 shim (CPUID hides AVX-512/AVX-VNNI/AMX, so MLAS takes its AVX2 kernels), and prints one set of
@@ -81,7 +84,7 @@ H, E, TOP_K, I_FFN = 2048, 128, 8, 768
 SHAPES = {"q_proj": (4096, 2048), "kv_proj": (512, 2048), "o_proj": (2048, 4096), "lm_head": (151936, 2048)}  # (N, K)
 PREFILL = 128
 ort.set_default_logger_severity(4)  # refusals are reported in the tables, not logged
-CASES = ("mnb", "q4k", "qmoe", "aug", "f16", "overhead", "stream")
+CASES = ("mnb", "q4k", "qmoe", "aug", "f16", "overhead", "stream", "peak")
 FINGERPRINT = "FINGERPRINT "  # a line a child prints for the parent of --family both
 
 
@@ -856,6 +859,26 @@ def kernel_check(args) -> list[float]:
     packed, scales, _, _ = mnb_form(n, k, 4, 32, "none")
     sess = session(mnb_model(n, k, 1, 4, 32, 4, packed, scales, None), args.threads)
     return sess.run(None, {"x": activations(1, k)})[0][0, :256].tolist()
+
+
+# ---------------------------------------------------------------- case 8: the machine's dense rates
+
+def case_peak(args) -> None:
+    table = Table("8. Dense GEMMs of MLAS's own (M = N = K = 2048): the machine's rates", ["operator", "ms/run", "runs",
+                                                                                        "GMAC/s"])
+    d = 2048
+    rng = np.random.default_rng(8)
+    for op, a_type, a, b in (
+            ("MatMulInteger", np.uint8, rng.integers(0, 256, (d, d), dtype=np.uint8),
+             rng.integers(-127, 128, (d, d), dtype=np.int8)),
+            ("MatMul", np.float32, rng.standard_normal((d, d), dtype=np.float32),
+             rng.standard_normal((d, d), dtype=np.float32))):
+        out_type = np.int32 if op == "MatMulInteger" else np.float32
+        model = model_bytes([helper.make_node(op, ["x", "w"], ["y"])], [value("x", a_type, (d, d))],
+                            [value("y", out_type, (d, d))], [tensor("w", b)])
+        timing = run_timed(model, {"x": a}, (d, d), out_type, args)
+        label = "MatMulInteger (u8 x s8, int32 out)" if op == "MatMulInteger" else "MatMul (float32)"
+        table.add(label, fmt_ms(timing.ms), timing.runs, f"{d ** 3 / timing.ms / 1e6:.0f}")
 
 
 def measure_family(args) -> None:
