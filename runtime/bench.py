@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from moepass.core.errors import MoepassError
+
 
 def _prompt(decoder, n: int) -> list[int]:
     return np.random.default_rng(0).integers(0, decoder.vocab_size, size=n).tolist()
@@ -142,6 +144,8 @@ def profile_phases(
         events = json.loads(Path(decoder.session.end_profiling()).read_text())
         end = decoder.model_runs
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    if len(runs) < end:
+        raise MoepassError(f"ONNX Runtime's profile holds {len(runs)} runs of the {end} made: it dropped events")
     runs = runs[len(runs) - end :]  # the profiler counts the same runs as model_runs, from the session's start
     return {
         "prefill": {**_where(events, runs[first_prefill:last_prefill], repeats), "prompt_tokens": prompt_tokens},
