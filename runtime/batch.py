@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 
 from moepass.core.errors import MoepassError
-from moepass.core.files import LOGITS_TO_KEEP
-from moepass.runtime.kv_cache import FIRST_CAPACITY, PREFILL_CHUNK, Cache, check_run, shared_prefix
+from moepass.runtime.kv_cache import FIRST_CAPACITY, PREFILL_CHUNK, Cache, KeptLogits, check_run, shared_prefix
 
 Decoder = Any  # moepass.runtime.decoder.Decoder, which imports this module
 
@@ -99,7 +98,7 @@ class Slots:
         self._rows = list(self.slots)  # buffer row -> the slot in it
         self._free = list(self.slots)
         self._bindings: dict[tuple[int, int], Any] = {}  # (first row, rows) -> an IO binding with the cache bound
-        self._keep = {1: ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))}
+        self._kept_logits = KeptLogits(ort)
         self._cond = threading.Condition()
         self._open: set[SlotCache] = set()  # sequences that asked for a step and are not released
         self._pending: dict[SlotCache, _Request] = {}
@@ -297,14 +296,11 @@ class Slots:
         if binding is None:
             d = self.decoder
             binding = d.session.io_binding()
-            if d.keeps_logits:
-                binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[1])
-            binding.bind_output("logits", "cpu")
+            binding.bind_output("logits", "cpu")  # the first output bound: get_outputs()[0]
             for past, present in zip(d.past_names, d.present_names):
                 view = self._ort.OrtValue.ortvalue_from_numpy(self._buffers[past][first : first + rows])
                 binding.bind_ortvalue_input(past, view)
                 binding.bind_ortvalue_output(present, view)
-            binding.kept = 1
             self._bindings[key] = binding
         return binding
 
@@ -318,12 +314,8 @@ class Slots:
         if total > self.capacity:
             self._grow(total)
         binding = self._binding(first, len(new))
-        if d.keeps_logits and keep != binding.kept:
-            if keep not in self._keep:
-                self._keep[keep] = self._ort.OrtValue.ortvalue_from_numpy(np.array([keep], dtype=np.int64))
-            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[keep])
-            binding.bind_output("logits", "cpu")
-            binding.kept = keep
+        if d.keeps_logits:
+            self._kept_logits.bind(binding, keep)
         for name, value in d.row_feeds(np.asarray(new, dtype=np.int64), lengths).items():
             binding.bind_cpu_input(name, value)
         d.session.run_with_iobinding(binding)

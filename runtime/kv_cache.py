@@ -67,6 +67,28 @@ class Cache:
         raise NotImplementedError
 
 
+class KeptLogits:
+    """The model's `logits_to_keep` input as IO bindings take it (an overridable initializer: bound
+    as an OrtValue, which bind_cpu_input refuses), one value per count asked, and which count each
+    binding holds (`bind` rebinds only on a change)."""
+
+    def __init__(self, ort):
+        self._ort = ort
+        self._values: dict[int, Any] = {}
+
+    def bind(self, binding, keep: int) -> None:
+        """`binding` computes the logits of the last `keep` positions, into an output of that shape
+        (ONNX Runtime would keep the last one's)."""
+        if getattr(binding, "kept", None) == keep:
+            return
+        value = self._values.get(keep)
+        if value is None:
+            value = self._values[keep] = self._ort.OrtValue.ortvalue_from_numpy(np.array([keep], dtype=np.int64))
+        binding.bind_ortvalue_input(LOGITS_TO_KEEP, value)
+        binding.bind_output("logits", "cpu")
+        binding.kept = keep
+
+
 class KVCache(Cache):
     """Decoding steps through an IO binding, over a KV cache that holds `tokens`."""
 
@@ -84,8 +106,7 @@ class KVCache(Cache):
         self._in_place = decoder.plan.provider == "CPUExecutionProvider" and bool(decoder.past_names)
         # a model without a KV cache (an export of logits only) runs the whole sequence each step
         self._cacheless = not decoder.past_names
-        self._keep = {1: ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))}  # logits_to_keep values
-        self._kept = 1  # the one bound
+        self._kept_logits = KeptLogits(ort)
         # positions allocated now; more are added as they fill (a request may ask for many it never uses)
         self.capacity = max(1, min(capacity, decoder.context_length or capacity, FIRST_CAPACITY))
         self._cache = {
@@ -133,11 +154,10 @@ class KVCache(Cache):
         self._bind_cache()
 
     def _bind_cache(self) -> None:
-        """Bind what stays the same from step to step: logits_to_keep, the logits output and the
-        KV cache (in place: each buffer as both past and present, once for the whole request)."""
+        """Bind what stays the same from step to step: the logits output and the KV cache (in
+        place: each buffer as both past and present, once for the whole request)."""
         d, binding = self._decoder, self._binding
-        if d.keeps_logits:  # an overridable initializer: bound as an OrtValue (bind_cpu_input refuses it)
-            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[self._kept])
+        binding.kept = None  # a new or cleared binding: the step binds logits_to_keep (KeptLogits)
         binding.bind_output("logits", "cpu")  # the first output bound: get_outputs()[0]
         for past, present in zip(d.past_names, d.present_names):
             binding.bind_ortvalue_input(past, self._cache[past])
@@ -159,12 +179,6 @@ class KVCache(Cache):
             d.model_runs += 1
             self.tokens.extend(int(t) for t in token_ids)
             return logits[0, -keep:]
-        if d.keeps_logits and keep != self._kept:
-            if keep not in self._keep:
-                self._keep[keep] = self._ort.OrtValue.ortvalue_from_numpy(np.array([keep], dtype=np.int64))
-            self._kept = keep
-            binding.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[keep])
-            binding.bind_output("logits", "cpu")  # of the new shape (ONNX Runtime kept the last one's)
         ids = np.asarray([token_ids], dtype=np.int64)
         length = len(self.tokens) + ids.shape[1]
         if self._in_place and length > self.capacity:
@@ -173,6 +187,8 @@ class KVCache(Cache):
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
             self._bind_cache()
+        if d.keeps_logits:
+            self._kept_logits.bind(binding, keep)
         for name, value in d.feeds(ids, length - ids.shape[1]).items():  # replaces the previous step's binding
             binding.bind_cpu_input(name, value)
         d.session.run_with_iobinding(binding)
