@@ -868,16 +868,14 @@ def case_peak(args) -> None:
                                                                                         "GMAC/s"])
     d = 2048
     rng = np.random.default_rng(8)
-    for op, a_type, a, b in (
-            ("MatMulInteger", np.uint8, rng.integers(0, 256, (d, d), dtype=np.uint8),
-             rng.integers(-127, 128, (d, d), dtype=np.int8)),
-            ("MatMul", np.float32, rng.standard_normal((d, d), dtype=np.float32),
-             rng.standard_normal((d, d), dtype=np.float32))):
-        out_type = np.int32 if op == "MatMulInteger" else np.float32
-        model = model_bytes([helper.make_node(op, ["x", "w"], ["y"])], [value("x", a_type, (d, d))],
+    for label, op, out_type, a, b in (
+            ("MatMulInteger (u8 x s8, int32 out)", "MatMulInteger", np.int32,
+             rng.integers(0, 256, (d, d), dtype=np.uint8), rng.integers(-127, 128, (d, d), dtype=np.int8)),
+            ("MatMul (float32)", "MatMul", np.float32,
+             rng.standard_normal((d, d), dtype=np.float32), rng.standard_normal((d, d), dtype=np.float32))):
+        model = model_bytes([helper.make_node(op, ["x", "w"], ["y"])], [value("x", a.dtype, (d, d))],
                             [value("y", out_type, (d, d))], [tensor("w", b)])
         timing = run_timed(model, {"x": a}, (d, d), out_type, args)
-        label = "MatMulInteger (u8 x s8, int32 out)" if op == "MatMulInteger" else "MatMul (float32)"
         table.add(label, fmt_ms(timing.ms), timing.runs, f"{d ** 3 / timing.ms / 1e6:.0f}")
 
 

@@ -162,6 +162,11 @@ def theirs(gguf: Path, args) -> tuple[dict, int]:
     return {kind: {int(n): v for n, v in values.items()} for kind, values in raw.items()}, rss
 
 
+def bench_tests(stdout: str) -> list[dict]:
+    """The tests of llama-bench's `-o json` output (after whatever it printed before the list)."""
+    return json.loads(stdout[stdout.index("["):])
+
+
 def ik_llama(gguf: Path, args, repack: int) -> tuple[dict, int]:
     """ik_llama.cpp's llama-bench (`--ik-llama-bench`) on the same file and threads, with `-rtr
     repack` (its run-time repacking into row-interleaved blocks): prefill of each prompt size from
@@ -172,7 +177,7 @@ def ik_llama(gguf: Path, args, repack: int) -> tuple[dict, int]:
            "-rtr", str(repack), "-o", "json"]
     text, rss = timed(cmd)
     out: dict = {"prefill": {}, "decode": {}}
-    for test in json.loads(text[text.index("["):]):
+    for test in bench_tests(text):
         if test.get("n_gen", 0) == 0:
             out["prefill"][int(test["n_prompt"])] = float(test["avg_ts"])
         else:
@@ -287,11 +292,11 @@ def profile_table(row: dict, args, bandwidth: float) -> None:
         print("|---|---|---|---|---|---|---|---|")
         operators = dict(where["operators"])
         head = where["node_ms"].get(LM_HEAD)
-        for op in list(operators):  # the LM head apart: it sees one position of a prefill
-            if head is not None and f"{op} ({LM_HEAD})" in work:
-                v = operators.pop(op)
-                operators[f"{op} ({LM_HEAD})"] = {"ms": head, "nodes": 1}
-                operators[op] = {"ms": v["ms"] - head, "nodes": v["nodes"] - 1}
+        head_op = next((op for op in operators if f"{op} ({LM_HEAD})" in work), None)
+        if head is not None and head_op is not None:  # the LM head apart: it sees one position of a prefill
+            v = operators[head_op]
+            operators[f"{head_op} ({LM_HEAD})"] = {"ms": head, "nodes": 1}
+            operators[head_op] = {"ms": v["ms"] - head, "nodes": v["nodes"] - 1}
         for op, v in sorted(operators.items(), key=lambda kv: -kv[1]["ms"]):
             w = work.get(op, {})
             macs, nbytes = w.get(f"{phase}_macs", 0), w.get(f"{phase}_bytes", 0)
@@ -348,7 +353,7 @@ def ik_perf(gguf: Path, args, repack: int) -> dict[str, dict[str, float]]:
                                    "-o", "json"], capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(f"perf record of {args.ik_llama_bench} failed:\n{proc.stderr[-2000:]}")
-            test = json.loads(proc.stdout[proc.stdout.index("["):])[0]
+            test = bench_tests(proc.stdout)[0]
             unit_ms = 1e3 / float(test["avg_ts"]) * (args.prompts[0] if phase == "prefill" else 1)
             report = subprocess.run(["perf", "report", "-i", data, "--no-children", "--sort", "symbol", "-g", "none",
                                      "--stdio", "--percent-limit", "0.05"], capture_output=True, text=True,
