@@ -217,7 +217,7 @@ def format_inspection(info: dict[str, Any]) -> list[str]:
         resident = "" if m["resident"] is None else f", {m['resident']} resident on the GPU (stored first)"
         cuda = "; CUDA takes it" if m["cuda"] is None else "; not on CUDA"
         lines.append(
-            f"  {m['node']:<16}{m['op']:<6}{m['form']:<18}{m['experts']} experts, top-{m['top_k']}, "
+            f"  {m['node']:<16}{m['op']:<6} {m['form']:<18} {m['experts']} experts, top-{m['top_k']}, "
             f"{m['bytes']:,} bytes{resident}{cuda}"
         )
     kv = info.get("kv_cache") or {}

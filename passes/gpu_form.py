@@ -46,6 +46,7 @@ from moepass.core.moe_nodes import (
     MoeNode,
     NodeList,
     Router,
+    is_native,
     moe_node,
     moe_nodes,
 )
@@ -282,6 +283,10 @@ class GpuFormPass(InPlacePass):
                 forms = gpu_forms(moe, self.target, _types_of(moe))
                 if forms is not None:
                     self._reform(graph, moe, forms)
+                elif is_native(moe.node):  # the same blocks and contract as ONNX Runtime's CUDA MoEPacked
+                    moe.node.domain = "com.microsoft"
+            elif is_native(moe.node):
+                continue  # moepass's own CPU kernels run it as it is
             elif moe.node.op_type == "MoEPacked":  # no CPU kernel: a CPU layer takes the conversion's CPU form
                 types = packed_rows(moe).types
                 assert types is not None  # a MoEPacked node's attributes type every blob

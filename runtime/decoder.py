@@ -31,6 +31,7 @@ from moepass.runtime.providers import (
     log,
     plan_session,
     provider_in_effect,
+    register_native_kernels,
 )
 from moepass.runtime.sampling import Sampling, StopStrings, choose_token
 
@@ -115,6 +116,7 @@ class Decoder:
             options.profile_file_prefix = profile_prefix
         for key, value in self.plan.config_entries.items():
             options.add_session_config_entry(key, value)
+        register_native_kernels(options, structure)
         source: str | bytes = str(model_path)
         if graph is not None:
             source = onnx_ir.to_proto(stamp(graph, str(model_path))).SerializeToString()

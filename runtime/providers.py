@@ -29,7 +29,7 @@ from moepass.core.capabilities import layout_problems, offload_violations, relea
 from moepass.core.choices import DEVICES, PLUGIN_ENV, one_of
 from moepass.core.errors import MoepassError, first_line, no_such_path, wording
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
-from moepass.core.moe_nodes import moe_nodes
+from moepass.core.moe_nodes import is_cuda_packed, is_native, moe_nodes
 
 log = logging.getLogger("moepass")
 
@@ -146,9 +146,26 @@ def _choose_provider(ort, device: str, plugin_library: str | None) -> tuple[str,
     return provider, plugin_devices
 
 
+def register_native_kernels(options, model: ir.Model) -> None:
+    """Register moepass.cpu_ops's kernels with `options` where the model has moepass::MoEPacked nodes
+    (--expert-format native); where the kernels cannot run here, one line saying why."""
+    native = [m.name for m in moe_nodes(model.graph) if is_native(m.node)]
+    if not native:
+        return
+    import moepass.cpu_ops as cpu_ops
+
+    why = cpu_ops.unavailable()
+    if why is not None:
+        raise MoepassError(
+            f"MoE node {native[0]} is a moepass::MoEPacked node, run by moepass's own CPU kernels, which cannot "
+            f"run here: {why}; convert without {wording().option('--expert-format', 'native')} to run it"
+        )
+    cpu_ops.register(options)
+
+
 def _check_packed(ort, model: ir.Model, device: str, provider: str) -> None:
     """Refuse MoEPacked nodes (the GGUF's own blocks) on the CPU EP: ONNX Runtime runs them on CUDA only."""
-    packed = [m.name for m in moe_nodes(model.graph) if m.node.op_type == "MoEPacked"]
+    packed = [m.name for m in moe_nodes(model.graph) if is_cuda_packed(m.node)]
     if packed and provider == CPU_EP:
         raise MoepassError(
             f"MoE node {packed[0]} is a com.microsoft::MoEPacked node (the GGUF's own blocks), which ONNX Runtime "

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ["moepass", "passes", "runtime", "cuda_ops"]
+PACKAGE = ["moepass", "passes", "runtime", "cuda_ops", "cpu_ops"]
 
 
 def _ruff() -> list[str]:
@@ -56,7 +56,7 @@ def test_the_check_finds_a_complex_function(tmp_path):
 def test_package_is_ruff_formatted():
     result = subprocess.run([*_ruff(), "format", "--check", "--no-cache", *PACKAGE], cwd=ROOT, capture_output=True,
                             text=True)
-    assert result.returncode == 0, "run `ruff format moepass passes runtime cuda_ops`:\n" + result.stdout
+    assert result.returncode == 0, "run `ruff format moepass passes runtime cuda_ops cpu_ops`:\n" + result.stdout
 
 
 def test_the_format_check_finds_a_misformatted_file(tmp_path):

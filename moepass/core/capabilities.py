@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from moepass.core.errors import wording
 from moepass.core.ir_values import input_at, required_input, tensor_dims
-from moepass.core.moe_nodes import QMOE_SLOTS, moe_nodes
+from moepass.core.moe_nodes import QMOE_SLOTS, is_cuda_packed, is_native, moe_nodes
 from moepass.core.ort import CUDA_REGISTRY, HALF, OPERATORS
 from moepass.core.quants import CUDA_QMOE_BLOCKS
 
@@ -28,6 +28,11 @@ def offload_violations(model: ir.Model) -> list[tuple[str, str]]:
     found = []
     for moe in moe_nodes(model.graph):
         node, attrs = moe.node, moe.node.attributes
+        if is_native(node):
+            found.append(
+                (moe.name, "a moepass::MoEPacked node runs on the CPU; partition lowers it to the offload form")
+            )
+            continue
         if node.op_type == "MoEPacked":
             found.append(
                 (
@@ -296,7 +301,7 @@ RELEASE_GAPS = (
         (1, 32),
         "com.microsoft::MoEPacked nodes (the GGUF's own blocks: the packed expert format)",
         "the operator is new in 1.32",
-        lambda node: node.op_type == "MoEPacked",
+        is_cuda_packed,
     ),
     ReleaseGap(
         (1, 32),

@@ -28,6 +28,8 @@ EXPERT_INPUTS = {"QMoE": range(2, 14), "MoE": range(2, 8), "MoEPacked": range(2,
 # com.microsoft::MoEPacked (ONNX Runtime 1.32, CUDA only): the GGUF's own expert blocks, one blob
 # [E, rows, row bytes] per projection, typed by GGML type id; router_weights at 5
 PACKED_SLOTS = {"gate": 2, "up": 3, "down": 4}
+# the domain of moepass's own operators (moepass.cpu_ops: the same MoEPacked contract on the CPU)
+NATIVE_DOMAIN = "moepass"
 PACKED_ROUTER_WEIGHTS = 5
 ROUTER_LOGITS = 1
 # weights, scales, bias, zero points
@@ -146,25 +148,25 @@ def packed_moe_node(
     op: MakeOp,
     name: str,
     hidden: ir.Value,
-    router_logits: ir.Value,
+    router: Router,
     blobs: tuple[ir.Value, ir.Value, ir.Value],
     types: tuple[int, int, int],
     *,
-    top_k: int,
-    normalize: bool,
+    domain: str = "com.microsoft",
 ) -> ir.Value:
-    """One MoE layer as a com.microsoft::MoEPacked node over the GGUF's own expert blocks: gate, up
-    and down blobs [E, rows, row bytes] with their GGML type ids, SwiGLU, the legacy routing (softmax
-    of the logits, top-k, renormalized over the k where `normalize`)."""
+    """One MoE layer as a MoEPacked node over the GGUF's own expert blocks: gate, up and down blobs
+    [E, rows, row bytes] with their GGML type ids, SwiGLU, the legacy routing (softmax of the logits,
+    top-k, renormalized over the k where `router.normalize`). `domain` com.microsoft: ONNX Runtime's (CUDA
+    only); NATIVE_DOMAIN: the same contract in float32, run on the CPU by moepass.cpu_ops."""
     attributes = {
-        "k": top_k,
+        "k": router.top_k,
         "activation_type": "swiglu",
         "gate_type": types[0],
         "up_type": types[1],
         "down_type": types[2],
-        "normalize_routing_weights": int(normalize),
+        "normalize_routing_weights": int(router.normalize),
     }
-    return op("MoEPacked", [hidden, router_logits, *blobs], attributes, domain="com.microsoft", name=name)
+    return op("MoEPacked", [hidden, router.logits, *blobs], attributes, domain=domain, name=name)
 
 
 def _trimmed(inputs: list[ir.Value | None]) -> list[ir.Value | None]:
@@ -195,7 +197,17 @@ class NodeList:
 
 
 def is_moe(node: ir.Node) -> bool:
-    return node.domain == "com.microsoft" and node.op_type in MOE_OPS
+    return (node.domain == "com.microsoft" and node.op_type in MOE_OPS) or is_native(node)
+
+
+def is_native(node: ir.Node) -> bool:
+    """A moepass::MoEPacked node: the GGUF's own blocks, run on the CPU by moepass.cpu_ops."""
+    return node.domain == NATIVE_DOMAIN and node.op_type == "MoEPacked"
+
+
+def is_cuda_packed(node: ir.Node) -> bool:
+    """A com.microsoft::MoEPacked node: the GGUF's own blocks, which ONNX Runtime runs on CUDA only."""
+    return node.domain == "com.microsoft" and node.op_type == "MoEPacked"
 
 
 @dataclasses.dataclass

@@ -68,7 +68,8 @@ CONVERT_OPTIONS = option_table(
             "bits at the largest block (keeps llama.cpp's fidelity); int4: 4 bits (half the bytes, more error), "
             "int8: 8 bits; offload: what ONNX Runtime's expert offload takes (int4 block 32 prepacked, float16 "
             "graph); packed: the GGUF's own blocks as they are, in MoEPacked nodes (CUDA only: no CPU kernel "
-            "runs them).",
+            "runs them); native: the GGUF's own blocks as they are, run on the CPU by moepass's own kernels "
+            "(moepass::MoEPacked; Q4_0 and Q8_0 experts so far).",
             "auto",
             choices=EXPERT_FORMATS,
         ),

@@ -377,6 +377,9 @@ class QuantType:
     # NaN or Inf would make every value of the block non-finite. None: no fp16 scale to check
     # (float types are checked whole; MXFP4's e8m0 scale and IQ1_M's split scale are special cases).
     scales: tuple[int, ...] | None = (0,)
+    # Whether moepass.cpu_ops has a kernel over this type's own blocks (--expert-format native; the C
+    # side's table, cpu_ops/dispatch.c, is held to this one by tests/test_cpu_ops.py)
+    cpu_kernel: bool = False
 
     @property
     def name(self) -> str:
@@ -421,9 +424,27 @@ QUANT_TYPES: dict[GT, QuantType] = {
         QuantType(GT.F16, "float", scales=None),
         QuantType(GT.BF16, "float", scales=None),
         QuantType(
-            GT.Q8_0, "blocks", 32, (-128, 127), decode_q8_0, {8: direct_q8_0_int8}, fp16_scales=True, int8_block=32
+            GT.Q8_0,
+            "blocks",
+            32,
+            (-128, 127),
+            decode_q8_0,
+            {8: direct_q8_0_int8},
+            fp16_scales=True,
+            int8_block=32,
+            cpu_kernel=True,
         ),
-        QuantType(GT.Q4_0, "blocks", 32, (-8, 7), decode_q4_0, {4: direct_q4_0_int4}, fp16_scales=True, int8_block=32),
+        QuantType(
+            GT.Q4_0,
+            "blocks",
+            32,
+            (-8, 7),
+            decode_q4_0,
+            {4: direct_q4_0_int4},
+            fp16_scales=True,
+            int8_block=32,
+            cpu_kernel=True,
+        ),
         QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, scales=(208,)),
         QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0, fp16_scales=True, int8_block=32),
         QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl, fp16_scales=True, int8_block=32),
@@ -486,6 +507,10 @@ def has_non_finite(raw: np.ndarray, ggml_type: GT) -> bool:
     from moepass.core import quant_kernels
 
     return quant_kernels.any_non_finite_fp16(blocks, qt.scales)
+
+
+# the types moepass.cpu_ops's kernels take, by name
+NATIVE_TYPES = tuple(t.name for t in QUANT_TYPES.values() if t.cpu_kernel)
 
 
 def quant_type(ggml_type: GT, tensor_name: str, file: object = None) -> QuantType:

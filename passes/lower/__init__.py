@@ -29,6 +29,7 @@ from moepass.core.choices import EXPERT_FORMATS, FLOAT_EXPERT_CHOICES, MAX_CONTE
 from moepass.core.errors import MoepassError, wording
 from moepass.core.files import LOGITS_TO_KEEP
 from moepass.core.gguf_reader import GGUFModel
+from moepass.core.moe_nodes import NATIVE_DOMAIN
 from moepass.core.onnx_format import OPSETS, ir_version_for
 from moepass.core.version import __version__
 from moepass.passes.lower.attention import attention, attention_inputs
@@ -112,12 +113,15 @@ def moe_decoder(builder: GraphBuilder) -> ir.Graph:
     logits.name = "logits"
     logits.type = ir.TensorType(builder.act)
     logits.shape = ir.Shape(["batch_size", "logits_sequence_length", hparams.vocab])
+    opsets = dict(OPSETS)
+    if any(n.domain == NATIVE_DOMAIN for n in tape.nodes):  # moepass.cpu_ops's operators
+        opsets[NATIVE_DOMAIN] = 1
     return ir.Graph(
         inputs,
         [logits] + outputs,
         nodes=tape.nodes,
         initializers=tape.initializers,
-        opset_imports=dict(OPSETS),
+        opset_imports=opsets,
         name=f"moepass_{builder.arch.gguf_arch}",
     )
 
@@ -165,7 +169,7 @@ def lower_gguf(gguf: GGUFModel, arch: Architecture, options: LowerOptions = Lowe
     graph = RECIPES[arch.recipe](b)
     model = ir.Model(
         graph,
-        ir_version=ir_version_for(OPSETS),
+        ir_version=ir_version_for(graph.opset_imports),
         producer_name="moepass",
         producer_version=__version__,
         metadata_props={

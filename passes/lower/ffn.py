@@ -7,8 +7,16 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
 from moepass.core.errors import MoepassError, wording
-from moepass.core.moe_nodes import ExpertCodes, Experts, Router, moe_node, packed_moe_node
-from moepass.core.quants import OFFLOAD_FORM, ExpertForms, expert_form, quant_type, requantize_form, scales_in_float16
+from moepass.core.moe_nodes import NATIVE_DOMAIN, ExpertCodes, Experts, Router, moe_node, packed_moe_node
+from moepass.core.quants import (
+    NATIVE_TYPES,
+    OFFLOAD_FORM,
+    ExpertForms,
+    expert_form,
+    quant_type,
+    requantize_form,
+    scales_in_float16,
+)
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
 from moepass.passes.lower.graph_builder import GraphBuilder
@@ -71,9 +79,9 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
         return builder.expert_bias(f"{prefix}.fc2_bias", [builder.tensor("ffn_down_exps_bias", layer)], pad=pad)
 
     pad = 0
-    if builder.options.expert_format == "packed" and not any(floats):
+    if builder.options.expert_format in ("packed", "native") and not any(floats):
         out = _packed(builder, name, x2d, router, (gate, up, down), types, renormalizes(feats))
-        form_name = "packed " + "/".join(qt.name for qt in types)
+        form_name = f"{builder.options.expert_format} " + "/".join(qt.name for qt in types)
     elif all(floats) and builder.options.float_experts == "keep":
         fc1 = builder.float_experts(f"{prefix}.fc1", [gate, up])
         fc2 = builder.float_experts(f"{prefix}.fc2", [down])
@@ -158,23 +166,32 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
 
 
 def _packed(builder: GraphBuilder, name: str, x2d: ir.Value, router: ir.Value, sources, types, normalize: bool):
-    """A MoE layer as MoEPacked over the GGUF's own gate, up and down blocks (--expert-format
-    packed): what it has no input for (expert biases, a clamped or shifted SwiGLU) is refused."""
+    """A MoE layer as MoEPacked over the GGUF's own gate, up and down blocks (--expert-format packed:
+    ONNX Runtime's, CUDA only; native: moepass's, run on the CPU by moepass.cpu_ops, for the types its
+    kernels take): what it has no input for (expert biases, a clamped or shifted SwiGLU) is refused."""
     feats = builder.arch.features
     activation = ACTIVATIONS[feats.activation]
+    expert_format = builder.options.expert_format
     if feats.expert_biases or (activation.alpha, activation.beta, activation.limit) != (1.0, 0.0, None):
         raise MoepassError(
-            f"{name}: {wording().option('--expert-format', 'packed')}: MoEPacked has no expert biases and computes "
-            f"the plain SwiGLU; this {builder.arch.gguf_arch} model's experts need them (convert with "
-            f"{wording().option('--expert-format', 'offload')})"
+            f"{name}: {wording().option('--expert-format', expert_format)}: MoEPacked has no expert biases and "
+            f"computes the plain SwiGLU; this {builder.arch.gguf_arch} model's experts need them (convert with "
+            f"{wording().option('--expert-format', 'offload' if expert_format == 'packed' else 'auto')})"
+        )
+    untaken = [qt.name for qt in types if qt.name not in NATIVE_TYPES]
+    if expert_format == "native" and untaken:
+        raise MoepassError(
+            f"{name}: {wording().option('--expert-format', 'native')}: moepass's CPU kernels take "
+            f"{', '.join(NATIVE_TYPES)} experts, not {', '.join(dict.fromkeys(untaken))} (convert with "
+            f"{wording().option('--expert-format', 'auto')})"
         )
     prefix = f"{name.removesuffix('.moe')}.ffn_experts"
     gate, up, down = (builder.gguf_blob(f"{prefix}.{role}", src) for role, src in zip(("gate", "up", "down"), sources))
     blobs = (gate, up, down)
     ids = (int(types[0].ggml_type), int(types[1].ggml_type), int(types[2].ggml_type))
-    return packed_moe_node(
-        builder.tape.op, name, x2d, router, blobs, ids, top_k=builder.hp.n_experts_used, normalize=normalize
-    )
+    domain = NATIVE_DOMAIN if expert_format == "native" else "com.microsoft"
+    routing = Router(router, builder.hp.n_experts_used, normalize)
+    return packed_moe_node(builder.tape.op, name, x2d, routing, blobs, ids, domain=domain)
 
 
 def gated_mlp(builder: GraphBuilder, x2d: ir.Value, roles: tuple[str, str, str], layer: int, prefix: str) -> ir.Value:

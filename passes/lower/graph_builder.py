@@ -61,6 +61,7 @@ class GraphBuilder:
         self.moe_layers: list[dict[str, Any]] = []
         self.offload = options.expert_format == "offload"
         # activations, float weights and scales: float16 for the GPU's formats (offload, packed), else float32
+        # (native: the GGUF's own blocks on the CPU, float32 activations)
         half = options.expert_format in ("offload", "packed")
         self.act = ir.DataType.FLOAT16 if half else ir.DataType.FLOAT
         self.np_act = np.float16 if half else np.float32

@@ -1,0 +1,59 @@
+/* The one dispatch table: the quant types the kernels take, and which ISA's kernels run. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+const QuantType quant_types[] = {
+    {GGML_Q4_0, "Q4_0", 32, 18, ACT_Q8_0},
+    {GGML_Q8_0, "Q8_0", 32, 34, ACT_Q8_0},
+};
+const size_t quant_type_count = sizeof quant_types / sizeof quant_types[0];
+
+int quant_type_index(int64_t ggml_type) {
+    for (size_t i = 0; i < quant_type_count; i++)
+        if (quant_types[i].ggml_type == ggml_type)
+            return (int)i;
+    return -1;
+}
+
+int isa_supported(int isa) {
+    __builtin_cpu_init();
+    switch (isa) {
+    case ISA_SCALAR:
+        return 1;
+    case ISA_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case ISA_AVX512:
+        return isa_supported(ISA_AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    default:
+        return 0;
+    }
+}
+
+const KernelTable *kernels_by_isa(int isa) {
+    static const KernelTable *tables[ISA_COUNT] = {&kernels_scalar, &kernels_avx2, &kernels_avx512};
+    return isa >= 0 && isa < ISA_COUNT ? tables[isa] : NULL;
+}
+
+const KernelTable *choose_kernels(const char **why) {
+    static const char *names[ISA_COUNT] = {"scalar", "avx2", "avx512"};
+    const char *asked = getenv("MOEPASS_CPU_ISA");
+    *why = NULL;
+    if (asked && *asked) {
+        for (int isa = 0; isa < ISA_COUNT; isa++)
+            if (!strcmp(asked, names[isa])) {
+                if (isa_supported(isa))
+                    return kernels_by_isa(isa);
+                *why = "MOEPASS_CPU_ISA names an instruction set this CPU lacks";
+                return NULL;
+            }
+        *why = "MOEPASS_CPU_ISA is none of scalar, avx2, avx512";
+        return NULL;
+    }
+    for (int isa = ISA_COUNT - 1; isa > 0; isa--)
+        if (isa_supported(isa))
+            return kernels_by_isa(isa);
+    return &kernels_scalar;
+}

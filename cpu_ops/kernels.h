@@ -1,0 +1,147 @@
+/* The kernels' contract: GGML's block layouts, the quantized activations they are multiplied with, and
+ * one dispatch table per instruction set, filled once (dispatch.c). Every ISA file computes each value
+ * exactly as quant_scalar.c does: a block's integer dot product is exact, and a row's blocks are summed
+ * in block order as acc = fmaf(d_weight * d_activation, (float)sumi, acc). So a row's result is bitwise
+ * the same on every path and whatever else is in the call. */
+#ifndef MOEPASS_KERNELS_H
+#define MOEPASS_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* GGML type ids (ggml.h's enum ggml_type, gguf-py's GGMLQuantizationType) */
+enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8 };
+
+/* Activations quantized once per row, as llama.cpp quantizes them for these types' dot products
+ * (its Q8_0 blocks): 32 codes a block, the block's scale rounded to float16, the codes' sum. */
+enum { ACT_Q8_0 = 0, ACT_FORMATS };
+#define QK8 32
+
+typedef struct {
+    int8_t *qs;    /* K codes */
+    float *d;      /* K / 32 scales */
+    int32_t *sums; /* K / 32 sums of the codes */
+} ActRow;
+
+/* bytes one quantized activation row of K elements takes (codes, scales, sums) */
+static inline size_t act_row_bytes(size_t k) { return k + (k / QK8) * (sizeof(float) + sizeof(int32_t)); }
+
+/* the row at `base` laid out as act_row_bytes(k) says */
+static inline ActRow act_row_at(uint8_t *base, size_t k) {
+    ActRow row;
+    row.d = (float *)base;
+    row.sums = (int32_t *)(base + (k / QK8) * sizeof(float));
+    row.qs = (int8_t *)(base + (k / QK8) * (sizeof(float) + sizeof(int32_t)));
+    return row;
+}
+
+/* out[r] = row r of `rows` (n_rows rows of row_bytes, GGML blocks) . x, over n_blocks blocks */
+typedef void (*DotRows)(const uint8_t *rows, size_t row_bytes, size_t n_rows, const ActRow *x, size_t n_blocks,
+                        float *out);
+/* x (k floats, k a multiple of 32) quantized into y */
+typedef void (*QuantizeRow)(const float *x, size_t k, ActRow *y);
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_COUNT };
+
+/* One GGUF type the kernels take: its block geometry and activation format (one row per type). */
+typedef struct {
+    int ggml_type;
+    const char *name;
+    int block;      /* elements a block */
+    int block_size; /* bytes a block */
+    int act;        /* ACT_* its activations are quantized to */
+} QuantType;
+
+typedef struct {
+    const char *name;
+    DotRows dot[2]; /* Q4_0, Q8_0: by quant_types[] index */
+    QuantizeRow quantize[ACT_FORMATS];
+} KernelTable;
+
+extern const QuantType quant_types[];
+extern const size_t quant_type_count;
+/* the index of `ggml_type` in quant_types, or -1 where the kernels do not take it */
+int quant_type_index(int64_t ggml_type);
+
+extern const KernelTable kernels_scalar, kernels_avx2, kernels_avx512;
+/* every AVX-512 CPU has AVX2: its table takes this quantizer */
+void quantize_q8_0_avx2(const float *x, size_t k, ActRow *y);
+/* the best table this CPU runs, or the one MOEPASS_CPU_ISA names (scalar, avx2, avx512; never one the
+ * CPU lacks: then NULL and `why` says so) */
+const KernelTable *choose_kernels(const char **why);
+int isa_supported(int isa);
+const KernelTable *kernels_by_isa(int isa);
+
+/* IEEE half <-> float, round to nearest even (the F16C instructions' results, bit for bit) */
+static inline float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_fp16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint32_t sign = (x >> 16) & 0x8000, abs = x & 0x7fffffffu;
+    if (abs >= 0x7f800000u) /* inf or NaN (quiet) */
+        return (uint16_t)(sign | 0x7c00 | (abs > 0x7f800000u ? 0x200 | ((abs >> 13) & 0x3ff) : 0));
+    if (abs >= 0x477ff000u) /* rounds to infinity */
+        return (uint16_t)(sign | 0x7c00);
+    if (abs < 0x38800000u) { /* subnormal half or zero */
+        if (abs < 0x33000000u)
+            return (uint16_t)sign;
+        uint32_t e = abs >> 23, man = (abs & 0x7fffff) | 0x800000, shift = 126 - e;
+        uint32_t half = man >> shift, rest = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1)))
+            half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((abs >> 13) - (112u << 10)), rest = abs & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1)))
+        half++;
+    return (uint16_t)(sign | half);
+}
+
+/* whether a block of activations is all finite: a block with a NaN or an infinity gets no codes and a
+ * NaN scale, so the rows it meets come out NaN on every path */
+static inline int block_finite(const float *x) {
+    int finite = 1;
+    for (int j = 0; j < QK8; j++)
+        finite &= (x[j] - x[j]) == 0.0f;
+    return finite;
+}
+
+static inline void nan_block(ActRow *y, size_t b) {
+    memset(y->qs + b * QK8, 0, QK8);
+    y->d[b] = __builtin_nanf("");
+    y->sums[b] = 0;
+}
+
+static inline float read_fp16(const uint8_t *p) { return fp16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* a block's activation scale: amax / 127 rounded to float16 as llama.cpp stores it, and the factor
+ * the codes are made with (127 / amax, 0 for an all-zero block) */
+static inline void q8_scales(float amax, float *d, float *id) {
+    *d = fp16_to_f32(f32_to_fp16(amax / 127.0f));
+    *id = amax != 0.0f ? 127.0f / amax : 0.0f;
+}
+
+#endif
