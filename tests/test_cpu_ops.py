@@ -1,0 +1,267 @@
+"""moepass.cpu_ops, moepass's own CPU kernels inside ONNX Runtime (--expert-format native).
+
+The kernels against a numpy integer reference written from the definition (cpu_ops/kernels.h:
+activations quantized per row as llama.cpp's Q8_0, each block's integer dot product, the blocks of a
+row summed in order as fma(d_w * d_x, sumi, acc)), bit for bit, on every instruction set this CPU
+has (run again with AVX-512 hidden by .ci/run); the MoE operator against the same products composed
+in numpy, alone and in a batch; the converted fixtures against llama.cpp on the same files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from gguf import GGMLQuantizationType as GT
+from gguf.quants import quantize as gguf_quantize
+from onnx import TensorProto, helper
+
+import moepass
+import moepass.cpu_ops as cpu_ops
+from moepass.core.model_io import load_model
+from moepass.core.moe_nodes import is_native, moe_nodes
+from moepass.core.quants import NATIVE_TYPES, QUANT_TYPES
+from moepass.runtime import load
+from support.oracle import PROMPT, check_against_exact, dequantized_copy, llama_logits, routing_near_ties, three_ways
+
+pytestmark = pytest.mark.skipif(cpu_ops.unavailable() is not None, reason=f"{cpu_ops.unavailable()}")
+
+TYPES = [GT[name] for name in NATIVE_TYPES]
+
+
+def _here(isa: str) -> bool:
+    try:
+        cpu_ops.matmul(isa, GT.Q8_0, np.zeros((1, 34), np.uint8), np.zeros((1, 32), np.float32))
+    except ValueError:
+        return False
+    return True
+
+
+ISAS = [isa for isa in cpu_ops.ISAS if _here(isa)]
+
+
+def reference_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's Q8_0 activations of one row (its AVX2 quantizer's arithmetic): per 32 values
+    d = amax / 127 stored as float16, codes round-half-even(x * 127 / amax), and their sums."""
+    blocks = x.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=1)
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        factor = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    codes = np.rint(blocks * factor[:, None]).astype(np.int8)
+    return codes.reshape(-1), d, codes.astype(np.int32).sum(axis=1)
+
+
+def reference_codes(blocks: np.ndarray, ggml_type: GT) -> tuple[np.ndarray, np.ndarray]:
+    """(scales float32 [N, blocks], signed codes int64 [N, blocks, 32]) of GGUF rows."""
+    n = blocks.shape[0]
+    by_block = blocks.reshape(n, -1, {GT.Q4_0: 18, GT.Q8_0: 34}[ggml_type])
+    scales = by_block[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if ggml_type == GT.Q4_0:
+        nibbles = by_block[:, :, 2:]
+        return scales, np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int64) - 8
+    return scales, by_block[:, :, 2:].copy().view(np.int8).astype(np.int64)
+
+
+def reference_matmul(blocks: np.ndarray, ggml_type: GT, a: np.ndarray) -> np.ndarray:
+    """The definition in numpy: exact integer block sums, then acc = fma(d_w * d_x, sumi, acc) per
+    block in order (the product of two float32 and a block sum is exact in float64, so rounding the
+    float64 sum once is the fused multiply-add's single rounding)."""
+    scales, codes = reference_codes(blocks, ggml_type)
+    out = np.empty((a.shape[0], blocks.shape[0]), np.float32)
+    for t, row in enumerate(a):
+        qs, d, _ = reference_activations(row)
+        sumi = (codes * qs.reshape(-1, 32).astype(np.int64)).sum(axis=-1)
+        acc = np.zeros(blocks.shape[0], np.float32)
+        for b in range(sumi.shape[1]):
+            scale = (scales[:, b] * d[b]).astype(np.float32)
+            acc = (scale.astype(np.float64) * sumi[:, b] + acc.astype(np.float64)).astype(np.float32)
+        out[t] = acc
+    return out
+
+
+def random_blocks(rng, ggml_type: GT, n: int, k: int) -> np.ndarray:
+    return gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), ggml_type)
+
+
+def test_the_kernels_take_the_types_the_quant_table_says():
+    """cpu_ops/dispatch.c's table and QuantType.cpu_kernel name the same types."""
+    for ggml_type, qt in QUANT_TYPES.items():
+        if qt.storage == "float":
+            continue
+        from gguf.constants import GGML_QUANT_SIZES
+
+        block, size = GGML_QUANT_SIZES[ggml_type]
+        k = block * 2
+        try:
+            cpu_ops.matmul("scalar", int(ggml_type), np.zeros((1, 2 * size), np.uint8), np.zeros((1, k), np.float32))
+            taken = True
+        except ValueError:
+            taken = k % 32 != 0  # the activations' blocks are of 32
+        assert taken == qt.cpu_kernel, ggml_type.name
+    assert set(NATIVE_TYPES) == {"Q4_0", "Q8_0"}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_activations_are_quantized_as_llama_cpp_quantizes_them(isa):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(320) * rng.choice([1e-3, 1.0, 40.0], 320)).astype(np.float32)
+    x[32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    x[64:96] = np.float32(0.5) * np.arange(-16, 16, dtype=np.float32)  # halves: ties round to even
+    qs, d, sums = cpu_ops.quantize(isa, x)
+    want = reference_activations(x)
+    for got, expected, what in zip((qs, d, sums), want, ("codes", "scales", "sums")):
+        np.testing.assert_array_equal(got, expected, err_msg=what)
+    x[200] = np.nan
+    x[250] = np.inf
+    qs, d, sums = cpu_ops.quantize(isa, x)
+    assert np.isnan(d[[200 // 32, 250 // 32]]).all() and not qs[192:256].any(), "a non-finite block: NaN, no codes"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(77, 320), (4, 32), (3, 2048), (130, 96)])
+def test_each_kernel_equals_its_integer_reference(isa, ggml_type, n, k):
+    """Bit for bit, at row counts the kernels' groups of four do not divide and K no multiple of 64."""
+    rng = np.random.default_rng(n * 1000 + k)
+    blocks = random_blocks(rng, ggml_type, n, k)
+    a = (rng.standard_normal((5, k)) * 3).astype(np.float32)
+    np.testing.assert_array_equal(cpu_ops.matmul(isa, int(ggml_type), blocks, a), reference_matmul(blocks, ggml_type, a))
+
+
+def test_hostile_codes_are_computed_as_written():
+    """Q8_0 codes of -128 (no quantizer writes them; a crafted file may) take the same path everywhere."""
+    rng = np.random.default_rng(5)
+    blocks = random_blocks(rng, GT.Q8_0, 9, 64).reshape(9, 2, 34)
+    blocks[:, :, 2:] = np.uint8(0x80)
+    blocks = blocks.reshape(9, -1)
+    a = rng.standard_normal((2, 64)).astype(np.float32)
+    want = reference_matmul(blocks, GT.Q8_0, a)
+    for isa in ISAS:
+        np.testing.assert_array_equal(cpu_ops.matmul(isa, int(GT.Q8_0), blocks, a), want, err_msg=isa)
+
+
+def test_the_self_test_passes_on_the_best_kernels_here():
+    assert cpu_ops.unavailable() is None
+    assert cpu_ops.isa() in ISAS and cpu_ops.isa() == (cpu_ops.requested_isa() or ISAS[-1])
+
+
+# ---- the MoE operator inside ONNX Runtime ---------------------------------------------------------------
+H, FFN, E, K = 96, 160, 6, 2
+
+
+def moe_model(rng, types: tuple[GT, GT, GT], normalize: int = 1) -> tuple[bytes, list[np.ndarray]]:
+    gate, up = (np.stack([random_blocks(rng, t, FFN, H) for _ in range(E)]) for t in types[:2])
+    down = np.stack([random_blocks(rng, types[2], H, FFN) for _ in range(E)])
+    node = helper.make_node("MoEPacked", ["x", "logits", "gate", "up", "down"], ["y"], domain=cpu_ops.DOMAIN,
+                            k=K, activation_type="swiglu", gate_type=int(types[0]), up_type=int(types[1]),
+                            down_type=int(types[2]), normalize_routing_weights=normalize)
+    graph = helper.make_graph(
+        [node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H]),
+                        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", E])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])],
+        [onnx.numpy_helper.from_array(b, n) for b, n in ((gate, "gate"), (up, "up"), (down, "down"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)],
+                              ir_version=8)
+    return model.SerializeToString(), [gate, up, down]
+
+
+def run_moe(model: bytes, x: np.ndarray, logits: np.ndarray, isa: str | None = None, threads: int = 2,
+            monkeypatch=None) -> np.ndarray:
+    if monkeypatch is not None:
+        monkeypatch.setenv(cpu_ops.ISA_ENV, isa or "")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    cpu_ops.register(options)
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x, "logits": logits})[0]
+
+
+def reference_moe(blobs, types, x, logits, normalize=True) -> np.ndarray:
+    gate, up, down = blobs
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        p = np.exp(logits[t] - logits[t].max())
+        p /= p.sum()
+        chosen = np.argsort(-p, kind="stable")[:K]
+        w = p[chosen] / p[chosen].sum() if normalize else p[chosen]
+        for e, weight in zip(chosen, w):
+            g = reference_matmul(gate[e], types[0], x[t : t + 1])[0]
+            u = reference_matmul(up[e], types[1], x[t : t + 1])[0]
+            a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+            out[t] += weight * reference_matmul(down[e], types[2], a[None])[0]
+    return out
+
+
+@pytest.mark.parametrize("types", [(GT.Q4_0, GT.Q4_0, GT.Q4_0), (GT.Q4_0, GT.Q4_0, GT.Q8_0),
+                                   (GT.Q8_0, GT.Q8_0, GT.Q8_0)], ids=lambda t: "/".join(x.name for x in t))
+@pytest.mark.parametrize("normalize", [1, 0])
+def test_the_moe_operator_computes_the_definition_on_every_path(types, normalize, monkeypatch):
+    """Every instruction set gives the same bits; they equal the products composed in numpy up to the
+    float32 rounding of numpy's own exp and sums (routing weights, SiLU): 1e-5 of the output's scale."""
+    rng = np.random.default_rng(11)
+    model, blobs = moe_model(rng, types, normalize)
+    x = rng.standard_normal((7, H)).astype(np.float32)
+    logits = rng.standard_normal((7, E)).astype(np.float32)
+    outs = {isa: run_moe(model, x, logits, isa, monkeypatch=monkeypatch) for isa in ISAS}
+    for isa, y in outs.items():
+        np.testing.assert_array_equal(y, outs["scalar"], err_msg=isa)
+    want = reference_moe(blobs, types, x, logits, bool(normalize))
+    assert np.abs(outs["scalar"] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_token_gives_the_same_bits_alone_as_in_any_batch(monkeypatch):
+    """A row's result does not depend on the call: one token, a prefill of 70 (more than one token
+    chunk), one thread or two."""
+    rng = np.random.default_rng(12)
+    model, _ = moe_model(rng, (GT.Q4_0, GT.Q4_0, GT.Q8_0))
+    x = rng.standard_normal((70, H)).astype(np.float32)
+    logits = rng.standard_normal((70, E)).astype(np.float32)
+    batch = run_moe(model, x, logits, threads=2, monkeypatch=monkeypatch)
+    for t in (0, 33, 69):
+        alone = run_moe(model, x[t : t + 1], logits[t : t + 1], threads=1, monkeypatch=monkeypatch)
+        np.testing.assert_array_equal(alone[0], batch[t])
+
+
+def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
+    rng = np.random.default_rng(13)
+    model = onnx.load_from_string(moe_model(rng, (GT.Q4_0, GT.Q4_0, GT.Q4_0))[0])
+    attributes = {a.name: a for a in model.graph.node[0].attribute}
+    x, logits = np.zeros((1, H), np.float32), np.zeros((1, E), np.float32)
+    attributes["gate_type"].i = int(GT.Q8_0)  # the blob holds Q4_0 rows
+    with pytest.raises(Exception, match=r"moepass::MoEPacked: gate: rows of 54 bytes do not hold 96 Q8_0 elements"):
+        run_moe(model.SerializeToString(), x, logits)
+    attributes["gate_type"].i, attributes["k"].i = int(GT.Q4_0), E + 1
+    with pytest.raises(Exception, match=r"moepass::MoEPacked: k 7: 1 to the 6 experts"):
+        run_moe(model.SerializeToString(), x, logits)
+    attributes["k"].i, attributes["down_type"].i = K, int(GT.Q4_K)
+    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 12: a GGML type these kernels do not take"):
+        run_moe(model.SerializeToString(), x, logits)
+
+
+# ---- converted models -------------------------------------------------------------------------------------
+NATIVE_ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe"]
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("preset", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("arch", NATIVE_ARCHITECTURES)
+def test_native_conversions_match_llama_cpp(arch, preset, make_gguf, converted, tmp_path):
+    """As close to the exact computation of the file's weights as llama.cpp is (support.oracle's
+    bound), prefill, token-by-token decode and chunked prefill; every MoE node native."""
+    gguf = make_gguf(preset, arch=arch)
+    model = converted(preset, arch=arch, expert_format="native")
+    nodes = moe_nodes(load_model(model).graph)
+    assert nodes and all(is_native(m.node) for m in nodes)
+    theirs = llama_logits(gguf, PROMPT)
+    exact = llama_logits(dequantized_copy(gguf, tmp_path / "f32.gguf"), PROMPT)
+    ties = routing_near_ties(model, PROMPT)
+    for what, ours in three_ways(load(model)).items():
+        check_against_exact(ours, exact, theirs, f"{arch} {preset} native {what}", ties)
+
+
+def test_native_is_refused_in_one_line_for_types_the_kernels_lack(make_gguf, tmp_path):
+    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q4_K"):
+        moepass.convert(make_gguf("q4_k"), tmp_path / "out", expert_format="native")
+    assert not (tmp_path / "out").exists()
