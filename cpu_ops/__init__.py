@@ -19,8 +19,12 @@ import os
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
+from moepass.core import row_groups
 from moepass.core.moe_nodes import NATIVE_DOMAIN as DOMAIN
+from moepass.core.quants import QUANT_TYPES
+from moepass.core.row_groups import ROW_GROUP
 
 # the instruction sets the kernels have, by the library's own numbering
 ISAS = ("scalar", "avx2", "avx512")
@@ -75,9 +79,13 @@ def isa() -> str:
 
 
 def matmul(isa_name: str, ggml_type: int, blocks: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """a [rows, K] float32 times the transpose of `blocks` [N, row bytes] (GGML type `ggml_type`), on the
-    kernels of `isa_name`, as MatMulPacked computes it."""
+    """a [rows, K] float32 times the transpose of `blocks` [N, row bytes] (GGML type `ggml_type`, rows as
+    the GGUF holds them), on the kernels of `isa_name`, as MatMulPacked computes it: the rows laid out in
+    row groups as the converter writes them, the rows of `a` one tile."""
     blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+    qt = QUANT_TYPES.get(GGMLQuantizationType(ggml_type))
+    if qt is not None and qt.cpu_kernel and blocks.ndim == 2:
+        blocks = row_groups.group(blocks, qt)
     a = np.ascontiguousarray(a, dtype=np.float32)
     y = np.empty((a.shape[0], blocks.shape[0]), dtype=np.float32)
     failed = _library().moepass_matmul(
@@ -115,7 +123,7 @@ def _self_test_model() -> tuple[bytes, np.ndarray, np.ndarray]:
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(0)
-    n, k = 37, 96  # rows in no multiple of the kernels' four, three blocks
+    n, k = 37, 96  # two row groups and five rows after them, three blocks
     codes = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
     blocks = np.zeros((n, k // 32, 18), dtype=np.uint8)
     blocks[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
@@ -124,13 +132,14 @@ def _self_test_model() -> tuple[bytes, np.ndarray, np.ndarray]:
     a = rng.integers(-127, 128, size=(3, k)).astype(np.float32)
     a[:, ::32] = 127  # each block's largest magnitude 127: its scale 1, its codes the values themselves
     answer = (a.astype(np.int64) @ (codes.astype(np.int64) - 8).T).astype(np.float32)
-    node = helper.make_node("MatMulPacked", ["a", "b"], ["y"], domain=DOMAIN, packed_type=2)
+    blocks = row_groups.group(blocks.reshape(n, -1), QUANT_TYPES[GGMLQuantizationType.Q4_0])
+    node = helper.make_node("MatMulPacked", ["a", "b"], ["y"], domain=DOMAIN, packed_type=2, row_group=ROW_GROUP)
     graph = helper.make_graph(
         [node],
         "moepass_cpu_ops_self_test",
         [helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])],
-        [onnx.numpy_helper.from_array(blocks.reshape(n, -1), "b")],
+        [onnx.numpy_helper.from_array(blocks, "b")],
     )
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)], ir_version=8

@@ -5,8 +5,8 @@
 #include "kernels.h"
 
 const QuantType quant_types[] = {
-    {GGML_Q4_0, "Q4_0", 32, 18, ACT_Q8_0},
-    {GGML_Q8_0, "Q8_0", 32, 34, ACT_Q8_0},
+    {GGML_Q4_0, "Q4_0", 32, 18, 2, ACT_Q8_0},
+    {GGML_Q8_0, "Q8_0", 32, 34, 2, ACT_Q8_0},
 };
 const size_t quant_type_count = sizeof quant_types / sizeof quant_types[0];
 

@@ -1,8 +1,14 @@
-/* The kernels' contract: GGML's block layouts, the quantized activations they are multiplied with, and
- * one dispatch table per instruction set, filled once (dispatch.c). Every ISA file computes each value
- * exactly as quant_scalar.c does: a block's integer dot product is exact, and a row's blocks are summed
- * in block order as acc = fmaf(d_weight * d_activation, (float)sumi, acc). So a row's result is bitwise
- * the same on every path and whatever else is in the call. */
+/* The kernels' contract: GGML's blocks in row groups, the quantized activations they are multiplied
+ * with, and one dispatch table per instruction set, filled once (dispatch.c). Every ISA file computes
+ * each value exactly as quant_scalar.c does: a block's integer dot product is exact, and a row's blocks
+ * are summed in block order as acc = fmaf(d_weight * d_activation, (float)sumi, acc). So a row's result
+ * is bitwise the same on every path and whatever else is in the call.
+ *
+ * Row groups (the moepass ops' layout; moepass/core/row_groups.py writes it): a matrix's rows go in
+ * groups of ROW_GROUP, the rows left after the last whole group as GGML writes them. A group holds its
+ * rows' blocks block by block: for block b, the ROW_GROUP rows' headers (a block's leading `header`
+ * bytes: its scales) one after another, then their codes GROUP_CHUNK bytes at a time, row by row. The
+ * same bytes as the GGUF's, in an order where one vector load holds GROUP_CHUNK codes of every row. */
 #ifndef MOEPASS_KERNELS_H
 #define MOEPASS_KERNELS_H
 
@@ -17,6 +23,10 @@ enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8 };
  * (its Q8_0 blocks): 32 codes a block, the block's scale rounded to float16, the codes' sum. */
 enum { ACT_Q8_0 = 0, ACT_FORMATS };
 #define QK8 32
+
+#define ROW_GROUP 16  /* rows a group interleaves */
+#define GROUP_CHUNK 4 /* bytes of one row's codes before the next row's */
+#define MAX_BLOCK 34  /* the largest block the kernels take (Q8_0's) */
 
 typedef struct {
     int8_t *qs;    /* K codes */
@@ -36,9 +46,10 @@ static inline ActRow act_row_at(uint8_t *base, size_t k) {
     return row;
 }
 
-/* out[r] = row r of `rows` (n_rows rows of row_bytes, GGML blocks) . x, over n_blocks blocks */
-typedef void (*DotRows)(const uint8_t *rows, size_t row_bytes, size_t n_rows, const ActRow *x, size_t n_blocks,
-                        float *out);
+/* out[t][r] = row r . x[t], for the n_rows rows at `rows` (row groups, from a group's first row: whole
+ * groups, then the matrix's rows left as GGML writes them) of n_blocks blocks, and the n_x rows x */
+typedef void (*DotTile)(const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t n_blocks, const ActRow *x,
+                        size_t n_x, float *const *out);
 /* x (k floats, k a multiple of 32) quantized into y */
 typedef void (*QuantizeRow)(const float *x, size_t k, ActRow *y);
 
@@ -50,12 +61,13 @@ typedef struct {
     const char *name;
     int block;      /* elements a block */
     int block_size; /* bytes a block */
+    int header;     /* a block's leading bytes that a row group keeps together (its scales) */
     int act;        /* ACT_* its activations are quantized to */
 } QuantType;
 
 typedef struct {
     const char *name;
-    DotRows dot[2]; /* Q4_0, Q8_0: by quant_types[] index */
+    DotTile dot[2]; /* Q4_0, Q8_0: by quant_types[] index */
     QuantizeRow quantize[ACT_FORMATS];
 } KernelTable;
 
@@ -65,6 +77,9 @@ extern const size_t quant_type_count;
 int quant_type_index(int64_t ggml_type);
 
 extern const KernelTable kernels_scalar, kernels_avx2, kernels_avx512;
+/* the rows of a tile past its whole row groups, on the scalar kernels (the SIMD files' remainder) */
+void dot_rows_left(int type_index, const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t first,
+                   size_t n_blocks, const ActRow *x, size_t n_x, float *const *out);
 /* every AVX-512 CPU has AVX2: its table takes this quantizer */
 void quantize_q8_0_avx2(const float *x, size_t k, ActRow *y);
 /* the best table this CPU runs, or the one MOEPASS_CPU_ISA names (scalar, avx2, avx512; never one the
@@ -72,6 +87,41 @@ void quantize_q8_0_avx2(const float *x, size_t k, ActRow *y);
 const KernelTable *choose_kernels(const char **why);
 int isa_supported(int isa);
 const KernelTable *kernels_by_isa(int isa);
+
+/* The tile function `NAME` of a SIMD file: GROUP(group, n_blocks, x, nt, out, first row) computes one
+ * row group against nt (1 to TILE_TOKENS, a constant where it is inlined) activation rows; the rows
+ * past the whole groups go to the scalar kernel of quant_types[TYPE_INDEX]. */
+#define TILE_TOKENS 4
+#define DEFINE_TILE(NAME, GROUP, TYPE_INDEX)                                                                  \
+    static void NAME(const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t n_blocks, const ActRow *x, \
+                     size_t n_x, float *const *out) {                                                         \
+        size_t groups = n_rows / ROW_GROUP;                                                                   \
+        for (size_t g = 0; g < groups; g++) {                                                                 \
+            const uint8_t *group = rows + g * ROW_GROUP * row_bytes;                                          \
+            size_t t = 0, first = g * ROW_GROUP;                                                              \
+            for (; t + TILE_TOKENS <= n_x; t += TILE_TOKENS)                                                  \
+                GROUP(group, n_blocks, x + t, TILE_TOKENS, out + t, first);                                   \
+            switch (n_x - t) {                                                                                \
+            case 3:                                                                                           \
+                GROUP(group, n_blocks, x + t, 3, out + t, first);                                             \
+                break;                                                                                        \
+            case 2:                                                                                           \
+                GROUP(group, n_blocks, x + t, 2, out + t, first);                                             \
+                break;                                                                                        \
+            case 1:                                                                                           \
+                GROUP(group, n_blocks, x + t, 1, out + t, first);                                             \
+                break;                                                                                        \
+            }                                                                                                 \
+        }                                                                                                     \
+        if (groups * ROW_GROUP < n_rows)                                                                      \
+            dot_rows_left(TYPE_INDEX, rows, row_bytes, n_rows, groups * ROW_GROUP, n_blocks, x, n_x, out);    \
+    }
+
+static inline int32_t read_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 /* IEEE half <-> float, round to nearest even (the F16C instructions' results, bit for bit) */
 static inline float fp16_to_f32(uint16_t h) {

@@ -1,12 +1,14 @@
 /* moepass::MatMulPacked on the CPU: Y [.., N] = A [.., K] times the transpose of B, B the GGUF's own
- * blocks [N, row bytes] of GGML type `packed_type`. A's rows are quantized one by one as llama.cpp
- * quantizes them, so a row's result does not depend on the other rows in the call. */
+ * blocks [N, row bytes] of GGML type `packed_type` in row groups of `row_group` (kernels.h). A's rows
+ * are quantized one by one as llama.cpp quantizes them, so a row's result does not depend on the other
+ * rows in the call. */
 #include <stdlib.h>
 
 #include "ops.h"
 
 #define OP "MatMulPacked"
-#define ROW_CHUNK 64
+#define ROW_CHUNK 64 /* weight rows a task: whole row groups */
+#define X_CHUNK 64   /* rows of A a call of the kernels */
 
 typedef struct {
     int64_t type;
@@ -20,6 +22,9 @@ OrtStatus *matmul_create(const OrtKernelInfo *info, const KernelTable *kernels, 
         ort.ReleaseStatus(status);
         return op_error(OP, "attribute packed_type is required");
     }
+    int64_t row_group;
+    if ((status = row_group_attribute(info, OP, &row_group)))
+        return status;
     if (quant_type_index(m.type) < 0)
         return op_error(OP, "packed_type %lld: a GGML type these kernels do not take", (long long)m.type);
     MatMul *copy = malloc(sizeof m);
@@ -48,9 +53,15 @@ static void quantize_task(void *data, size_t t) {
 static void rows_task(void *data, size_t i) {
     Work *w = data;
     size_t r0 = i * ROW_CHUNK, n = w->b.rows - r0 < ROW_CHUNK ? w->b.rows - r0 : ROW_CHUNK;
-    for (size_t t = 0; t < w->rows; t++) {
-        ActRow x = act_row_at(w->act + t * act_row_bytes(w->k), w->k);
-        w->b.dot(w->b.data + r0 * w->b.row_bytes, w->b.row_bytes, n, &x, w->b.blocks, w->y + t * w->b.rows + r0);
+    ActRow x[X_CHUNK];
+    float *outs[X_CHUNK];
+    for (size_t t0 = 0; t0 < w->rows; t0 += X_CHUNK) {
+        size_t nx = w->rows - t0 < X_CHUNK ? w->rows - t0 : X_CHUNK;
+        for (size_t t = 0; t < nx; t++) {
+            x[t] = act_row_at(w->act + (t0 + t) * act_row_bytes(w->k), w->k);
+            outs[t] = w->y + (t0 + t) * w->b.rows + r0;
+        }
+        w->b.dot(w->b.data + r0 * w->b.row_bytes, w->b.row_bytes, n, w->b.blocks, x, nx, outs);
     }
 }
 

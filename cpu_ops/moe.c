@@ -1,12 +1,14 @@
 /* moepass::MoEPacked on the CPU: com.microsoft::MoEPacked's inputs and attributes (the GGUF's own gate,
- * up and down blocks [E, rows, row bytes], typed by GGML type id) with float32 activations.
+ * up and down blocks [E, rows, row bytes], typed by GGML type id) with float32 activations; each
+ * expert's rows in row groups of `row_group` (kernels.h).
  *
  * Per token: softmax of the router logits, the k largest (ties to the lower expert), their weights
  * (router_weights where given) renormalized over the k where normalize_routing_weights is 1; then for
  * each selected expert down(silu(gate . x) * (up . x)), the activations of each product quantized per
  * row as llama.cpp quantizes them; the experts' outputs summed in the order of selection. Each row's
  * arithmetic is the same whatever else is in the call: a token's result does not depend on the batch.
- * Work runs per expert over chunks of weight rows, each chunk against every token routed there. */
+ * Work runs per expert over chunks of weight rows, each chunk against every token routed there as one
+ * tile (the weights read once for all of them). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,7 +16,7 @@
 #include "ops.h"
 
 #define OP "MoEPacked"
-#define ROW_CHUNK 32   /* weight rows a task */
+#define ROW_CHUNK 32   /* weight rows a task: whole row groups */
 #define TOKEN_CHUNK 64 /* tokens computed together: bounds the scratch memory */
 
 typedef struct {
@@ -38,8 +40,10 @@ OrtStatus *moe_create(const OrtKernelInfo *info, const KernelTable *kernels, voi
     Moe m = {.kernels = kernels};
     OrtStatus *status;
     static const char *type_names[3] = {"gate_type", "up_type", "down_type"};
+    int64_t row_group;
     if ((status = int_attribute(info, "k", 0, 1, &m.k)) ||
-        (status = int_attribute(info, "normalize_routing_weights", 0, 0, &m.normalize)))
+        (status = int_attribute(info, "normalize_routing_weights", 0, 0, &m.normalize)) ||
+        (status = row_group_attribute(info, OP, &row_group)))
         return status;
     for (int i = 0; i < 3; i++) {
         if ((status = int_attribute(info, type_names[i], 0, 1, &m.types[i])))
@@ -82,17 +86,30 @@ typedef struct {
     const KernelTable *kernels;
 } Work;
 
+/* the activation rows of the pairs routed to expert e (from `base`, `width` wide) and the outputs of
+ * its rows from r0 (in `out`, `stride` a pair); their count */
+static size_t expert_tile(const Work *w, size_t e, const uint8_t *base, size_t width, int by_token, float *out,
+                          size_t stride, size_t r0, ActRow *x, float **outs) {
+    size_t n = 0;
+    for (size_t p = w->offsets[e]; p < w->offsets[e + 1]; p++, n++) {
+        size_t pair = (size_t)w->pair_order[p];
+        x[n] = act_row_at((uint8_t *)base + (by_token ? pair / w->k : pair) * act_row_bytes(width), width);
+        outs[n] = out + pair * stride + r0;
+    }
+    return n;
+}
+
 static void gate_up_task(void *data, size_t i) {
     Work *w = data;
     size_t e = w->tasks[i] / w->ffn, r0 = w->tasks[i] % w->ffn, n = w->ffn - r0 < ROW_CHUNK ? w->ffn - r0 : ROW_CHUNK;
-    const uint8_t *g = w->gate.data + (e * w->ffn + r0) * w->gate.row_bytes;
-    const uint8_t *u = w->up.data + (e * w->ffn + r0) * w->up.row_bytes;
-    for (size_t p = w->offsets[e]; p < w->offsets[e + 1]; p++) {
-        size_t pair = (size_t)w->pair_order[p];
-        ActRow x = act_row_at(w->x_act + pair / w->k * act_row_bytes(w->hidden), w->hidden);
-        w->gate.dot(g, w->gate.row_bytes, n, &x, w->gate.blocks, w->gated + pair * w->ffn + r0);
-        w->up.dot(u, w->up.row_bytes, n, &x, w->up.blocks, w->up_out + pair * w->ffn + r0);
-    }
+    ActRow x[TOKEN_CHUNK];
+    float *outs[TOKEN_CHUNK];
+    size_t nx = expert_tile(w, e, w->x_act, w->hidden, 1, w->gated, w->ffn, r0, x, outs);
+    w->gate.dot(w->gate.data + (e * w->ffn + r0) * w->gate.row_bytes, w->gate.row_bytes, n, w->gate.blocks, x, nx,
+                outs);
+    for (size_t t = 0; t < nx; t++)
+        outs[t] += w->up_out - w->gated;
+    w->up.dot(w->up.data + (e * w->ffn + r0) * w->up.row_bytes, w->up.row_bytes, n, w->up.blocks, x, nx, outs);
 }
 
 static void swiglu_task(void *data, size_t pair) {
@@ -109,12 +126,11 @@ static void down_task(void *data, size_t i) {
     Work *w = data;
     size_t e = w->tasks[i] / w->hidden, r0 = w->tasks[i] % w->hidden;
     size_t n = w->hidden - r0 < ROW_CHUNK ? w->hidden - r0 : ROW_CHUNK;
-    const uint8_t *d = w->down.data + (e * w->hidden + r0) * w->down.row_bytes;
-    for (size_t p = w->offsets[e]; p < w->offsets[e + 1]; p++) {
-        size_t pair = (size_t)w->pair_order[p];
-        ActRow a = act_row_at(w->act + pair * act_row_bytes(w->ffn), w->ffn);
-        w->down.dot(d, w->down.row_bytes, n, &a, w->down.blocks, w->down_out + pair * w->hidden + r0);
-    }
+    ActRow x[TOKEN_CHUNK];
+    float *outs[TOKEN_CHUNK];
+    size_t nx = expert_tile(w, e, w->act, w->ffn, 0, w->down_out, w->hidden, r0, x, outs);
+    w->down.dot(w->down.data + (e * w->hidden + r0) * w->down.row_bytes, w->down.row_bytes, n, w->down.blocks, x,
+                nx, outs);
 }
 
 static void quantize_task(void *data, size_t t) {

@@ -28,7 +28,7 @@ void parallel_for(OrtKernelContext *context, void (*fn)(void *, size_t), size_t 
 typedef struct {
     const uint8_t *data;
     size_t rows, row_bytes, k, blocks;
-    DotRows dot;
+    DotTile dot;
     int act;
 } BlockMatrix;
 
@@ -36,6 +36,9 @@ typedef struct {
  * `k` elements; an error naming `what` where the bytes do not hold that */
 OrtStatus *block_matrix(const char *op, const char *what, const Tensor *t, int64_t type, size_t k,
                         const KernelTable *kernels, BlockMatrix *m);
+
+/* the row_group attribute: required, and the kernels' ROW_GROUP (a model of other rows is refused) */
+OrtStatus *row_group_attribute(const OrtKernelInfo *info, const char *op, int64_t *out);
 
 OrtStatus *moe_create(const OrtKernelInfo *info, const KernelTable *kernels, void **kernel);
 OrtStatus *moe_compute(void *kernel, OrtKernelContext *context);

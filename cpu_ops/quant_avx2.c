@@ -1,6 +1,9 @@
-/* AVX2 (with FMA and F16C): quant_scalar.c's results bit for bit, four rows at a time. */
+/* AVX2 (with FMA and F16C): quant_scalar.c's results bit for bit. A row group's 16 rows go as two
+ * halves of 8, one row a 32-bit lane: four codes of each of 8 rows in one register, the activations'
+ * four codes broadcast, maddubs and madd their products into each row's lane. */
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
+
 #include "kernels.h"
 
 void quantize_q8_0_avx2(const float *x, size_t k, ActRow *y) {
@@ -38,70 +41,80 @@ void quantize_q8_0_avx2(const float *x, size_t k, ActRow *y) {
     }
 }
 
-/* the four rows' 8-lane partial sums, summed per row: [row0, row1, row2, row3] */
-static inline __m128i sum4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* a half's 8 float16 scales */
+ALWAYS_INLINE __m256 scales8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* acc += the rows' scales dw times the activation's, times the block's integer sums */
+ALWAYS_INLINE __m256 block_acc(__m256 dw, float dx, __m256i sumi, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sumi), acc);
 }
 
-static inline __m128 scales4(const uint8_t *b0, const uint8_t *b1, const uint8_t *b2, const uint8_t *b3) {
-    uint16_t h[8] = {0};
-    memcpy(h, b0, 2), memcpy(h + 1, b1, 2), memcpy(h + 2, b2, 2), memcpy(h + 3, b3, 2);
-    return _mm_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-}
-
-static inline __m256i q4_0_codes(const uint8_t *qs) {
-    const __m128i m4 = _mm_set1_epi8(0x0f), raw = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
-}
-
-static inline __m256i dot32_u8s8(__m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-
-static void dot_q4_0(const uint8_t *rows, size_t row_bytes, size_t n_rows, const ActRow *x, size_t n_blocks,
-                     float *out) {
-    size_t r = 0;
-    for (; r + 4 <= n_rows; r += 4) {
-        const uint8_t *w = rows + r * row_bytes;
-        __m128 acc = _mm_setzero_ps();
+/* Q4_0: per block, 16 rows' float16 d (32 bytes), then 4 chunks of 64 bytes (4 code bytes of each of 16
+ * rows: elements 4c..4c+3 low, 16+4c.. high). Nibble products summed in 16 bits: 8 of 2 x 15 x 127. */
+ALWAYS_INLINE void q4_0_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->qs + b * QK8));
-            const uint8_t *b0 = w + b * 18, *b1 = b0 + row_bytes, *b2 = b1 + row_bytes, *b3 = b2 + row_bytes;
-            __m128i s = sum4(dot32_u8s8(q4_0_codes(b0 + 2), xv), dot32_u8s8(q4_0_codes(b1 + 2), xv),
-                             dot32_u8s8(q4_0_codes(b2 + 2), xv), dot32_u8s8(q4_0_codes(b3 + 2), xv));
-            s = _mm_sub_epi32(s, _mm_set1_epi32(8 * x->sums[b]));
-            __m128 d = _mm_mul_ps(scales4(b0, b1, b2, b3), _mm_set1_ps(x->d[b]));
-            acc = _mm_fmadd_ps(d, _mm_cvtepi32_ps(s), acc);
+            const uint8_t *blk = group + b * ROW_GROUP * 18, *qs = blk + ROW_GROUP * 2 + half * 32;
+            const __m256 dw = scales8(blk + half * 16);
+            __m256i lo[4], hi[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + c * 64));
+                lo[c] = _mm256_and_si256(raw, m4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            }
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK8;
+                __m256i s16 = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(read_i32(xq + 4 * c))));
+                    s16 = _mm256_add_epi16(s16,
+                                           _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(read_i32(xq + 16 + 4 * c))));
+                }
+                __m256i s = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(8 * x[t].sums[b]));
+                acc[t] = block_acc(dw, x[t].d[b], s, acc[t]);
+            }
         }
-        _mm_storeu_ps(out + r, acc);
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
     }
-    if (r < n_rows)
-        kernels_scalar.dot[0](rows + r * row_bytes, row_bytes, n_rows - r, x, n_blocks, out + r);
 }
 
-static inline __m256i q8_dot(const uint8_t *qs, __m256i xv) {
-    const __m256i w = _mm256_loadu_si256((const __m256i *)qs);
-    return dot32_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
-}
-
-static void dot_q8_0(const uint8_t *rows, size_t row_bytes, size_t n_rows, const ActRow *x, size_t n_blocks,
-                     float *out) {
-    size_t r = 0;
-    for (; r + 4 <= n_rows; r += 4) {
-        const uint8_t *w = rows + r * row_bytes;
-        __m128 acc = _mm_setzero_ps();
+/* Q8_0: per block, 16 rows' float16 d, then 8 chunks of 64 bytes (codes 4c..4c+3 of each row); signed
+ * codes by maddubs of |w| and x with w's sign (|products| <= 128 x 127, two to a 16-bit lane) */
+ALWAYS_INLINE void q8_0_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->qs + b * QK8));
-            const uint8_t *b0 = w + b * 34, *b1 = b0 + row_bytes, *b2 = b1 + row_bytes, *b3 = b2 + row_bytes;
-            __m128i s = sum4(q8_dot(b0 + 2, xv), q8_dot(b1 + 2, xv), q8_dot(b2 + 2, xv), q8_dot(b3 + 2, xv));
-            __m128 d = _mm_mul_ps(scales4(b0, b1, b2, b3), _mm_set1_ps(x->d[b]));
-            acc = _mm_fmadd_ps(d, _mm_cvtepi32_ps(s), acc);
+            const uint8_t *blk = group + b * ROW_GROUP * 34, *qs = blk + ROW_GROUP * 2 + half * 32;
+            const __m256 dw = scales8(blk + half * 16);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK8;
+                __m256i s = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + c * 64));
+                    const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(read_i32(xq + 4 * c)), w);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xv), ones));
+                }
+                acc[t] = block_acc(dw, x[t].d[b], s, acc[t]);
+            }
         }
-        _mm_storeu_ps(out + r, acc);
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
     }
-    if (r < n_rows)
-        kernels_scalar.dot[1](rows + r * row_bytes, row_bytes, n_rows - r, x, n_blocks, out + r);
 }
+
+DEFINE_TILE(dot_q4_0, q4_0_group, 0)
+DEFINE_TILE(dot_q8_0, q8_0_group, 1)
 
 const KernelTable kernels_avx2 = {"avx2", {dot_q4_0, dot_q8_0}, {quantize_q8_0_avx2}};

@@ -84,6 +84,18 @@ OrtStatus *block_matrix(const char *op, const char *what, const Tensor *t, int64
     return NULL;
 }
 
+OrtStatus *row_group_attribute(const OrtKernelInfo *info, const char *op, int64_t *out) {
+    OrtStatus *status = ort.KernelInfoGetAttribute_int64(info, "row_group", out);
+    if (status) {
+        ort.ReleaseStatus(status);
+        return op_error(op, "attribute row_group is required (the weights' rows in groups of %d: convert the "
+                            "model again with this moepass)", ROW_GROUP);
+    }
+    if (*out != ROW_GROUP)
+        return op_error(op, "row_group %lld: these kernels take rows in groups of %d", (long long)*out, ROW_GROUP);
+    return NULL;
+}
+
 /* ---- the operator records ----------------------------------------------------------------------- */
 typedef struct {
     OrtCustomOp base;
@@ -213,8 +225,9 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
 
 /* ---- the kernels alone, for tests (moepass.cpu_ops.matmul): no ONNX Runtime in between ---------------- */
 
-/* y [rows, n] = a [rows, k] times the transpose of the blocks b [n, row bytes] of `type`, on `isa`'s
- * kernels; 0, or -1 where the ISA or type is not there or the bytes do not hold k elements a row */
+/* y [rows, n] = a [rows, k] times the transpose of the blocks b [n, row bytes] of `type` (in row groups),
+ * on `isa`'s kernels, the rows of a as one tile; 0, or -1 where the ISA or type is not there or the bytes
+ * do not hold k elements a row */
 __attribute__((visibility("default"))) int moepass_matmul(int isa, int64_t type, const uint8_t *b, size_t n,
                                                           size_t row_bytes, const float *a, size_t rows, size_t k,
                                                           float *y) {
@@ -223,16 +236,19 @@ __attribute__((visibility("default"))) int moepass_matmul(int isa, int64_t type,
     if (!table || index < 0 || k % (size_t)quant_types[index].block ||
         row_bytes != k / (size_t)quant_types[index].block * (size_t)quant_types[index].block_size)
         return -1;
-    uint8_t *act = malloc(act_row_bytes(k));
-    if (!act)
-        return -1;
-    for (size_t t = 0; t < rows; t++) {
-        ActRow x = act_row_at(act, k);
-        table->quantize[quant_types[index].act](a + t * k, k, &x);
-        table->dot[index](b, row_bytes, n, &x, k / (size_t)quant_types[index].block, y + t * n);
+    uint8_t *act = malloc(rows * act_row_bytes(k) + 1);
+    ActRow *x = malloc(rows * sizeof *x + 1);
+    float **out = malloc(rows * sizeof *out + 1);
+    int failed = !act || !x || !out;
+    for (size_t t = 0; !failed && t < rows; t++) {
+        x[t] = act_row_at(act + t * act_row_bytes(k), k);
+        out[t] = y + t * n;
+        table->quantize[quant_types[index].act](a + t * k, k, &x[t]);
     }
-    free(act);
-    return 0;
+    if (!failed)
+        table->dot[index](b, row_bytes, n, k / (size_t)quant_types[index].block, x, rows, out);
+    free(act), free(x), free(out);
+    return failed ? -1 : 0;
 }
 
 /* x [k] quantized on `isa`'s kernels into codes [k], scales [k / 32] and sums [k / 32] */

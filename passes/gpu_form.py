@@ -29,7 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from moepass.core import keys
+from moepass.core import keys, row_groups
 from moepass.core.architectures import Architecture, HParams
 from moepass.core.capabilities import CUDA_KERNELS, cuda_form_refusal, cuda_refusal
 from moepass.core.errors import MoepassError
@@ -66,6 +66,7 @@ from moepass.passes.lower.experts import expert_tensors
 from moepass.passes.weights.packing import PackOptions
 from moepass.passes.weights.report import WeightReport
 from moepass.passes.weights.sources import GgufRows, RowSource, StoredRows
+from moepass.passes.weights.streaming import CHUNK_BYTES, StreamedTensor
 
 TARGETS = ("layers", "offload")
 
@@ -152,6 +153,7 @@ class BlobTensor:
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]
     path: str = "the model"
+    grouped: bool = False  # each expert's rows in row groups (a moepass::MoEPacked blob): read as GGUF rows
 
     @property
     def row_bytes(self) -> int:
@@ -169,8 +171,21 @@ class BlobTensor:
         e, rows, row_bytes = tensor_dims(self.tensor)
         count = e * rows - first if count is None else count
         start, stop = first // rows, -(-(first + count) // rows)
-        chunk = read_rows(self.tensor, start, stop - start).reshape(-1, row_bytes)
+        chunk = read_rows(self.tensor, start, stop - start)
+        if self.grouped:
+            chunk = row_groups.ungroup(chunk.reshape(-1, rows, row_bytes), quant_type(self.ggml_type, self.name))
+        chunk = chunk.reshape(-1, row_bytes)
         return chunk[first - start * rows : first - start * rows + count]
+
+    def streamed(self) -> StreamedTensor:
+        """The blob as GGUF rows, [E, rows, row bytes], read a few experts at a time."""
+        e, rows, row_bytes = tensor_dims(self.tensor)
+        step = max(1, CHUNK_BYTES // (rows * row_bytes))
+
+        def chunks():
+            return (self.read_rows(first * rows, min(step, e - first) * rows) for first in range(0, e, step))
+
+        return StreamedTensor(chunks, ir.DataType.UINT8, (e, rows, row_bytes), f"{self.name}.gguf_rows")
 
 
 def packed_rows(moe: MoeNode) -> ExpertRows:
@@ -187,11 +202,31 @@ def packed_rows(moe: MoeNode) -> ExpertRows:
         tensor = tensor_of(value)
         e, n, _ = tensor_dims(tensor)
         k = tensor_dims(tensor)[-1] // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
-        rows.append(GgufRows(BlobTensor(value.name or role, tensor, ggml_type, (e, n, k)), qt))  # type: ignore[arg-type]
+        blob = BlobTensor(value.name or role, tensor, ggml_type, (e, n, k), grouped=is_native(node))
+        rows.append(GgufRows(blob, qt))  # type: ignore[arg-type]
         types.append(qt)
     return ExpertRows(
         rows[:2], rows[2:], types, True, "packed from the model's MoEPacked blobs (the GGUF's own blocks)"
     )
+
+
+def _to_cuda_packed(graph: ir.Graph, moe: MoeNode) -> None:
+    """A moepass::MoEPacked node as ONNX Runtime's com.microsoft::MoEPacked (its CUDA kernel): the
+    same contract, its blobs' rows out of row groups into the GGUF's own order."""
+    node = moe.node
+    for role in ("gate", "up", "down"):
+        value = input_at(node, PACKED_SLOTS[role])
+        if value is None:
+            raise MoepassError(f"{moe.name}: MoEPacked without {role} weights")
+        ggml_type = GGMLQuantizationType(node.attributes.get_int(f"{role}_type", node.attributes.get_int("gate_type")))
+        tensor = tensor_of(value)
+        blob = BlobTensor(value.name or role, tensor, ggml_type, tuple(tensor_dims(tensor)), grouped=True)
+        rows = blob.streamed()
+        plain = ir.Value(name=rows.name, type=value.type, shape=ir.Shape(tensor_dims(tensor)), const_value=rows)
+        graph.register_initializer(plain)
+        node.replace_input_with(PACKED_SLOTS[role], plain)
+    node.attributes.pop("row_group", None)
+    node.domain = "com.microsoft"
 
 
 def stored_form(moe: MoeNode) -> BlockForm:
@@ -284,7 +319,7 @@ class GpuFormPass(InPlacePass):
                 if forms is not None:
                     self._reform(graph, moe, forms)
                 elif is_native(moe.node):  # the same blocks and contract as ONNX Runtime's CUDA MoEPacked
-                    moe.node.domain = "com.microsoft"
+                    _to_cuda_packed(graph, moe)
             elif is_native(moe.node):
                 continue  # moepass's own CPU kernels run it as it is
             elif moe.node.op_type == "MoEPacked":  # no CPU kernel: a CPU layer takes the conversion's CPU form

@@ -16,14 +16,16 @@ import pytest
 from gguf import GGMLQuantizationType as GT
 from gguf.quants import quantize as gguf_quantize
 from onnx import TensorProto, helper
+from support.oracle import PROMPT, check_against_exact, dequantized_copy, llama_logits, routing_near_ties, three_ways
 
 import moepass
 import moepass.cpu_ops as cpu_ops
+from moepass.core import row_groups
 from moepass.core.model_io import load_model
 from moepass.core.moe_nodes import is_native, moe_nodes
 from moepass.core.quants import NATIVE_TYPES, QUANT_TYPES
+from moepass.core.row_groups import ROW_GROUP
 from moepass.runtime import load
-from support.oracle import PROMPT, check_against_exact, dequantized_copy, llama_logits, routing_near_ties, three_ways
 
 pytestmark = pytest.mark.skipif(cpu_ops.unavailable() is not None, reason=f"{cpu_ops.unavailable()}")
 
@@ -121,13 +123,15 @@ def test_activations_are_quantized_as_llama_cpp_quantizes_them(isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n,k", [(77, 320), (4, 32), (3, 2048), (130, 96)])
+@pytest.mark.parametrize("n,k", [(77, 320), (4, 32), (3, 2048), (130, 96), (48, 64)])
 def test_each_kernel_equals_its_integer_reference(isa, ggml_type, n, k):
-    """Bit for bit, at row counts the kernels' groups of four do not divide and K no multiple of 64."""
+    """Bit for bit, at row counts the kernels' row groups of 16 do not divide (rows after the groups,
+    or no group at all) and K no multiple of 64; 5 rows of A: a tile of 4 and one left."""
     rng = np.random.default_rng(n * 1000 + k)
     blocks = random_blocks(rng, ggml_type, n, k)
     a = (rng.standard_normal((5, k)) * 3).astype(np.float32)
-    np.testing.assert_array_equal(cpu_ops.matmul(isa, int(ggml_type), blocks, a), reference_matmul(blocks, ggml_type, a))
+    want = reference_matmul(blocks, ggml_type, a)
+    np.testing.assert_array_equal(cpu_ops.matmul(isa, int(ggml_type), blocks, a), want)
 
 
 def test_hostile_codes_are_computed_as_written():
@@ -156,14 +160,15 @@ def moe_model(rng, types: tuple[GT, GT, GT], normalize: int = 1) -> tuple[bytes,
     down = np.stack([random_blocks(rng, types[2], H, FFN) for _ in range(E)])
     node = helper.make_node("MoEPacked", ["x", "logits", "gate", "up", "down"], ["y"], domain=cpu_ops.DOMAIN,
                             k=K, activation_type="swiglu", gate_type=int(types[0]), up_type=int(types[1]),
-                            down_type=int(types[2]), normalize_routing_weights=normalize)
+                            down_type=int(types[2]), normalize_routing_weights=normalize, row_group=ROW_GROUP)
+    grouped = [row_groups.group(b, QUANT_TYPES[t]) for b, t in zip((gate, up, down), types)]
     graph = helper.make_graph(
         [node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H]),
                         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", E])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])],
-        [onnx.numpy_helper.from_array(b, n) for b, n in ((gate, "gate"), (up, "up"), (down, "down"))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)],
-                              ir_version=8)
+        [onnx.numpy_helper.from_array(b, n) for b, n in zip(grouped, ("gate", "up", "down"))])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     return model.SerializeToString(), [gate, up, down]
 
 
@@ -238,6 +243,12 @@ def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
     attributes["k"].i, attributes["down_type"].i = K, int(GT.Q4_K)
     with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 12: a GGML type these kernels do not take"):
         run_moe(model.SerializeToString(), x, logits)
+    attributes["down_type"].i, attributes["row_group"].i = int(GT.Q4_0), 8
+    with pytest.raises(Exception, match=r"moepass::MoEPacked: row_group 8: these kernels take rows in groups of 16"):
+        run_moe(model.SerializeToString(), x, logits)
+    model.graph.node[0].attribute.remove(attributes["row_group"])  # a model of step 1's plain rows
+    with pytest.raises(Exception, match=r"attribute row_group is required .*convert the model again"):
+        run_moe(model.SerializeToString(), x, logits)
 
 
 # ---- converted models -------------------------------------------------------------------------------------
@@ -265,3 +276,45 @@ def test_native_is_refused_in_one_line_for_types_the_kernels_lack(make_gguf, tmp
     with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q4_K"):
         moepass.convert(make_gguf("q4_k"), tmp_path / "out", expert_format="native")
     assert not (tmp_path / "out").exists()
+
+
+def test_partition_keeps_cpu_layers_native_and_hands_the_gpus_the_files_own_blocks(make_gguf, converted, tmp_path):
+    """--target layers at a budget for one of two layers: the CPU layer's node stays moepass's, its
+    blobs in row groups; the GPU layer's node is ONNX Runtime's CUDA MoEPacked over the GGUF's own
+    bytes (row groups undone), passing the CUDA kernel table. --target offload packs every expert
+    from the row groups into the offload form, which computes what the native model does within
+    convert's own offload form's distance."""
+    from gguf import GGUFReader
+    from support.gpu_form import gpu_nodes_are_taken
+
+    gguf = make_gguf("q4_0")
+    source = converted("q4_0", expert_format="native")
+    full = moepass.partition(source, tmp_path / "full", "8G", target="layers", calibrate=False)
+    memory, last = full.plan.memory, full.plan.nodes[-1]
+    one_layer = memory.non_expert_bytes + memory.kv_cache_bytes + memory.work_bytes + memory.reserve_bytes + \
+        last.experts * last.bytes_per_expert + 1024
+    placed = moepass.partition(source, tmp_path / "one", one_layer, target="layers", calibrate=False)
+    assert [n.device for n in placed.plan.nodes] == ["cpu", "gpu"]
+    first, second = moe_nodes(load_model(placed.output_dir).graph)
+    assert is_native(first.node) and first.node.attributes.get_int("row_group") == ROW_GROUP
+    assert second.node.domain == "com.microsoft" and "row_group" not in second.node.attributes
+    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
+    for slot, role in zip((2, 3, 4), ("gate", "up", "down")):
+        ours = second.node.inputs[slot].const_value.numpy()
+        theirs = np.asarray(tensors[f"blk.1.ffn_{role}_exps.weight"].data).reshape(ours.shape)
+        np.testing.assert_array_equal(ours, theirs, err_msg=role)
+        grouped = first.node.inputs[slot].const_value.numpy()
+        qt = QUANT_TYPES[GT(first.node.attributes.get_int(f"{role}_type"))]
+        theirs = np.asarray(tensors[f"blk.0.ffn_{role}_exps.weight"].data).reshape(grouped.shape)
+        np.testing.assert_array_equal(row_groups.ungroup(grouped, qt), theirs, err_msg=role)
+    gpu_nodes_are_taken(placed.output_dir, "layers")
+
+    def logits(model_dir):
+        decoder = load(model_dir)
+        return decoder.forward(np.array([[5, 77, 200, 13]]), decoder.empty_cache())[0][0].astype(np.float64)
+
+    reference = logits(source)
+    offload = moepass.partition(source, tmp_path / "offload", "8G", target="offload", calibrate=False)
+    gpu_nodes_are_taken(offload.output_dir, "offload")
+    converted_error = np.abs(logits(converted("q4_0", expert_format="offload")) - reference).max()
+    assert np.abs(logits(offload.output_dir) - reference).max() <= 1.5 * converted_error + 1e-6

@@ -20,6 +20,7 @@ from moepass.core import keys
 from moepass.core.errors import MoepassError
 from moepass.core.ir_values import input_at, tensor_dims, tensor_of
 from moepass.core.quants import BlockForm, parse_form
+from moepass.core.row_groups import ROW_GROUP
 
 MOE_OPS = ("QMoE", "MoE", "MoEPacked")
 # Inputs that carry per-expert tensors (first axis = experts); router_weights (14) and the
@@ -157,7 +158,8 @@ def packed_moe_node(
     """One MoE layer as a MoEPacked node over the GGUF's own expert blocks: gate, up and down blobs
     [E, rows, row bytes] with their GGML type ids, SwiGLU, the legacy routing (softmax of the logits,
     top-k, renormalized over the k where `router.normalize`). `domain` com.microsoft: ONNX Runtime's (CUDA
-    only); NATIVE_DOMAIN: the same contract in float32, run on the CPU by moepass.cpu_ops."""
+    only); NATIVE_DOMAIN: the same contract in float32, the blobs' rows in row groups, run on the CPU
+    by moepass.cpu_ops."""
     attributes = {
         "k": router.top_k,
         "activation_type": "swiglu",
@@ -166,6 +168,8 @@ def packed_moe_node(
         "down_type": types[2],
         "normalize_routing_weights": int(router.normalize),
     }
+    if domain == NATIVE_DOMAIN:  # each expert's rows in row groups (moepass.core.row_groups)
+        attributes["row_group"] = ROW_GROUP
     return op("MoEPacked", [hidden, router.logits, *blobs], attributes, domain=domain, name=name)
 
 

@@ -377,9 +377,14 @@ class QuantType:
     # NaN or Inf would make every value of the block non-finite. None: no fp16 scale to check
     # (float types are checked whole; MXFP4's e8m0 scale and IQ1_M's split scale are special cases).
     scales: tuple[int, ...] | None = (0,)
-    # Whether moepass.cpu_ops has a kernel over this type's own blocks (--expert-format native; the C
-    # side's table, cpu_ops/dispatch.c, is held to this one by tests/test_cpu_ops.py)
-    cpu_kernel: bool = False
+    # Where moepass.cpu_ops has a kernel over this type's own blocks (--expert-format native): the
+    # bytes at the head of a block that its row groups keep together (the scales: row_groups.py); 0:
+    # no kernel. The C side's table, cpu_ops/dispatch.c, is held to this one by tests/test_cpu_ops.py.
+    cpu_header: int = 0
+
+    @property
+    def cpu_kernel(self) -> bool:
+        return self.cpu_header > 0
 
     @property
     def name(self) -> str:
@@ -432,7 +437,7 @@ QUANT_TYPES: dict[GT, QuantType] = {
             {8: direct_q8_0_int8},
             fp16_scales=True,
             int8_block=32,
-            cpu_kernel=True,
+            cpu_header=2,
         ),
         QuantType(
             GT.Q4_0,
@@ -443,7 +448,7 @@ QUANT_TYPES: dict[GT, QuantType] = {
             {4: direct_q4_0_int4},
             fp16_scales=True,
             int8_block=32,
-            cpu_kernel=True,
+            cpu_header=2,
         ),
         QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, scales=(208,)),
         QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0, fp16_scales=True, int8_block=32),

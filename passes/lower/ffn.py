@@ -186,12 +186,14 @@ def _packed(builder: GraphBuilder, name: str, x2d: ir.Value, router: ir.Value, s
             f"{wording().option('--expert-format', 'auto')})"
         )
     prefix = f"{name.removesuffix('.moe')}.ffn_experts"
-    gate, up, down = (builder.gguf_blob(f"{prefix}.{role}", src) for role, src in zip(("gate", "up", "down"), sources))
-    blobs = (gate, up, down)
+    native = expert_format == "native"
+    gate, up, down = (
+        builder.gguf_blob(f"{prefix}.{role}", src, grouped=native) for role, src in zip(("gate", "up", "down"), sources)
+    )
     ids = (int(types[0].ggml_type), int(types[1].ggml_type), int(types[2].ggml_type))
-    domain = NATIVE_DOMAIN if expert_format == "native" else "com.microsoft"
+    domain = NATIVE_DOMAIN if native else "com.microsoft"
     routing = Router(router, builder.hp.n_experts_used, normalize)
-    return packed_moe_node(builder.tape.op, name, x2d, routing, blobs, ids, domain=domain)
+    return packed_moe_node(builder.tape.op, name, x2d, routing, (gate, up, down), ids, domain=domain)
 
 
 def gated_mlp(builder: GraphBuilder, x2d: ir.Value, roles: tuple[str, str, str], layer: int, prefix: str) -> ir.Value:

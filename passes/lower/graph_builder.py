@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir import tape as ir_tape
 
+from moepass.core import row_groups
 from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, SourceTensor
@@ -155,18 +156,32 @@ class GraphBuilder:
         importance = self.options.imatrix or {}
         return [GgufRows(s, t, importance.get(s.name)) for s, t in zip(sources, types)]
 
-    def gguf_blob(self, name: str, src: SourceTensor) -> ir.Value:
+    def gguf_blob(self, name: str, src: SourceTensor, grouped: bool = False) -> ir.Value:
         """A GGUF tensor's own blocks as a uint8 initializer [..., rows, row bytes] (MoEPacked's
-        blob), streamed as read: exact, the file's size."""
+        blob), streamed as read: exact, the file's size. `grouped`: each matrix's rows in the row
+        groups moepass's CPU kernels take (moepass.core.row_groups), the same bytes reordered."""
         shape = (*src.shape[:-1], src.row_bytes)
         qt = quant_type(src.ggml_type, src.name, src.path)
         self.report.add(
             WeightRecord(
-                name, [src.name], [qt.name], f"packed {qt.name}", src.nbytes, qt.bits_per_weight, [True], [0.0]
+                name,
+                [src.name],
+                [qt.name],
+                f"{'native' if grouped else 'packed'} {qt.name}",
+                src.nbytes,
+                qt.bits_per_weight,
+                [True],
+                [0.0],
             )
         )
-        blob = StreamedTensor(lambda: (raw for _, raw in row_chunks(src)), ir.DataType.UINT8, shape, name)
-        return self.tape.initializer(blob, name=name)
+        rows = shape[-2]
+
+        def chunks():
+            if not grouped:
+                return (raw for _, raw in row_chunks(src))
+            return (row_groups.group(raw.reshape(-1, rows, src.row_bytes), qt) for _, raw in row_chunks(src, rows))
+
+        return self.tape.initializer(StreamedTensor(chunks, ir.DataType.UINT8, shape, name), name=name)
 
     def group_initializers(self, group: PackedGroup) -> tuple[ir.Value, ir.Value]:
         """A packed group's codes and scales as initializers of the graph."""
