@@ -63,6 +63,7 @@ def _library() -> ctypes.CDLL:
     library.moepass_quantize.restype = ctypes.c_int
     library.moepass_quantize.argtypes = [
         ctypes.c_int,
+        ctypes.c_int,
         ctypes.c_void_p,
         ctypes.c_size_t,
         ctypes.c_void_p,
@@ -104,15 +105,24 @@ def matmul(isa_name: str, ggml_type: int, blocks: np.ndarray, a: np.ndarray) -> 
     return y
 
 
-def quantize(isa_name: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One row of activations quantized as the kernels quantize it: (codes int8 [K], scales float32
-    [K / 32], sums int32 [K / 32])."""
+# the activation formats, by the library's numbering: (name, codes a scale, codes a sum)
+ACTIVATIONS = {"q8_0": (0, 32, 32), "q8_k": (1, 256, 16)}
+
+
+def quantize(isa_name: str, x: np.ndarray, activation: str = "q8_0") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row of activations quantized as the kernels quantize it for a type's dot product (llama.cpp's
+    Q8_0 or Q8_K blocks): (codes int8 [K], scales float32 [K / block], sums int32 [K / sum block])."""
+    index, block, sum_block = ACTIVATIONS[activation]
     x = np.ascontiguousarray(x, dtype=np.float32)
-    qs, d, sums = np.empty(x.size, np.int8), np.empty(x.size // 32, np.float32), np.empty(x.size // 32, np.int32)
+    qs, d, sums = (
+        np.empty(x.size, np.int8),
+        np.empty(x.size // block, np.float32),
+        np.empty(x.size // sum_block, np.int32),
+    )
     if _library().moepass_quantize(
-        ISAS.index(isa_name), x.ctypes.data, x.size, qs.ctypes.data, d.ctypes.data, sums.ctypes.data
+        ISAS.index(isa_name), index, x.ctypes.data, x.size, qs.ctypes.data, d.ctypes.data, sums.ctypes.data
     ):
-        raise ValueError(f"the {isa_name} kernels cannot quantize {x.size} values")
+        raise ValueError(f"the {isa_name} kernels cannot quantize {x.size} values to {activation}")
     return qs, d, sums
 
 

@@ -4,9 +4,11 @@
 
 #include "kernels.h"
 
-const QuantType quant_types[] = {
-    {GGML_Q4_0, "Q4_0", 32, 18, 2, ACT_Q8_0},
-    {GGML_Q8_0, "Q8_0", 32, 34, 2, ACT_Q8_0},
+const QuantType quant_types[QUANT_TYPES] = {
+    {GGML_Q4_0, "Q4_0", 32, 18, ACT_Q8_0, {{0, 2, 2}, {2, 16, 4}}, 2},
+    {GGML_Q8_0, "Q8_0", 32, 34, ACT_Q8_0, {{0, 2, 2}, {2, 32, 4}}, 2},
+    {GGML_Q4_K, "Q4_K", 256, 144, ACT_Q8_K, {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}}, 4},
+    {GGML_Q6_K, "Q6_K", 256, 210, ACT_Q8_K, {{208, 2, 2}, {192, 16, 1}, {0, 128, 4}, {128, 64, 4}}, 4},
 };
 const size_t quant_type_count = sizeof quant_types / sizeof quant_types[0];
 

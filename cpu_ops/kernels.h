@@ -6,9 +6,10 @@
  *
  * Row groups (the moepass ops' layout; moepass/core/row_groups.py writes it): a matrix's rows go in
  * groups of ROW_GROUP, the rows left after the last whole group as GGML writes them. A group holds its
- * rows' blocks block by block: for block b, the ROW_GROUP rows' headers (a block's leading `header`
- * bytes: its scales) one after another, then their codes GROUP_CHUNK bytes at a time, row by row. The
- * same bytes as the GGUF's, in an order where one vector load holds GROUP_CHUNK codes of every row. */
+ * rows' blocks block by block, each block cut into its type's segments (QuantType.segments: float16
+ * scales, packed sub-block scales, codes); for each segment in order, the group's rows' bytes of it
+ * `unit` bytes a row at a time. The same bytes as the GGUF's, in an order where one vector load holds
+ * the float16 scale of every row of the group, or one scale byte, or four codes of every row. */
 #ifndef MOEPASS_KERNELS_H
 #define MOEPASS_KERNELS_H
 
@@ -17,32 +18,42 @@
 #include <string.h>
 
 /* GGML type ids (ggml.h's enum ggml_type, gguf-py's GGMLQuantizationType) */
-enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8 };
+enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14 };
 
-/* Activations quantized once per row, as llama.cpp quantizes them for these types' dot products
- * (its Q8_0 blocks): 32 codes a block, the block's scale rounded to float16, the codes' sum. */
-enum { ACT_Q8_0 = 0, ACT_FORMATS };
+/* Activations quantized once per row, as llama.cpp quantizes them for each type's dot product:
+ * ACT_Q8_0, its Q8_0 blocks (32 codes, the scale rounded to float16, the codes' sum); ACT_Q8_K, its
+ * Q8_K blocks (256 codes, a float32 scale, the sums of each 16 codes). */
+enum { ACT_Q8_0 = 0, ACT_Q8_K = 1, ACT_FORMATS };
 #define QK8 32
+#define QK_K 256
 
 #define ROW_GROUP 16  /* rows a group interleaves */
-#define GROUP_CHUNK 4 /* bytes of one row's codes before the next row's */
-#define MAX_BLOCK 34  /* the largest block the kernels take (Q8_0's) */
+#define MAX_BLOCK 210 /* the largest block the kernels take (Q6_K's) */
 
 typedef struct {
     int8_t *qs;    /* K codes */
-    float *d;      /* K / 32 scales */
-    int32_t *sums; /* K / 32 sums of the codes */
+    float *d;      /* a scale a block */
+    int32_t *sums; /* the codes' sums, a sum a `sum_block` codes */
 } ActRow;
 
-/* bytes one quantized activation row of K elements takes (codes, scales, sums) */
-static inline size_t act_row_bytes(size_t k) { return k + (k / QK8) * (sizeof(float) + sizeof(int32_t)); }
+typedef struct {
+    int block;     /* codes a scale */
+    int sum_block; /* codes a sum */
+} ActFormat;
+static const ActFormat act_formats[ACT_FORMATS] = {{32, 32}, {256, 16}};
 
-/* the row at `base` laid out as act_row_bytes(k) says */
-static inline ActRow act_row_at(uint8_t *base, size_t k) {
+/* bytes one quantized activation row of K elements takes (codes, scales, sums) */
+static inline size_t act_row_bytes(size_t k, int act) {
+    return k + k / (size_t)act_formats[act].block * sizeof(float) + k / (size_t)act_formats[act].sum_block * 4;
+}
+
+/* the row at `base` laid out as act_row_bytes(k, act) says */
+static inline ActRow act_row_at(uint8_t *base, size_t k, int act) {
     ActRow row;
+    size_t scales = k / (size_t)act_formats[act].block * sizeof(float);
     row.d = (float *)base;
-    row.sums = (int32_t *)(base + (k / QK8) * sizeof(float));
-    row.qs = (int8_t *)(base + (k / QK8) * (sizeof(float) + sizeof(int32_t)));
+    row.sums = (int32_t *)(base + scales);
+    row.qs = (int8_t *)(base + scales + k / (size_t)act_formats[act].sum_block * 4);
     return row;
 }
 
@@ -50,24 +61,33 @@ static inline ActRow act_row_at(uint8_t *base, size_t k) {
  * groups, then the matrix's rows left as GGML writes them) of n_blocks blocks, and the n_x rows x */
 typedef void (*DotTile)(const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t n_blocks, const ActRow *x,
                         size_t n_x, float *const *out);
-/* x (k floats, k a multiple of 32) quantized into y */
+/* x (k floats, k a multiple of the format's block) quantized into y */
 typedef void (*QuantizeRow)(const float *x, size_t k, ActRow *y);
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_COUNT };
 
-/* One GGUF type the kernels take: its block geometry and activation format (one row per type). */
+/* One segment of a block in a row group: `size` bytes from `offset`, laid out `unit` bytes a row at a
+ * time (moepass/core/row_groups.py) */
+typedef struct {
+    int offset, size, unit;
+} Segment;
+
+/* One GGUF type the kernels take: its block geometry, row-group segments and activation format (one
+ * row per type) */
 typedef struct {
     int ggml_type;
     const char *name;
     int block;      /* elements a block */
     int block_size; /* bytes a block */
-    int header;     /* a block's leading bytes that a row group keeps together (its scales) */
     int act;        /* ACT_* its activations are quantized to */
+    Segment segments[4];
+    int n_segments;
 } QuantType;
 
+enum { QUANT_TYPES = 4 };
 typedef struct {
     const char *name;
-    DotTile dot[2]; /* Q4_0, Q8_0: by quant_types[] index */
+    DotTile dot[QUANT_TYPES]; /* by quant_types[] index */
     QuantizeRow quantize[ACT_FORMATS];
 } KernelTable;
 
@@ -80,8 +100,9 @@ extern const KernelTable kernels_scalar, kernels_avx2, kernels_avx512;
 /* the rows of a tile past its whole row groups, on the scalar kernels (the SIMD files' remainder) */
 void dot_rows_left(int type_index, const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t first,
                    size_t n_blocks, const ActRow *x, size_t n_x, float *const *out);
-/* every AVX-512 CPU has AVX2: its table takes this quantizer */
+/* every AVX-512 CPU has AVX2: its table takes these quantizers */
 void quantize_q8_0_avx2(const float *x, size_t k, ActRow *y);
+void quantize_q8_k_avx2(const float *x, size_t k, ActRow *y);
 /* the best table this CPU runs, or the one MOEPASS_CPU_ISA names (scalar, avx2, avx512; never one the
  * CPU lacks: then NULL and `why` says so) */
 const KernelTable *choose_kernels(const char **why);
@@ -183,6 +204,17 @@ static inline void nan_block(ActRow *y, size_t b) {
     memset(y->qs + b * QK8, 0, QK8);
     y->d[b] = __builtin_nanf("");
     y->sums[b] = 0;
+}
+
+/* Q4_K's (and Q5_K's) j-th 6-bit scale and min of the 12 packed bytes q (ggml's get_scale_min_k4) */
+static inline void q4_k_scale_min(const uint8_t *q, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
 }
 
 static inline float read_fp16(const uint8_t *p) { return fp16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }

@@ -46,7 +46,7 @@ typedef struct {
 
 static void quantize_task(void *data, size_t t) {
     Work *w = data;
-    ActRow x = act_row_at(w->act + t * act_row_bytes(w->k), w->k);
+    ActRow x = act_row_at(w->act + t * act_row_bytes(w->k, w->b.act), w->k, w->b.act);
     w->kernels->quantize[w->b.act](w->a + t * w->k, w->k, &x);
 }
 
@@ -58,7 +58,7 @@ static void rows_task(void *data, size_t i) {
     for (size_t t0 = 0; t0 < w->rows; t0 += X_CHUNK) {
         size_t nx = w->rows - t0 < X_CHUNK ? w->rows - t0 : X_CHUNK;
         for (size_t t = 0; t < nx; t++) {
-            x[t] = act_row_at(w->act + (t0 + t) * act_row_bytes(w->k), w->k);
+            x[t] = act_row_at(w->act + (t0 + t) * act_row_bytes(w->k, w->b.act), w->k, w->b.act);
             outs[t] = w->y + (t0 + t) * w->b.rows + r0;
         }
         w->b.dot(w->b.data + r0 * w->b.row_bytes, w->b.row_bytes, n, w->b.blocks, x, nx, outs);
@@ -84,7 +84,7 @@ OrtStatus *matmul_compute(void *kernel, OrtKernelContext *context) {
     dims[a.rank - 1] = (int64_t)w.b.rows;
     if ((status = make_output(context, 0, dims, a.rank, &w.y)) || w.rows == 0)
         return status;
-    if (!(w.act = malloc(w.rows * act_row_bytes(w.k))))
+    if (!(w.act = malloc(w.rows * act_row_bytes(w.k, w.b.act))))
         return op_error(OP, "out of memory for %zu rows", w.rows);
     parallel_for(context, quantize_task, w.rows, &w);
     parallel_for(context, rows_task, (w.b.rows + ROW_CHUNK - 1) / ROW_CHUNK, &w);

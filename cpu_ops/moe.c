@@ -88,12 +88,12 @@ typedef struct {
 
 /* the activation rows of the pairs routed to expert e (from `base`, `width` wide) and the outputs of
  * its rows from r0 (in `out`, `stride` a pair); their count */
-static size_t expert_tile(const Work *w, size_t e, const uint8_t *base, size_t width, int by_token, float *out,
-                          size_t stride, size_t r0, ActRow *x, float **outs) {
+static size_t expert_tile(const Work *w, size_t e, const uint8_t *base, size_t width, int act, int by_token,
+                          float *out, size_t stride, size_t r0, ActRow *x, float **outs) {
     size_t n = 0;
     for (size_t p = w->offsets[e]; p < w->offsets[e + 1]; p++, n++) {
         size_t pair = (size_t)w->pair_order[p];
-        x[n] = act_row_at((uint8_t *)base + (by_token ? pair / w->k : pair) * act_row_bytes(width), width);
+        x[n] = act_row_at((uint8_t *)base + (by_token ? pair / w->k : pair) * act_row_bytes(width, act), width, act);
         outs[n] = out + pair * stride + r0;
     }
     return n;
@@ -104,7 +104,7 @@ static void gate_up_task(void *data, size_t i) {
     size_t e = w->tasks[i] / w->ffn, r0 = w->tasks[i] % w->ffn, n = w->ffn - r0 < ROW_CHUNK ? w->ffn - r0 : ROW_CHUNK;
     ActRow x[TOKEN_CHUNK];
     float *outs[TOKEN_CHUNK];
-    size_t nx = expert_tile(w, e, w->x_act, w->hidden, 1, w->gated, w->ffn, r0, x, outs);
+    size_t nx = expert_tile(w, e, w->x_act, w->hidden, w->gate.act, 1, w->gated, w->ffn, r0, x, outs);
     w->gate.dot(w->gate.data + (e * w->ffn + r0) * w->gate.row_bytes, w->gate.row_bytes, n, w->gate.blocks, x, nx,
                 outs);
     for (size_t t = 0; t < nx; t++)
@@ -118,7 +118,7 @@ static void swiglu_task(void *data, size_t pair) {
     const float *u = w->up_out + pair * w->ffn;
     for (size_t j = 0; j < w->ffn; j++)
         g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-    ActRow a = act_row_at(w->act + pair * act_row_bytes(w->ffn), w->ffn);
+    ActRow a = act_row_at(w->act + pair * act_row_bytes(w->ffn, w->down.act), w->ffn, w->down.act);
     w->kernels->quantize[w->down.act](g, w->ffn, &a);
 }
 
@@ -128,14 +128,14 @@ static void down_task(void *data, size_t i) {
     size_t n = w->hidden - r0 < ROW_CHUNK ? w->hidden - r0 : ROW_CHUNK;
     ActRow x[TOKEN_CHUNK];
     float *outs[TOKEN_CHUNK];
-    size_t nx = expert_tile(w, e, w->act, w->ffn, 0, w->down_out, w->hidden, r0, x, outs);
+    size_t nx = expert_tile(w, e, w->act, w->ffn, w->down.act, 0, w->down_out, w->hidden, r0, x, outs);
     w->down.dot(w->down.data + (e * w->hidden + r0) * w->down.row_bytes, w->down.row_bytes, n, w->down.blocks, x,
                 nx, outs);
 }
 
 static void quantize_task(void *data, size_t t) {
     Work *w = data;
-    ActRow x = act_row_at(w->x_act + t * act_row_bytes(w->hidden), w->hidden);
+    ActRow x = act_row_at(w->x_act + t * act_row_bytes(w->hidden, w->gate.act), w->hidden, w->gate.act);
     w->kernels->quantize[w->gate.act](w->x_chunk + t * w->hidden, w->hidden, &x);
 }
 
@@ -272,14 +272,14 @@ OrtStatus *moe_compute(void *kernel, OrtKernelContext *context) {
     size_t rows = w.ffn > w.hidden ? w.ffn : w.hidden, tasks = w.experts * ((rows + ROW_CHUNK - 1) / ROW_CHUNK);
     int32_t *selected = malloc(w.tokens * k * sizeof *selected);
     float *weights = malloc(w.tokens * k * sizeof *weights), *probs = malloc(w.experts * sizeof *probs);
-    w.x_act = malloc(chunk * act_row_bytes(w.hidden));
+    w.x_act = malloc(chunk * act_row_bytes(w.hidden, w.gate.act));
     w.pair_order = malloc(chunk * k * sizeof *w.pair_order);
     w.offsets = malloc((w.experts + 1) * sizeof *w.offsets);
     w.tasks = malloc((tasks > w.experts ? tasks : w.experts) * sizeof *w.tasks);
     w.gated = malloc(chunk * k * w.ffn * sizeof(float));
     w.up_out = malloc(chunk * k * w.ffn * sizeof(float));
     w.down_out = malloc(chunk * k * w.hidden * sizeof(float));
-    w.act = malloc(chunk * k * act_row_bytes(w.ffn));
+    w.act = malloc(chunk * k * act_row_bytes(w.ffn, w.down.act));
     if (!selected || !weights || !probs || !w.x_act || !w.pair_order || !w.offsets || !w.tasks || !w.gated ||
         !w.up_out || !w.down_out || !w.act) {
         status = op_error(OP, "out of memory for %zu tokens", w.tokens);

@@ -41,6 +41,58 @@ void quantize_q8_0_avx2(const float *x, size_t k, ActRow *y) {
     }
 }
 
+/* quant_scalar.c's quantize_q8_k: the value of largest magnitude found by vector, its first index by a
+ * scan, the codes rounded to nearest even as nearbyintf does */
+void quantize_q8_k_avx2(const float *x, size_t k, ActRow *y) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i cap = _mm256_set1_epi32(127), ones = _mm256_set1_epi16(1);
+    for (size_t b = 0; b < k / QK_K; b++) {
+        const float *xb = x + b * QK_K;
+        int8_t *qs = y->qs + b * QK_K;
+        int32_t *sums = y->sums + b * (QK_K / 16);
+        int finite = 1;
+        for (int j = 0; j < QK_K; j += QK8)
+            finite &= block_finite(xb + j);
+        __m256 m = _mm256_setzero_ps();
+        for (int j = 0; j < QK_K; j += 8)
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        if (!finite || amax == 0.0f) {
+            memset(qs, 0, QK_K);
+            memset(sums, 0, QK_K / 16 * sizeof(int32_t));
+            y->d[b] = finite ? 0.0f : __builtin_nanf("");
+            continue;
+        }
+        int first = 0;
+        while (__builtin_fabsf(xb[first]) != amax)
+            first++;
+        const float iscale = -127.0f / xb[first];
+        const __m256 mul = _mm256_set1_ps(iscale);
+        for (int j = 0; j < QK_K; j += 32) {
+            __m256i q[4];
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_min_epi32(
+                    _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * i), mul),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                    cap);
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qs + j), p);
+        }
+        for (int s = 0; s < QK_K / 16; s++) {
+            __m256i w = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * s))), ones);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            sums[s] = _mm_cvtsi128_si32(s4);
+        }
+        y->d[b] = 1.0f / iscale;
+    }
+}
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* a half's 8 float16 scales */
@@ -114,7 +166,145 @@ ALWAYS_INLINE void q8_0_group(const uint8_t *group, size_t n_blocks, const ActRo
     }
 }
 
+/* ---- K-quants: a super-block of 256 elements against Q8_K activations --------------------------------
+ * As quant_avx512.c, a half of 8 rows at a time: its codes of one super-block unpacked once into
+ * codes[e / 4]; the products summed in 16 bits (no more than the lane holds) and scaled by madd with
+ * each row's sub-block scale in both 16-bit halves of its lane. */
+
+/* byte c of each of the half's 8 rows (a packed-scale segment at p, the half's first row at p),
+ * zero- or sign-extended to int32 lanes */
+ALWAYS_INLINE __m256i byte_lanes(const uint8_t *p, int c) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + ROW_GROUP * c)));
+}
+ALWAYS_INLINE __m256i signed_byte_lanes(const uint8_t *p, int c) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + ROW_GROUP * c)));
+}
+
+/* two 16-bit values in each 32-bit lane (lo, hi): for madd */
+ALWAYS_INLINE __m256i pair16(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
+}
+static inline int32_t pair_of(int32_t lo, int32_t hi) { return (int32_t)(((uint32_t)hi << 16) | (uint16_t)lo); }
+
+/* chunk c of a code segment at p, the half's 8 rows */
+ALWAYS_INLINE __m256i load_chunk(const uint8_t *p, int c) { return _mm256_loadu_si256((const __m256i *)(p + 64 * c)); }
+
+/* the 16-bit sums over chunks [c0, c0 + n) of codes . the activations' four codes there */
+ALWAYS_INLINE __m256i chunk_dots16(const __m256i *codes, const int8_t *xq, int c0, int n) {
+    __m256i s = _mm256_maddubs_epi16(codes[c0], _mm256_set1_epi32(read_i32(xq + 4 * c0)));
+    for (int c = c0 + 1; c < c0 + n; c++)
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(codes[c], _mm256_set1_epi32(read_i32(xq + 4 * c))));
+    return s;
+}
+
+/* Q4_K (quant_avx512.c's layout); 8 products of 2 x 15 x 127 to a 16-bit lane */
+ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi32(63);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        __m256i codes[64], sc[8], mp[4];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * 144, *scales = blk + 64 + 8 * half, *qs = blk + 256 + 32 * half;
+            const __m256 d = scales8(blk + 16 * half), dmin = scales8(blk + 32 + 16 * half);
+            __m256i q[12], mn[8];
+            for (int c = 0; c < 12; c++)
+                q[c] = byte_lanes(scales, c);
+            for (int j = 0; j < 4; j++) {
+                const __m256i s6 = _mm256_and_si256(q[j], m6);
+                sc[j] = _mm256_or_si256(s6, _mm256_slli_epi32(s6, 16));
+                mn[j] = _mm256_and_si256(q[j + 4], m6);
+                const __m256i s4 = _mm256_or_si256(_mm256_and_si256(q[j + 8], _mm256_set1_epi32(0x0f)),
+                                                   _mm256_slli_epi32(_mm256_srli_epi32(q[j], 6), 4));
+                sc[j + 4] = _mm256_or_si256(s4, _mm256_slli_epi32(s4, 16));
+                mn[j + 4] = _mm256_or_si256(_mm256_srli_epi32(q[j + 8], 4),
+                                            _mm256_slli_epi32(_mm256_srli_epi32(q[j + 4], 6), 4));
+            }
+            for (int i = 0; i < 4; i++)
+                mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
+            for (int j64 = 0; j64 < 4; j64++)
+                for (int c = 0; c < 8; c++) {
+                    const __m256i raw = load_chunk(qs, 8 * j64 + c);
+                    codes[16 * j64 + c] = _mm256_and_si256(raw, m4);
+                    codes[16 * j64 + 8 + c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                }
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K;
+                const int32_t *bs = x[t].sums + b * (QK_K / 16);
+                __m256i sumi = _mm256_setzero_si256(), summ = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++)
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 8 * j, 8), sc[j]));
+                for (int i = 0; i < 4; i++)
+                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mp[i], _mm256_set1_epi32(pair_of(
+                                                      bs[4 * i] + bs[4 * i + 1], bs[4 * i + 2] + bs[4 * i + 3]))));
+                const __m256 dx = _mm256_set1_ps(x[t].d[b]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+                acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ), acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
+/* Q6_K (quant_avx512.c's layout); 2 products of 2 x 63 x 127 to a 16-bit lane, so a sub-block's four
+ * chunks in two sums */
+ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        __m256i codes[64], sc[16], sp[8];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * 210, *scales = blk + 32 + 8 * half;
+            const uint8_t *ql = blk + 288 + 32 * half, *qh = blk + 2336 + 32 * half;
+            const __m256 d = scales8(blk + 16 * half);
+            for (int s = 0; s < 16; s++) {
+                const __m256i v = signed_byte_lanes(scales, s);
+                sc[s] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+            }
+            for (int i = 0; i < 8; i++)
+                sp[i] = pair16(signed_byte_lanes(scales, 2 * i), signed_byte_lanes(scales, 2 * i + 1));
+            for (int h2 = 0; h2 < 2; h2++)
+                for (int l4 = 0; l4 < 8; l4++) {
+                    const __m256i lo = load_chunk(ql, 16 * h2 + l4), hi = load_chunk(ql, 16 * h2 + 8 + l4);
+                    const __m256i h = load_chunk(qh, 8 * h2 + l4);
+                    const int e = 32 * h2 + l4;
+                    codes[e] = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+                    codes[e + 8] =
+                        _mm256_or_si256(_mm256_and_si256(hi, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+                    codes[e + 16] =
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), _mm256_and_si256(h, m30));
+                    codes[e + 24] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m4),
+                                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+                }
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K;
+                const int32_t *bs = x[t].sums + b * (QK_K / 16);
+                __m256i sumi = _mm256_setzero_si256(), bias = _mm256_setzero_si256();
+                for (int s = 0; s < 16; s++) {
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 4 * s, 2), sc[s]));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 4 * s + 2, 2), sc[s]));
+                }
+                for (int i = 0; i < 8; i++)
+                    bias = _mm256_add_epi32(
+                        bias, _mm256_madd_epi16(sp[i], _mm256_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1]))));
+                sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(bias, 5));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), _mm256_cvtepi32_ps(sumi), acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
 DEFINE_TILE(dot_q4_0, q4_0_group, 0)
 DEFINE_TILE(dot_q8_0, q8_0_group, 1)
+DEFINE_TILE(dot_q4_k, q4_k_group, 2)
+DEFINE_TILE(dot_q6_k, q6_k_group, 3)
 
-const KernelTable kernels_avx2 = {"avx2", {dot_q4_0, dot_q8_0}, {quantize_q8_0_avx2}};
+const KernelTable kernels_avx2 = {"avx2", {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k}, {quantize_q8_0_avx2, quantize_q8_k_avx2}};

@@ -27,6 +27,42 @@ static void quantize_q8_0(const float *x, size_t k, ActRow *y) {
     }
 }
 
+/* Q8_K (llama.cpp's quantize_row_q8_K_ref): the value of largest magnitude (the first of them) maps
+ * to -127, scale 1 / (-127 / it), codes round-half-even(x * -127 / it) capped at 127, sums of 16 */
+static void quantize_q8_k(const float *x, size_t k, ActRow *y) {
+    for (size_t b = 0; b < k / QK_K; b++) {
+        const float *xb = x + b * QK_K;
+        int8_t *qs = y->qs + b * QK_K;
+        int finite = 1;
+        for (int j = 0; j < QK_K; j += QK8)
+            finite &= block_finite(xb + j);
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QK_K; j++)
+            if (fabsf(xb[j]) > amax) {
+                amax = fabsf(xb[j]);
+                max = xb[j];
+            }
+        if (!finite || amax == 0.0f) {
+            memset(qs, 0, QK_K);
+            memset(y->sums + b * (QK_K / 16), 0, QK_K / 16 * sizeof(int32_t));
+            y->d[b] = finite ? 0.0f : __builtin_nanf("");
+            continue;
+        }
+        const float iscale = -127.0f / max;
+        for (int j = 0; j < QK_K; j++) {
+            int q = (int)nearbyintf(iscale * xb[j]);
+            qs[j] = (int8_t)(q < 127 ? q : 127);
+        }
+        for (int s = 0; s < QK_K / 16; s++) {
+            int32_t sum = 0;
+            for (int j = 0; j < 16; j++)
+                sum += qs[s * 16 + j];
+            y->sums[b * (QK_K / 16) + s] = sum;
+        }
+        y->d[b] = 1.0f / iscale;
+    }
+}
+
 /* Q4_0: float16 d, 16 bytes of nibbles (element j low, element j + 16 high), value d * (q - 8) */
 static float block_q4_0(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
     const uint8_t *qs = blk + 2;
@@ -47,16 +83,65 @@ static float block_q8_0(const uint8_t *blk, const ActRow *x, size_t b, float acc
     return fmaf(read_fp16(blk) * x->d[b], (float)sumi, acc);
 }
 
+/* Q4_K: float16 d and dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles (64
+ * elements a 32 bytes: the first 32 low, the next 32 high); value d * scale * q - dmin * min for the
+ * 32 elements of each sub-block. sumi = sum of scale x (q . x), summ = sum of min x (the sub-block's
+ * activation sum); acc = fma(d dx, sumi, acc), then fma(-(dmin dx), summ, acc). */
+static float block_q4_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const uint8_t *sc = blk + 4, *qs = blk + 16;
+    const int8_t *xq = x->qs + b * QK_K;
+    const int32_t *bsums = x->sums + b * (QK_K / 16);
+    int32_t sumi = 0, summ = 0;
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        q4_k_scale_min(sc, j, &scale, &min);
+        const uint8_t *q = qs + (j / 2) * 32;
+        int32_t dot = 0;
+        for (int l = 0; l < 32; l++)
+            dot += (j % 2 ? q[l] >> 4 : q[l] & 0x0f) * xq[j * 32 + l];
+        sumi += scale * dot;
+        summ += min * (bsums[2 * j] + bsums[2 * j + 1]);
+    }
+    const float dx = x->d[b];
+    acc = fmaf(read_fp16(blk) * dx, (float)sumi, acc);
+    return fmaf(-(read_fp16(blk + 2) * dx), (float)summ, acc);
+}
+
+/* Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, float16 d; value
+ * d * scale * (q - 32) for each 16 elements. sumi = sum of scale x (q . x - 32 x the sub-block's
+ * activation sum); acc = fma(d dx, sumi, acc). */
+static float block_q6_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *sc = (const int8_t *)(blk + 192), *xq = x->qs + b * QK_K;
+    const int32_t *bsums = x->sums + b * (QK_K / 16);
+    int32_t dots[16] = {0};
+    for (int half = 0; half < 2; half++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t lo = ql[64 * half + l], hi = ql[64 * half + l + 32], h = qh[32 * half + l];
+            const int e = 128 * half + l;
+            dots[e / 16] += ((lo & 0x0f) | ((h & 3) << 4)) * xq[e];
+            dots[(e + 32) / 16] += ((hi & 0x0f) | (((h >> 2) & 3) << 4)) * xq[e + 32];
+            dots[(e + 64) / 16] += ((lo >> 4) | (((h >> 4) & 3) << 4)) * xq[e + 64];
+            dots[(e + 96) / 16] += ((hi >> 4) | (((h >> 6) & 3) << 4)) * xq[e + 96];
+        }
+    int32_t sumi = 0;
+    for (int s = 0; s < 16; s++)
+        sumi += sc[s] * (dots[s] - 32 * bsums[s]);
+    return fmaf(read_fp16(blk + 208) * x->d[b], (float)sumi, acc);
+}
+
 typedef float (*BlockDot)(const uint8_t *blk, const ActRow *x, size_t b, float acc);
-static const BlockDot block_dots[] = {block_q4_0, block_q8_0}; /* by quant_types[] index */
+static const BlockDot block_dots[QUANT_TYPES] = {block_q4_0, block_q8_0, block_q4_k, block_q6_k};
 
 /* block b of row i of the row group at `group`, in GGML's own layout */
 static void group_block(const uint8_t *group, size_t b, int i, const QuantType *q, uint8_t *blk) {
     const uint8_t *src = group + b * ROW_GROUP * (size_t)q->block_size;
-    memcpy(blk, src + i * q->header, (size_t)q->header);
-    src += ROW_GROUP * q->header;
-    for (int c = 0; c < (q->block_size - q->header) / GROUP_CHUNK; c++)
-        memcpy(blk + q->header + c * GROUP_CHUNK, src + (c * ROW_GROUP + i) * GROUP_CHUNK, GROUP_CHUNK);
+    for (int s = 0; s < q->n_segments; s++) {
+        const Segment *seg = &q->segments[s];
+        for (int c = 0; c < seg->size / seg->unit; c++)
+            memcpy(blk + seg->offset + c * seg->unit, src + (c * ROW_GROUP + i) * seg->unit, (size_t)seg->unit);
+        src += ROW_GROUP * seg->size;
+    }
 }
 
 void dot_rows_left(int type_index, const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t first,
@@ -83,14 +168,14 @@ void dot_rows_left(int type_index, const uint8_t *rows, size_t row_bytes, size_t
     }
 }
 
-static void dot_q4_0(const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t n_blocks, const ActRow *x,
-                     size_t n_x, float *const *out) {
-    dot_rows_left(0, rows, row_bytes, n_rows, 0, n_blocks, x, n_x, out);
-}
+#define SCALAR_TILE(NAME, TYPE_INDEX)                                                                         \
+    static void NAME(const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t n_blocks, const ActRow *x, \
+                     size_t n_x, float *const *out) {                                                         \
+        dot_rows_left(TYPE_INDEX, rows, row_bytes, n_rows, 0, n_blocks, x, n_x, out);                        \
+    }
+SCALAR_TILE(dot_q4_0, 0)
+SCALAR_TILE(dot_q8_0, 1)
+SCALAR_TILE(dot_q4_k, 2)
+SCALAR_TILE(dot_q6_k, 3)
 
-static void dot_q8_0(const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t n_blocks, const ActRow *x,
-                     size_t n_x, float *const *out) {
-    dot_rows_left(1, rows, row_bytes, n_rows, 0, n_blocks, x, n_x, out);
-}
-
-const KernelTable kernels_scalar = {"scalar", {dot_q4_0, dot_q8_0}, {quantize_q8_0}};
+const KernelTable kernels_scalar = {"scalar", {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k}, {quantize_q8_0, quantize_q8_k}};

@@ -236,14 +236,15 @@ __attribute__((visibility("default"))) int moepass_matmul(int isa, int64_t type,
     if (!table || index < 0 || k % (size_t)quant_types[index].block ||
         row_bytes != k / (size_t)quant_types[index].block * (size_t)quant_types[index].block_size)
         return -1;
-    uint8_t *act = malloc(rows * act_row_bytes(k) + 1);
+    const int format = quant_types[index].act;
+    uint8_t *act = malloc(rows * act_row_bytes(k, format) + 1);
     ActRow *x = malloc(rows * sizeof *x + 1);
     float **out = malloc(rows * sizeof *out + 1);
     int failed = !act || !x || !out;
     for (size_t t = 0; !failed && t < rows; t++) {
-        x[t] = act_row_at(act + t * act_row_bytes(k), k);
+        x[t] = act_row_at(act + t * act_row_bytes(k, format), k, format);
         out[t] = y + t * n;
-        table->quantize[quant_types[index].act](a + t * k, k, &x[t]);
+        table->quantize[format](a + t * k, k, &x[t]);
     }
     if (!failed)
         table->dot[index](b, row_bytes, n, k / (size_t)quant_types[index].block, x, rows, out);
@@ -251,13 +252,14 @@ __attribute__((visibility("default"))) int moepass_matmul(int isa, int64_t type,
     return failed ? -1 : 0;
 }
 
-/* x [k] quantized on `isa`'s kernels into codes [k], scales [k / 32] and sums [k / 32] */
-__attribute__((visibility("default"))) int moepass_quantize(int isa, const float *x, size_t k, int8_t *qs, float *d,
-                                                            int32_t *sums) {
+/* x [k] quantized on `isa`'s kernels to activation format `act` (ACT_*) into codes [k], scales [k / its
+ * block] and sums [k / its sum block] */
+__attribute__((visibility("default"))) int moepass_quantize(int isa, int act, const float *x, size_t k, int8_t *qs,
+                                                            float *d, int32_t *sums) {
     const KernelTable *table = isa_supported(isa) ? kernels_by_isa(isa) : NULL;
-    if (!table || k % QK8)
+    if (!table || act < 0 || act >= ACT_FORMATS || k % (size_t)act_formats[act].block)
         return -1;
     ActRow y = {qs, d, sums};
-    table->quantize[ACT_Q8_0](x, k, &y);
+    table->quantize[act](x, k, &y);
     return 0;
 }

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GT
 from gguf.quants import quantize as gguf_quantize
 from onnx import TensorProto, helper
@@ -55,11 +56,68 @@ def reference_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     return codes.reshape(-1), d, codes.astype(np.int32).sum(axis=1)
 
 
+def reference_activations_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's Q8_K activations of one row (quantize_row_q8_K_ref, which x86 runs): per 256 values,
+    `max` the first of largest magnitude, iscale = -127 / max in float32, codes
+    round-half-even(iscale * x) capped at 127, d = 1 / iscale; the sums of each 16 codes."""
+    blocks = x.reshape(-1, 256).astype(np.float32)
+    codes = np.zeros(blocks.shape, np.int8)
+    d = np.zeros(len(blocks), np.float32)
+    for b, row in enumerate(blocks):
+        top = row[np.argmax(np.abs(row))]
+        if top == 0:
+            continue
+        iscale = np.float32(-127) / top
+        codes[b] = np.minimum(np.rint(iscale * row), 127).astype(np.int8)
+        d[b] = np.float32(1) / iscale
+    return codes.reshape(-1), d, codes.astype(np.int32).reshape(-1, 16).sum(axis=1)
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _fma(scale: np.ndarray, value: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """fma(scale, value, acc) in float32 (scale, value, acc float32): the product is exact in float64,
+    and the sum rounded once there, then to float32."""
+    return (scale.astype(np.float32).astype(np.float64) * value.astype(np.float32) + acc.astype(np.float64)).astype(
+        np.float32
+    )
+
+
+def _k_quant_sums(blocks: np.ndarray, ggml_type: GT, qs: np.ndarray, bsums: np.ndarray):
+    """(float16 d, its integer super-block sums; dmin and its sums, or None) of GGUF rows [N, bytes]
+    against one row of Q8_K activations, as quant_scalar.c's block_q4_k / block_q6_k define them."""
+    n = blocks.shape[0]
+    if ggml_type == GT.Q4_K:
+        by = blocks.reshape(n, -1, 144)
+        q = by[:, :, 4:16].astype(np.int64)
+        scales = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+        mins = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+        nib = by[:, :, 16:].reshape(n, -1, 4, 32).astype(np.int64)
+        codes = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(n, -1, 8, 32)
+        dots = (codes * qs.reshape(-1, 8, 32).astype(np.int64)).sum(-1)
+        sums32 = bsums.reshape(-1, 8, 2).sum(-1).astype(np.int64)
+        return _fp16(by[:, :, 0:2]), (scales * dots).sum(-1), _fp16(by[:, :, 2:4]), (mins * sums32).sum(-1)
+    by = blocks.reshape(n, -1, 210)
+    ql, qh = by[:, :, :128].astype(np.int64), by[:, :, 128:192].astype(np.int64)
+    parts = []
+    for half in range(2):
+        lo, hi, h = ql[..., 64 * half : 64 * half + 32], ql[..., 64 * half + 32 : 64 * half + 64], qh[..., 32 * half :]
+        h = h[..., :32]
+        parts += [(lo & 15) | ((h & 3) << 4), (hi & 15) | (((h >> 2) & 3) << 4), (lo >> 4) | (((h >> 4) & 3) << 4),
+                  (hi >> 4) | (((h >> 6) & 3) << 4)]
+    codes = np.concatenate(parts, axis=-1).reshape(n, -1, 16, 16)
+    dots = (codes * qs.reshape(-1, 16, 16).astype(np.int64)).sum(-1)
+    scales = by[:, :, 192:208].copy().view(np.int8).astype(np.int64)
+    return _fp16(by[:, :, 208:210]), (scales * (dots - 32 * bsums.reshape(-1, 16))).sum(-1), None, None
+
+
 def reference_codes(blocks: np.ndarray, ggml_type: GT) -> tuple[np.ndarray, np.ndarray]:
-    """(scales float32 [N, blocks], signed codes int64 [N, blocks, 32]) of GGUF rows."""
+    """(scales float32 [N, blocks], signed codes int64 [N, blocks, 32]) of GGUF rows of Q4_0 or Q8_0."""
     n = blocks.shape[0]
     by_block = blocks.reshape(n, -1, {GT.Q4_0: 18, GT.Q8_0: 34}[ggml_type])
-    scales = by_block[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scales = _fp16(by_block[:, :, :2])
     if ggml_type == GT.Q4_0:
         nibbles = by_block[:, :, 2:]
         return scales, np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int64) - 8
@@ -67,24 +125,38 @@ def reference_codes(blocks: np.ndarray, ggml_type: GT) -> tuple[np.ndarray, np.n
 
 
 def reference_matmul(blocks: np.ndarray, ggml_type: GT, a: np.ndarray) -> np.ndarray:
-    """The definition in numpy: exact integer block sums, then acc = fma(d_w * d_x, sumi, acc) per
-    block in order (the product of two float32 and a block sum is exact in float64, so rounding the
-    float64 sum once is the fused multiply-add's single rounding)."""
-    scales, codes = reference_codes(blocks, ggml_type)
+    """The definition in numpy: exact integer block sums, then per block in order
+    acc = fma(d_w * d_x, sumi, acc) (and for Q4_K, fma(-(dmin_w * d_x), summ, acc) after it)."""
     out = np.empty((a.shape[0], blocks.shape[0]), np.float32)
     for t, row in enumerate(a):
-        qs, d, _ = reference_activations(row)
-        sumi = (codes * qs.reshape(-1, 32).astype(np.int64)).sum(axis=-1)
         acc = np.zeros(blocks.shape[0], np.float32)
-        for b in range(sumi.shape[1]):
-            scale = (scales[:, b] * d[b]).astype(np.float32)
-            acc = (scale.astype(np.float64) * sumi[:, b] + acc.astype(np.float64)).astype(np.float32)
+        if ggml_type in (GT.Q4_K, GT.Q6_K):
+            qs, d, bsums = reference_activations_q8_k(row)
+            dw, sumi, dmin, summ = _k_quant_sums(blocks, ggml_type, qs, bsums)
+            for b in range(len(d)):
+                acc = _fma(dw[:, b] * d[b], sumi[:, b], acc)
+                if dmin is not None:
+                    acc = _fma(-(dmin[:, b] * d[b]), summ[:, b], acc)
+        else:
+            scales, codes = reference_codes(blocks, ggml_type)
+            qs, d, _ = reference_activations(row)
+            sumi = (codes * qs.reshape(-1, 32).astype(np.int64)).sum(axis=-1)
+            for b in range(sumi.shape[1]):
+                acc = _fma(scales[:, b] * d[b], sumi[:, b], acc)
         out[t] = acc
     return out
 
 
 def random_blocks(rng, ggml_type: GT, n: int, k: int) -> np.ndarray:
-    return gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), ggml_type)
+    """Rows [n, k] of `ggml_type`: quantized by gguf where it can; K-quants random bytes (every scale
+    byte, -128 too) with float16 scales of a sane spread."""
+    if ggml_type in (GT.Q4_0, GT.Q8_0):
+        return gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), ggml_type)
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    for offset in (0, 2) if ggml_type == GT.Q4_K else (208,):
+        raw[:, offset : offset + 2] = rng.uniform(1e-4, 1e-3, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n, -1)
 
 
 def test_the_kernels_take_the_types_the_quant_table_says():
@@ -102,31 +174,38 @@ def test_the_kernels_take_the_types_the_quant_table_says():
         except ValueError:
             taken = k % 32 != 0  # the activations' blocks are of 32
         assert taken == qt.cpu_kernel, ggml_type.name
-    assert set(NATIVE_TYPES) == {"Q4_0", "Q8_0"}
+    assert set(NATIVE_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q6_K"}
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_activations_are_quantized_as_llama_cpp_quantizes_them(isa):
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal(320) * rng.choice([1e-3, 1.0, 40.0], 320)).astype(np.float32)
+    x = (rng.standard_normal(768) * rng.choice([1e-3, 1.0, 40.0], 768)).astype(np.float32)
     x[32:64] = 0.0  # an all-zero block: scale 0, codes 0
     x[64:96] = np.float32(0.5) * np.arange(-16, 16, dtype=np.float32)  # halves: ties round to even
-    qs, d, sums = cpu_ops.quantize(isa, x)
-    want = reference_activations(x)
-    for got, expected, what in zip((qs, d, sums), want, ("codes", "scales", "sums")):
-        np.testing.assert_array_equal(got, expected, err_msg=what)
-    x[200] = np.nan
-    x[250] = np.inf
-    qs, d, sums = cpu_ops.quantize(isa, x)
+    x[300], x[400] = -90.0, 90.0  # Q8_K: two of largest magnitude, the first sets the sign
+    x[512:768] = 0.0  # an all-zero super-block
+    for activation, reference in (("q8_0", reference_activations), ("q8_k", reference_activations_q8_k)):
+        qs, d, sums = cpu_ops.quantize(isa, x, activation)
+        want = reference(x)
+        for got, expected, what in zip((qs, d, sums), want, ("codes", "scales", "sums")):
+            np.testing.assert_array_equal(got, expected, err_msg=f"{activation} {what}")
+    y = x.copy()
+    y[200] = np.nan
+    y[250] = np.inf
+    qs, d, sums = cpu_ops.quantize(isa, y)
     assert np.isnan(d[[200 // 32, 250 // 32]]).all() and not qs[192:256].any(), "a non-finite block: NaN, no codes"
+    qs, d, sums = cpu_ops.quantize(isa, y, "q8_k")
+    assert np.isnan(d[0]) and not qs[:256].any() and not sums[:16].any(), "a non-finite super-block: NaN, no codes"
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n,k", [(77, 320), (4, 32), (3, 2048), (130, 96), (48, 64)])
-def test_each_kernel_equals_its_integer_reference(isa, ggml_type, n, k):
+@pytest.mark.parametrize("n,blocks", [(77, 10), (4, 1), (3, 64), (130, 3), (48, 2)])
+def test_each_kernel_equals_its_integer_reference(isa, ggml_type, n, blocks):
     """Bit for bit, at row counts the kernels' row groups of 16 do not divide (rows after the groups,
-    or no group at all) and K no multiple of 64; 5 rows of A: a tile of 4 and one left."""
+    or no group at all) and K of an odd number of blocks; 5 rows of A: a tile of 4 and one left."""
+    k = blocks * GGML_QUANT_SIZES[ggml_type][0]
     rng = np.random.default_rng(n * 1000 + k)
     blocks = random_blocks(rng, ggml_type, n, k)
     a = (rng.standard_normal((5, k)) * 3).astype(np.float32)
@@ -155,17 +234,23 @@ def test_the_self_test_passes_on_the_best_kernels_here():
 H, FFN, E, K = 96, 160, 6, 2
 
 
+def dims_of(types: tuple[GT, GT, GT]) -> tuple[int, int]:
+    """(hidden, ffn): K-quants' rows hold super-blocks of 256"""
+    return (256, 512) if any(GGML_QUANT_SIZES[t][0] == 256 for t in types) else (H, FFN)
+
+
 def moe_model(rng, types: tuple[GT, GT, GT], normalize: int = 1) -> tuple[bytes, list[np.ndarray]]:
-    gate, up = (np.stack([random_blocks(rng, t, FFN, H) for _ in range(E)]) for t in types[:2])
-    down = np.stack([random_blocks(rng, types[2], H, FFN) for _ in range(E)])
+    hidden, ffn = dims_of(types)
+    gate, up = (np.stack([random_blocks(rng, t, ffn, hidden) for _ in range(E)]) for t in types[:2])
+    down = np.stack([random_blocks(rng, types[2], hidden, ffn) for _ in range(E)])
     node = helper.make_node("MoEPacked", ["x", "logits", "gate", "up", "down"], ["y"], domain=cpu_ops.DOMAIN,
                             k=K, activation_type="swiglu", gate_type=int(types[0]), up_type=int(types[1]),
                             down_type=int(types[2]), normalize_routing_weights=normalize, row_group=ROW_GROUP)
     grouped = [row_groups.group(b, QUANT_TYPES[t]) for b, t in zip((gate, up, down), types)]
     graph = helper.make_graph(
-        [node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H]),
+        [node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", hidden]),
                         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", E])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])],
         [onnx.numpy_helper.from_array(b, n) for b, n in zip(grouped, ("gate", "up", "down"))])
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
@@ -199,15 +284,18 @@ def reference_moe(blobs, types, x, logits, normalize=True) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("types", [(GT.Q4_0, GT.Q4_0, GT.Q4_0), (GT.Q4_0, GT.Q4_0, GT.Q8_0),
-                                   (GT.Q8_0, GT.Q8_0, GT.Q8_0)], ids=lambda t: "/".join(x.name for x in t))
+MOE_TYPES = [(GT.Q4_0, GT.Q4_0, GT.Q4_0), (GT.Q4_0, GT.Q4_0, GT.Q8_0), (GT.Q8_0, GT.Q8_0, GT.Q8_0),
+             (GT.Q4_K, GT.Q4_K, GT.Q6_K), (GT.Q6_K, GT.Q6_K, GT.Q4_K)]
+
+
+@pytest.mark.parametrize("types", MOE_TYPES, ids=lambda t: "/".join(x.name for x in t))
 @pytest.mark.parametrize("normalize", [1, 0])
 def test_the_moe_operator_computes_the_definition_on_every_path(types, normalize, monkeypatch):
     """Every instruction set gives the same bits; they equal the products composed in numpy up to the
     float32 rounding of numpy's own exp and sums (routing weights, SiLU): 1e-5 of the output's scale."""
     rng = np.random.default_rng(11)
     model, blobs = moe_model(rng, types, normalize)
-    x = rng.standard_normal((7, H)).astype(np.float32)
+    x = rng.standard_normal((7, dims_of(types)[0])).astype(np.float32)
     logits = rng.standard_normal((7, E)).astype(np.float32)
     outs = {isa: run_moe(model, x, logits, isa, monkeypatch=monkeypatch) for isa in ISAS}
     for isa, y in outs.items():
@@ -216,12 +304,13 @@ def test_the_moe_operator_computes_the_definition_on_every_path(types, normalize
     assert np.abs(outs["scalar"] - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_a_token_gives_the_same_bits_alone_as_in_any_batch(monkeypatch):
+@pytest.mark.parametrize("types", [MOE_TYPES[1], MOE_TYPES[3]], ids=lambda t: "/".join(x.name for x in t))
+def test_a_token_gives_the_same_bits_alone_as_in_any_batch(types, monkeypatch):
     """A row's result does not depend on the call: one token, a prefill of 70 (more than one token
     chunk), one thread or two."""
     rng = np.random.default_rng(12)
-    model, _ = moe_model(rng, (GT.Q4_0, GT.Q4_0, GT.Q8_0))
-    x = rng.standard_normal((70, H)).astype(np.float32)
+    model, _ = moe_model(rng, types)
+    x = rng.standard_normal((70, dims_of(types)[0])).astype(np.float32)
     logits = rng.standard_normal((70, E)).astype(np.float32)
     batch = run_moe(model, x, logits, threads=2, monkeypatch=monkeypatch)
     for t in (0, 33, 69):
@@ -240,8 +329,8 @@ def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
     attributes["gate_type"].i, attributes["k"].i = int(GT.Q4_0), E + 1
     with pytest.raises(Exception, match=r"moepass::MoEPacked: k 7: 1 to the 6 experts"):
         run_moe(model.SerializeToString(), x, logits)
-    attributes["k"].i, attributes["down_type"].i = K, int(GT.Q4_K)
-    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 12: a GGML type these kernels do not take"):
+    attributes["k"].i, attributes["down_type"].i = K, int(GT.Q5_K)
+    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 13: a GGML type these kernels do not take"):
         run_moe(model.SerializeToString(), x, logits)
     attributes["down_type"].i, attributes["row_group"].i = int(GT.Q4_0), 8
     with pytest.raises(Exception, match=r"moepass::MoEPacked: row_group 8: these kernels take rows in groups of 16"):
@@ -256,7 +345,7 @@ NATIVE_ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", 
 
 
 @pytest.mark.llama
-@pytest.mark.parametrize("preset", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("preset", ["q4_0", "q8_0", "q4_k", "q4_k_m", "q6_k"])
 @pytest.mark.parametrize("arch", NATIVE_ARCHITECTURES)
 def test_native_conversions_match_llama_cpp(arch, preset, make_gguf, converted, tmp_path):
     """As close to the exact computation of the file's weights as llama.cpp is (support.oracle's
@@ -273,8 +362,9 @@ def test_native_conversions_match_llama_cpp(arch, preset, make_gguf, converted, 
 
 
 def test_native_is_refused_in_one_line_for_types_the_kernels_lack(make_gguf, tmp_path):
-    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q4_K"):
-        moepass.convert(make_gguf("q4_k"), tmp_path / "out", expert_format="native")
+    gguf = make_gguf("q8_0", types={"gate_up": GT.Q5_K})
+    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q5_K"):
+        moepass.convert(gguf, tmp_path / "out", expert_format="native")
     assert not (tmp_path / "out").exists()
 
 

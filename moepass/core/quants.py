@@ -378,13 +378,15 @@ class QuantType:
     # (float types are checked whole; MXFP4's e8m0 scale and IQ1_M's split scale are special cases).
     scales: tuple[int, ...] | None = (0,)
     # Where moepass.cpu_ops has a kernel over this type's own blocks (--expert-format native): the
-    # bytes at the head of a block that its row groups keep together (the scales: row_groups.py); 0:
-    # no kernel. The C side's table, cpu_ops/dispatch.c, is held to this one by tests/test_cpu_ops.py.
-    cpu_header: int = 0
+    # segments of a block its row groups lay out, in their order, as (offset, bytes, unit): float16
+    # scales a unit of 2, packed sub-block scales of 1, codes of 4 (moepass.core.row_groups); ()
+    # where it has none. The C side's table, cpu_ops/dispatch.c, is held to this one by
+    # tests/test_cpu_ops.py.
+    cpu_segments: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def cpu_kernel(self) -> bool:
-        return self.cpu_header > 0
+        return bool(self.cpu_segments)
 
     @property
     def name(self) -> str:
@@ -437,7 +439,7 @@ QUANT_TYPES: dict[GT, QuantType] = {
             {8: direct_q8_0_int8},
             fp16_scales=True,
             int8_block=32,
-            cpu_header=2,
+            cpu_segments=((0, 2, 2), (2, 32, 4)),
         ),
         QuantType(
             GT.Q4_0,
@@ -448,9 +450,17 @@ QUANT_TYPES: dict[GT, QuantType] = {
             {4: direct_q4_0_int4},
             fp16_scales=True,
             int8_block=32,
-            cpu_header=2,
+            cpu_segments=((0, 2, 2), (2, 16, 4)),
         ),
-        QuantType(GT.Q6_K, "blocks", 16, (-32, 31), decode_q6_k, scales=(208,)),
+        QuantType(
+            GT.Q6_K,
+            "blocks",
+            16,
+            (-32, 31),
+            decode_q6_k,
+            scales=(208,),
+            cpu_segments=((208, 2, 2), (192, 16, 1), (0, 128, 4), (128, 64, 4)),
+        ),
         QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0, fp16_scales=True, int8_block=32),
         QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl, fp16_scales=True, int8_block=32),
         QuantType(GT.IQ4_XS, "blocks", 32, (-127, 113), decode_iq4_xs, int8_block=32),
@@ -476,6 +486,7 @@ QUANT_TYPES: dict[GT, QuantType] = {
             scales=(0, 2),
             affine_bits=4,
             affine_block=32,
+            cpu_segments=((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 128, 4)),
         ),
         QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32, affine_bits=5, affine_block=32),
         QuantType(GT.Q5_K, "dequantize", scales=(0, 2), int8_block=32, affine_bits=5, affine_block=32),

@@ -1,11 +1,13 @@
 """Row groups: the layout of the GGUF blocks that moepass's CPU kernels (moepass.cpu_ops) take.
 
 A matrix's rows go in groups of ROW_GROUP; the rows after the last whole group stay as GGML writes
-them. A group holds its rows' blocks block by block: for each block, the group's rows' headers (the
-block's leading `QuantType.cpu_header` bytes: its scales) one after another, then their codes
-GROUP_CHUNK bytes at a time, row by row. The same bytes as the file's, in an order where one vector
-load holds four codes of each of 16 rows (cpu_ops/kernels.h), so that a kernel multiplies 16 rows at
-once with no sum across a register. Laid out at convert time: the weights are held once.
+them. A group holds its rows' blocks block by block. Each block is cut into the segments its type's
+`QuantType.cpu_segments` names, (offset, bytes, unit): its float16 scales, its packed sub-block
+scales, its codes; for each segment in that order, the group's rows' bytes of it `unit` bytes at a
+time, row by row. So one vector load holds the float16 scale of each of 16 rows, or one scale byte of
+each, or four codes of each (cpu_ops/kernels.h): a kernel multiplies 16 rows at once, a row a lane,
+with no sum across a register. The same bytes as the file's, reordered; laid out at convert time, so
+the weights are held once.
 """
 
 from __future__ import annotations
@@ -16,32 +18,31 @@ from gguf.constants import GGML_QUANT_SIZES
 from moepass.core.quants import QuantType
 
 ROW_GROUP = 16  # cpu_ops/kernels.h's ROW_GROUP
-GROUP_CHUNK = 4  # bytes of one row's codes before the next row's
 
 
-def _geometry(qt: QuantType, row_bytes: int) -> tuple[int, int, int]:
-    """(blocks a row, header bytes, code bytes) of one block of `qt`."""
-    if not qt.cpu_header:
+def _check(qt: QuantType, row_bytes: int) -> int:
+    """The blocks a row of `row_bytes` holds."""
+    if not qt.cpu_segments:
         raise ValueError(f"{qt.name}: moepass's CPU kernels do not take this type")
     block_size = GGML_QUANT_SIZES[qt.ggml_type][1]
     if row_bytes % block_size:
         raise ValueError(f"{qt.name}: rows of {row_bytes} bytes are no whole blocks of {block_size}")
-    return row_bytes // block_size, qt.cpu_header, block_size - qt.cpu_header
+    return row_bytes // block_size
 
 
 def group(rows: np.ndarray, qt: QuantType) -> np.ndarray:
     """GGUF rows [..., rows, row bytes] (uint8; each matrix in the last two axes) in row groups."""
     *lead, n, row_bytes = rows.shape
-    blocks, header, codes = _geometry(qt, row_bytes)
-    whole = n // ROW_GROUP * ROW_GROUP
-    g = rows[..., :whole, :].reshape(*lead, whole // ROW_GROUP, ROW_GROUP, blocks, header + codes)
-    heads = np.swapaxes(g[..., :header], -3, -2)  # [.., groups, blocks, rows, header]
-    chunks = g[..., header:].reshape(*g.shape[:-1], codes // GROUP_CHUNK, GROUP_CHUNK)
-    chunks = np.moveaxis(chunks, -4, -2)  # [.., groups, blocks, chunks, rows, 4]
+    blocks, whole = _check(qt, row_bytes), n // ROW_GROUP * ROW_GROUP
+    g = rows[..., :whole, :].reshape(*lead, whole // ROW_GROUP, ROW_GROUP, blocks, row_bytes // blocks)
     out = np.empty_like(rows)
-    grouped = out[..., :whole, :].reshape(*lead, whole // ROW_GROUP, blocks, ROW_GROUP * (header + codes))
-    grouped[..., : ROW_GROUP * header] = heads.reshape(*heads.shape[:-2], ROW_GROUP * header)
-    grouped[..., ROW_GROUP * header :] = chunks.reshape(*chunks.shape[:-3], ROW_GROUP * codes)
+    grouped = out[..., :whole, :].reshape(*lead, whole // ROW_GROUP, blocks, row_bytes // blocks * ROW_GROUP)
+    at = 0
+    for offset, size, unit in qt.cpu_segments:
+        part = g[..., offset : offset + size].reshape(*g.shape[:-1], size // unit, unit)
+        part = np.moveaxis(part, -4, -2)  # [.., groups, blocks, units, rows, unit]
+        grouped[..., at : at + ROW_GROUP * size] = part.reshape(*part.shape[:-3], ROW_GROUP * size)
+        at += ROW_GROUP * size
     out[..., whole:, :] = rows[..., whole:, :]
     return out
 
@@ -49,16 +50,14 @@ def group(rows: np.ndarray, qt: QuantType) -> np.ndarray:
 def ungroup(rows: np.ndarray, qt: QuantType) -> np.ndarray:
     """The GGUF rows of `group`'s output: the inverse layout."""
     *lead, n, row_bytes = rows.shape
-    blocks, header, codes = _geometry(qt, row_bytes)
-    whole = n // ROW_GROUP * ROW_GROUP
-    grouped = rows[..., :whole, :].reshape(*lead, whole // ROW_GROUP, blocks, ROW_GROUP * (header + codes))
-    heads = grouped[..., : ROW_GROUP * header].reshape(*grouped.shape[:-1], ROW_GROUP, header)
-    chunks = grouped[..., ROW_GROUP * header :].reshape(
-        *grouped.shape[:-1], codes // GROUP_CHUNK, ROW_GROUP, GROUP_CHUNK
-    )
+    blocks, whole = _check(qt, row_bytes), n // ROW_GROUP * ROW_GROUP
+    grouped = rows[..., :whole, :].reshape(*lead, whole // ROW_GROUP, blocks, row_bytes // blocks * ROW_GROUP)
     out = np.empty_like(rows)
-    g = out[..., :whole, :].reshape(*lead, whole // ROW_GROUP, ROW_GROUP, blocks, header + codes)
-    g[..., :header] = np.swapaxes(heads, -3, -2)
-    g[..., header:] = np.moveaxis(chunks, -2, -4).reshape(*g.shape[:-1], codes)
+    g = out[..., :whole, :].reshape(*lead, whole // ROW_GROUP, ROW_GROUP, blocks, row_bytes // blocks)
+    at = 0
+    for offset, size, unit in qt.cpu_segments:
+        part = grouped[..., at : at + ROW_GROUP * size].reshape(*grouped.shape[:-1], size // unit, ROW_GROUP, unit)
+        g[..., offset : offset + size] = np.moveaxis(part, -2, -4).reshape(*g.shape[:-1], size)
+        at += ROW_GROUP * size
     out[..., whole:, :] = rows[..., whole:, :]
     return out
