@@ -8,7 +8,29 @@ const QuantType quant_types[QUANT_TYPES] = {
     {GGML_Q4_0, "Q4_0", 32, 18, ACT_Q8_0, {{0, 2, 2}, {2, 16, 4}}, 2},
     {GGML_Q8_0, "Q8_0", 32, 34, ACT_Q8_0, {{0, 2, 2}, {2, 32, 4}}, 2},
     {GGML_Q4_K, "Q4_K", 256, 144, ACT_Q8_K, {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}}, 4},
-    {GGML_Q6_K, "Q6_K", 256, 210, ACT_Q8_K, {{208, 2, 2}, {192, 16, 1}, {0, 128, 4}, {128, 64, 4}}, 4},
+    /* Q6_K's codes in the order its kernels read them (a read in order is prefetched; one that jumps
+     * between ql and qh streams at a third of the rate): for each half h and part p, the low nibbles
+     * of elements 128 h + 16 p.. and 128 h + 32 + 16 p.., then their high pairs */
+    {GGML_Q6_K,
+     "Q6_K",
+     256,
+     210,
+     ACT_Q8_K,
+     {{208, 2, 2},
+      {192, 16, 1},
+      {0, 16, 4},
+      {32, 16, 4},
+      {128, 16, 4},
+      {16, 16, 4},
+      {48, 16, 4},
+      {144, 16, 4},
+      {64, 16, 4},
+      {96, 16, 4},
+      {160, 16, 4},
+      {80, 16, 4},
+      {112, 16, 4},
+      {176, 16, 4}},
+     14},
 };
 const size_t quant_type_count = sizeof quant_types / sizeof quant_types[0];
 

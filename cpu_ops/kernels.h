@@ -66,6 +66,8 @@ typedef void (*QuantizeRow)(const float *x, size_t k, ActRow *y);
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_COUNT };
 
+#define MAX_SEGMENTS 14
+
 /* One segment of a block in a row group: `size` bytes from `offset`, laid out `unit` bytes a row at a
  * time (moepass/core/row_groups.py) */
 typedef struct {
@@ -80,7 +82,7 @@ typedef struct {
     int block;      /* elements a block */
     int block_size; /* bytes a block */
     int act;        /* ACT_* its activations are quantized to */
-    Segment segments[4];
+    Segment segments[MAX_SEGMENTS];
     int n_segments;
 } QuantType;
 

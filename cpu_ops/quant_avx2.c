@@ -249,8 +249,8 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
     }
 }
 
-/* Q6_K (quant_avx512.c's layout); 2 products of 2 x 63 x 127 to a 16-bit lane, so a sub-block's four
- * chunks in two sums */
+/* Q6_K (quant_avx512.c's layout, its passes read in order); 2 products of 2 x 63 x 127 to a 16-bit
+ * lane, so a sub-block's four chunks in two sums */
 ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                               size_t first) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
@@ -261,7 +261,6 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
             acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
             const uint8_t *blk = group + b * ROW_GROUP * 210, *scales = blk + 32 + 8 * half;
-            const uint8_t *ql = blk + 288 + 32 * half, *qh = blk + 2336 + 32 * half;
             const __m256 d = scales8(blk + 16 * half);
             for (int s = 0; s < 16; s++) {
                 const __m256i v = signed_byte_lanes(scales, s);
@@ -271,8 +270,9 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                 sp[i] = pair16(signed_byte_lanes(scales, 2 * i), signed_byte_lanes(scales, 2 * i + 1));
             for (int h2 = 0; h2 < 2; h2++)
                 for (int l4 = 0; l4 < 8; l4++) {
-                    const __m256i lo = load_chunk(ql, 16 * h2 + l4), hi = load_chunk(ql, 16 * h2 + 8 + l4);
-                    const __m256i h = load_chunk(qh, 8 * h2 + l4);
+                    const uint8_t *pass = blk + 288 + 768 * (2 * h2 + l4 / 4) + 32 * half;
+                    const __m256i lo = load_chunk(pass, l4 % 4), hi = load_chunk(pass, 4 + l4 % 4);
+                    const __m256i h = load_chunk(pass, 8 + l4 % 4);
                     const int e = 32 * h2 + l4;
                     codes[e] = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
                     codes[e + 8] =

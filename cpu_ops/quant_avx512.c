@@ -80,9 +80,9 @@ ALWAYS_INLINE void q8_0_group(const uint8_t *group, size_t n_blocks, const ActRo
 }
 
 /* ---- K-quants: a super-block of 256 elements against Q8_K activations --------------------------------
- * The group's codes of one super-block are unpacked once into codes[e / 4] (four codes of each of the
- * 16 rows, elements e..e+3, as unsigned bytes), its sub-block scales into int32 lanes; then each
- * token's integer sums, scaled per sub-block, exactly as quant_scalar.c's block_q4_k / block_q6_k. */
+ * A super-block's codes are unpacked 64 elements at a time into 16 registers (codes[c]: four codes of
+ * each of the 16 rows, as unsigned bytes), and every token's sub-blocks there summed and scaled before
+ * the next 64 (the scales in int32 lanes); exactly as quant_scalar.c's block_q4_k / block_q6_k. */
 
 /* byte c of each of the 16 rows (a packed-scale segment at p), zero- or sign-extended to int32 lanes */
 ALWAYS_INLINE __m512i byte_lanes(const uint8_t *p, int c) {
@@ -100,27 +100,27 @@ static inline int32_t pair_of(int32_t lo, int32_t hi) { return (int32_t)(((uint3
 
 ALWAYS_INLINE __m512i load_chunk(const uint8_t *p, int c) { return _mm512_loadu_si512((const void *)(p + 64 * c)); }
 
-/* the sum over chunks [c0, c0 + n) of codes . the activations' four codes there */
+/* the sum over codes[c0 .. c0 + n) of their products with the activations' four codes at xq + 4 (c0 ..) */
 ALWAYS_INLINE __m512i chunk_dots(const __m512i *codes, const int8_t *xq, int c0, int n) {
     __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-    for (int c = c0; c < c0 + n; c += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, codes[c], bcast(xq + 4 * c));
-        s1 = _mm512_dpbusd_epi32(s1, codes[c + 1], bcast(xq + 4 * c + 4));
+    for (int c = 0; c < n; c += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, codes[c0 + c], bcast(xq + 4 * c));
+        s1 = _mm512_dpbusd_epi32(s1, codes[c0 + c + 1], bcast(xq + 4 * c + 4));
     }
     return _mm512_add_epi32(s0, s1);
 }
 
-/* Q4_K in a row group: d (32 bytes), dmin (32), the 12 scale bytes (16 each), 32 code chunks (64 each) */
+/* Q4_K in a row group: d (32 bytes), dmin (32), the 12 scale bytes (16 each), 32 code chunks (64 each:
+ * chunk 8 j + i holds bytes 4i.. of 64-element part j, elements 64 j + 4i.. low, 64 j + 32 + 4i.. high) */
 ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                               size_t first) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63);
     __m512 acc[TILE_TOKENS];
-    __m512i codes[64], sc[8], mp[4];
+    __m512i sumi[TILE_TOKENS], sc[8], mp[4];
     for (int t = 0; t < nt; t++)
         acc[t] = _mm512_setzero_ps();
     for (size_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = group + b * ROW_GROUP * 144, *scales = blk + 64, *qs = blk + 256;
-        const __m512 d = scales16(blk), dmin = scales16(blk + 32);
         __m512i q[12], mn[8];
         for (int c = 0; c < 12; c++)
             q[c] = byte_lanes(scales, c);
@@ -133,23 +133,31 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
         }
         for (int i = 0; i < 4; i++)
             mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
-        for (int j64 = 0; j64 < 4; j64++)
+        for (int t = 0; t < nt; t++)
+            sumi[t] = _mm512_setzero_si512();
+        for (int j64 = 0; j64 < 4; j64++) {
+            __m512i codes[16];
             for (int c = 0; c < 8; c++) {
                 const __m512i raw = load_chunk(qs, 8 * j64 + c);
-                codes[16 * j64 + c] = _mm512_and_si512(raw, m4);
-                codes[16 * j64 + 8 + c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+                codes[c] = _mm512_and_si512(raw, m4);
+                codes[8 + c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
             }
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K + 64 * j64;
+                const __m512i lo = _mm512_mullo_epi32(chunk_dots(codes, xq, 0, 8), sc[2 * j64]);
+                const __m512i hi = _mm512_mullo_epi32(chunk_dots(codes, xq + 32, 8, 8), sc[2 * j64 + 1]);
+                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(lo, hi));
+            }
+        }
+        const __m512 d = scales16(blk), dmin = scales16(blk + 32);
         for (int t = 0; t < nt; t++) {
-            const int8_t *xq = x[t].qs + b * QK_K;
             const int32_t *bs = x[t].sums + b * (QK_K / 16);
-            __m512i sumi = _mm512_setzero_si512(), summ = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++)
-                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(chunk_dots(codes, xq, 8 * j, 8), sc[j]));
+            __m512i summ = _mm512_setzero_si512();
             for (int i = 0; i < 4; i++)
                 summ = _mm512_dpwssd_epi32(summ, mp[i], _mm512_set1_epi32(pair_of(bs[4 * i] + bs[4 * i + 1],
                                                                                    bs[4 * i + 2] + bs[4 * i + 3])));
             const __m512 dx = _mm512_set1_ps(x[t].d[b]);
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sumi), acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
             acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(summ), acc[t]);
         }
     }
@@ -157,43 +165,55 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
         _mm512_storeu_ps(out[t] + first, acc[t]);
 }
 
-/* Q6_K in a row group: d (32 bytes), the 16 scale bytes (16 each), 32 low-nibble chunks, 16 high-pair
- * chunks (64 each) */
+/* Q6_K in a row group: d (32 bytes), the 16 scale bytes (16 each), then four passes of 768 bytes (half
+ * h, part p: 4 chunks of low nibbles of ql bytes 64 h + 16 p.., 4 of ql bytes 64 h + 32 + 16 p.., 4 of
+ * high pairs of qh bytes 32 h + 16 p..; dispatch.c). A pass holds the 16-element sub-blocks
+ * 8 h + p + {0, 2, 4, 6}, four chunks each. */
 ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                               size_t first) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     __m512 acc[TILE_TOKENS];
-    __m512i codes[64], sc[16], sp[8];
+    __m512i sumi[TILE_TOKENS], sc[16], sp[8];
     for (int t = 0; t < nt; t++)
         acc[t] = _mm512_setzero_ps();
     for (size_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = group + b * ROW_GROUP * 210, *scales = blk + 32, *ql = blk + 288, *qh = blk + 2336;
-        const __m512 d = scales16(blk);
+        const uint8_t *blk = group + b * ROW_GROUP * 210, *scales = blk + 32;
         for (int s = 0; s < 16; s++)
             sc[s] = signed_byte_lanes(scales, s);
         for (int i = 0; i < 8; i++)
             sp[i] = pair16(sc[2 * i], sc[2 * i + 1]);
+        for (int t = 0; t < nt; t++)
+            sumi[t] = _mm512_setzero_si512();
         for (int half = 0; half < 2; half++)
-            for (int l4 = 0; l4 < 8; l4++) {
-                const __m512i lo = load_chunk(ql, 16 * half + l4), hi = load_chunk(ql, 16 * half + 8 + l4);
-                const __m512i h = load_chunk(qh, 8 * half + l4);
-                const int e = 32 * half + l4; /* (128 half + 4 l4) / 4 */
-                codes[e] = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
-                codes[e + 8] = _mm512_or_si512(_mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
-                codes[e + 16] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(h, m30));
-                codes[e + 24] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hi, 4), m4),
-                                                _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+            for (int part = 0; part < 2; part++) {
+                __m512i codes[16]; /* codes[4 k + i]: elements 128 half + 32 k + 16 part + 4 i.. */
+                const uint8_t *pass = blk + 288 + 768 * (2 * half + part);
+                for (int i = 0; i < 4; i++) {
+                    const __m512i lo = load_chunk(pass, i), hi = load_chunk(pass, 4 + i), h = load_chunk(pass, 8 + i);
+                    codes[i] = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+                    codes[4 + i] =
+                        _mm512_or_si512(_mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+                    codes[8 + i] =
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(h, m30));
+                    codes[12 + i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hi, 4), m4),
+                                                    _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+                }
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *xq = x[t].qs + b * QK_K + 128 * half + 16 * part;
+                    for (int k = 0; k < 4; k++) {
+                        const __m512i dot = chunk_dots(codes, xq + 32 * k, 4 * k, 4);
+                        sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dot, sc[8 * half + 2 * k + part]));
+                    }
+                }
             }
+        const __m512 d = scales16(blk);
         for (int t = 0; t < nt; t++) {
-            const int8_t *xq = x[t].qs + b * QK_K;
             const int32_t *bs = x[t].sums + b * (QK_K / 16);
-            __m512i sumi = _mm512_setzero_si512(), bias = _mm512_setzero_si512();
-            for (int s = 0; s < 16; s++)
-                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(chunk_dots(codes, xq, 4 * s, 4), sc[s]));
+            __m512i bias = _mm512_setzero_si512();
             for (int i = 0; i < 8; i++)
                 bias = _mm512_dpwssd_epi32(bias, sp[i], _mm512_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1])));
-            sumi = _mm512_sub_epi32(sumi, _mm512_slli_epi32(bias, 5));
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])), _mm512_cvtepi32_ps(sumi), acc[t]);
+            const __m512i s = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(bias, 5));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])), _mm512_cvtepi32_ps(s), acc[t]);
         }
     }
     for (int t = 0; t < nt; t++)

@@ -36,6 +36,7 @@ from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel
 from moepass.core.ir_values import input_at, read_rows, tensor_dims, tensor_of
 from moepass.core.moe_nodes import (
+    NATIVE_DOMAIN,
     PACKED_ROUTER_WEIGHTS,
     PACKED_SLOTS,
     QMOE_SLOTS,
@@ -56,6 +57,7 @@ from moepass.core.quants import (
     ExpertForms,
     QuantType,
     expert_form,
+    matrix_form,
     parse_form,
     quant_type,
     scales_in_float16,
@@ -63,7 +65,7 @@ from moepass.core.quants import (
 from moepass.passes.float16 import FLOAT, HALF, Float16Pass
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
-from moepass.passes.weights.packing import PackOptions
+from moepass.passes.weights.packing import PackedGroup, PackOptions
 from moepass.passes.weights.report import WeightReport
 from moepass.passes.weights.sources import GgufRows, RowSource, StoredRows
 from moepass.passes.weights.streaming import CHUNK_BYTES, StreamedTensor
@@ -168,14 +170,24 @@ class BlobTensor:
         return self.ggml_type.name
 
     def read_rows(self, first: int = 0, count: int | None = None) -> np.ndarray:
-        e, rows, row_bytes = tensor_dims(self.tensor)
-        count = e * rows - first if count is None else count
-        start, stop = first // rows, -(-(first + count) // rows)
-        chunk = read_rows(self.tensor, start, stop - start)
+        dims = tensor_dims(self.tensor)
+        rows, row_bytes = dims[-2:]
+        count = int(np.prod(dims[:-1])) - first if count is None else count
+        # read whole experts of a stack [E, rows, row bytes], whole row groups of a matrix [rows, row bytes]
+        unit = rows if len(dims) == 3 else row_groups.ROW_GROUP
+        start, stop = first // unit, -(-(first + count) // unit)
+        chunk = read_rows(self.tensor, start, stop - start) if len(dims) == 3 else self._matrix_rows(start, stop)
         if self.grouped:
-            chunk = row_groups.ungroup(chunk.reshape(-1, rows, row_bytes), quant_type(self.ggml_type, self.name))
+            shape = (-1, rows, row_bytes) if len(dims) == 3 else (-1, row_bytes)
+            chunk = row_groups.ungroup(chunk.reshape(shape), quant_type(self.ggml_type, self.name))
         chunk = chunk.reshape(-1, row_bytes)
-        return chunk[first - start * rows : first - start * rows + count]
+        return chunk[first - start * unit : first - start * unit + count]
+
+    def _matrix_rows(self, start: int, stop: int) -> np.ndarray:
+        """Row groups [start, stop) of a matrix (its rows after the last whole group with the last)."""
+        rows = tensor_dims(self.tensor)[0]
+        first = start * row_groups.ROW_GROUP
+        return read_rows(self.tensor, first, min(stop * row_groups.ROW_GROUP, rows) - first)
 
     def streamed(self) -> StreamedTensor:
         """The blob as GGUF rows, [E, rows, row bytes], read a few experts at a time."""
@@ -326,6 +338,8 @@ class GpuFormPass(InPlacePass):
                 types = packed_rows(moe).types
                 assert types is not None  # a MoEPacked node's attributes type every blob
                 self._reform(graph, moe, expert_form(types, [moe.hidden, moe.ffn]), cpu=True)
+        for node in [n for n in graph if n.domain == NATIVE_DOMAIN and n.op_type == "MatMulPacked"]:
+            self._dense_to_nbits(graph, node)  # every non-MoE node runs on the GPU
         cpu = {m.node for m in moe_nodes(graph) if not self.on_gpu(m)}
         # what no CUDA kernel takes stays on the CPU (and float32): MoEGroupRouter, say
         refused = {n for n in graph if n not in cpu and _no_kernel(n)}
@@ -363,11 +377,10 @@ class GpuFormPass(InPlacePass):
             scale_dtype=scale_dtype, prepack=self.target == "offload" and not cpu, workers=self.workers
         )
         tensors = expert_tensors(moe.name, prefix, rows.fc1, rows.fc2, fc1_form, self.report, packing)
-        values = []
-        for tensor in (tensors.fc1.codes, tensors.fc1.scales, tensors.fc2.codes, tensors.fc2.scales):
-            value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
-            graph.register_initializer(value)
-            values.append(value)
+        values = [
+            _initializer(graph, tensor)
+            for tensor in (tensors.fc1.codes, tensors.fc1.scales, tensors.fc2.codes, tensors.fc2.scales)
+        ]
         fc2_bias = self._padded_bias(graph, biases[1], hidden, tensors.pad) if biases[1] is not None else None
         ops = NodeList()
         consts = _Consts(graph)
@@ -438,6 +451,34 @@ class GpuFormPass(InPlacePass):
             levels = measured_levels(sources, forms.node, half_scales=half, exact=self.exact)
         return rows, types, forms.fc1(levels)
 
+    def _dense_to_nbits(self, graph: ir.Graph, node: ir.Node) -> None:
+        """A moepass::MatMulPacked node (a matrix of a native conversion, which only the CPU runs) as
+        com.microsoft::MatMulNBits over its blocks: the type's exact form where it has one, else 8 bits
+        (quants.matrix_form without block offsets), packed from the blob's rows out of their groups."""
+        x, value = input_at(node, 0), input_at(node, 1)
+        if x is None or value is None:
+            raise MoepassError(f"{node.name}: MatMulPacked without its input or blocks")
+        ggml_type = GGMLQuantizationType(node.attributes.get_int("packed_type"))
+        name = (value.name or node.name or "MatMulPacked").removesuffix(".blocks")
+        qt = quant_type(ggml_type, name)
+        tensor = tensor_of(value)
+        n, row_bytes = tensor_dims(tensor)
+        k = row_bytes // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
+        form = matrix_form(qt, k, offsets=False)
+        assert form is not None  # a type the kernels take is a block type
+        blob = BlobTensor(name, tensor, ggml_type, (n, k), grouped=True)
+        packing = PackOptions(blob_layout=True, scale_dtype=HALF, workers=self.workers)
+        group = PackedGroup([GgufRows(blob, qt)], form, name, self.report, packing)  # type: ignore[arg-type]
+        inputs = [x, _initializer(graph, group.codes), _initializer(graph, group.scales)]
+        attributes = {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size}
+        nbits = ir.node("MatMulNBits", inputs, attributes=attributes, domain="com.microsoft", name=node.name)
+        old = node.outputs[0]
+        nbits.outputs[0].name, old.name = old.name, f"{old.name}.replaced"
+        nbits.outputs[0].type, nbits.outputs[0].shape = old.type, old.shape
+        graph.insert_before(node, nbits)
+        old.replace_all_uses_with(nbits.outputs[0], replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+
     @staticmethod
     def _padded_bias(graph: ir.Graph, bias: ir.Value, hidden: int, pad: int) -> ir.Value:
         """fc2's bias [E, hidden + pad]: the features' zero rows after the model's own."""
@@ -452,6 +493,15 @@ class GpuFormPass(InPlacePass):
         )
         graph.register_initializer(value)
         return value
+
+
+def _initializer(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:
+    """A tensor as a new initializer of the graph."""
+    value = ir.Value(
+        name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor_dims(tensor)), const_value=tensor
+    )
+    graph.register_initializer(value)
+    return value
 
 
 def _no_kernel(node: ir.Node) -> bool:

@@ -29,7 +29,7 @@ from moepass.core.capabilities import layout_problems, offload_violations, relea
 from moepass.core.choices import DEVICES, PLUGIN_ENV, one_of
 from moepass.core.errors import MoepassError, first_line, no_such_path, wording
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
-from moepass.core.moe_nodes import is_cuda_packed, is_native, moe_nodes
+from moepass.core.moe_nodes import NATIVE_DOMAIN, is_cuda_packed, moe_nodes
 
 log = logging.getLogger("moepass")
 
@@ -147,17 +147,18 @@ def _choose_provider(ort, device: str, plugin_library: str | None) -> tuple[str,
 
 
 def register_native_kernels(options, model: ir.Model) -> None:
-    """Register moepass.cpu_ops's kernels with `options` where the model has moepass::MoEPacked nodes
+    """Register moepass.cpu_ops's kernels with `options` where the model has nodes of its domain
     (--expert-format native); where the kernels cannot run here, one line saying why."""
-    native = [m.name for m in moe_nodes(model.graph) if is_native(m.node)]
+    native = [node for node in model.graph if node.domain == NATIVE_DOMAIN]
     if not native:
         return
     import moepass.cpu_ops as cpu_ops
 
     why = cpu_ops.unavailable()
     if why is not None:
+        node = native[0]
         raise MoepassError(
-            f"MoE node {native[0]} is a moepass::MoEPacked node, run by moepass's own CPU kernels, which cannot "
+            f"node {node.name} is a moepass::{node.op_type} node, run by moepass's own CPU kernels, which cannot "
             f"run here: {why}; convert without {wording().option('--expert-format', 'native')} to run it"
         )
     cpu_ops.register(options)

@@ -352,8 +352,12 @@ def test_native_conversions_match_llama_cpp(arch, preset, make_gguf, converted, 
     bound), prefill, token-by-token decode and chunked prefill; every MoE node native."""
     gguf = make_gguf(preset, arch=arch)
     model = converted(preset, arch=arch, expert_format="native")
-    nodes = moe_nodes(load_model(model).graph)
+    graph = load_model(model).graph
+    nodes = moe_nodes(graph)
     assert nodes and all(is_native(m.node) for m in nodes)
+    dense = [n for n in graph if n.op_type == "MatMulPacked"]
+    assert dense and all(n.domain == cpu_ops.DOMAIN for n in dense), "every matrix of a type the kernels take"
+    assert not any(n.op_type == "MatMulNBits" and n.name.startswith("blk.") for n in graph)
     theirs = llama_logits(gguf, PROMPT)
     exact = llama_logits(dequantized_copy(gguf, tmp_path / "f32.gguf"), PROMPT)
     ties = routing_near_ties(model, PROMPT)
@@ -398,6 +402,9 @@ def test_partition_keeps_cpu_layers_native_and_hands_the_gpus_the_files_own_bloc
         theirs = np.asarray(tensors[f"blk.0.ffn_{role}_exps.weight"].data).reshape(grouped.shape)
         np.testing.assert_array_equal(row_groups.ungroup(grouped, qt), theirs, err_msg=role)
     gpu_nodes_are_taken(placed.output_dir, "layers")
+    placed_graph = load_model(placed.output_dir).graph
+    assert not any(n.domain == cpu_ops.DOMAIN and n.op_type == "MatMulPacked" for n in placed_graph)
+    assert any(n.op_type == "MatMulNBits" for n in placed_graph), "the GPU's matrices: MatMulNBits"
 
     def logits(model_dir):
         decoder = load(model_dir)
@@ -408,3 +415,14 @@ def test_partition_keeps_cpu_layers_native_and_hands_the_gpus_the_files_own_bloc
     gpu_nodes_are_taken(offload.output_dir, "offload")
     converted_error = np.abs(logits(converted("q4_0", expert_format="offload")) - reference).max()
     assert np.abs(logits(offload.output_dir) - reference).max() <= 1.5 * converted_error + 1e-6
+
+
+def test_a_native_model_where_the_kernels_cannot_run_is_refused_in_one_line(converted, monkeypatch):
+    """The library did not build or load, or its self-test failed: loading says so, naming a node."""
+    model = converted("q4_0", expert_format="native")
+    monkeypatch.setattr(cpu_ops, "unavailable", lambda: "the kernel library was not built at install")
+    with pytest.raises(moepass.MoepassError) as raised:
+        load(model)
+    message = str(raised.value)
+    assert "\n" not in message and "moepass::" in message and "the kernel library was not built" in message
+    assert "convert without expert_format='native'" in message

@@ -459,7 +459,19 @@ QUANT_TYPES: dict[GT, QuantType] = {
             (-32, 31),
             decode_q6_k,
             scales=(208,),
-            cpu_segments=((208, 2, 2), (192, 16, 1), (0, 128, 4), (128, 64, 4)),
+            # the codes in the order the kernels read them (cpu_ops/dispatch.c): for each half and part
+            # of a half, the low nibbles of two 16-element runs, then their high pairs
+            cpu_segments=((208, 2, 2), (192, 16, 1))
+            + tuple(
+                segment
+                for half in (0, 1)
+                for part in (0, 1)
+                for segment in (
+                    (64 * half + 16 * part, 16, 4),
+                    (64 * half + 32 + 16 * part, 16, 4),
+                    (128 + 32 * half + 16 * part, 16, 4),
+                )
+            ),
         ),
         QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0, fp16_scales=True, int8_block=32),
         QuantType(GT.IQ4_NL, "blocks", 32, (-127, 113), decode_iq4_nl, fp16_scales=True, int8_block=32),

@@ -21,6 +21,7 @@ from moepass.core import row_groups
 from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, SourceTensor
+from moepass.core.moe_nodes import NATIVE_DOMAIN
 from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type, scales_in_float16
 from moepass.passes.weights.packing import PackedGroup, PackOptions, float_expert_stack, float_tensor
 from moepass.passes.weights.report import WeightRecord, WeightReport
@@ -174,11 +175,14 @@ class GraphBuilder:
                 [0.0],
             )
         )
-        rows = shape[-2]
+        # a chunk: whole experts of a stack, whole row groups of one matrix (its last holds the rows left)
+        rows = shape[-2] if len(shape) == 3 else row_groups.ROW_GROUP
 
         def chunks():
             if not grouped:
                 return (raw for _, raw in row_chunks(src))
+            if len(shape) == 2:
+                return (row_groups.group(raw, qt) for _, raw in row_chunks(src, rows))
             return (row_groups.group(raw.reshape(-1, rows, src.row_bytes), qt) for _, raw in row_chunks(src, rows))
 
         return self.tape.initializer(StreamedTensor(chunks, ir.DataType.UINT8, shape, name), name=name)
@@ -230,6 +234,11 @@ class GraphBuilder:
         n, k = src.shape
         weight_name = weight_name or src.name
         b = self.float_weight(bias.name, bias) if bias is not None else None
+        if self.native_matrix(src):
+            blob = self.gguf_blob(f"{weight_name}.blocks", src, grouped=True)
+            attributes = {"packed_type": int(src.ggml_type), "row_group": row_groups.ROW_GROUP}
+            y = self.tape.op("MatMulPacked", [x, blob], attributes, domain=NATIVE_DOMAIN, name=name)
+            return y if b is None else self.tape.op("Add", [y, b], name=f"{name}.bias")
         form = self.matrix_form(src)
         if form is None:
             w = self.float_weight(f"{weight_name}.T", src, transpose=True)
@@ -259,6 +268,12 @@ class GraphBuilder:
             name_const = f"const.block_sums.{self.act.name.lower()}.{k}.{block}"
             self._block_sums[key] = self.tape.op("MatMul", [x, self.const(name_const, ones)], name=name)
         return self._block_sums[key]
+
+    def native_matrix(self, src: SourceTensor) -> bool:
+        """Whether a matrix is moepass::MatMulPacked over its own blocks (--expert-format native: every
+        matrix of a type moepass's CPU kernels take, in a float32 graph)."""
+        qt = quant_type(src.ggml_type, src.name, src.path)
+        return self.options.expert_format == "native" and qt.cpu_kernel and self.act == ir.DataType.FLOAT
 
     def matrix_form(self, src: SourceTensor, offsets: bool = True) -> BlockForm | None:
         """The block form of a non-expert matrix (quants.matrix_form); None for float."""
