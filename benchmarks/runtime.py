@@ -202,7 +202,7 @@ def copy_bandwidth() -> float:
     return 2 * src.nbytes / min(times)
 
 
-MOE_OPS = ("QMoE", "MoE")
+MOE_OPS = ("QMoE", "MoE", "MoEPacked")
 
 
 def bytes_per_decode_step(model_dir: Path) -> tuple[int, int]:
@@ -214,8 +214,16 @@ def bytes_per_decode_step(model_dir: Path) -> tuple[int, int]:
 
 LM_HEAD = "lm_head"  # the converter's name for the node that only sees the kept positions
 OFFSET_NODES = (".block_sums", ".offsets")  # Q4_K's exact form: work of moepass's, not of the model
-MATRIX_OPS = ("QMoE", "MoE", "MatMulNBits", "MatMul", "Gemm")
+MATRIX_OPS = ("QMoE", "MoE", "MoEPacked", "MatMulNBits", "MatMulPacked", "MatMul", "Gemm")
 ATTENTION_OPS = ("GroupQueryAttention", "MultiHeadAttention", "Attention")
+
+
+def elements(row_bytes: int, ggml_type: int) -> int:
+    """The values a row of GGUF blocks of `ggml_type` holds."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return row_bytes // size * block
 
 
 def operator_work(model_dir: Path, prompt_tokens: int) -> dict[str, dict[str, float]]:
@@ -242,7 +250,15 @@ def operator_work(model_dir: Path, prompt_tokens: int) -> dict[str, dict[str, fl
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         rows = 1 if n.name == LM_HEAD else prompt_tokens
         step_bytes, prefill_bytes, macs = stored, stored, 0
-        if n.op_type in MOE_OPS:  # inputs (x, router logits, fc1 weights, scales, bias, fc2 weights, ...)
+        if n.op_type == "MoEPacked":  # inputs (x, router logits, gate, up, down blobs [E, rows, row bytes])
+            experts, k = dims[inputs[2]][0], attrs["k"]
+            macs = k * sum(dims[i][1] * elements(dims[i][2], attrs[f"{role}_type"])
+                           for i, role in zip(inputs[2:5], ("gate", "up", "down")))
+            step_bytes = stored * k // experts
+            prefill_bytes = stored * (1 - (1 - k / experts) ** prompt_tokens)
+        elif n.op_type == "MatMulPacked":  # inputs (A, B blocks [N, row bytes])
+            macs = dims[inputs[1]][0] * elements(dims[inputs[1]][1], attrs["packed_type"])
+        elif n.op_type in MOE_OPS:  # inputs (x, router logits, fc1 weights, scales, bias, fc2 weights, ...)
             experts, k = dims[inputs[2]][0], attrs["k"]
             per_byte = 8 // attrs.get("expert_weight_bits", 8) if n.op_type == "QMoE" else 1
             fc1, fc2 = dims[inputs[2]], dims[inputs[5] if n.op_type == "QMoE" else inputs[3]]

@@ -26,7 +26,7 @@ from moepass.core.model_io import load_model
 from moepass.core.moe_nodes import is_native, moe_nodes
 from moepass.core.quants import NATIVE_TYPES, QUANT_TYPES
 from moepass.core.row_groups import ROW_GROUP
-from moepass.runtime import load
+from moepass.runtime import KVCache, load
 
 pytestmark = pytest.mark.skipif(cpu_ops.unavailable() is not None, reason=f"{cpu_ops.unavailable()}")
 
@@ -426,3 +426,54 @@ def test_a_native_model_where_the_kernels_cannot_run_is_refused_in_one_line(conv
     message = str(raised.value)
     assert "\n" not in message and "moepass::" in message and "the kernel library was not built" in message
     assert "convert without expert_format='native'" in message
+
+
+# ---- rows that do not depend on the batch, through the whole model --------------------------------------
+def _batched_against_one_by_one(decoder, prompt: list[int], steps: int) -> tuple[float, float]:
+    """(the largest difference between the logits of `steps` greedy positions verified in one call
+    and the same positions decoded one step at a time, the largest logit's magnitude)."""
+    from support.bounds import sequential_logits
+
+    plain = list(decoder.generate(prompt, steps, stop_ids=()))
+    tokens = [*prompt, *plain]
+    one_by_one = sequential_logits(decoder, tokens, len(prompt))[: len(plain)]
+    cache = KVCache(decoder, capacity=len(tokens))
+    cache.extend(prompt[:-1])
+    rows = cache.run_rows(tokens[len(prompt) - 1 : len(prompt) + len(plain) - 1], keep=len(plain))
+    return float(np.abs(rows - one_by_one).max()), float(np.abs(one_by_one).max())
+
+
+@pytest.mark.parametrize("preset", ["q4_0", "q4_k_m"])
+@pytest.mark.parametrize("steps", [5, 16, 24])
+def test_a_position_computes_the_same_in_a_batch_as_alone(converted, preset, steps):
+    """Int8 activations: the native model's logits of positions verified in one call are those of one
+    step at a time, but for float32 rounding in ONNX Runtime's own float operators (router, attention):
+    within 2^-17 of the largest logit (a few units in the last place), at every batch size. (ONNX
+    Runtime's int8 kernels order a row's sums by the row count: the default form of q4_k_m differs by
+    2.5e-2 at 24 positions on the EPYC here.)"""
+    prompt = [5, 17, 33, 2, 90, 41]
+    difference, scale = _batched_against_one_by_one(
+        load(converted(preset, expert_format="native"), threads=2), prompt, steps
+    )
+    assert difference <= scale * 2.0**-17, (difference, scale)
+
+
+@pytest.mark.parametrize("preset", ["q4_0", "q4_k_m"])
+def test_speculation_through_the_native_form_gives_plain_greedy_tokens(converted, preset):
+    """Quantized activations, n-gram and draft-model speculation: the plain greedy tokens, token for
+    token (support.bounds' rule: a first difference only at a margin within the batched rows'
+    rounding, which the native form makes float32 rounding)."""
+    from support.bounds import assert_same_greedy_tokens
+
+    from moepass.runtime import Speculator
+
+    decoder = load(converted(preset, expert_format="native"), threads=2)
+    prompt = [5, 17, 33, 2, 90, 41, 5, 17, 33, 2, 90, 41, 5, 17]
+    plain = list(decoder.generate(prompt, 32, stop_ids=()))
+    for speculator in (Speculator("ngram", draft_tokens=4),
+                       Speculator("draft", 4, load(converted(preset, expert_format="native"), threads=2))):
+        decoder.speculate(speculator)
+        ours = list(decoder.generate(prompt, 32, stop_ids=()))
+        decoder.speculate(None)
+        assert_same_greedy_tokens(decoder, prompt, plain, ours)
+        assert speculator.drafted > 0

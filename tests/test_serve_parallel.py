@@ -75,6 +75,36 @@ def test_concurrent_clients_each_get_the_answer_alone(server):
     assert steps < 4 * 24  # four answers of up to 24 tokens, in shared steps
 
 
+def test_native_slots_answer_as_alone_with_int8_activations(converted, tmp_path):
+    """Through the native form (moepass's own kernels, int8 activations quantized per row, one sum
+    order whatever the batch) the answers of four clients at once are the answers alone, as the float
+    model's are."""
+    import moepass.cpu_ops as cpu_ops
+
+    if cpu_ops.unavailable() is not None:
+        pytest.skip(cpu_ops.unavailable())
+    native = ServeProcess(Path(converted("q4_k_m", expert_format="native")), tmp_path / "native.log",
+                          "--parallel", str(SLOTS))
+    try:
+        prompts = ["a", "the other one and then some more words to make it longer", [5, 9, 30, 31, 2, 8], "hello"]
+        expected = [completion(native.base, p, 24)["text"] for p in prompts]
+        got: list = [None] * len(prompts)
+        start = threading.Barrier(len(prompts))
+
+        def ask(i: int) -> None:
+            start.wait()
+            got[i] = completion(native.base, prompts[i], 24)["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == expected
+    finally:
+        assert native.stop() == 0, native.log.read_text()
+
+
 def test_slots_props_and_metrics_show_every_slot(server, model):
     slots = httpx.get(f"{server.base}/slots").json()
     assert [s["id"] for s in slots] == list(range(SLOTS))
