@@ -31,6 +31,9 @@ const QuantType quant_types[QUANT_TYPES] = {
       {112, 16, 4},
       {176, 16, 4}},
      14},
+    {GGML_Q5_K, "Q5_K", 256, 176, ACT_Q8_K, {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 32, 4}, {48, 128, 4}}, 5},
+    {GGML_IQ4_NL, "IQ4_NL", 32, 18, ACT_Q8_0, {{0, 2, 2}, {2, 16, 4}}, 2},
+    {GGML_IQ4_XS, "IQ4_XS", 256, 136, ACT_Q8_K, {{0, 2, 2}, {2, 2, 2}, {4, 4, 1}, {8, 128, 4}}, 4},
 };
 const size_t quant_type_count = sizeof quant_types / sizeof quant_types[0];
 

@@ -18,7 +18,7 @@
 #include <string.h>
 
 /* GGML type ids (ggml.h's enum ggml_type, gguf-py's GGMLQuantizationType) */
-enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14 };
+enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23 };
 
 /* Activations quantized once per row, as llama.cpp quantizes them for each type's dot product:
  * ACT_Q8_0, its Q8_0 blocks (32 codes, the scale rounded to float16, the codes' sum); ACT_Q8_K, its
@@ -86,7 +86,7 @@ typedef struct {
     int n_segments;
 } QuantType;
 
-enum { QUANT_TYPES = 4 };
+enum { QUANT_TYPES = 7 }; /* Q4_0, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_NL, IQ4_XS (dispatch.c's order) */
 typedef struct {
     const char *name;
     DotTile dot[QUANT_TYPES]; /* by quant_types[] index */
@@ -218,6 +218,9 @@ static inline void q4_k_scale_min(const uint8_t *q, int j, int *scale, int *min)
         *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
 }
+
+/* IQ4_NL's and IQ4_XS's 16 code values (ggml's kvalues_iq4nl) */
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static inline float read_fp16(const uint8_t *p) { return fp16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
 

@@ -302,9 +302,164 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
     }
 }
 
+/* Q5_K (quant_avx512.c's layout); 4 products of 2 x 31 x 127 to a 16-bit lane, so a sub-block's eight
+ * chunks in two sums */
+ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi32(63), one = _mm256_set1_epi8(1);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        __m256i codes[64], sc[8], mp[4];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * 176, *scales = blk + 64 + 8 * half;
+            const uint8_t *qh = blk + 256 + 32 * half, *qs = blk + 768 + 32 * half;
+            const __m256 d = scales8(blk + 16 * half), dmin = scales8(blk + 32 + 16 * half);
+            __m256i q[12], mn[8];
+            for (int c = 0; c < 12; c++)
+                q[c] = byte_lanes(scales, c);
+            for (int j = 0; j < 4; j++) {
+                const __m256i s6 = _mm256_and_si256(q[j], m6);
+                sc[j] = _mm256_or_si256(s6, _mm256_slli_epi32(s6, 16));
+                mn[j] = _mm256_and_si256(q[j + 4], m6);
+                const __m256i s4 = _mm256_or_si256(_mm256_and_si256(q[j + 8], _mm256_set1_epi32(0x0f)),
+                                                   _mm256_slli_epi32(_mm256_srli_epi32(q[j], 6), 4));
+                sc[j + 4] = _mm256_or_si256(s4, _mm256_slli_epi32(s4, 16));
+                mn[j + 4] = _mm256_or_si256(_mm256_srli_epi32(q[j + 8], 4),
+                                            _mm256_slli_epi32(_mm256_srli_epi32(q[j + 4], 6), 4));
+            }
+            for (int i = 0; i < 4; i++)
+                mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
+            for (int c = 0; c < 8; c++) {
+                __m256i high = load_chunk(qh, c);
+                for (int j64 = 0; j64 < 4; j64++) {
+                    const __m256i raw = load_chunk(qs, 8 * j64 + c);
+                    codes[16 * j64 + c] = _mm256_or_si256(_mm256_and_si256(raw, m4),
+                                                          _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
+                    codes[16 * j64 + 8 + c] =
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
+                    high = _mm256_srli_epi16(high, 2);
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K;
+                const int32_t *bs = x[t].sums + b * (QK_K / 16);
+                __m256i sumi = _mm256_setzero_si256(), summ = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 8 * j, 4), sc[j]));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 8 * j + 4, 4), sc[j]));
+                }
+                for (int i = 0; i < 4; i++)
+                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mp[i], _mm256_set1_epi32(pair_of(
+                                                      bs[4 * i] + bs[4 * i + 1], bs[4 * i + 2] + bs[4 * i + 3]))));
+                const __m256 dx = _mm256_set1_ps(x[t].d[b]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+                acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ), acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
+/* iq4_values in both 128-bit lanes: a nibble's signed code by vpshufb */
+ALWAYS_INLINE __m256i iq4_table(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4_values));
+}
+
+/* |w| . (x with w's sign), a 32-bit lane a row: |products| <= 127 x 127, two to a 16-bit lane */
+ALWAYS_INLINE __m256i signed_dot(__m256i magnitude, __m256i w, const int8_t *xq, __m256i scale16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(read_i32(xq)), w)),
+                             scale16);
+}
+
+/* IQ4_NL (Q4_0's layout): signed codes iq4_values[q] */
+ALWAYS_INLINE void iq4_nl_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                                size_t first) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), table = iq4_table();
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * 18, *qs = blk + ROW_GROUP * 2 + half * 32;
+            const __m256 dw = scales8(blk + half * 16);
+            __m256i w[8], mag[8]; /* w[c]: elements 4c.. (c < 4), 16 + 4 (c - 4).. */
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = load_chunk(qs, c);
+                w[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+                w[4 + c] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+            }
+            for (int c = 0; c < 8; c++)
+                mag[c] = _mm256_abs_epi8(w[c]);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK8;
+                __m256i s = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++)
+                    s = _mm256_add_epi32(s, signed_dot(mag[c], w[c], xq + (c < 4 ? 4 * c : 16 + 4 * (c - 4)), ones));
+                acc[t] = block_acc(dw, x[t].d[b], s, acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
+/* IQ4_XS (quant_avx512.c's layout): signed codes, each sub-block's scale - 32 by madd */
+ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                                size_t first) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), table = iq4_table();
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        __m256i w[64], mag[64], ls[8]; /* w[8 ib + 4 h + i]: sub-block ib, half h (low, high nibbles), chunk i */
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * 136, *qs = blk + 128 + 32 * half;
+            const __m256 d = scales8(blk + 16 * half);
+            const __m256i high = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)));
+            for (int ib = 0; ib < 8; ib++) {
+                const __m256i low = _mm256_srli_epi32(byte_lanes(blk + 64 + 8 * half, ib / 2), 4 * (ib % 2));
+                const __m256i six = _mm256_or_si256(
+                    _mm256_and_si256(low, _mm256_set1_epi32(0x0f)),
+                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, 2 * ib), _mm256_set1_epi32(3)), 4));
+                const __m256i v = _mm256_sub_epi32(six, _mm256_set1_epi32(32));
+                ls[ib] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+            }
+            for (int c = 0; c < 32; c++) {
+                const __m256i raw = load_chunk(qs, c);
+                const int ib = c / 4, i = c % 4;
+                w[8 * ib + i] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+                w[8 * ib + 4 + i] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+            }
+            for (int c = 0; c < 64; c++)
+                mag[c] = _mm256_abs_epi8(w[c]);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K;
+                __m256i sumi = _mm256_setzero_si256();
+                for (int ib = 0; ib < 8; ib++)
+                    for (int c = 0; c < 8; c++) {
+                        const int element = 32 * ib + (c < 4 ? 4 * c : 16 + 4 * (c - 4));
+                        sumi = _mm256_add_epi32(sumi, signed_dot(mag[8 * ib + c], w[8 * ib + c], xq + element, ls[ib]));
+                    }
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), _mm256_cvtepi32_ps(sumi), acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
 DEFINE_TILE(dot_q4_0, q4_0_group, 0)
 DEFINE_TILE(dot_q8_0, q8_0_group, 1)
 DEFINE_TILE(dot_q4_k, q4_k_group, 2)
 DEFINE_TILE(dot_q6_k, q6_k_group, 3)
+DEFINE_TILE(dot_q5_k, q5_k_group, 4)
+DEFINE_TILE(dot_iq4_nl, iq4_nl_group, 5)
+DEFINE_TILE(dot_iq4_xs, iq4_xs_group, 6)
 
-const KernelTable kernels_avx2 = {"avx2", {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k}, {quantize_q8_0_avx2, quantize_q8_k_avx2}};
+const KernelTable kernels_avx2 = {"avx2",
+                                  {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs},
+                                  {quantize_q8_0_avx2, quantize_q8_k_avx2}};

@@ -220,10 +220,165 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
         _mm512_storeu_ps(out[t] + first, acc[t]);
 }
 
+/* Q5_K in a row group: Q4_K's (d, dmin, 12 scale bytes), then qh (8 chunks: bits of elements
+ * l = 4 i.. of every sub-block), then the nibbles (32 chunks) */
+ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63), one = _mm512_set1_epi8(1);
+    __m512 acc[TILE_TOKENS];
+    __m512i sumi[TILE_TOKENS], sc[8], mp[4];
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (size_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = group + b * ROW_GROUP * 176, *scales = blk + 64, *qh = blk + 256, *qs = blk + 768;
+        __m512i q[12], mn[8], high[8];
+        for (int c = 0; c < 12; c++)
+            q[c] = byte_lanes(scales, c);
+        for (int j = 0; j < 4; j++) {
+            sc[j] = _mm512_and_si512(q[j], m6);
+            mn[j] = _mm512_and_si512(q[j + 4], m6);
+            sc[j + 4] = _mm512_or_si512(_mm512_and_si512(q[j + 8], _mm512_set1_epi32(0x0f)),
+                                        _mm512_slli_epi32(_mm512_srli_epi32(q[j], 6), 4));
+            mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(q[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(q[j + 4], 6), 4));
+        }
+        for (int i = 0; i < 4; i++)
+            mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
+        for (int c = 0; c < 8; c++)
+            high[c] = load_chunk(qh, c);
+        for (int t = 0; t < nt; t++)
+            sumi[t] = _mm512_setzero_si512();
+        for (int j64 = 0; j64 < 4; j64++) {
+            __m512i codes[16];
+            for (int c = 0; c < 8; c++) { /* high[c]'s bits 0 and 1 are sub-blocks 2 j64 and 2 j64 + 1's */
+                const __m512i raw = load_chunk(qs, 8 * j64 + c);
+                codes[c] = _mm512_or_si512(_mm512_and_si512(raw, m4),
+                                           _mm512_slli_epi16(_mm512_and_si512(high[c], one), 4));
+                codes[8 + c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high[c], 1), one), 4));
+                high[c] = _mm512_srli_epi16(high[c], 2);
+            }
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K + 64 * j64;
+                const __m512i lo = _mm512_mullo_epi32(chunk_dots(codes, xq, 0, 8), sc[2 * j64]);
+                const __m512i hi = _mm512_mullo_epi32(chunk_dots(codes, xq + 32, 8, 8), sc[2 * j64 + 1]);
+                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(lo, hi));
+            }
+        }
+        const __m512 d = scales16(blk), dmin = scales16(blk + 32);
+        for (int t = 0; t < nt; t++) {
+            const int32_t *bs = x[t].sums + b * (QK_K / 16);
+            __m512i summ = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++)
+                summ = _mm512_dpwssd_epi32(summ, mp[i], _mm512_set1_epi32(pair_of(bs[4 * i] + bs[4 * i + 1],
+                                                                                   bs[4 * i + 2] + bs[4 * i + 3])));
+            const __m512 dx = _mm512_set1_ps(x[t].d[b]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(summ), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        _mm512_storeu_ps(out[t] + first, acc[t]);
+}
+
+/* iq4_values + 128 in every 128-bit lane: a nibble's unsigned code by vpshufb */
+ALWAYS_INLINE __m512i iq4_table(void) {
+    __m128i values = _mm_loadu_si128((const __m128i *)iq4_values);
+    return _mm512_broadcast_i32x4(_mm_xor_si128(values, _mm_set1_epi8((char)0x80)));
+}
+
+/* IQ4_NL (Q4_0's layout): codes iq4_values[q] + 128, the product less 128 x the activations' sum */
+ALWAYS_INLINE void iq4_nl_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                                size_t first) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), table = iq4_table();
+    __m512 acc[TILE_TOKENS];
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (size_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = group + b * ROW_GROUP * 18, *qs = blk + ROW_GROUP * 2;
+        const __m512 dw = scales16(blk);
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = load_chunk(qs, c);
+            lo[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
+            hi[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+        }
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = x[t].qs + b * QK8;
+            __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                sl = _mm512_dpbusd_epi32(sl, lo[c], bcast(xq + 4 * c));
+                sh = _mm512_dpbusd_epi32(sh, hi[c], bcast(xq + 16 + 4 * c));
+            }
+            const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(sl, sh), _mm512_set1_epi32(128 * x[t].sums[b]));
+            acc[t] = block_acc(dw, x[t].d[b], s, acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        _mm512_storeu_ps(out[t] + first, acc[t]);
+}
+
+/* IQ4_XS in a row group: d (32 bytes), scales_h (16 x uint16), scales_l (4 chunks of 16), 32 code
+ * chunks (64 each; chunk 4 ib + i: bytes 4i.. of sub-block ib, elements 32 ib + 4i.. low, +16 high) */
+ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                                size_t first) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), table = iq4_table();
+    __m512 acc[TILE_TOKENS];
+    __m512i sumi[TILE_TOKENS], ls[8], lp[4];
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (size_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = group + b * ROW_GROUP * 136, *qs = blk + 128;
+        const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512i low = _mm512_srli_epi32(byte_lanes(blk + 64, ib / 2), 4 * (ib % 2));
+            const __m512i six = _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi32(0x0f)),
+                                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * ib),
+                                                                                   _mm512_set1_epi32(3)),
+                                                                  4));
+            ls[ib] = _mm512_sub_epi32(six, _mm512_set1_epi32(32));
+        }
+        for (int i = 0; i < 4; i++)
+            lp[i] = pair16(ls[2 * i], ls[2 * i + 1]);
+        for (int t = 0; t < nt; t++)
+            sumi[t] = _mm512_setzero_si512();
+        for (int pair = 0; pair < 4; pair++) { /* sub-blocks 2 pair and 2 pair + 1 */
+            __m512i codes[16];                 /* codes[8 s + 4 h + i]: sub-block 2 pair + s, half h, chunk i */
+            for (int s2 = 0; s2 < 2; s2++)
+                for (int i = 0; i < 4; i++) {
+                    const __m512i raw = load_chunk(qs, 4 * (2 * pair + s2) + i);
+                    codes[8 * s2 + i] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
+                    codes[8 * s2 + 4 + i] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+                }
+            for (int t = 0; t < nt; t++)
+                for (int s2 = 0; s2 < 2; s2++) {
+                    const int8_t *xq = x[t].qs + b * QK_K + 32 * (2 * pair + s2);
+                    const __m512i dot = chunk_dots(codes, xq, 8 * s2, 8);
+                    sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dot, ls[2 * pair + s2]));
+                }
+        }
+        const __m512 d = scales16(blk);
+        for (int t = 0; t < nt; t++) {
+            const int32_t *bs = x[t].sums + b * (QK_K / 16);
+            __m512i bias = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++)
+                bias = _mm512_dpwssd_epi32(bias, lp[i], _mm512_set1_epi32(pair_of(bs[4 * i] + bs[4 * i + 1],
+                                                                                   bs[4 * i + 2] + bs[4 * i + 3])));
+            const __m512i s = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(bias, 7));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])), _mm512_cvtepi32_ps(s), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        _mm512_storeu_ps(out[t] + first, acc[t]);
+}
+
 DEFINE_TILE(dot_q4_0, q4_0_group, 0)
 DEFINE_TILE(dot_q8_0, q8_0_group, 1)
 DEFINE_TILE(dot_q4_k, q4_k_group, 2)
 DEFINE_TILE(dot_q6_k, q6_k_group, 3)
+DEFINE_TILE(dot_q5_k, q5_k_group, 4)
+DEFINE_TILE(dot_iq4_nl, iq4_nl_group, 5)
+DEFINE_TILE(dot_iq4_xs, iq4_xs_group, 6)
 
-const KernelTable kernels_avx512 = {
-    "avx512", {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k}, {quantize_q8_0_avx2, quantize_q8_k_avx2}};
+const KernelTable kernels_avx512 = {"avx512",
+                                    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs},
+                                    {quantize_q8_0_avx2, quantize_q8_k_avx2}};

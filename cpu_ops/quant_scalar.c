@@ -130,8 +130,59 @@ static float block_q6_k(const uint8_t *blk, const ActRow *x, size_t b, float acc
     return fmaf(read_fp16(blk + 208) * x->d[b], (float)sumi, acc);
 }
 
+/* Q5_K: Q4_K with a fifth bit a code, qh[32] before the nibbles: bit j of qh[l] is the top bit of
+ * element l of sub-block j (l < 32) */
+static float block_q5_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const uint8_t *sc = blk + 4, *qh = blk + 16, *qs = blk + 48;
+    const int8_t *xq = x->qs + b * QK_K;
+    const int32_t *bsums = x->sums + b * (QK_K / 16);
+    int32_t sumi = 0, summ = 0;
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        q4_k_scale_min(sc, j, &scale, &min);
+        const uint8_t *q = qs + (j / 2) * 32;
+        int32_t dot = 0;
+        for (int l = 0; l < 32; l++)
+            dot += ((j % 2 ? q[l] >> 4 : q[l] & 0x0f) | (((qh[l] >> j) & 1) << 4)) * xq[j * 32 + l];
+        sumi += scale * dot;
+        summ += min * (bsums[2 * j] + bsums[2 * j + 1]);
+    }
+    const float dx = x->d[b];
+    acc = fmaf(read_fp16(blk) * dx, (float)sumi, acc);
+    return fmaf(-(read_fp16(blk + 2) * dx), (float)summ, acc);
+}
+
+/* IQ4_NL: float16 d, 16 bytes of nibbles as Q4_0's, each an index into iq4_values; value d * it */
+static float block_iq4_nl(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const uint8_t *qs = blk + 2;
+    const int8_t *xq = x->qs + b * QK8;
+    int32_t sumi = 0;
+    for (int j = 0; j < 16; j++)
+        sumi += iq4_values[qs[j] & 0x0f] * xq[j] + iq4_values[qs[j] >> 4] * xq[j + 16];
+    return fmaf(read_fp16(blk) * x->d[b], (float)sumi, acc);
+}
+
+/* IQ4_XS: float16 d, the high 2 bits of eight 6-bit scales (uint16), their low 4 bits (4 bytes), 128
+ * bytes of nibbles (16 a 32-element sub-block, as IQ4_NL's); value d * (scale - 32) * iq4_values[q] */
+static float block_iq4_xs(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const unsigned scales_h = blk[2] | (unsigned)blk[3] << 8;
+    const uint8_t *scales_l = blk + 4, *qs = blk + 8;
+    const int8_t *xq = x->qs + b * QK_K;
+    int32_t sumi = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        const int ls = ((scales_l[ib / 2] >> 4 * (ib % 2)) & 0x0f) | (((scales_h >> 2 * ib) & 3) << 4);
+        const uint8_t *q = qs + 16 * ib;
+        int32_t dot = 0;
+        for (int j = 0; j < 16; j++)
+            dot += iq4_values[q[j] & 0x0f] * xq[32 * ib + j] + iq4_values[q[j] >> 4] * xq[32 * ib + 16 + j];
+        sumi += (ls - 32) * dot;
+    }
+    return fmaf(read_fp16(blk) * x->d[b], (float)sumi, acc);
+}
+
 typedef float (*BlockDot)(const uint8_t *blk, const ActRow *x, size_t b, float acc);
-static const BlockDot block_dots[QUANT_TYPES] = {block_q4_0, block_q8_0, block_q4_k, block_q6_k};
+static const BlockDot block_dots[QUANT_TYPES] = {block_q4_0, block_q8_0,   block_q4_k,  block_q6_k,
+                                                 block_q5_k, block_iq4_nl, block_iq4_xs};
 
 /* block b of row i of the row group at `group`, in GGML's own layout */
 static void group_block(const uint8_t *group, size_t b, int i, const QuantType *q, uint8_t *blk) {
@@ -177,5 +228,9 @@ SCALAR_TILE(dot_q4_0, 0)
 SCALAR_TILE(dot_q8_0, 1)
 SCALAR_TILE(dot_q4_k, 2)
 SCALAR_TILE(dot_q6_k, 3)
+SCALAR_TILE(dot_q5_k, 4)
+SCALAR_TILE(dot_iq4_nl, 5)
+SCALAR_TILE(dot_iq4_xs, 6)
 
-const KernelTable kernels_scalar = {"scalar", {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k}, {quantize_q8_0, quantize_q8_k}};
+const KernelTable kernels_scalar = {
+    "scalar", {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs}, {quantize_q8_0, quantize_q8_k}};

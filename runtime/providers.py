@@ -146,12 +146,13 @@ def _choose_provider(ort, device: str, plugin_library: str | None) -> tuple[str,
     return provider, plugin_devices
 
 
-def register_native_kernels(options, model: ir.Model) -> None:
-    """Register moepass.cpu_ops's kernels with `options` where the model has nodes of its domain
-    (--expert-format native); where the kernels cannot run here, one line saying why."""
+def native_library(model: ir.Model) -> str | None:
+    """The path of moepass's kernel library (moepass.cpu_ops, as this install built it) where the model
+    has nodes of its domain (--expert-format native), None where it has none; where the kernels
+    cannot run here, one line saying why."""
     native = [node for node in model.graph if node.domain == NATIVE_DOMAIN]
     if not native:
-        return
+        return None
     import moepass.cpu_ops as cpu_ops
 
     why = cpu_ops.unavailable()
@@ -161,7 +162,15 @@ def register_native_kernels(options, model: ir.Model) -> None:
             f"node {node.name} is a moepass::{node.op_type} node, run by moepass's own CPU kernels, which cannot "
             f"run here: {why}; convert without {wording().option('--expert-format', 'native')} to run it"
         )
-    cpu_ops.register(options)
+    return str(cpu_ops.library_path())
+
+
+def register_native_kernels(options, model: ir.Model) -> None:
+    """Register moepass.cpu_ops's kernels with `options` where the model has nodes of its domain."""
+    if native_library(model) is not None:
+        import moepass.cpu_ops as cpu_ops
+
+        cpu_ops.register(options)
 
 
 def _check_packed(ort, model: ir.Model, device: str, provider: str) -> None:

@@ -85,66 +85,93 @@ def _fma(scale: np.ndarray, value: np.ndarray, acc: np.ndarray) -> np.ndarray:
     )
 
 
-def _k_quant_sums(blocks: np.ndarray, ggml_type: GT, qs: np.ndarray, bsums: np.ndarray):
-    """(float16 d, its integer super-block sums; dmin and its sums, or None) of GGUF rows [N, bytes]
-    against one row of Q8_K activations, as quant_scalar.c's block_q4_k / block_q6_k define them."""
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
+Q8_K_TYPES = (GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS)  # the types llama.cpp multiplies with Q8_K activations
+
+
+def _nibbles(raw: np.ndarray) -> np.ndarray:
+    """GGML's 4-bit runs: bytes [.., n] -> codes [.., 2n], the low nibbles first."""
+    return np.concatenate([raw & 15, raw >> 4], axis=-1).astype(np.int64)
+
+
+def integer_form(blocks: np.ndarray, ggml_type: GT):
+    """GGUF rows [N, bytes] as ggml's definitions read them: (d [N, B] float32, dmin [N, B] or None,
+    sub-block scales [N, B, S] int, sub-block minimums [N, B, S] or None, signed codes [N, B, block]
+    int), value = d * scale * code - dmin * minimum."""
     n = blocks.shape[0]
-    if ggml_type == GT.Q4_K:
-        by = blocks.reshape(n, -1, 144)
+    size = GGML_QUANT_SIZES[ggml_type][1]
+    by = blocks.reshape(n, -1, size)
+    if ggml_type in (GT.Q4_0, GT.IQ4_NL, GT.Q8_0):
+        if ggml_type == GT.Q8_0:
+            codes = by[:, :, 2:].copy().view(np.int8).astype(np.int64)
+        else:
+            codes = _nibbles(by[:, :, 2:])
+            codes = codes - 8 if ggml_type == GT.Q4_0 else IQ4_VALUES[codes]
+        return _fp16(by[:, :, :2]), None, np.ones(by.shape[:2] + (1,), np.int64), None, codes
+    if ggml_type in (GT.Q4_K, GT.Q5_K):
         q = by[:, :, 4:16].astype(np.int64)
         scales = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
         mins = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
-        nib = by[:, :, 16:].reshape(n, -1, 4, 32).astype(np.int64)
-        codes = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(n, -1, 8, 32)
-        dots = (codes * qs.reshape(-1, 8, 32).astype(np.int64)).sum(-1)
-        sums32 = bsums.reshape(-1, 8, 2).sum(-1).astype(np.int64)
-        return _fp16(by[:, :, 0:2]), (scales * dots).sum(-1), _fp16(by[:, :, 2:4]), (mins * sums32).sum(-1)
-    by = blocks.reshape(n, -1, 210)
-    ql, qh = by[:, :, :128].astype(np.int64), by[:, :, 128:192].astype(np.int64)
-    parts = []
-    for half in range(2):
-        lo, hi, h = ql[..., 64 * half : 64 * half + 32], ql[..., 64 * half + 32 : 64 * half + 64], qh[..., 32 * half :]
-        h = h[..., :32]
-        parts += [(lo & 15) | ((h & 3) << 4), (hi & 15) | (((h >> 2) & 3) << 4), (lo >> 4) | (((h >> 4) & 3) << 4),
-                  (hi >> 4) | (((h >> 6) & 3) << 4)]
-    codes = np.concatenate(parts, axis=-1).reshape(n, -1, 16, 16)
-    dots = (codes * qs.reshape(-1, 16, 16).astype(np.int64)).sum(-1)
-    scales = by[:, :, 192:208].copy().view(np.int8).astype(np.int64)
-    return _fp16(by[:, :, 208:210]), (scales * (dots - 32 * bsums.reshape(-1, 16))).sum(-1), None, None
-
-
-def reference_codes(blocks: np.ndarray, ggml_type: GT) -> tuple[np.ndarray, np.ndarray]:
-    """(scales float32 [N, blocks], signed codes int64 [N, blocks, 32]) of GGUF rows of Q4_0 or Q8_0."""
-    n = blocks.shape[0]
-    by_block = blocks.reshape(n, -1, {GT.Q4_0: 18, GT.Q8_0: 34}[ggml_type])
-    scales = _fp16(by_block[:, :, :2])
-    if ggml_type == GT.Q4_0:
-        nibbles = by_block[:, :, 2:]
-        return scales, np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int64) - 8
-    return scales, by_block[:, :, 2:].copy().view(np.int8).astype(np.int64)
+        start = 16 if ggml_type == GT.Q4_K else 48
+        codes = _nibbles(by[:, :, start:].reshape(n, -1, 4, 32)).reshape(n, -1, 256)
+        if ggml_type == GT.Q5_K:
+            qh = by[:, :, 16:48].astype(np.int64)  # bit j of qh[l]: element l of sub-block j
+            codes += np.concatenate([((qh >> j) & 1) << 4 for j in range(8)], axis=-1)
+        return _fp16(by[:, :, 0:2]), _fp16(by[:, :, 2:4]), scales, mins, codes
+    if ggml_type == GT.Q6_K:
+        ql, qh = by[:, :, :128].astype(np.int64), by[:, :, 128:192].astype(np.int64)
+        parts = []
+        for half in range(2):
+            lo, hi = ql[..., 64 * half : 64 * half + 32], ql[..., 64 * half + 32 : 64 * half + 64]
+            h = qh[..., 32 * half : 32 * half + 32]
+            parts += [(lo & 15) | ((h & 3) << 4), (hi & 15) | (((h >> 2) & 3) << 4), (lo >> 4) | (((h >> 4) & 3) << 4),
+                      (hi >> 4) | (((h >> 6) & 3) << 4)]
+        scales = by[:, :, 192:208].copy().view(np.int8).astype(np.int64)
+        return _fp16(by[:, :, 208:210]), None, scales, None, np.concatenate(parts, axis=-1) - 32
+    assert ggml_type == GT.IQ4_XS
+    high = by[:, :, 2].astype(np.int64) | (by[:, :, 3].astype(np.int64) << 8)
+    low = by[:, :, 4:8].astype(np.int64)
+    scales = np.stack([((low[..., ib // 2] >> 4 * (ib % 2)) & 15) | (((high >> 2 * ib) & 3) << 4) for ib in range(8)],
+                      axis=-1) - 32
+    codes = IQ4_VALUES[_nibbles(by[:, :, 8:].reshape(n, -1, 8, 16)).reshape(n, -1, 256)]
+    return _fp16(by[:, :, 0:2]), None, scales, None, codes
 
 
 def reference_matmul(blocks: np.ndarray, ggml_type: GT, a: np.ndarray) -> np.ndarray:
-    """The definition in numpy: exact integer block sums, then per block in order
-    acc = fma(d_w * d_x, sumi, acc) (and for Q4_K, fma(-(dmin_w * d_x), summ, acc) after it)."""
-    out = np.empty((a.shape[0], blocks.shape[0]), np.float32)
+    """The definition in numpy: exact integer block sums, each sub-block's times its scale, then per
+    block in order acc = fma(d_w * d_x, sumi, acc) (and fma(-(dmin_w * d_x), summ, acc) after it for
+    the types with minimums, summ the minimums times the sub-blocks' activation sums)."""
+    d, dmin, scales, mins, codes = integer_form(blocks, ggml_type)
+    n, n_blocks, subs = scales.shape
+    out = np.empty((a.shape[0], n), np.float32)
     for t, row in enumerate(a):
-        acc = np.zeros(blocks.shape[0], np.float32)
-        if ggml_type in (GT.Q4_K, GT.Q6_K):
-            qs, d, bsums = reference_activations_q8_k(row)
-            dw, sumi, dmin, summ = _k_quant_sums(blocks, ggml_type, qs, bsums)
-            for b in range(len(d)):
-                acc = _fma(dw[:, b] * d[b], sumi[:, b], acc)
-                if dmin is not None:
-                    acc = _fma(-(dmin[:, b] * d[b]), summ[:, b], acc)
-        else:
-            scales, codes = reference_codes(blocks, ggml_type)
-            qs, d, _ = reference_activations(row)
-            sumi = (codes * qs.reshape(-1, 32).astype(np.int64)).sum(axis=-1)
-            for b in range(sumi.shape[1]):
-                acc = _fma(scales[:, b] * d[b], sumi[:, b], acc)
+        quantized = reference_activations_q8_k(row) if ggml_type in Q8_K_TYPES else reference_activations(row)
+        qs, dx = quantized[0].reshape(n_blocks, subs, -1).astype(np.int64), quantized[1]
+        dots = (codes.reshape(n, n_blocks, subs, -1) * qs).sum(-1)
+        sumi = (scales * dots).sum(-1)
+        summ = (mins * qs.sum(-1)).sum(-1) if mins is not None else None
+        acc = np.zeros(n, np.float32)
+        for b in range(n_blocks):
+            acc = _fma(d[:, b] * dx[b], sumi[:, b], acc)
+            if summ is not None:
+                acc = _fma(-(dmin[:, b] * dx[b]), summ[:, b], acc)
         out[t] = acc
     return out
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_the_references_read_the_blocks_as_gguf_does(ggml_type):
+    """integer_form's d * scale * code - dmin * minimum is gguf-py's dequantization of the same rows."""
+    from gguf.quants import dequantize
+
+    blocks = random_blocks(np.random.default_rng(int(ggml_type)), ggml_type, 16, 2 * GGML_QUANT_SIZES[ggml_type][0])
+    d, dmin, scales, mins, codes = integer_form(blocks, ggml_type)
+    per_sub = codes.shape[-1] // scales.shape[-1]
+    values = d[..., None] * (np.repeat(scales, per_sub, axis=-1) * codes)
+    if dmin is not None:
+        values = values - dmin[..., None] * np.repeat(mins, per_sub, axis=-1)
+    theirs = dequantize(blocks, ggml_type).reshape(values.shape)
+    np.testing.assert_allclose(values, theirs, rtol=1e-6, atol=1e-6 * np.abs(theirs).max())
 
 
 def random_blocks(rng, ggml_type: GT, n: int, k: int) -> np.ndarray:
@@ -154,7 +181,7 @@ def random_blocks(rng, ggml_type: GT, n: int, k: int) -> np.ndarray:
         return gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), ggml_type)
     block, size = GGML_QUANT_SIZES[ggml_type]
     raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
-    for offset in (0, 2) if ggml_type == GT.Q4_K else (208,):
+    for offset in QUANT_TYPES[ggml_type].scales:
         raw[:, offset : offset + 2] = rng.uniform(1e-4, 1e-3, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return raw.reshape(n, -1)
 
@@ -174,7 +201,7 @@ def test_the_kernels_take_the_types_the_quant_table_says():
         except ValueError:
             taken = k % 32 != 0  # the activations' blocks are of 32
         assert taken == qt.cpu_kernel, ggml_type.name
-    assert set(NATIVE_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert set(NATIVE_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -285,7 +312,8 @@ def reference_moe(blobs, types, x, logits, normalize=True) -> np.ndarray:
 
 
 MOE_TYPES = [(GT.Q4_0, GT.Q4_0, GT.Q4_0), (GT.Q4_0, GT.Q4_0, GT.Q8_0), (GT.Q8_0, GT.Q8_0, GT.Q8_0),
-             (GT.Q4_K, GT.Q4_K, GT.Q6_K), (GT.Q6_K, GT.Q6_K, GT.Q4_K)]
+             (GT.Q4_K, GT.Q4_K, GT.Q6_K), (GT.Q6_K, GT.Q6_K, GT.Q4_K), (GT.Q5_K, GT.Q5_K, GT.Q6_K),
+             (GT.IQ4_XS, GT.IQ4_XS, GT.IQ4_XS), (GT.IQ4_NL, GT.IQ4_NL, GT.Q8_0)]
 
 
 @pytest.mark.parametrize("types", MOE_TYPES, ids=lambda t: "/".join(x.name for x in t))
@@ -329,8 +357,8 @@ def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
     attributes["gate_type"].i, attributes["k"].i = int(GT.Q4_0), E + 1
     with pytest.raises(Exception, match=r"moepass::MoEPacked: k 7: 1 to the 6 experts"):
         run_moe(model.SerializeToString(), x, logits)
-    attributes["k"].i, attributes["down_type"].i = K, int(GT.Q5_K)
-    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 13: a GGML type these kernels do not take"):
+    attributes["k"].i, attributes["down_type"].i = K, int(GT.Q3_K)
+    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 11: a GGML type these kernels do not take"):
         run_moe(model.SerializeToString(), x, logits)
     attributes["down_type"].i, attributes["row_group"].i = int(GT.Q4_0), 8
     with pytest.raises(Exception, match=r"moepass::MoEPacked: row_group 8: these kernels take rows in groups of 16"):
@@ -344,14 +372,23 @@ def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
 NATIVE_ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe"]
 
 
+# the presets, and files whose experts and attention are of one more type the kernels take (the fixtures'
+# calibrated random codes: llama.cpp reads them as it reads a quantizer's)
+NATIVE_FILES = {name: (name, {}) for name in ("q4_0", "q8_0", "q4_k", "q4_k_m", "q6_k")} | {
+    t.name.lower(): ("q8_0", {"types": {role: t for role in ("attn", "gate_up", "down")}})
+    for t in (GT.Q5_K, GT.IQ4_XS, GT.IQ4_NL)
+}
+
+
 @pytest.mark.llama
-@pytest.mark.parametrize("preset", ["q4_0", "q8_0", "q4_k", "q4_k_m", "q6_k"])
+@pytest.mark.parametrize("file", list(NATIVE_FILES))
 @pytest.mark.parametrize("arch", NATIVE_ARCHITECTURES)
-def test_native_conversions_match_llama_cpp(arch, preset, make_gguf, converted, tmp_path):
+def test_native_conversions_match_llama_cpp(arch, file, make_gguf, converted, tmp_path):
     """As close to the exact computation of the file's weights as llama.cpp is (support.oracle's
     bound), prefill, token-by-token decode and chunked prefill; every MoE node native."""
-    gguf = make_gguf(preset, arch=arch)
-    model = converted(preset, arch=arch, expert_format="native")
+    preset, kwargs = NATIVE_FILES[file]
+    gguf = make_gguf(preset, arch=arch, **kwargs)
+    model = converted(preset, arch=arch, expert_format="native", **kwargs)
     graph = load_model(model).graph
     nodes = moe_nodes(graph)
     assert nodes and all(is_native(m.node) for m in nodes)
@@ -362,12 +399,12 @@ def test_native_conversions_match_llama_cpp(arch, preset, make_gguf, converted, 
     exact = llama_logits(dequantized_copy(gguf, tmp_path / "f32.gguf"), PROMPT)
     ties = routing_near_ties(model, PROMPT)
     for what, ours in three_ways(load(model)).items():
-        check_against_exact(ours, exact, theirs, f"{arch} {preset} native {what}", ties)
+        check_against_exact(ours, exact, theirs, f"{arch} {file} native {what}", ties)
 
 
 def test_native_is_refused_in_one_line_for_types_the_kernels_lack(make_gguf, tmp_path):
-    gguf = make_gguf("q8_0", types={"gate_up": GT.Q5_K})
-    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q5_K"):
+    gguf = make_gguf("q8_0", types={"gate_up": GT.Q3_K})
+    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q3_K"):
         moepass.convert(gguf, tmp_path / "out", expert_format="native")
     assert not (tmp_path / "out").exists()
 
@@ -477,3 +514,27 @@ def test_speculation_through_the_native_form_gives_plain_greedy_tokens(converted
         decoder.speculate(None)
         assert_same_greedy_tokens(decoder, prompt, plain, ours)
         assert speculator.drafted > 0
+
+
+def test_onnxruntime_genai_runs_a_native_conversion(converted):
+    """genai_config.json's session options name the kernel library (custom_ops_library):
+    onnxruntime-genai loads the native model and generates moepass's greedy tokens."""
+    import json
+
+    import onnxruntime_genai as og
+
+    model = converted("q4_k_m", expert_format="native")
+    session = json.loads((model / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert session["custom_ops_library"] == str(cpu_ops.library_path())
+    generator_params = og.GeneratorParams(og_model := og.Model(str(model)))
+    generator_params.set_search_options(max_length=3 + 20, do_sample=False)
+    generator = og.Generator(og_model, generator_params)
+    generator.append_tokens([5, 77, 200])
+    theirs = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        theirs.append(int(generator.get_next_tokens()[0]))
+    ours = list(load(model).generate([5, 77, 200], 20, stop_ids=()))
+    stop = json.loads((model / "genai_config.json").read_text())["model"]["eos_token_id"]
+    stop = set(stop if isinstance(stop, list) else [stop])
+    assert theirs == ours[: len(theirs)] and (len(theirs) == 20 or theirs[-1] in stop), (theirs, ours)

@@ -4,7 +4,9 @@ The decoder's inputs and outputs are named as onnxruntime-genai expects (input_i
 attention_mask, past_key_values.N.key/value -> logits, present.N.key/value); the KV cache is not
 shared between past and present (the model's GroupQueryAttention concatenates), and the session
 config entries (partition's expert offload options, when present) go into session_options, where
-onnxruntime-genai passes every key it does not know to ONNX Runtime as a session config entry.
+onnxruntime-genai passes every key it does not know to ONNX Runtime as a session config entry; a
+native model's session options name moepass's kernel library (`custom_ops_library`, the path this
+install built: a model moved to another machine needs its path there).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from moepass.core.architectures import ARCHITECTURES, HParams
 from moepass.core.errors import MoepassError, wording
 from moepass.core.files import GENAI_CONFIG_FILE, MODEL_FILE, read_json_object
 from moepass.core.ir_values import dim
+from moepass.runtime.providers import native_library
 
 
 def genai_config(
@@ -30,13 +33,17 @@ def genai_config(
     # the KV cache as the graph holds it (deepseek2: one head of the compressed latent per token)
     cache = next(v for v in model.graph.inputs if v.name == "past_key_values.0.key").shape
     where = "the model's KV cache input past_key_values.0.key"
+    session: dict[str, Any] = {"log_id": "moepass", "provider_options": []}
+    library = native_library(model)
+    if library is not None:  # onnxruntime-genai registers it for the decoder's session
+        session["custom_ops_library"] = library
     return with_session_entries(
         {
             "model": {
                 "bos_token_id": tokenizer.get("bos_token_id") if tokenizer.get("bos_token_id") is not None else 0,
                 "context_length": hp.context_length,
                 "decoder": {
-                    "session_options": {"log_id": "moepass", "provider_options": []},
+                    "session_options": session,
                     "filename": MODEL_FILE,
                     "head_size": dim(cache, 3, where),
                     "hidden_size": hp.hidden,
