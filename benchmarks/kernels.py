@@ -48,6 +48,10 @@ Cases (--cases, comma-separated; default all):
   peak      the machine's dense rates, what MLAS's own GEMMs reach on it (M = N = K = 2048):
             MatMulInteger u8 x s8 (int8 dot products: VNNI where the CPU has it) and float32 MatMul,
             GMAC/s; the ceiling against which the block-quantized kernels above are read.
+  native    moepass::MoEPacked, moepass's own kernels (moepass.cpu_ops, --expert-format native) over
+            GGUF blocks in row groups, one type for gate, up and down (Q4_0, Q8_0, Q4_K, Q6_K), T=1
+            and T=128, beside QMoE int4/b32 at accuracy_level 4 in the same run: GB/s of the
+            experts read and GMAC/s (their exactness is tests/test_cpu_ops.py's).
 
 `--family both` (the default) runs itself twice, natively and under tests/cpu_family.py's AVX2-only
 shim (CPUID hides AVX-512/AVX-VNNI/AMX, so MLAS takes its AVX2 kernels), and prints one set of
@@ -84,7 +88,7 @@ H, E, TOP_K, I_FFN = 2048, 128, 8, 768
 SHAPES = {"q_proj": (4096, 2048), "kv_proj": (512, 2048), "o_proj": (2048, 4096), "lm_head": (151936, 2048)}  # (N, K)
 PREFILL = 128
 ort.set_default_logger_severity(4)  # refusals are reported in the tables, not logged
-CASES = ("mnb", "q4k", "qmoe", "aug", "f16", "overhead", "stream", "peak")
+CASES = ("mnb", "q4k", "qmoe", "aug", "f16", "overhead", "stream", "peak", "native")
 FINGERPRINT = "FINGERPRINT "  # a line a child prints for the parent of --family both
 
 
@@ -130,21 +134,26 @@ class Timing:
     output: np.ndarray
 
 
-def session(model: bytes | str, threads: int) -> ort.InferenceSession:
-    """A CPU session of the model (bytes, or a path: external data is mapped from beside it)."""
+def session(model: bytes | str, threads: int, native: bool = False) -> ort.InferenceSession:
+    """A CPU session of the model (bytes, or a path: external data is mapped from beside it); `native`:
+    with moepass's own kernels registered."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 4
+    if native:
+        import moepass.cpu_ops as cpu_ops
+
+        cpu_ops.register(options)
     try:
         return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT's own exception types
         raise Refused(f"load: {one_line(e)}") from None
 
 
-def run_timed(model: bytes, feeds: dict[str, np.ndarray], out_shape, out_dtype, args) -> Timing:
+def run_timed(model: bytes, feeds: dict[str, np.ndarray], out_shape, out_dtype, args, native: bool = False) -> Timing:
     """Median ms per run of the model's single output (IOBinding: inputs and output bound once)."""
-    sess = session(model, args.threads)
+    sess = session(model, args.threads, native)
     binding = sess.io_binding()
     for name, array in feeds.items():
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array)))
@@ -877,6 +886,79 @@ def case_peak(args) -> None:
                             [value("y", out_type, (d, d))], [tensor("w", b)])
         timing = run_timed(model, {"x": a}, (d, d), out_type, args)
         table.add(label, fmt_ms(timing.ms), timing.runs, f"{d ** 3 / timing.ms / 1e6:.0f}")
+
+
+# ---------------------------------------------------------------- case 9: moepass's own kernels
+
+NATIVE_CASE_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+
+
+def native_blobs(name: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random GGUF blocks of type `name`, [E, rows, row bytes] in row groups, float16 scales set to a
+    sane spread (every other byte random: the kernels' speed does not depend on the codes)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from moepass.core import row_groups
+    from moepass.core.quants import QUANT_TYPES
+
+    ggml_type = GGMLQuantizationType[name]
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(E, rows, k // block, size), dtype=np.uint8)
+    for offset in QUANT_TYPES[ggml_type].scales or ():
+        raw[..., offset : offset + 2] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
+    return row_groups.group(raw.reshape(E, rows, -1), QUANT_TYPES[ggml_type])
+
+
+def native_model(t: int, name: str) -> tuple[bytes, int]:
+    """(a moepass::MoEPacked node of `name` blocks at the layer's sizes, one expert's bytes)."""
+    from gguf import GGMLQuantizationType
+
+    import moepass.cpu_ops as cpu_ops
+    from moepass.core.row_groups import ROW_GROUP
+
+    gate, up, down = native_blobs(name, I_FFN, H, 1), native_blobs(name, I_FFN, H, 2), native_blobs(name, H, I_FFN, 3)
+    ggml_type = int(GGMLQuantizationType[name])
+    node = helper.make_node("MoEPacked", ["x_in", "logits_in", "gate", "up", "down"], ["y"], domain=cpu_ops.DOMAIN,
+                            k=TOP_K, activation_type="swiglu", gate_type=ggml_type, up_type=ggml_type,
+                            down_type=ggml_type, normalize_routing_weights=1, row_group=ROW_GROUP)
+    graph = helper.make_graph([node], "native", [value("x_in", np.float32, (t, H)), value("logits_in", np.float32, (t, E))],
+                              [value("y", np.float32, (t, H))],
+                              [tensor("gate", gate), tensor("up", up), tensor("down", down)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu_ops.DOMAIN, 1)],
+                              ir_version=10)
+    return model.SerializeToString(), (gate.nbytes + up.nbytes + down.nbytes) // E
+
+
+def case_native(args) -> None:
+    import moepass.cpu_ops as cpu_ops
+
+    cols = ["experts", "T", "ms/run", "runs", "weight MB read", "GB/s", "GMAC/s"]
+    table = Table(f"9. moepass::MoEPacked on moepass's own kernels beside QMoE int4/b32 acc 4 (H {H}, {E} experts, "
+                  f"top-{TOP_K}, ffn {I_FFN})", cols)
+    why = cpu_ops.unavailable()
+    if why is not None:
+        table.add("native", "", f"unavailable: {why}", "", "", "", "")
+        return
+    qmoe = (experts_for(2 * I_FFN, H, 4, 32, False, "fc1"), experts_for(H, I_FFN, 4, 32, False, "fc2"))
+    for t in ([1] if args.quick else [1, PREFILL]):
+        feeds, _, logits = moe_inputs(t, H)
+        macs = t * TOP_K * 3 * H * I_FFN
+        for name in ("QMoE int4/b32", *(f"{n} ({cpu_ops.isa()})" for n in NATIVE_CASE_TYPES)):
+            try:
+                if name.startswith("QMoE"):
+                    model, _ = qmoe_model(t, H, *qmoe, 4)
+                    per_expert, native = qmoe[0].expert_bytes() + qmoe[1].expert_bytes(), False
+                else:
+                    model, per_expert = native_model(t, name.split()[0])
+                    native = True
+                timing = run_timed(model, feeds, (t, H), np.float32, args, native=native)
+            except Refused as why:
+                table.add(name, t, *REFUSED(why)[:5])
+                continue
+            read = used_experts(logits) * per_expert
+            table.add(name, t, fmt_ms(timing.ms), timing.runs, f"{read / 1e6:.1f}", f"{read / timing.ms / 1e6:.1f}",
+                      f"{macs / timing.ms / 1e6:.0f}")
 
 
 def measure_family(args) -> None:
