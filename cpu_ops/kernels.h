@@ -18,7 +18,17 @@
 #include <string.h>
 
 /* GGML type ids (ggml.h's enum ggml_type, gguf-py's GGMLQuantizationType) */
-enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23 };
+enum {
+    GGML_Q4_0 = 2,
+    GGML_Q8_0 = 8,
+    GGML_Q2_K = 10,
+    GGML_Q3_K = 11,
+    GGML_Q4_K = 12,
+    GGML_Q5_K = 13,
+    GGML_Q6_K = 14,
+    GGML_IQ4_NL = 20,
+    GGML_IQ4_XS = 23
+};
 
 /* Activations quantized once per row, as llama.cpp quantizes them for each type's dot product:
  * ACT_Q8_0, its Q8_0 blocks (32 codes, the scale rounded to float16, the codes' sum); ACT_Q8_K, its
@@ -86,7 +96,7 @@ typedef struct {
     int n_segments;
 } QuantType;
 
-enum { QUANT_TYPES = 7 }; /* Q4_0, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_NL, IQ4_XS (dispatch.c's order) */
+enum { QUANT_TYPES = 9 }; /* Q4_0, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K (dispatch.c's order) */
 typedef struct {
     const char *name;
     DotTile dot[QUANT_TYPES]; /* by quant_types[] index */
@@ -217,6 +227,12 @@ static inline void q4_k_scale_min(const uint8_t *q, int j, int *scale, int *min)
         *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
         *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+/* Q3_K's s-th 6-bit scale of its 12 packed bytes q, less 32 (ggml's kmask unpacking, byte by byte) */
+static inline int q3_k_scale(const uint8_t *q, int s) {
+    const int i = s % 4, low = s < 8 ? q[s] & 0x0f : q[s - 8] >> 4, high = (q[8 + i] >> (2 * (s / 4))) & 3;
+    return (low | high << 4) - 32;
 }
 
 /* IQ4_NL's and IQ4_XS's 16 code values (ggml's kvalues_iq4nl) */

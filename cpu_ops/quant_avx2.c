@@ -452,6 +452,102 @@ ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const Act
     }
 }
 
+/* Q2_K and Q3_K (quant_avx512.c's layouts), a half of 8 rows: codes[e / 4] of 2 and 3 bits, a 16-element
+ * sub-block's four chunks summed in 16 bits (4 x 2 x 7 x 127 at most) and scaled by madd; `high`:
+ * Q3_K's high-bit chunks (NULL for Q2_K) */
+ALWAYS_INLINE void low_bit_codes(const uint8_t *qs, const uint8_t *hmask, __m256i *codes) {
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int n = 0; n < 2; n++)
+        for (int i = 0; i < 8; i++) {
+            const __m256i raw = load_chunk(qs, 8 * n + i);
+            const __m256i high = hmask ? load_chunk(hmask, i) : _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                __m256i u = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * j), m3);
+                if (hmask)
+                    u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4 * n + j), one), 2));
+                codes[32 * n + 8 * j + i] = u;
+            }
+        }
+}
+
+ALWAYS_INLINE void q2_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        __m256i codes[64], sc[16], mp[8];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * 84, *scales = blk + 64 + 8 * half;
+            const __m256 d = scales8(blk + 16 * half), dmin = scales8(blk + 32 + 16 * half);
+            __m256i mn[16];
+            for (int s = 0; s < 16; s++) {
+                const __m256i v = byte_lanes(scales, s), s4 = _mm256_and_si256(v, _mm256_set1_epi32(0x0f));
+                sc[s] = _mm256_or_si256(s4, _mm256_slli_epi32(s4, 16));
+                mn[s] = _mm256_srli_epi32(v, 4);
+            }
+            for (int i = 0; i < 8; i++)
+                mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
+            low_bit_codes(blk + 320 + 32 * half, NULL, codes);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K;
+                const int32_t *bs = x[t].sums + b * (QK_K / 16);
+                __m256i sumi = _mm256_setzero_si256(), summ = _mm256_setzero_si256();
+                for (int s = 0; s < 16; s++)
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 4 * s, 4), sc[s]));
+                for (int i = 0; i < 8; i++)
+                    summ = _mm256_add_epi32(
+                        summ, _mm256_madd_epi16(mp[i], _mm256_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1]))));
+                const __m256 dx = _mm256_set1_ps(x[t].d[b]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+                acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ), acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
+ALWAYS_INLINE void q3_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        __m256i codes[64], sc[16], sp[8];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * 110, *scales = blk + 32 + 8 * half;
+            const __m256 d = scales8(blk + 16 * half);
+            __m256i v[16];
+            for (int s = 0; s < 16; s++) {
+                const __m256i low = s < 8 ? _mm256_and_si256(byte_lanes(scales, s), _mm256_set1_epi32(0x0f))
+                                          : _mm256_srli_epi32(byte_lanes(scales, s - 8), 4);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi32(byte_lanes(scales, 8 + s % 4), 2 * (s / 4)),
+                                                      _mm256_set1_epi32(3));
+                v[s] = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+                sc[s] = _mm256_or_si256(_mm256_and_si256(v[s], _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v[s], 16));
+            }
+            for (int i = 0; i < 8; i++)
+                sp[i] = pair16(v[2 * i], v[2 * i + 1]);
+            low_bit_codes(blk + 736 + 32 * half, blk + 224 + 32 * half, codes);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K;
+                const int32_t *bs = x[t].sums + b * (QK_K / 16);
+                __m256i sumi = _mm256_setzero_si256(), bias = _mm256_setzero_si256();
+                for (int s = 0; s < 16; s++)
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 4 * s, 4), sc[s]));
+                for (int i = 0; i < 8; i++)
+                    bias = _mm256_add_epi32(
+                        bias, _mm256_madd_epi16(sp[i], _mm256_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1]))));
+                sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(bias, 2));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), _mm256_cvtepi32_ps(sumi), acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
 DEFINE_TILE(dot_q4_0, q4_0_group, 0)
 DEFINE_TILE(dot_q8_0, q8_0_group, 1)
 DEFINE_TILE(dot_q4_k, q4_k_group, 2)
@@ -459,7 +555,10 @@ DEFINE_TILE(dot_q6_k, q6_k_group, 3)
 DEFINE_TILE(dot_q5_k, q5_k_group, 4)
 DEFINE_TILE(dot_iq4_nl, iq4_nl_group, 5)
 DEFINE_TILE(dot_iq4_xs, iq4_xs_group, 6)
+DEFINE_TILE(dot_q2_k, q2_k_group, 7)
+DEFINE_TILE(dot_q3_k, q3_k_group, 8)
 
-const KernelTable kernels_avx2 = {"avx2",
-                                  {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs},
-                                  {quantize_q8_0_avx2, quantize_q8_k_avx2}};
+const KernelTable kernels_avx2 = {
+    "avx2",
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k},
+    {quantize_q8_0_avx2, quantize_q8_k_avx2}};

@@ -371,6 +371,117 @@ ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const Act
         _mm512_storeu_ps(out[t] + first, acc[t]);
 }
 
+/* Q2_K in a row group: d, dmin (32 bytes each), 16 scale bytes (16 each), 16 code chunks (64 each:
+ * chunk 8 n + i holds qs bytes 32 n + 4i.., whose bits 2j.. are elements 128 n + 32 j + 4i..) */
+ALWAYS_INLINE void q2_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    __m512 acc[TILE_TOKENS];
+    __m512i sumi[TILE_TOKENS], sc[16], mp[8];
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (size_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = group + b * ROW_GROUP * 84, *scales = blk + 64, *qs = blk + 320;
+        __m512i mn[16];
+        for (int s = 0; s < 16; s++) {
+            const __m512i v = byte_lanes(scales, s);
+            sc[s] = _mm512_and_si512(v, _mm512_set1_epi32(0x0f));
+            mn[s] = _mm512_srli_epi32(v, 4);
+        }
+        for (int i = 0; i < 8; i++)
+            mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
+        for (int t = 0; t < nt; t++)
+            sumi[t] = _mm512_setzero_si512();
+        for (int n = 0; n < 2; n++) {
+            __m512i raw[8];
+            for (int i = 0; i < 8; i++)
+                raw[i] = load_chunk(qs, 8 * n + i);
+            for (int j = 0; j < 4; j++) {
+                __m512i codes[8];
+                for (int i = 0; i < 8; i++)
+                    codes[i] = _mm512_and_si512(_mm512_srli_epi16(raw[i], 2 * j), m3);
+                const int sub = 8 * n + 2 * j;
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *xq = x[t].qs + b * QK_K + 128 * n + 32 * j;
+                    const __m512i lo = _mm512_mullo_epi32(chunk_dots(codes, xq, 0, 4), sc[sub]);
+                    const __m512i hi = _mm512_mullo_epi32(chunk_dots(codes, xq + 16, 4, 4), sc[sub + 1]);
+                    sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(lo, hi));
+                }
+            }
+        }
+        const __m512 d = scales16(blk), dmin = scales16(blk + 32);
+        for (int t = 0; t < nt; t++) {
+            const int32_t *bs = x[t].sums + b * (QK_K / 16);
+            __m512i summ = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++)
+                summ = _mm512_dpwssd_epi32(summ, mp[i], _mm512_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1])));
+            const __m512 dx = _mm512_set1_ps(x[t].d[b]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(summ), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        _mm512_storeu_ps(out[t] + first, acc[t]);
+}
+
+/* Q3_K in a row group: d (32 bytes), 12 scale bytes (16 each), 8 high-bit chunks (64 each: hmask bytes
+ * 4i.., bit 4n + j of element 128 n + 32 j + 4i..), 16 code chunks as Q2_K's */
+ALWAYS_INLINE void q3_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    const __m512i m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    __m512 acc[TILE_TOKENS];
+    __m512i sumi[TILE_TOKENS], sc[16], sp[8];
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (size_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = group + b * ROW_GROUP * 110, *scales = blk + 32, *hmask = blk + 224, *qs = blk + 736;
+        for (int s = 0; s < 16; s++) { /* q3_k_scale, a lane a row */
+            const __m512i low = s < 8 ? _mm512_and_si512(byte_lanes(scales, s), _mm512_set1_epi32(0x0f))
+                                      : _mm512_srli_epi32(byte_lanes(scales, s - 8), 4);
+            const __m512i high =
+                _mm512_and_si512(_mm512_srli_epi32(byte_lanes(scales, 8 + s % 4), 2 * (s / 4)), _mm512_set1_epi32(3));
+            sc[s] = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
+        }
+        for (int i = 0; i < 8; i++)
+            sp[i] = pair16(sc[2 * i], sc[2 * i + 1]);
+        __m512i hm[8];
+        for (int i = 0; i < 8; i++)
+            hm[i] = load_chunk(hmask, i);
+        for (int t = 0; t < nt; t++)
+            sumi[t] = _mm512_setzero_si512();
+        for (int n = 0; n < 2; n++) {
+            __m512i raw[8];
+            for (int i = 0; i < 8; i++)
+                raw[i] = load_chunk(qs, 8 * n + i);
+            for (int j = 0; j < 4; j++) {
+                __m512i codes[8];
+                for (int i = 0; i < 8; i++)
+                    codes[i] = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16(raw[i], 2 * j), m3),
+                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hm[i], 4 * n + j), one), 2));
+                const int sub = 8 * n + 2 * j;
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *xq = x[t].qs + b * QK_K + 128 * n + 32 * j;
+                    const __m512i lo = _mm512_mullo_epi32(chunk_dots(codes, xq, 0, 4), sc[sub]);
+                    const __m512i hi = _mm512_mullo_epi32(chunk_dots(codes, xq + 16, 4, 4), sc[sub + 1]);
+                    sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(lo, hi));
+                }
+            }
+        }
+        const __m512 d = scales16(blk);
+        for (int t = 0; t < nt; t++) {
+            const int32_t *bs = x[t].sums + b * (QK_K / 16);
+            __m512i bias = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++)
+                bias = _mm512_dpwssd_epi32(bias, sp[i], _mm512_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1])));
+            const __m512i s = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(bias, 2));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])), _mm512_cvtepi32_ps(s), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        _mm512_storeu_ps(out[t] + first, acc[t]);
+}
+
 DEFINE_TILE(dot_q4_0, q4_0_group, 0)
 DEFINE_TILE(dot_q8_0, q8_0_group, 1)
 DEFINE_TILE(dot_q4_k, q4_k_group, 2)
@@ -378,7 +489,10 @@ DEFINE_TILE(dot_q6_k, q6_k_group, 3)
 DEFINE_TILE(dot_q5_k, q5_k_group, 4)
 DEFINE_TILE(dot_iq4_nl, iq4_nl_group, 5)
 DEFINE_TILE(dot_iq4_xs, iq4_xs_group, 6)
+DEFINE_TILE(dot_q2_k, q2_k_group, 7)
+DEFINE_TILE(dot_q3_k, q3_k_group, 8)
 
-const KernelTable kernels_avx512 = {"avx512",
-                                    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs},
-                                    {quantize_q8_0_avx2, quantize_q8_k_avx2}};
+const KernelTable kernels_avx512 = {
+    "avx512",
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k},
+    {quantize_q8_0_avx2, quantize_q8_k_avx2}};

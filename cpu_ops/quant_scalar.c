@@ -180,9 +180,46 @@ static float block_iq4_xs(const uint8_t *blk, const ActRow *x, size_t b, float a
     return fmaf(read_fp16(blk) * x->d[b], (float)sumi, acc);
 }
 
+/* Q2_K: 16 scale bytes (low nibble the 16-element sub-block's scale, high its minimum), 64 bytes of
+ * 2-bit codes, float16 d and dmin: element 128 n + 32 j + l (l < 32) is bits 2j.. of qs[32 n + l],
+ * in sub-block (128 n + 32 j + l) / 16; value d * scale * q - dmin * min (acc as Q4_K's) */
+static float block_q2_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const uint8_t *sc = blk, *qs = blk + 16;
+    const int8_t *xq = x->qs + b * QK_K;
+    const int32_t *bsums = x->sums + b * (QK_K / 16);
+    int32_t dots[16] = {0}, sumi = 0, summ = 0;
+    for (int e = 0; e < QK_K; e++)
+        dots[e / 16] += ((qs[32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32))) & 3) * xq[e];
+    for (int s = 0; s < 16; s++) {
+        sumi += (sc[s] & 0x0f) * dots[s];
+        summ += (sc[s] >> 4) * bsums[s];
+    }
+    const float dx = x->d[b];
+    acc = fmaf(read_fp16(blk + 80) * dx, (float)sumi, acc);
+    return fmaf(-(read_fp16(blk + 82) * dx), (float)summ, acc);
+}
+
+/* Q3_K: 32 bytes of high bits, 64 of 2-bit codes, 12 bytes of sixteen 6-bit scales, float16 d: element
+ * 128 n + 32 j + l is bits 2j.. of qs[32 n + l] plus 4 x bit 4n + j of hmask[l], value
+ * d * (scale - 32) * (that - 4) for its 16-element sub-block */
+static float block_q3_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
+    const int8_t *xq = x->qs + b * QK_K;
+    const int32_t *bsums = x->sums + b * (QK_K / 16);
+    int32_t dots[16] = {0}, sumi = 0;
+    for (int e = 0; e < QK_K; e++) {
+        const int n = e / 128, j = e % 128 / 32, l = e % 32;
+        const int u = ((qs[32 * n + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * n + j)) & 1) << 2);
+        dots[e / 16] += u * xq[e];
+    }
+    for (int s = 0; s < 16; s++)
+        sumi += q3_k_scale(sc, s) * (dots[s] - 4 * bsums[s]);
+    return fmaf(read_fp16(blk + 108) * x->d[b], (float)sumi, acc);
+}
+
 typedef float (*BlockDot)(const uint8_t *blk, const ActRow *x, size_t b, float acc);
-static const BlockDot block_dots[QUANT_TYPES] = {block_q4_0, block_q8_0,   block_q4_k,  block_q6_k,
-                                                 block_q5_k, block_iq4_nl, block_iq4_xs};
+static const BlockDot block_dots[QUANT_TYPES] = {block_q4_0,   block_q8_0,   block_q4_k, block_q6_k, block_q5_k,
+                                                 block_iq4_nl, block_iq4_xs, block_q2_k, block_q3_k};
 
 /* block b of row i of the row group at `group`, in GGML's own layout */
 static void group_block(const uint8_t *group, size_t b, int i, const QuantType *q, uint8_t *blk) {
@@ -231,6 +268,10 @@ SCALAR_TILE(dot_q6_k, 3)
 SCALAR_TILE(dot_q5_k, 4)
 SCALAR_TILE(dot_iq4_nl, 5)
 SCALAR_TILE(dot_iq4_xs, 6)
+SCALAR_TILE(dot_q2_k, 7)
+SCALAR_TILE(dot_q3_k, 8)
 
 const KernelTable kernels_scalar = {
-    "scalar", {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs}, {quantize_q8_0, quantize_q8_k}};
+    "scalar",
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k},
+    {quantize_q8_0, quantize_q8_k}};

@@ -86,7 +86,7 @@ def _fma(scale: np.ndarray, value: np.ndarray, acc: np.ndarray) -> np.ndarray:
 
 
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
-Q8_K_TYPES = (GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS)  # the types llama.cpp multiplies with Q8_K activations
+Q8_K_TYPES = (GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS)  # the types llama.cpp multiplies with Q8_K activations
 
 
 def _nibbles(raw: np.ndarray) -> np.ndarray:
@@ -128,6 +128,19 @@ def integer_form(blocks: np.ndarray, ggml_type: GT):
                       (hi >> 4) | (((h >> 6) & 3) << 4)]
         scales = by[:, :, 192:208].copy().view(np.int8).astype(np.int64)
         return _fp16(by[:, :, 208:210]), None, scales, None, np.concatenate(parts, axis=-1) - 32
+    if ggml_type in (GT.Q2_K, GT.Q3_K):  # element 128 n + 32 j + l: bits 2j.. of qs[32 n + l]
+        qs = by[:, :, 16:80] if ggml_type == GT.Q2_K else by[:, :, 32:96]
+        qs = qs.astype(np.int64).reshape(n, -1, 2, 1, 32)
+        codes = (qs >> (2 * np.arange(4)[:, None])) & 3  # [N, B, n, j, l]
+        if ggml_type == GT.Q2_K:
+            sc = by[:, :, :16].astype(np.int64)
+            return _fp16(by[:, :, 80:82]), _fp16(by[:, :, 82:84]), sc & 15, sc >> 4, codes.reshape(n, -1, 256)
+        hmask = by[:, :, :32].astype(np.int64).reshape(n, -1, 1, 1, 32)
+        high = (hmask >> (4 * np.arange(2)[:, None, None] + np.arange(4)[:, None])) & 1
+        q = by[:, :, 96:108].astype(np.int64)
+        scales = np.stack([((q[..., s] & 15) if s < 8 else (q[..., s - 8] >> 4)) | (((q[..., 8 + s % 4] >> 2 * (s // 4)) & 3) << 4)
+                           for s in range(16)], axis=-1) - 32
+        return _fp16(by[:, :, 108:110]), None, scales, None, (codes + 4 * high - 4).reshape(n, -1, 256)
     assert ggml_type == GT.IQ4_XS
     high = by[:, :, 2].astype(np.int64) | (by[:, :, 3].astype(np.int64) << 8)
     low = by[:, :, 4:8].astype(np.int64)
@@ -201,7 +214,7 @@ def test_the_kernels_take_the_types_the_quant_table_says():
         except ValueError:
             taken = k % 32 != 0  # the activations' blocks are of 32
         assert taken == qt.cpu_kernel, ggml_type.name
-    assert set(NATIVE_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+    assert set(NATIVE_TYPES) == {"Q4_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -313,7 +326,8 @@ def reference_moe(blobs, types, x, logits, normalize=True) -> np.ndarray:
 
 MOE_TYPES = [(GT.Q4_0, GT.Q4_0, GT.Q4_0), (GT.Q4_0, GT.Q4_0, GT.Q8_0), (GT.Q8_0, GT.Q8_0, GT.Q8_0),
              (GT.Q4_K, GT.Q4_K, GT.Q6_K), (GT.Q6_K, GT.Q6_K, GT.Q4_K), (GT.Q5_K, GT.Q5_K, GT.Q6_K),
-             (GT.IQ4_XS, GT.IQ4_XS, GT.IQ4_XS), (GT.IQ4_NL, GT.IQ4_NL, GT.Q8_0)]
+             (GT.IQ4_XS, GT.IQ4_XS, GT.IQ4_XS), (GT.IQ4_NL, GT.IQ4_NL, GT.Q8_0), (GT.Q2_K, GT.Q2_K, GT.Q3_K),
+             (GT.Q3_K, GT.Q3_K, GT.Q4_K)]
 
 
 @pytest.mark.parametrize("types", MOE_TYPES, ids=lambda t: "/".join(x.name for x in t))
@@ -357,8 +371,8 @@ def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
     attributes["gate_type"].i, attributes["k"].i = int(GT.Q4_0), E + 1
     with pytest.raises(Exception, match=r"moepass::MoEPacked: k 7: 1 to the 6 experts"):
         run_moe(model.SerializeToString(), x, logits)
-    attributes["k"].i, attributes["down_type"].i = K, int(GT.Q3_K)
-    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 11: a GGML type these kernels do not take"):
+    attributes["k"].i, attributes["down_type"].i = K, int(GT.Q5_1)
+    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 7: a GGML type these kernels do not take"):
         run_moe(model.SerializeToString(), x, logits)
     attributes["down_type"].i, attributes["row_group"].i = int(GT.Q4_0), 8
     with pytest.raises(Exception, match=r"moepass::MoEPacked: row_group 8: these kernels take rows in groups of 16"):
@@ -369,20 +383,21 @@ def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
 
 
 # ---- converted models -------------------------------------------------------------------------------------
-NATIVE_ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe"]
+NATIVE_ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe", "deepseek2"]
+BLOCK_32_FILES = ("q4_0", "q8_0", "iq4_nl")  # deepseek2's fixture has rows no super-block of 256 divides
 
 
 # the presets, and files whose experts and attention are of one more type the kernels take (the fixtures'
 # calibrated random codes: llama.cpp reads them as it reads a quantizer's)
 NATIVE_FILES = {name: (name, {}) for name in ("q4_0", "q8_0", "q4_k", "q4_k_m", "q6_k")} | {
     t.name.lower(): ("q8_0", {"types": {role: t for role in ("attn", "gate_up", "down")}})
-    for t in (GT.Q5_K, GT.IQ4_XS, GT.IQ4_NL)
+    for t in (GT.Q5_K, GT.IQ4_XS, GT.IQ4_NL, GT.Q2_K, GT.Q3_K)
 }
 
 
 @pytest.mark.llama
-@pytest.mark.parametrize("file", list(NATIVE_FILES))
-@pytest.mark.parametrize("arch", NATIVE_ARCHITECTURES)
+@pytest.mark.parametrize("arch,file", [(arch, file) for arch in NATIVE_ARCHITECTURES for file in NATIVE_FILES
+                                       if arch != "deepseek2" or file in BLOCK_32_FILES])
 def test_native_conversions_match_llama_cpp(arch, file, make_gguf, converted, tmp_path):
     """As close to the exact computation of the file's weights as llama.cpp is (support.oracle's
     bound), prefill, token-by-token decode and chunked prefill; every MoE node native."""
@@ -403,8 +418,8 @@ def test_native_conversions_match_llama_cpp(arch, file, make_gguf, converted, tm
 
 
 def test_native_is_refused_in_one_line_for_types_the_kernels_lack(make_gguf, tmp_path):
-    gguf = make_gguf("q8_0", types={"gate_up": GT.Q3_K})
-    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q3_K"):
+    gguf = make_gguf("q8_0", types={"gate_up": GT.Q5_1})
+    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q5_1"):
         moepass.convert(gguf, tmp_path / "out", expert_format="native")
     assert not (tmp_path / "out").exists()
 
