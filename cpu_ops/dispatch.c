@@ -36,6 +36,7 @@ const QuantType quant_types[QUANT_TYPES] = {
     {GGML_IQ4_XS, "IQ4_XS", 256, 136, ACT_Q8_K, {{0, 2, 2}, {2, 2, 2}, {4, 4, 1}, {8, 128, 4}}, 4},
     {GGML_Q2_K, "Q2_K", 256, 84, ACT_Q8_K, {{80, 2, 2}, {82, 2, 2}, {0, 16, 1}, {16, 64, 4}}, 4},
     {GGML_Q3_K, "Q3_K", 256, 110, ACT_Q8_K, {{108, 2, 2}, {96, 12, 1}, {0, 32, 4}, {32, 64, 4}}, 4},
+    {GGML_MXFP4, "MXFP4", 32, 17, ACT_Q8_0, {{0, 1, 1}, {1, 16, 4}}, 2},
 };
 const size_t quant_type_count = sizeof quant_types / sizeof quant_types[0];
 

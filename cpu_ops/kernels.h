@@ -27,7 +27,8 @@ enum {
     GGML_Q5_K = 13,
     GGML_Q6_K = 14,
     GGML_IQ4_NL = 20,
-    GGML_IQ4_XS = 23
+    GGML_IQ4_XS = 23,
+    GGML_MXFP4 = 39
 };
 
 /* Activations quantized once per row, as llama.cpp quantizes them for each type's dot product:
@@ -96,7 +97,7 @@ typedef struct {
     int n_segments;
 } QuantType;
 
-enum { QUANT_TYPES = 9 }; /* Q4_0, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K (dispatch.c's order) */
+enum { QUANT_TYPES = 10 }; /* Q4_0, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K, MXFP4 (dispatch.c's order) */
 typedef struct {
     const char *name;
     DotTile dot[QUANT_TYPES]; /* by quant_types[] index */
@@ -237,6 +238,16 @@ static inline int q3_k_scale(const uint8_t *q, int s) {
 
 /* IQ4_NL's and IQ4_XS's 16 code values (ggml's kvalues_iq4nl) */
 static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* MXFP4's E2M1 values doubled into integers (ggml's kvalues_mxfp4), and its exponent byte e as the
+ * float32 2^(e - 128) that multiplies them (ggml's e8m0 to float, halved; e < 2 a subnormal) */
+static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 static inline float read_fp16(const uint8_t *p) { return fp16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
 

@@ -4,7 +4,9 @@
  *
  * Per token: softmax of the router logits, the k largest (ties to the lower expert), their weights
  * (router_weights where given) renormalized over the k where normalize_routing_weights is 1; then for
- * each selected expert down(silu(gate . x) * (up . x)), the activations of each product quantized per
+ * each selected expert down(swiglu(gate . x + gate_bias, up . x + up_bias)) + down_bias, the SwiGLU
+ * g' sigmoid(activation_alpha g') (u' + activation_beta) with g' = min(g, swiglu_limit) and u' u
+ * clamped to +-swiglu_limit where that is given (gpt-oss), the activations of each product quantized per
  * row as llama.cpp quantizes them; the experts' outputs summed in the order of selection. Each row's
  * arithmetic is the same whatever else is in the call: a token's result does not depend on the batch.
  * Work runs per expert over chunks of weight rows, each chunk against every token routed there as one
@@ -21,8 +23,22 @@
 
 typedef struct {
     int64_t k, normalize, types[3];
+    float alpha, beta, limit; /* the SwiGLU: gate' sigmoid(alpha gate') (up' + beta), clamped at limit */
+    int clamped;
     const KernelTable *kernels;
 } Moe;
+
+/* a float attribute, `fallback` where the node has none (*present 0) */
+static OrtStatus *float_attribute(const OrtKernelInfo *info, const char *name, float fallback, float *out,
+                                  int *present) {
+    OrtStatus *status = ort.KernelInfoGetAttribute_float(info, name, out);
+    *present = !status;
+    if (status) {
+        ort.ReleaseStatus(status);
+        *out = fallback;
+    }
+    return NULL;
+}
 
 static OrtStatus *int_attribute(const OrtKernelInfo *info, const char *name, int64_t fallback, int required,
                                 int64_t *out) {
@@ -61,6 +77,14 @@ OrtStatus *moe_create(const OrtKernelInfo *info, const KernelTable *kernels, voi
         return op_error(OP, "activation_type %.31s: only swiglu is computed", activation);
     if (m.normalize != 0 && m.normalize != 1)
         return op_error(OP, "normalize_routing_weights %lld: 0 or 1", (long long)m.normalize);
+    int present;
+    float_attribute(info, "activation_alpha", 1.0f, &m.alpha, &present);
+    float_attribute(info, "activation_beta", 0.0f, &m.beta, &present);
+    float_attribute(info, "swiglu_limit", 0.0f, &m.limit, &m.clamped);
+    if (m.clamped && !(m.limit > 0.0f))
+        return op_error(OP, "swiglu_limit %g: a positive limit", (double)m.limit);
+    if (!isfinite(m.alpha) || !isfinite(m.beta))
+        return op_error(OP, "activation_alpha and activation_beta must be finite");
     Moe *copy = malloc(sizeof m);
     if (!copy)
         return op_error(OP, "out of memory");
@@ -72,10 +96,12 @@ OrtStatus *moe_create(const OrtKernelInfo *info, const KernelTable *kernels, voi
 typedef struct {
     BlockMatrix gate, up, down;
     size_t tokens, hidden, ffn, experts, k;
+    const Moe *op;
+    const float *gate_bias, *up_bias, *down_bias; /* [E, ffn], [E, ffn], [E, hidden]; NULL: none */
     const float *x;
     /* one token chunk: its first token's input, its size */
     const float *x_chunk;
-    size_t chunk_tokens;
+    size_t chunk_tokens, t0;
     uint8_t *x_act;      /* [chunk tokens] quantized hidden rows */
     int32_t *pair_order; /* token * k + slot, grouped by expert */
     size_t *offsets;     /* [experts + 1] into pair_order */
@@ -114,10 +140,25 @@ static void gate_up_task(void *data, size_t i) {
 
 static void swiglu_task(void *data, size_t pair) {
     Work *w = data;
-    float *g = w->gated + pair * w->ffn;
-    const float *u = w->up_out + pair * w->ffn;
-    for (size_t j = 0; j < w->ffn; j++)
-        g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    float *g = w->gated + pair * w->ffn, *u = w->up_out + pair * w->ffn;
+    const size_t e = (size_t)w->selected[w->t0 * w->k + pair];
+    if (w->gate_bias)
+        for (size_t j = 0; j < w->ffn; j++) {
+            g[j] += w->gate_bias[e * w->ffn + j];
+            u[j] += w->up_bias[e * w->ffn + j];
+        }
+    const Moe *op = w->op;
+    if (op->clamped) /* NaN stays NaN, as llama.cpp's std::min keeps it */
+        for (size_t j = 0; j < w->ffn; j++) {
+            g[j] = g[j] > op->limit ? op->limit : g[j];
+            u[j] = u[j] > op->limit ? op->limit : u[j] < -op->limit ? -op->limit : u[j];
+        }
+    if (op->alpha == 1.0f && op->beta == 0.0f)
+        for (size_t j = 0; j < w->ffn; j++)
+            g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    else
+        for (size_t j = 0; j < w->ffn; j++)
+            g[j] = g[j] / (1.0f + expf(-op->alpha * g[j])) * (u[j] + op->beta);
     ActRow a = act_row_at(w->act + pair * act_row_bytes(w->ffn, w->down.act), w->ffn, w->down.act);
     w->kernels->quantize[w->down.act](g, w->ffn, &a);
 }
@@ -182,7 +223,7 @@ static void route(const float *logits, const float *given, size_t experts, size_
     }
 }
 
-static OrtStatus *check_inputs(const Moe *m, const Tensor in[6], Work *w) {
+static OrtStatus *check_inputs(const Moe *m, const Tensor in[9], Work *w) {
     const Tensor *x = &in[0], *logits = &in[1], *given = &in[5];
     if (x->type != ORT_ELEMENT_FLOAT || x->rank < 2 || logits->type != ORT_ELEMENT_FLOAT || logits->rank < 2)
         return op_error(OP, "input and router logits must be float32 tensors [tokens, width]");
@@ -223,6 +264,20 @@ static OrtStatus *check_inputs(const Moe *m, const Tensor in[6], Work *w) {
         if (given->type != ORT_ELEMENT_FLOAT || n != w->tokens * w->experts)
             return op_error(OP, "router_weights must be float32 [tokens, experts]");
     }
+    static const char *bias_names[3] = {"gate_bias", "up_bias", "down_bias"};
+    const float **biases[3] = {&w->gate_bias, &w->up_bias, &w->down_bias};
+    for (int i = 0; i < 3; i++) {
+        const Tensor *b = &in[6 + i];
+        size_t rows = i < 2 ? w->ffn : w->hidden;
+        if (!b->value)
+            continue;
+        if (b->type != ORT_ELEMENT_FLOAT || b->rank != 2 || (size_t)b->dims[0] != w->experts ||
+            (size_t)b->dims[1] != rows)
+            return op_error(OP, "%s must be float32 [%zu experts, %zu]", bias_names[i], w->experts, rows);
+        *biases[i] = b->data;
+    }
+    if (!w->gate_bias != !w->up_bias)
+        return op_error(OP, "gate_bias and up_bias come together");
     return NULL;
 }
 
@@ -239,13 +294,20 @@ static void run_chunk(OrtKernelContext *context, Work *w, size_t t0, float *out,
     for (size_t p = 0; p < nt * k; p++)
         w->pair_order[fill[w->selected[t0 * k + p]]++] = (int32_t)p;
     w->x_chunk = w->x + t0 * w->hidden;
+    w->t0 = t0;
     parallel_for(context, quantize_task, nt, w);
     parallel_for(context, gate_up_task, row_tasks(w, w->ffn), w);
     parallel_for(context, swiglu_task, nt * k, w);
     parallel_for(context, down_task, row_tasks(w, w->hidden), w);
     for (size_t t = 0; t < nt; t++) {
-        float *o = out + (t0 + t) * w->hidden;
-        const float *wt = weights + (t0 + t) * k, *d = w->down_out + t * k * w->hidden;
+        float *o = out + (t0 + t) * w->hidden, *d = w->down_out + t * k * w->hidden;
+        const float *wt = weights + (t0 + t) * k;
+        if (w->down_bias)
+            for (size_t s = 0; s < k; s++) {
+                const float *b = w->down_bias + (size_t)w->selected[(t0 + t) * k + s] * w->hidden;
+                for (size_t j = 0; j < w->hidden; j++)
+                    d[s * w->hidden + j] += b[j];
+            }
         for (size_t j = 0; j < w->hidden; j++)
             o[j] = wt[0] * d[j];
         for (size_t s = 1; s < k; s++)
@@ -256,12 +318,12 @@ static void run_chunk(OrtKernelContext *context, Work *w, size_t t0, float *out,
 
 OrtStatus *moe_compute(void *kernel, OrtKernelContext *context) {
     const Moe *m = kernel;
-    Tensor in[6];
+    Tensor in[9];
     OrtStatus *status;
-    for (size_t i = 0; i < 6; i++)
+    for (size_t i = 0; i < 9; i++)
         if ((status = read_input(context, i, &in[i], OP)))
             return status;
-    Work w = {.kernels = m->kernels};
+    Work w = {.kernels = m->kernels, .op = m};
     if ((status = check_inputs(m, in, &w)))
         return status;
     float *out;

@@ -64,6 +64,7 @@ struct OrtCustomOp {
 #define ORT_SLOT_GetDimensionsCount 61
 #define ORT_SLOT_GetDimensions 62
 #define ORT_SLOT_GetTensorTypeAndShape 65
+#define ORT_SLOT_KernelInfoGetAttribute_float 85
 #define ORT_SLOT_KernelInfoGetAttribute_int64 86
 #define ORT_SLOT_KernelInfoGetAttribute_string 87
 #define ORT_SLOT_KernelContext_GetInputCount 88
@@ -84,6 +85,7 @@ typedef struct OrtFunctions {
     OrtStatus *(*GetDimensionsCount)(const OrtTensorTypeAndShapeInfo *info, size_t *out);
     OrtStatus *(*GetDimensions)(const OrtTensorTypeAndShapeInfo *info, int64_t *dims, size_t count);
     OrtStatus *(*GetTensorTypeAndShape)(const OrtValue *value, OrtTensorTypeAndShapeInfo **out);
+    OrtStatus *(*KernelInfoGetAttribute_float)(const OrtKernelInfo *info, const char *name, float *out);
     OrtStatus *(*KernelInfoGetAttribute_int64)(const OrtKernelInfo *info, const char *name, int64_t *out);
     OrtStatus *(*KernelInfoGetAttribute_string)(const OrtKernelInfo *info, const char *name, char *out, size_t *size);
     OrtStatus *(*KernelContext_GetInputCount)(const OrtKernelContext *context, size_t *out);

@@ -407,6 +407,44 @@ ALWAYS_INLINE void iq4_nl_group(const uint8_t *group, size_t n_blocks, const Act
     }
 }
 
+/* MXFP4 (quant_avx512.c's layout): signed codes mxfp4_values[q] (a 0 code gives 0 whatever sign the
+ * activation takes), the rows' scales 2^(e - 128) built as float32 bits */
+ALWAYS_INLINE void mxfp4_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                               size_t first) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4_values));
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * 17, *qs = blk + ROW_GROUP + half * 32;
+            const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * half)));
+            const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+            const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+            const __m256 dw = _mm256_castsi256_ps(
+                _mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+            __m256i w[8], mag[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = load_chunk(qs, c);
+                w[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+                w[4 + c] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+            }
+            for (int c = 0; c < 8; c++)
+                mag[c] = _mm256_abs_epi8(w[c]);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK8;
+                __m256i s = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++)
+                    s = _mm256_add_epi32(s, signed_dot(mag[c], w[c], xq + (c < 4 ? 4 * c : 16 + 4 * (c - 4)), ones));
+                acc[t] = block_acc(dw, x[t].d[b], s, acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
 /* IQ4_XS (quant_avx512.c's layout): signed codes, each sub-block's scale - 32 by madd */
 ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                                 size_t first) {
@@ -557,8 +595,9 @@ DEFINE_TILE(dot_iq4_nl, iq4_nl_group, 5)
 DEFINE_TILE(dot_iq4_xs, iq4_xs_group, 6)
 DEFINE_TILE(dot_q2_k, q2_k_group, 7)
 DEFINE_TILE(dot_q3_k, q3_k_group, 8)
+DEFINE_TILE(dot_mxfp4, mxfp4_group, 9)
 
 const KernelTable kernels_avx2 = {
     "avx2",
-    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k},
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4},
     {quantize_q8_0_avx2, quantize_q8_k_avx2}};

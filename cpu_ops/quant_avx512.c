@@ -317,6 +317,44 @@ ALWAYS_INLINE void iq4_nl_group(const uint8_t *group, size_t n_blocks, const Act
         _mm512_storeu_ps(out[t] + first, acc[t]);
 }
 
+/* MXFP4 in a row group: 16 exponent bytes, then Q4_0's code chunks; codes mxfp4_values[q] + 128, the
+ * rows' scales 2^(e - 128) built as float32 bits */
+ALWAYS_INLINE void mxfp4_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                               size_t first) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i table = _mm512_broadcast_i32x4(
+        _mm_xor_si128(_mm_loadu_si128((const __m128i *)mxfp4_values), _mm_set1_epi8((char)0x80)));
+    __m512 acc[TILE_TOKENS];
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (size_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = group + b * ROW_GROUP * 17, *qs = blk + ROW_GROUP;
+        const __m512i e = byte_lanes(blk, 0);
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        const __m512 dw = _mm512_castsi512_ps(
+            _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = load_chunk(qs, c);
+            lo[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
+            hi[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+        }
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = x[t].qs + b * QK8;
+            __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                sl = _mm512_dpbusd_epi32(sl, lo[c], bcast(xq + 4 * c));
+                sh = _mm512_dpbusd_epi32(sh, hi[c], bcast(xq + 16 + 4 * c));
+            }
+            const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(sl, sh), _mm512_set1_epi32(128 * x[t].sums[b]));
+            acc[t] = block_acc(dw, x[t].d[b], s, acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        _mm512_storeu_ps(out[t] + first, acc[t]);
+}
+
 /* IQ4_XS in a row group: d (32 bytes), scales_h (16 x uint16), scales_l (4 chunks of 16), 32 code
  * chunks (64 each; chunk 4 ib + i: bytes 4i.. of sub-block ib, elements 32 ib + 4i.. low, +16 high) */
 ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
@@ -491,8 +529,9 @@ DEFINE_TILE(dot_iq4_nl, iq4_nl_group, 5)
 DEFINE_TILE(dot_iq4_xs, iq4_xs_group, 6)
 DEFINE_TILE(dot_q2_k, q2_k_group, 7)
 DEFINE_TILE(dot_q3_k, q3_k_group, 8)
+DEFINE_TILE(dot_mxfp4, mxfp4_group, 9)
 
 const KernelTable kernels_avx512 = {
     "avx512",
-    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k},
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4},
     {quantize_q8_0_avx2, quantize_q8_k_avx2}};

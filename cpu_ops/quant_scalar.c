@@ -217,9 +217,20 @@ static float block_q3_k(const uint8_t *blk, const ActRow *x, size_t b, float acc
     return fmaf(read_fp16(blk + 108) * x->d[b], (float)sumi, acc);
 }
 
+/* MXFP4: exponent byte e, 16 bytes of nibbles as Q4_0's, each an index into mxfp4_values; value
+ * 2^(e - 128) * it */
+static float block_mxfp4(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const uint8_t *qs = blk + 1;
+    const int8_t *xq = x->qs + b * QK8;
+    int32_t sumi = 0;
+    for (int j = 0; j < 16; j++)
+        sumi += mxfp4_values[qs[j] & 0x0f] * xq[j] + mxfp4_values[qs[j] >> 4] * xq[j + 16];
+    return fmaf(e8m0_half(blk[0]) * x->d[b], (float)sumi, acc);
+}
+
 typedef float (*BlockDot)(const uint8_t *blk, const ActRow *x, size_t b, float acc);
 static const BlockDot block_dots[QUANT_TYPES] = {block_q4_0,   block_q8_0,   block_q4_k, block_q6_k, block_q5_k,
-                                                 block_iq4_nl, block_iq4_xs, block_q2_k, block_q3_k};
+                                                 block_iq4_nl, block_iq4_xs, block_q2_k, block_q3_k, block_mxfp4};
 
 /* block b of row i of the row group at `group`, in GGML's own layout */
 static void group_block(const uint8_t *group, size_t b, int i, const QuantType *q, uint8_t *blk) {
@@ -270,8 +281,9 @@ SCALAR_TILE(dot_iq4_nl, 5)
 SCALAR_TILE(dot_iq4_xs, 6)
 SCALAR_TILE(dot_q2_k, 7)
 SCALAR_TILE(dot_q3_k, 8)
+SCALAR_TILE(dot_mxfp4, 9)
 
 const KernelTable kernels_scalar = {
     "scalar",
-    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k},
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4},
     {quantize_q8_0, quantize_q8_k}};

@@ -101,7 +101,7 @@ typedef struct {
     OrtCustomOp base;
     const char *name;
     size_t inputs, required_inputs;
-    int input_types[8];
+    int input_types[12];
     OrtStatus *(*create)(const OrtKernelInfo *, const KernelTable *, void **);
     OrtStatus *(*compute)(void *, OrtKernelContext *);
 } Op;
@@ -177,10 +177,11 @@ static void op_destroy(void *kernel) {
 
 enum { F = ORT_ELEMENT_FLOAT, U8 = ORT_ELEMENT_UINT8 };
 /* moepass::MoEPacked: hidden [.., H], router logits [T, E], gate, up, down blobs [E, rows, row bytes],
- * router_weights [T, E] (optional); moepass::MatMulPacked: A [.., K], B blocks [N, row bytes] */
+ * then optional router_weights [T, E], gate and up biases [E, ffn], down bias [E, H]; moepass::MatMulPacked:
+ * A [.., K], B blocks [N, row bytes] */
 static Op ops[] = {
-    OP_RECORD("MoEPacked", 6, 5, ((int[8]){F, F, U8, U8, U8, F}), moe_create, moe_compute),
-    OP_RECORD("MatMulPacked", 2, 2, ((int[8]){F, U8}), matmul_create, matmul_compute),
+    OP_RECORD("MoEPacked", 9, 5, ((int[12]){F, F, U8, U8, U8, F, F, F, F}), moe_create, moe_compute),
+    OP_RECORD("MatMulPacked", 2, 2, ((int[12]){F, U8}), matmul_create, matmul_compute),
 };
 
 static OrtCustomOpDomain *domain;
@@ -204,7 +205,8 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
 #define SLOT(NAME) memcpy(&ort.NAME, &slots[ORT_SLOT_##NAME], sizeof(void *))
     SLOT(CreateStatus), SLOT(CreateCustomOpDomain), SLOT(CustomOpDomain_Add), SLOT(AddCustomOpDomain);
     SLOT(GetTensorMutableData), SLOT(GetTensorElementType), SLOT(GetDimensionsCount), SLOT(GetDimensions);
-    SLOT(GetTensorTypeAndShape), SLOT(KernelInfoGetAttribute_int64), SLOT(KernelInfoGetAttribute_string);
+    SLOT(GetTensorTypeAndShape), SLOT(KernelInfoGetAttribute_float), SLOT(KernelInfoGetAttribute_int64);
+    SLOT(KernelInfoGetAttribute_string);
     SLOT(KernelContext_GetInputCount), SLOT(KernelContext_GetInput), SLOT(KernelContext_GetOutput);
     SLOT(ReleaseStatus), SLOT(ReleaseTensorTypeAndShapeInfo), SLOT(KernelContext_ParallelFor);
 #undef SLOT

@@ -32,7 +32,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from moepass.core import keys, row_groups
 from moepass.core.architectures import Architecture, HParams
 from moepass.core.capabilities import CUDA_KERNELS, cuda_form_refusal, cuda_refusal
-from moepass.core.errors import MoepassError
+from moepass.core.errors import MoepassError, wording
 from moepass.core.gguf_reader import GGUFModel
 from moepass.core.ir_values import input_at, read_rows, tensor_dims, tensor_of
 from moepass.core.moe_nodes import (
@@ -147,8 +147,8 @@ class StoredExperts:
 
 @dataclasses.dataclass(frozen=True)
 class BlobTensor:
-    """A MoEPacked node's blob as a GGUF tensor (what GgufRows reads): the file's own blocks,
-    [E, rows, row bytes], of one GGML type."""
+    """A MoEPacked node's blob (or a MatMulPacked node's matrix) as a GGUF tensor (what GgufRows
+    reads): the file's own blocks, [E, rows, row bytes] ([rows, row bytes]), of one GGML type."""
 
     name: str
     tensor: ir.TensorProtocol
@@ -222,6 +222,19 @@ def packed_rows(moe: MoeNode) -> ExpertRows:
     )
 
 
+def _check_native_on_gpu(moe: MoeNode) -> None:
+    """Refuse, in one line, a native node the GPU forms would change the meaning of: expert biases and
+    a clamped SwiGLU (gpt-oss), which neither the CUDA MoEPacked nor the forms packed from the blobs
+    carry yet."""
+    node = moe.node
+    extras = [a for a in ("activation_alpha", "activation_beta", "swiglu_limit") if a in node.attributes]
+    if is_native(node) and (extras or len(node.inputs) > PACKED_ROUTER_WEIGHTS + 1):
+        raise MoepassError(
+            f"{moe.name}: a moepass::MoEPacked node with expert biases or a clamped SwiGLU (gpt-oss) has no GPU "
+            f"form yet; convert with {wording().option('--expert-format', 'auto')} to place it on a GPU"
+        )
+
+
 def _to_cuda_packed(graph: ir.Graph, moe: MoeNode) -> None:
     """A moepass::MoEPacked node as ONNX Runtime's com.microsoft::MoEPacked (its CUDA kernel): the
     same contract, its blobs' rows out of row groups into the GGUF's own order."""
@@ -233,10 +246,7 @@ def _to_cuda_packed(graph: ir.Graph, moe: MoeNode) -> None:
         ggml_type = GGMLQuantizationType(node.attributes.get_int(f"{role}_type", node.attributes.get_int("gate_type")))
         tensor = tensor_of(value)
         blob = BlobTensor(value.name or role, tensor, ggml_type, tuple(tensor_dims(tensor)), grouped=True)
-        rows = blob.streamed()
-        plain = ir.Value(name=rows.name, type=value.type, shape=ir.Shape(tensor_dims(tensor)), const_value=rows)
-        graph.register_initializer(plain)
-        node.replace_input_with(PACKED_SLOTS[role], plain)
+        node.replace_input_with(PACKED_SLOTS[role], _initializer(graph, blob.streamed()))
     node.attributes.pop("row_group", None)
     node.domain = "com.microsoft"
 
@@ -327,6 +337,7 @@ class GpuFormPass(InPlacePass):
             raise MoepassError(f"the plan names MoE node(s) the model does not have: {', '.join(unknown)}")
         for moe in nodes:
             if self.on_gpu(moe):
+                _check_native_on_gpu(moe)
                 forms = gpu_forms(moe, self.target, _types_of(moe))
                 if forms is not None:
                     self._reform(graph, moe, forms)

@@ -145,32 +145,50 @@ def moe_node(
     return op("QMoE", _trimmed(inputs), attributes, domain="com.microsoft", name=name)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedExperts:
+    """A MoEPacked node's experts: the GGUF's own gate, up and down blocks [E, rows, row bytes], their
+    GGML type ids and, for moepass's own node only, their biases [E, rows] float32."""
+
+    blobs: tuple[ir.Value, ir.Value, ir.Value]
+    types: tuple[int, int, int]
+    biases: tuple[ir.Value, ir.Value, ir.Value] | None = None
+
+
 def packed_moe_node(
     op: MakeOp,
     name: str,
     hidden: ir.Value,
     router: Router,
-    blobs: tuple[ir.Value, ir.Value, ir.Value],
-    types: tuple[int, int, int],
+    experts: PackedExperts,
     *,
     domain: str = "com.microsoft",
+    activation: Activation = SWIGLU,
 ) -> ir.Value:
-    """One MoE layer as a MoEPacked node over the GGUF's own expert blocks: gate, up and down blobs
-    [E, rows, row bytes] with their GGML type ids, SwiGLU, the legacy routing (softmax of the logits,
-    top-k, renormalized over the k where `router.normalize`). `domain` com.microsoft: ONNX Runtime's (CUDA
-    only); NATIVE_DOMAIN: the same contract in float32, the blobs' rows in row groups, run on the CPU
-    by moepass.cpu_ops."""
-    attributes = {
+    """One MoE layer as a MoEPacked node over the GGUF's own expert blocks, SwiGLU, the legacy routing
+    (softmax of the logits, top-k, renormalized over the k where `router.normalize`). `domain`
+    com.microsoft: ONNX Runtime's (CUDA only); NATIVE_DOMAIN: the same contract in float32, the blobs'
+    rows in row groups, run on the CPU by moepass.cpu_ops, which also takes the experts' biases and a
+    clamped or shifted SwiGLU (QMoE's activation_alpha, activation_beta and swiglu_limit)."""
+    attributes: dict[str, object] = {
         "k": router.top_k,
         "activation_type": "swiglu",
-        "gate_type": types[0],
-        "up_type": types[1],
-        "down_type": types[2],
+        "gate_type": experts.types[0],
+        "up_type": experts.types[1],
+        "down_type": experts.types[2],
         "normalize_routing_weights": int(router.normalize),
     }
     if domain == NATIVE_DOMAIN:  # each expert's rows in row groups (moepass.core.row_groups)
         attributes["row_group"] = ROW_GROUP
-    return op("MoEPacked", [hidden, router.logits, *blobs], attributes, domain=domain, name=name)
+        if activation != SWIGLU:
+            attributes["activation_alpha"] = float(activation.alpha)
+            attributes["activation_beta"] = float(activation.beta)
+            if activation.limit is not None:
+                attributes["swiglu_limit"] = float(activation.limit)
+    elif experts.biases is not None or activation != SWIGLU:
+        raise ValueError("com.microsoft::MoEPacked takes no expert biases and only the plain SwiGLU")
+    inputs: list[ir.Value | None] = [hidden, router.logits, *experts.blobs, None, *(experts.biases or ())]
+    return op("MoEPacked", _trimmed(inputs), attributes, domain=domain, name=name)
 
 
 def _trimmed(inputs: list[ir.Value | None]) -> list[ir.Value | None]:

@@ -494,7 +494,17 @@ QUANT_TYPES: dict[GT, QuantType] = {
             cpu_segments=((0, 2, 2), (2, 2, 2), (4, 4, 1), (8, 128, 4)),
         ),
         # e8m0 scales are powers of two: float16 holds 2**-24 .. 2**15, what real weights use
-        QuantType(GT.MXFP4, "blocks", 32, (-12, 12), decode_mxfp4, scales=None, fp16_scales=True, int8_block=32),
+        QuantType(
+            GT.MXFP4,
+            "blocks",
+            32,
+            (-12, 12),
+            decode_mxfp4,
+            scales=None,
+            fp16_scales=True,
+            int8_block=32,
+            cpu_segments=((0, 1, 1), (1, 16, 4)),
+        ),
         # Fractional minimums or non-integer codebooks: requantized from their values, the added error
         # measured and reported (Q4_1 and Q4_K non-expert matrices keep their codes with block offsets).
         QuantType(

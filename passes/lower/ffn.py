@@ -7,7 +7,15 @@ import onnx_ir as ir
 from moepass.core import keys
 from moepass.core.architectures import ACTIVATIONS, DENSE_FFN, SHARED_EXPERT
 from moepass.core.errors import MoepassError, wording
-from moepass.core.moe_nodes import NATIVE_DOMAIN, ExpertCodes, Experts, Router, moe_node, packed_moe_node
+from moepass.core.moe_nodes import (
+    NATIVE_DOMAIN,
+    ExpertCodes,
+    Experts,
+    PackedExperts,
+    Router,
+    moe_node,
+    packed_moe_node,
+)
 from moepass.core.quants import (
     NATIVE_TYPES,
     OFFLOAD_FORM,
@@ -67,25 +75,21 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
 
     floats = [qt.storage == "float" for qt in types]
     prefix = f"blk.{layer}.ffn_experts"
-    fc1_b = None
-    if feats.expert_biases:
-        fc1_b = builder.expert_bias(
-            f"{prefix}.fc1_bias", [builder.tensor(f"ffn_{p}_exps_bias", layer) for p in ("gate", "up")]
-        )
+
+    def fc1_bias() -> ir.Value | None:
+        return _expert_bias(builder, f"{prefix}.fc1_bias", ("gate", "up"), layer)
 
     def fc2_bias(pad: int = 0) -> ir.Value | None:
-        if not feats.expert_biases:
-            return None
-        return builder.expert_bias(f"{prefix}.fc2_bias", [builder.tensor("ffn_down_exps_bias", layer)], pad=pad)
+        return _expert_bias(builder, f"{prefix}.fc2_bias", ("down",), layer, pad)
 
     pad = 0
     if builder.options.expert_format in ("packed", "native") and not any(floats):
-        out = _packed(builder, name, x2d, router, (gate, up, down), types, renormalizes(feats))
+        out = _packed(builder, name, x2d, router, (gate, up, down), types, renormalizes(feats), layer)
         form_name = f"{builder.options.expert_format} " + "/".join(qt.name for qt in types)
     elif all(floats) and builder.options.float_experts == "keep":
         fc1 = builder.float_experts(f"{prefix}.fc1", [gate, up])
         fc2 = builder.float_experts(f"{prefix}.fc2", [down])
-        out = node(Experts(fc1, bias=fc1_b), Experts(fc2, bias=fc2_bias()))
+        out = node(Experts(fc1, bias=fc1_bias()), Experts(fc2, bias=fc2_bias()))
         form_name = "float32"
     else:
         if any(floats) and builder.options.float_experts == "keep":
@@ -127,7 +131,7 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
         fc2_w, fc2_s = builder.group_initializers(tensors.fc2)
         widened = widen(builder.tape.op, builder.const, x2d, hidden_in, fc1_form, name) if pad else x2d
         out = node(
-            Experts(fc1_w, fc1_s, bias=fc1_b),
+            Experts(fc1_w, fc1_s, bias=fc1_bias()),
             Experts(fc2_w, fc2_s, bias=fc2_bias(pad)),
             hidden=widened,
             codes=ExpertCodes(node_form.bits, node_form.block_size, prepack),
@@ -165,35 +169,49 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
     return out
 
 
-def _packed(builder: GraphBuilder, name: str, x2d: ir.Value, router: ir.Value, sources, types, normalize: bool):
+def _expert_bias(builder: GraphBuilder, name: str, roles: tuple[str, ...], layer: int, pad: int = 0) -> ir.Value | None:
+    """The experts' biases of these roles (graph_builder.expert_bias), None for a model without them."""
+    if not builder.arch.features.expert_biases:
+        return None
+    return builder.expert_bias(name, [builder.tensor(f"ffn_{role}_exps_bias", layer) for role in roles], pad=pad)
+
+
+def _packed(
+    builder: GraphBuilder, name: str, x2d: ir.Value, router: ir.Value, sources, types, normalize: bool, layer: int
+):
     """A MoE layer as MoEPacked over the GGUF's own gate, up and down blocks (--expert-format packed:
-    ONNX Runtime's, CUDA only; native: moepass's, run on the CPU by moepass.cpu_ops, for the types its
-    kernels take): what it has no input for (expert biases, a clamped or shifted SwiGLU) is refused."""
+    ONNX Runtime's, CUDA only, which has no input for expert biases or a clamped or shifted SwiGLU and
+    refuses them; native: moepass's, run on the CPU by moepass.cpu_ops, for the types its kernels take,
+    with gpt-oss's biases and SwiGLU)."""
     feats = builder.arch.features
     activation = ACTIVATIONS[feats.activation]
     expert_format = builder.options.expert_format
-    if feats.expert_biases or (activation.alpha, activation.beta, activation.limit) != (1.0, 0.0, None):
+    native = expert_format == "native"
+    plain = not feats.expert_biases and (activation.alpha, activation.beta, activation.limit) == (1.0, 0.0, None)
+    if not native and not plain:
         raise MoepassError(
             f"{name}: {wording().option('--expert-format', expert_format)}: MoEPacked has no expert biases and "
             f"computes the plain SwiGLU; this {builder.arch.gguf_arch} model's experts need them (convert with "
-            f"{wording().option('--expert-format', 'offload' if expert_format == 'packed' else 'auto')})"
+            f"{wording().option('--expert-format', 'offload')})"
         )
     untaken = [qt.name for qt in types if qt.name not in NATIVE_TYPES]
-    if expert_format == "native" and untaken:
+    if native and untaken:
         raise MoepassError(
             f"{name}: {wording().option('--expert-format', 'native')}: moepass's CPU kernels take "
             f"{', '.join(NATIVE_TYPES)} experts, not {', '.join(dict.fromkeys(untaken))} (convert with "
             f"{wording().option('--expert-format', 'auto')})"
         )
     prefix = f"{name.removesuffix('.moe')}.ffn_experts"
-    native = expert_format == "native"
     gate, up, down = (
         builder.gguf_blob(f"{prefix}.{role}", src, grouped=native) for role, src in zip(("gate", "up", "down"), sources)
     )
     ids = (int(types[0].ggml_type), int(types[1].ggml_type), int(types[2].ggml_type))
-    domain = NATIVE_DOMAIN if native else "com.microsoft"
     routing = Router(router, builder.hp.n_experts_used, normalize)
-    return packed_moe_node(builder.tape.op, name, x2d, routing, (gate, up, down), ids, domain=domain)
+    if not native:
+        return packed_moe_node(builder.tape.op, name, x2d, routing, PackedExperts((gate, up, down), ids))
+    biases = [_expert_bias(builder, f"{prefix}.{role}_bias", (role,), layer) for role in ("gate", "up", "down")]
+    experts = PackedExperts((gate, up, down), ids, None if None in biases else tuple(biases))  # type: ignore[arg-type]
+    return packed_moe_node(builder.tape.op, name, x2d, routing, experts, domain=NATIVE_DOMAIN, activation=activation)
 
 
 def gated_mlp(builder: GraphBuilder, x2d: ir.Value, roles: tuple[str, str, str], layer: int, prefix: str) -> ir.Value:
