@@ -37,6 +37,9 @@ const QuantType quant_types[QUANT_TYPES] = {
     {GGML_Q2_K, "Q2_K", 256, 84, ACT_Q8_K, {{80, 2, 2}, {82, 2, 2}, {0, 16, 1}, {16, 64, 4}}, 4},
     {GGML_Q3_K, "Q3_K", 256, 110, ACT_Q8_K, {{108, 2, 2}, {96, 12, 1}, {0, 32, 4}, {32, 64, 4}}, 4},
     {GGML_MXFP4, "MXFP4", 32, 17, ACT_Q8_0, {{0, 1, 1}, {1, 16, 4}}, 2},
+    {GGML_Q5_0, "Q5_0", 32, 22, ACT_Q8_0, {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}, 3},
+    {GGML_Q4_1, "Q4_1", 32, 20, ACT_Q8_0, {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}, 3},
+    {GGML_Q5_1, "Q5_1", 32, 24, ACT_Q8_0, {{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}}, 4},
 };
 const size_t quant_type_count = sizeof quant_types / sizeof quant_types[0];
 

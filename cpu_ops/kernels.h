@@ -20,6 +20,9 @@
 /* GGML type ids (ggml.h's enum ggml_type, gguf-py's GGMLQuantizationType) */
 enum {
     GGML_Q4_0 = 2,
+    GGML_Q4_1 = 3,
+    GGML_Q5_0 = 6,
+    GGML_Q5_1 = 7,
     GGML_Q8_0 = 8,
     GGML_Q2_K = 10,
     GGML_Q3_K = 11,
@@ -97,7 +100,7 @@ typedef struct {
     int n_segments;
 } QuantType;
 
-enum { QUANT_TYPES = 10 }; /* Q4_0, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K, MXFP4 (dispatch.c's order) */
+enum { QUANT_TYPES = 13 }; /* dispatch.c's quant_types, in its order */
 typedef struct {
     const char *name;
     DotTile dot[QUANT_TYPES]; /* by quant_types[] index */

@@ -445,6 +445,75 @@ ALWAYS_INLINE void mxfp4_group(const uint8_t *group, size_t n_blocks, const ActR
     }
 }
 
+/* each lane's bits 0..3 (of a 32-bit lane a row) as bit 4 of its bytes 0..3: four codes' fifth bits */
+ALWAYS_INLINE __m256i fifth_bits(__m256i v) {
+    const __m256i bits = _mm256_set1_epi32(0x08040201);
+    const __m256i spread = _mm256_and_si256(
+        _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4,
+                                                4, 8, 8, 8, 8, 12, 12, 12, 12)),
+        bits);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(spread, bits), _mm256_set1_epi8(0x10));
+}
+
+/* Q5_0, Q4_1 and Q5_1 (quant_avx512.c's layouts), a half of 8 rows; 5-bit products summed in 16 bits
+ * four chunks at a time (4 x 2 x 31 x 127) */
+ALWAYS_INLINE void legacy_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                                size_t first, int size, int with_min, int with_qh, int offset) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[TILE_TOKENS];
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_setzero_ps();
+        for (size_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = group + b * ROW_GROUP * (size_t)size;
+            const uint8_t *qh = blk + (with_min ? 64 : 32), *qs = qh + (with_qh ? 64 : 0) + 32 * half;
+            const __m256 dw = scales8(blk + 16 * half), mw = with_min ? scales8(blk + 32 + 16 * half) : _mm256_setzero_ps();
+            const __m256i high = with_qh ? load_chunk(qh + 32 * half, 0) : _mm256_setzero_si256();
+            __m256i lo[4], hi[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = load_chunk(qs, c);
+                lo[c] = _mm256_and_si256(raw, m4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                if (with_qh) {
+                    lo[c] = _mm256_or_si256(lo[c], fifth_bits(_mm256_srli_epi32(high, 4 * c)));
+                    hi[c] = _mm256_or_si256(hi[c], fifth_bits(_mm256_srli_epi32(high, 16 + 4 * c)));
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK8;
+                __m256i sl = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(read_i32(xq)));
+                __m256i sh = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(read_i32(xq + 16)));
+                for (int c = 1; c < 4; c++) {
+                    sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(read_i32(xq + 4 * c))));
+                    sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(read_i32(xq + 16 + 4 * c))));
+                }
+                __m256i s = _mm256_add_epi32(_mm256_madd_epi16(sl, ones), _mm256_madd_epi16(sh, ones));
+                if (offset)
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset * x[t].sums[b]));
+                acc[t] = block_acc(dw, x[t].d[b], s, acc[t]);
+                if (with_min)
+                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(mw, _mm256_set1_ps(x[t].d[b])),
+                                             _mm256_set1_ps((float)x[t].sums[b]), acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
+    }
+}
+
+ALWAYS_INLINE void q5_0_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    legacy_group(group, n_blocks, x, nt, out, first, 22, 0, 1, 16);
+}
+ALWAYS_INLINE void q4_1_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    legacy_group(group, n_blocks, x, nt, out, first, 20, 1, 0, 0);
+}
+ALWAYS_INLINE void q5_1_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    legacy_group(group, n_blocks, x, nt, out, first, 24, 1, 1, 0);
+}
+
 /* IQ4_XS (quant_avx512.c's layout): signed codes, each sub-block's scale - 32 by madd */
 ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                                 size_t first) {
@@ -596,8 +665,12 @@ DEFINE_TILE(dot_iq4_xs, iq4_xs_group, 6)
 DEFINE_TILE(dot_q2_k, q2_k_group, 7)
 DEFINE_TILE(dot_q3_k, q3_k_group, 8)
 DEFINE_TILE(dot_mxfp4, mxfp4_group, 9)
+DEFINE_TILE(dot_q5_0, q5_0_group, 10)
+DEFINE_TILE(dot_q4_1, q4_1_group, 11)
+DEFINE_TILE(dot_q5_1, q5_1_group, 12)
 
 const KernelTable kernels_avx2 = {
     "avx2",
-    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4},
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4,
+     dot_q5_0, dot_q4_1, dot_q5_1},
     {quantize_q8_0_avx2, quantize_q8_k_avx2}};

@@ -355,6 +355,70 @@ ALWAYS_INLINE void mxfp4_group(const uint8_t *group, size_t n_blocks, const ActR
         _mm512_storeu_ps(out[t] + first, acc[t]);
 }
 
+/* each lane's bits 0..3 (of a 32-bit lane a row) as bit 4 of its bytes 0..3: four codes' fifth bits */
+ALWAYS_INLINE __m512i fifth_bits(__m512i v) {
+    const __m512i spread = _mm512_shuffle_epi8(
+        v, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12)));
+    return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(spread, _mm512_set1_epi32(0x08040201)), _mm512_set1_epi8(0x10));
+}
+
+/* Q5_0, Q4_1 and Q5_1 in a row group: d (32 bytes), m (32; the types with minimums), qh (one chunk of
+ * 64: a row's 32 fifth bits a lane; the 5-bit types), then Q4_0's 4 code chunks. `size`: the block's
+ * bytes; `offset`: subtracted from every code (Q5_0's 16) */
+ALWAYS_INLINE void legacy_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                                size_t first, int size, int with_min, int with_qh, int offset) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[TILE_TOKENS];
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (size_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = group + b * ROW_GROUP * (size_t)size;
+        const uint8_t *qh = blk + (with_min ? 64 : 32), *qs = qh + (with_qh ? 64 : 0);
+        const __m512 dw = scales16(blk), mw = with_min ? scales16(blk + 32) : _mm512_setzero_ps();
+        const __m512i high = with_qh ? load_chunk(qh, 0) : _mm512_setzero_si512();
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = load_chunk(qs, c);
+            lo[c] = _mm512_and_si512(raw, m4);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            if (with_qh) {
+                lo[c] = _mm512_or_si512(lo[c], fifth_bits(_mm512_srli_epi32(high, 4 * c)));
+                hi[c] = _mm512_or_si512(hi[c], fifth_bits(_mm512_srli_epi32(high, 16 + 4 * c)));
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = x[t].qs + b * QK8;
+            __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                sl = _mm512_dpbusd_epi32(sl, lo[c], bcast(xq + 4 * c));
+                sh = _mm512_dpbusd_epi32(sh, hi[c], bcast(xq + 16 + 4 * c));
+            }
+            __m512i s = _mm512_add_epi32(sl, sh);
+            if (offset)
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset * x[t].sums[b]));
+            acc[t] = block_acc(dw, x[t].d[b], s, acc[t]);
+            if (with_min)
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(mw, _mm512_set1_ps(x[t].d[b])),
+                                         _mm512_set1_ps((float)x[t].sums[b]), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        _mm512_storeu_ps(out[t] + first, acc[t]);
+}
+
+ALWAYS_INLINE void q5_0_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    legacy_group(group, n_blocks, x, nt, out, first, 22, 0, 1, 16);
+}
+ALWAYS_INLINE void q4_1_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    legacy_group(group, n_blocks, x, nt, out, first, 20, 1, 0, 0);
+}
+ALWAYS_INLINE void q5_1_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    legacy_group(group, n_blocks, x, nt, out, first, 24, 1, 1, 0);
+}
+
 /* IQ4_XS in a row group: d (32 bytes), scales_h (16 x uint16), scales_l (4 chunks of 16), 32 code
  * chunks (64 each; chunk 4 ib + i: bytes 4i.. of sub-block ib, elements 32 ib + 4i.. low, +16 high) */
 ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
@@ -530,8 +594,12 @@ DEFINE_TILE(dot_iq4_xs, iq4_xs_group, 6)
 DEFINE_TILE(dot_q2_k, q2_k_group, 7)
 DEFINE_TILE(dot_q3_k, q3_k_group, 8)
 DEFINE_TILE(dot_mxfp4, mxfp4_group, 9)
+DEFINE_TILE(dot_q5_0, q5_0_group, 10)
+DEFINE_TILE(dot_q4_1, q4_1_group, 11)
+DEFINE_TILE(dot_q5_1, q5_1_group, 12)
 
 const KernelTable kernels_avx512 = {
     "avx512",
-    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4},
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4,
+     dot_q5_0, dot_q4_1, dot_q5_1},
     {quantize_q8_0_avx2, quantize_q8_k_avx2}};

@@ -228,9 +228,42 @@ static float block_mxfp4(const uint8_t *blk, const ActRow *x, size_t b, float ac
     return fmaf(e8m0_half(blk[0]) * x->d[b], (float)sumi, acc);
 }
 
+/* the integer dot product of a block of 32 nibbles as Q4_0's (element j low, j + 16 high), each with a
+ * fifth bit from the 32-bit qh where it is given (bit j of element j), with the activations' codes */
+static int32_t nibble_dot(const uint8_t *qs, const uint8_t *qh, const int8_t *xq) {
+    uint32_t high = 0;
+    if (qh)
+        memcpy(&high, qh, sizeof high);
+    int32_t sumi = 0;
+    for (int j = 0; j < 16; j++)
+        sumi += ((qs[j] & 0x0f) | ((high >> j & 1) << 4)) * xq[j] + ((qs[j] >> 4) | ((high >> (j + 16) & 1) << 4)) * xq[j + 16];
+    return sumi;
+}
+
+/* Q5_0: float16 d, qh (the fifth bits), 16 bytes of nibbles; value d * (q - 16) */
+static float block_q5_0(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const int32_t sumi = nibble_dot(blk + 6, blk + 2, x->qs + b * QK8) - 16 * x->sums[b];
+    return fmaf(read_fp16(blk) * x->d[b], (float)sumi, acc);
+}
+
+/* Q4_1 and Q5_1: float16 d and m, (Q5_1: qh), nibbles; value d * q + m: acc = fma(d dx, sumi, acc),
+ * then fma(m dx, the activations' code sum, acc) */
+static float block_q4_1(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const float dx = x->d[b];
+    acc = fmaf(read_fp16(blk) * dx, (float)nibble_dot(blk + 4, NULL, x->qs + b * QK8), acc);
+    return fmaf(read_fp16(blk + 2) * dx, (float)x->sums[b], acc);
+}
+
+static float block_q5_1(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    const float dx = x->d[b];
+    acc = fmaf(read_fp16(blk) * dx, (float)nibble_dot(blk + 8, blk + 4, x->qs + b * QK8), acc);
+    return fmaf(read_fp16(blk + 2) * dx, (float)x->sums[b], acc);
+}
+
 typedef float (*BlockDot)(const uint8_t *blk, const ActRow *x, size_t b, float acc);
 static const BlockDot block_dots[QUANT_TYPES] = {block_q4_0,   block_q8_0,   block_q4_k, block_q6_k, block_q5_k,
-                                                 block_iq4_nl, block_iq4_xs, block_q2_k, block_q3_k, block_mxfp4};
+                                                 block_iq4_nl, block_iq4_xs, block_q2_k, block_q3_k, block_mxfp4,
+                                                 block_q5_0,   block_q4_1,   block_q5_1};
 
 /* block b of row i of the row group at `group`, in GGML's own layout */
 static void group_block(const uint8_t *group, size_t b, int i, const QuantType *q, uint8_t *blk) {
@@ -282,8 +315,12 @@ SCALAR_TILE(dot_iq4_xs, 6)
 SCALAR_TILE(dot_q2_k, 7)
 SCALAR_TILE(dot_q3_k, 8)
 SCALAR_TILE(dot_mxfp4, 9)
+SCALAR_TILE(dot_q5_0, 10)
+SCALAR_TILE(dot_q4_1, 11)
+SCALAR_TILE(dot_q5_1, 12)
 
 const KernelTable kernels_scalar = {
     "scalar",
-    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4},
+    {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4,
+     dot_q5_0, dot_q4_1, dot_q5_1},
     {quantize_q8_0, quantize_q8_k}};

@@ -110,6 +110,15 @@ def integer_form(blocks: np.ndarray, ggml_type: GT):
             codes = _nibbles(by[:, :, 2:])
             codes = codes - 8 if ggml_type == GT.Q4_0 else IQ4_VALUES[codes]
         return _fp16(by[:, :, :2]), None, ones, None, codes
+    if ggml_type in (GT.Q5_0, GT.Q4_1, GT.Q5_1):  # nibbles (and fifth bits: bit j of qh, element j)
+        offset = 4 if ggml_type == GT.Q4_1 else 8 if ggml_type == GT.Q5_1 else 6
+        codes = _nibbles(by[:, :, offset:])
+        if ggml_type != GT.Q4_1:
+            qh = by[:, :, offset - 4 : offset].copy().view("<u4").astype(np.int64)
+            codes = codes + (((qh >> np.arange(32)) & 1) << 4)
+        if ggml_type == GT.Q5_0:
+            return _fp16(by[:, :, :2]), None, ones, None, codes - 16
+        return _fp16(by[:, :, :2]), -_fp16(by[:, :, 2:4]), ones, ones, codes  # value d q + m: dmin = -m
     if ggml_type == GT.MXFP4:  # 2^(e - 128) times E2M1 values doubled into integers
         scale = np.ldexp(np.float64(1), by[:, :, 0].astype(np.int64) - 128).astype(np.float32)
         return scale, None, ones, None, MXFP4_VALUES[_nibbles(by[:, :, 1:])]
@@ -222,7 +231,8 @@ def test_the_kernels_take_the_types_the_quant_table_says():
         except ValueError:
             taken = k % 32 != 0  # the activations' blocks are of 32
         assert taken == qt.cpu_kernel, ggml_type.name
-    assert set(NATIVE_TYPES) == {"Q4_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
+    assert set(NATIVE_TYPES) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                 "IQ4_NL", "IQ4_XS", "MXFP4"}
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -357,7 +367,7 @@ def reference_moe(blobs, types, x, logits, normalize=True) -> np.ndarray:
 MOE_TYPES = [(GT.Q4_0, GT.Q4_0, GT.Q4_0), (GT.Q4_0, GT.Q4_0, GT.Q8_0), (GT.Q8_0, GT.Q8_0, GT.Q8_0),
              (GT.Q4_K, GT.Q4_K, GT.Q6_K), (GT.Q6_K, GT.Q6_K, GT.Q4_K), (GT.Q5_K, GT.Q5_K, GT.Q6_K),
              (GT.IQ4_XS, GT.IQ4_XS, GT.IQ4_XS), (GT.IQ4_NL, GT.IQ4_NL, GT.Q8_0), (GT.Q2_K, GT.Q2_K, GT.Q3_K),
-             (GT.Q3_K, GT.Q3_K, GT.Q4_K), (GT.MXFP4, GT.MXFP4, GT.MXFP4)]
+             (GT.Q3_K, GT.Q3_K, GT.Q4_K), (GT.MXFP4, GT.MXFP4, GT.MXFP4), (GT.Q5_0, GT.Q4_1, GT.Q5_1)]
 
 
 @pytest.mark.parametrize("types", MOE_TYPES, ids=lambda t: "/".join(x.name for x in t))
@@ -419,8 +429,8 @@ def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
     attributes["gate_type"].i, attributes["k"].i = int(GT.Q4_0), E + 1
     with pytest.raises(Exception, match=r"moepass::MoEPacked: k 7: 1 to the 6 experts"):
         run_moe(model.SerializeToString(), x, logits)
-    attributes["k"].i, attributes["down_type"].i = K, int(GT.Q5_1)
-    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 7: a GGML type these kernels do not take"):
+    attributes["k"].i, attributes["down_type"].i = K, int(GT.IQ2_XXS)
+    with pytest.raises(Exception, match=r"moepass::MoEPacked: down_type 16: a GGML type these kernels do not take"):
         run_moe(model.SerializeToString(), x, logits)
     attributes["down_type"].i, attributes["row_group"].i = int(GT.Q4_0), 8
     with pytest.raises(Exception, match=r"moepass::MoEPacked: row_group 8: these kernels take rows in groups of 16"):
@@ -437,7 +447,7 @@ def test_blobs_that_do_not_hold_the_rows_are_refused_in_one_line():
 
 # ---- converted models -------------------------------------------------------------------------------------
 NATIVE_ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe", "deepseek2", "gpt-oss"]
-BLOCK_32_FILES = ("q4_0", "q8_0", "iq4_nl")  # deepseek2's fixture has rows no super-block of 256 divides
+BLOCK_32_FILES = ("q4_0", "q8_0", "iq4_nl", "q5_0", "q4_1", "q5_1")  # deepseek2's fixture has rows no super-block of 256 divides
 # gpt-oss's Q5_K fixture: llama.cpp itself is 4.5 logits from the exact computation (its Q8_K activations
 # before the clamped SwiGLU), its argmax another token at a position the oracle calls decided; the
 # native form gives llama.cpp's logits there, so the oracle has no yardstick for it
@@ -448,7 +458,7 @@ NO_YARDSTICK = {("gpt-oss", "q5_k")}
 # calibrated random codes: llama.cpp reads them as it reads a quantizer's)
 NATIVE_FILES = {name: (name, {}) for name in ("q4_0", "q8_0", "q4_k", "q4_k_m", "q6_k", "mxfp4")} | {
     t.name.lower(): ("q8_0", {"types": {role: t for role in ("attn", "gate_up", "down")}})
-    for t in (GT.Q5_K, GT.IQ4_XS, GT.IQ4_NL, GT.Q2_K, GT.Q3_K)
+    for t in (GT.Q5_K, GT.IQ4_XS, GT.IQ4_NL, GT.Q2_K, GT.Q3_K, GT.Q5_0, GT.Q4_1, GT.Q5_1)
 }
 
 
@@ -476,8 +486,8 @@ def test_native_conversions_match_llama_cpp(arch, file, make_gguf, converted, tm
 
 
 def test_native_is_refused_in_one_line_for_types_the_kernels_lack(make_gguf, tmp_path):
-    gguf = make_gguf("q8_0", types={"gate_up": GT.Q5_1})
-    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not Q5_1"):
+    gguf = make_gguf("q8_0", types={"gate_up": GT.IQ2_XXS})
+    with pytest.raises(moepass.MoepassError, match=r"expert_format='native': moepass's CPU kernels take .*not IQ2_XXS"):
         moepass.convert(gguf, tmp_path / "out", expert_format="native")
     assert not (tmp_path / "out").exists()
 

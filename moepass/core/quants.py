@@ -473,7 +473,16 @@ QUANT_TYPES: dict[GT, QuantType] = {
                 )
             ),
         ),
-        QuantType(GT.Q5_0, "blocks", 32, (-16, 15), decode_q5_0, fp16_scales=True, int8_block=32),
+        QuantType(
+            GT.Q5_0,
+            "blocks",
+            32,
+            (-16, 15),
+            decode_q5_0,
+            fp16_scales=True,
+            int8_block=32,
+            cpu_segments=((0, 2, 2), (2, 4, 4), (6, 16, 4)),
+        ),
         QuantType(
             GT.IQ4_NL,
             "blocks",
@@ -516,6 +525,7 @@ QUANT_TYPES: dict[GT, QuantType] = {
             int8_block=32,
             affine_bits=4,
             affine_block=32,
+            cpu_segments=((0, 2, 2), (2, 2, 2), (4, 16, 4)),
         ),
         QuantType(
             GT.Q4_K,
@@ -527,7 +537,15 @@ QUANT_TYPES: dict[GT, QuantType] = {
             affine_block=32,
             cpu_segments=((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 128, 4)),
         ),
-        QuantType(GT.Q5_1, "dequantize", scales=(0, 2), int8_block=32, affine_bits=5, affine_block=32),
+        QuantType(
+            GT.Q5_1,
+            "dequantize",
+            scales=(0, 2),
+            int8_block=32,
+            affine_bits=5,
+            affine_block=32,
+            cpu_segments=((0, 2, 2), (2, 2, 2), (4, 4, 4), (8, 16, 4)),
+        ),
         QuantType(
             GT.Q5_K,
             "dequantize",
