@@ -203,7 +203,7 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
     const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi32(63);
     for (int half = 0; half < 2; half++) {
         __m256 acc[TILE_TOKENS];
-        __m256i codes[64], sc[8], mp[4];
+        __m256i sumi[TILE_TOKENS], sc[8], mp[4];
         for (int t = 0; t < nt; t++)
             acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
@@ -224,23 +224,26 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
             }
             for (int i = 0; i < 4; i++)
                 mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
-            for (int j64 = 0; j64 < 4; j64++)
+            for (int t = 0; t < nt; t++)
+                sumi[t] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) { /* sub-block j in registers for every token: 8 of the 16 */
+                __m256i codes[8];
                 for (int c = 0; c < 8; c++) {
-                    const __m256i raw = load_chunk(qs, 8 * j64 + c);
-                    codes[16 * j64 + c] = _mm256_and_si256(raw, m4);
-                    codes[16 * j64 + 8 + c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                    const __m256i raw = load_chunk(qs, 8 * (j / 2) + c);
+                    codes[c] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4);
                 }
+                for (int t = 0; t < nt; t++)
+                    sumi[t] = _mm256_add_epi32(
+                        sumi[t], _mm256_madd_epi16(chunk_dots16(codes, x[t].qs + b * QK_K + 32 * j, 0, 8), sc[j]));
+            }
             for (int t = 0; t < nt; t++) {
-                const int8_t *xq = x[t].qs + b * QK_K;
                 const int32_t *bs = x[t].sums + b * (QK_K / 16);
-                __m256i sumi = _mm256_setzero_si256(), summ = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++)
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 8 * j, 8), sc[j]));
+                __m256i summ = _mm256_setzero_si256();
                 for (int i = 0; i < 4; i++)
                     summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mp[i], _mm256_set1_epi32(pair_of(
                                                       bs[4 * i] + bs[4 * i + 1], bs[4 * i + 2] + bs[4 * i + 3]))));
                 const __m256 dx = _mm256_set1_ps(x[t].d[b]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
                 acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ), acc[t]);
             }
         }
@@ -303,13 +306,13 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
 }
 
 /* Q5_K (quant_avx512.c's layout); 4 products of 2 x 31 x 127 to a 16-bit lane, so a sub-block's eight
- * chunks in two sums */
+ * chunks in two sums; a sub-block at a time in registers, as Q4_K */
 ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                               size_t first) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi32(63), one = _mm256_set1_epi8(1);
     for (int half = 0; half < 2; half++) {
         __m256 acc[TILE_TOKENS];
-        __m256i codes[64], sc[8], mp[4];
+        __m256i sumi[TILE_TOKENS], sc[8], mp[4];
         for (int t = 0; t < nt; t++)
             acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
@@ -331,31 +334,30 @@ ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRo
             }
             for (int i = 0; i < 4; i++)
                 mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
-            for (int c = 0; c < 8; c++) {
-                __m256i high = load_chunk(qh, c);
-                for (int j64 = 0; j64 < 4; j64++) {
-                    const __m256i raw = load_chunk(qs, 8 * j64 + c);
-                    codes[16 * j64 + c] = _mm256_or_si256(_mm256_and_si256(raw, m4),
-                                                          _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
-                    codes[16 * j64 + 8 + c] =
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
-                                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
-                    high = _mm256_srli_epi16(high, 2);
+            for (int t = 0; t < nt; t++)
+                sumi[t] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) { /* sub-block j in registers for every token */
+                __m256i codes[8];
+                for (int c = 0; c < 8; c++) {
+                    const __m256i raw = load_chunk(qs, 8 * (j / 2) + c);
+                    const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(load_chunk(qh, c), j), one);
+                    codes[c] = _mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4),
+                                               _mm256_slli_epi16(fifth, 4));
+                }
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *xq = x[t].qs + b * QK_K + 32 * j;
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(chunk_dots16(codes, xq, 0, 4), sc[j]));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(chunk_dots16(codes, xq, 4, 4), sc[j]));
                 }
             }
             for (int t = 0; t < nt; t++) {
-                const int8_t *xq = x[t].qs + b * QK_K;
                 const int32_t *bs = x[t].sums + b * (QK_K / 16);
-                __m256i sumi = _mm256_setzero_si256(), summ = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++) {
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 8 * j, 4), sc[j]));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 8 * j + 4, 4), sc[j]));
-                }
+                __m256i summ = _mm256_setzero_si256();
                 for (int i = 0; i < 4; i++)
                     summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mp[i], _mm256_set1_epi32(pair_of(
                                                       bs[4 * i] + bs[4 * i + 1], bs[4 * i + 2] + bs[4 * i + 3]))));
                 const __m256 dx = _mm256_set1_ps(x[t].d[b]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
                 acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ), acc[t]);
             }
         }
