@@ -197,17 +197,19 @@ ALWAYS_INLINE __m256i chunk_dots16(const __m256i *codes, const int8_t *xq, int c
     return s;
 }
 
-/* Q4_K (quant_avx512.c's layout); 8 products of 2 x 15 x 127 to a 16-bit lane */
-ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
-                              size_t first) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi32(63);
+/* Q4_K and Q5_K (quant_avx512.c's layouts), a sub-block at a time in registers for every token of the
+ * tile; products summed in 16 bits four chunks at a time (4 x 2 x 31 x 127), scaled by madd */
+ALWAYS_INLINE void affine_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                                  size_t first, int size, int with_qh) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi32(63), one = _mm256_set1_epi8(1);
     for (int half = 0; half < 2; half++) {
         __m256 acc[TILE_TOKENS];
         __m256i sumi[TILE_TOKENS], sc[8], mp[4];
         for (int t = 0; t < nt; t++)
             acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
-            const uint8_t *blk = group + b * ROW_GROUP * 144, *scales = blk + 64 + 8 * half, *qs = blk + 256 + 32 * half;
+            const uint8_t *blk = group + b * ROW_GROUP * (size_t)size, *scales = blk + 64 + 8 * half;
+            const uint8_t *qh = blk + 256 + 32 * half, *qs = (with_qh ? blk + 768 : blk + 256) + 32 * half;
             const __m256 d = scales8(blk + 16 * half), dmin = scales8(blk + 32 + 16 * half);
             __m256i q[12], mn[8];
             for (int c = 0; c < 12; c++)
@@ -226,15 +228,20 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                 mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
             for (int t = 0; t < nt; t++)
                 sumi[t] = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) { /* sub-block j in registers for every token: 8 of the 16 */
+            for (int j = 0; j < 8; j++) { /* sub-block j: 8 chunks, elements 32 j + 4c.. */
                 __m256i codes[8];
                 for (int c = 0; c < 8; c++) {
                     const __m256i raw = load_chunk(qs, 8 * (j / 2) + c);
                     codes[c] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                    if (with_qh) /* bit j of qh chunk c */
+                        codes[c] = _mm256_or_si256(
+                            codes[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load_chunk(qh, c), j), one), 4));
                 }
-                for (int t = 0; t < nt; t++)
-                    sumi[t] = _mm256_add_epi32(
-                        sumi[t], _mm256_madd_epi16(chunk_dots16(codes, x[t].qs + b * QK_K + 32 * j, 0, 8), sc[j]));
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *xq = x[t].qs + b * QK_K + 32 * j;
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(chunk_dots16(codes, xq, 0, 4), sc[j]));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(chunk_dots16(codes, xq, 4, 4), sc[j]));
+                }
             }
             for (int t = 0; t < nt; t++) {
                 const int32_t *bs = x[t].sums + b * (QK_K / 16);
@@ -250,6 +257,15 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
         for (int t = 0; t < nt; t++)
             _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
     }
+}
+
+ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    affine_k_group(group, n_blocks, x, nt, out, first, 144, 0);
+}
+ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    affine_k_group(group, n_blocks, x, nt, out, first, 176, 1);
 }
 
 /* Q6_K (quant_avx512.c's layout, its passes read in order); 2 products of 2 x 63 x 127 to a 16-bit
@@ -298,67 +314,6 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                         bias, _mm256_madd_epi16(sp[i], _mm256_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1]))));
                 sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(bias, 5));
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), _mm256_cvtepi32_ps(sumi), acc[t]);
-            }
-        }
-        for (int t = 0; t < nt; t++)
-            _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
-    }
-}
-
-/* Q5_K (quant_avx512.c's layout); 4 products of 2 x 31 x 127 to a 16-bit lane, so a sub-block's eight
- * chunks in two sums; a sub-block at a time in registers, as Q4_K */
-ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
-                              size_t first) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi32(63), one = _mm256_set1_epi8(1);
-    for (int half = 0; half < 2; half++) {
-        __m256 acc[TILE_TOKENS];
-        __m256i sumi[TILE_TOKENS], sc[8], mp[4];
-        for (int t = 0; t < nt; t++)
-            acc[t] = _mm256_setzero_ps();
-        for (size_t b = 0; b < n_blocks; b++) {
-            const uint8_t *blk = group + b * ROW_GROUP * 176, *scales = blk + 64 + 8 * half;
-            const uint8_t *qh = blk + 256 + 32 * half, *qs = blk + 768 + 32 * half;
-            const __m256 d = scales8(blk + 16 * half), dmin = scales8(blk + 32 + 16 * half);
-            __m256i q[12], mn[8];
-            for (int c = 0; c < 12; c++)
-                q[c] = byte_lanes(scales, c);
-            for (int j = 0; j < 4; j++) {
-                const __m256i s6 = _mm256_and_si256(q[j], m6);
-                sc[j] = _mm256_or_si256(s6, _mm256_slli_epi32(s6, 16));
-                mn[j] = _mm256_and_si256(q[j + 4], m6);
-                const __m256i s4 = _mm256_or_si256(_mm256_and_si256(q[j + 8], _mm256_set1_epi32(0x0f)),
-                                                   _mm256_slli_epi32(_mm256_srli_epi32(q[j], 6), 4));
-                sc[j + 4] = _mm256_or_si256(s4, _mm256_slli_epi32(s4, 16));
-                mn[j + 4] = _mm256_or_si256(_mm256_srli_epi32(q[j + 8], 4),
-                                            _mm256_slli_epi32(_mm256_srli_epi32(q[j + 4], 6), 4));
-            }
-            for (int i = 0; i < 4; i++)
-                mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
-            for (int t = 0; t < nt; t++)
-                sumi[t] = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) { /* sub-block j in registers for every token */
-                __m256i codes[8];
-                for (int c = 0; c < 8; c++) {
-                    const __m256i raw = load_chunk(qs, 8 * (j / 2) + c);
-                    const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(load_chunk(qh, c), j), one);
-                    codes[c] = _mm256_or_si256(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4),
-                                               _mm256_slli_epi16(fifth, 4));
-                }
-                for (int t = 0; t < nt; t++) {
-                    const int8_t *xq = x[t].qs + b * QK_K + 32 * j;
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(chunk_dots16(codes, xq, 0, 4), sc[j]));
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(chunk_dots16(codes, xq, 4, 4), sc[j]));
-                }
-            }
-            for (int t = 0; t < nt; t++) {
-                const int32_t *bs = x[t].sums + b * (QK_K / 16);
-                __m256i summ = _mm256_setzero_si256();
-                for (int i = 0; i < 4; i++)
-                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mp[i], _mm256_set1_epi32(pair_of(
-                                                      bs[4 * i] + bs[4 * i + 1], bs[4 * i + 2] + bs[4 * i + 3]))));
-                const __m256 dx = _mm256_set1_ps(x[t].d[b]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-                acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ), acc[t]);
             }
         }
         for (int t = 0; t < nt; t++)

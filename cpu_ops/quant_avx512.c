@@ -110,18 +110,21 @@ ALWAYS_INLINE __m512i chunk_dots(const __m512i *codes, const int8_t *xq, int c0,
     return _mm512_add_epi32(s0, s1);
 }
 
-/* Q4_K in a row group: d (32 bytes), dmin (32), the 12 scale bytes (16 each), 32 code chunks (64 each:
- * chunk 8 j + i holds bytes 4i.. of 64-element part j, elements 64 j + 4i.. low, 64 j + 32 + 4i.. high) */
-ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
-                              size_t first) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63);
+/* Q4_K and Q5_K in a row group: d (32 bytes), dmin (32), the 12 scale bytes (16 each), Q5_K's qh (8
+ * chunks: bits of elements l = 4 i.. of every sub-block), 32 code chunks (64 each: chunk 8 j + i holds
+ * bytes 4i.. of 64-element part j, elements 64 j + 4i.. low, 64 j + 32 + 4i.. high). `size`: the
+ * block's bytes; `with_qh`: Q5_K's fifth bits (bit 2j and 2j + 1 of qh for part j) */
+ALWAYS_INLINE void affine_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                                  size_t first, int size, int with_qh) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63), one = _mm512_set1_epi8(1);
     __m512 acc[TILE_TOKENS];
     __m512i sumi[TILE_TOKENS], sc[8], mp[4];
     for (int t = 0; t < nt; t++)
         acc[t] = _mm512_setzero_ps();
     for (size_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = group + b * ROW_GROUP * 144, *scales = blk + 64, *qs = blk + 256;
-        __m512i q[12], mn[8];
+        const uint8_t *blk = group + b * ROW_GROUP * (size_t)size, *scales = blk + 64, *qh = blk + 256;
+        const uint8_t *qs = with_qh ? blk + 768 : blk + 256;
+        __m512i q[12], mn[8], high[8];
         for (int c = 0; c < 12; c++)
             q[c] = byte_lanes(scales, c);
         for (int j = 0; j < 4; j++) {
@@ -133,6 +136,8 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
         }
         for (int i = 0; i < 4; i++)
             mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
+        for (int c = 0; c < 8 && with_qh; c++)
+            high[c] = load_chunk(qh, c);
         for (int t = 0; t < nt; t++)
             sumi[t] = _mm512_setzero_si512();
         for (int j64 = 0; j64 < 4; j64++) {
@@ -141,6 +146,12 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                 const __m512i raw = load_chunk(qs, 8 * j64 + c);
                 codes[c] = _mm512_and_si512(raw, m4);
                 codes[8 + c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+                if (with_qh) { /* high[c]'s bits 0 and 1 are sub-blocks 2 j64 and 2 j64 + 1's */
+                    codes[c] = _mm512_or_si512(codes[c], _mm512_slli_epi16(_mm512_and_si512(high[c], one), 4));
+                    codes[8 + c] = _mm512_or_si512(
+                        codes[8 + c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high[c], 1), one), 4));
+                    high[c] = _mm512_srli_epi16(high[c], 2);
+                }
             }
             for (int t = 0; t < nt; t++) {
                 const int8_t *xq = x[t].qs + b * QK_K + 64 * j64;
@@ -163,6 +174,15 @@ ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRo
     }
     for (int t = 0; t < nt; t++)
         _mm512_storeu_ps(out[t] + first, acc[t]);
+}
+
+ALWAYS_INLINE void q4_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    affine_k_group(group, n_blocks, x, nt, out, first, 144, 0);
+}
+ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
+                              size_t first) {
+    affine_k_group(group, n_blocks, x, nt, out, first, 176, 1);
 }
 
 /* Q6_K in a row group: d (32 bytes), the 16 scale bytes (16 each), then four passes of 768 bytes (half
@@ -214,66 +234,6 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                 bias = _mm512_dpwssd_epi32(bias, sp[i], _mm512_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1])));
             const __m512i s = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(bias, 5));
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])), _mm512_cvtepi32_ps(s), acc[t]);
-        }
-    }
-    for (int t = 0; t < nt; t++)
-        _mm512_storeu_ps(out[t] + first, acc[t]);
-}
-
-/* Q5_K in a row group: Q4_K's (d, dmin, 12 scale bytes), then qh (8 chunks: bits of elements
- * l = 4 i.. of every sub-block), then the nibbles (32 chunks) */
-ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
-                              size_t first) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi32(63), one = _mm512_set1_epi8(1);
-    __m512 acc[TILE_TOKENS];
-    __m512i sumi[TILE_TOKENS], sc[8], mp[4];
-    for (int t = 0; t < nt; t++)
-        acc[t] = _mm512_setzero_ps();
-    for (size_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = group + b * ROW_GROUP * 176, *scales = blk + 64, *qh = blk + 256, *qs = blk + 768;
-        __m512i q[12], mn[8], high[8];
-        for (int c = 0; c < 12; c++)
-            q[c] = byte_lanes(scales, c);
-        for (int j = 0; j < 4; j++) {
-            sc[j] = _mm512_and_si512(q[j], m6);
-            mn[j] = _mm512_and_si512(q[j + 4], m6);
-            sc[j + 4] = _mm512_or_si512(_mm512_and_si512(q[j + 8], _mm512_set1_epi32(0x0f)),
-                                        _mm512_slli_epi32(_mm512_srli_epi32(q[j], 6), 4));
-            mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(q[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(q[j + 4], 6), 4));
-        }
-        for (int i = 0; i < 4; i++)
-            mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
-        for (int c = 0; c < 8; c++)
-            high[c] = load_chunk(qh, c);
-        for (int t = 0; t < nt; t++)
-            sumi[t] = _mm512_setzero_si512();
-        for (int j64 = 0; j64 < 4; j64++) {
-            __m512i codes[16];
-            for (int c = 0; c < 8; c++) { /* high[c]'s bits 0 and 1 are sub-blocks 2 j64 and 2 j64 + 1's */
-                const __m512i raw = load_chunk(qs, 8 * j64 + c);
-                codes[c] = _mm512_or_si512(_mm512_and_si512(raw, m4),
-                                           _mm512_slli_epi16(_mm512_and_si512(high[c], one), 4));
-                codes[8 + c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
-                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high[c], 1), one), 4));
-                high[c] = _mm512_srli_epi16(high[c], 2);
-            }
-            for (int t = 0; t < nt; t++) {
-                const int8_t *xq = x[t].qs + b * QK_K + 64 * j64;
-                const __m512i lo = _mm512_mullo_epi32(chunk_dots(codes, xq, 0, 8), sc[2 * j64]);
-                const __m512i hi = _mm512_mullo_epi32(chunk_dots(codes, xq + 32, 8, 8), sc[2 * j64 + 1]);
-                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(lo, hi));
-            }
-        }
-        const __m512 d = scales16(blk), dmin = scales16(blk + 32);
-        for (int t = 0; t < nt; t++) {
-            const int32_t *bs = x[t].sums + b * (QK_K / 16);
-            __m512i summ = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++)
-                summ = _mm512_dpwssd_epi32(summ, mp[i], _mm512_set1_epi32(pair_of(bs[4 * i] + bs[4 * i + 1],
-                                                                                   bs[4 * i + 2] + bs[4 * i + 3])));
-            const __m512 dx = _mm512_set1_ps(x[t].d[b]);
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
-            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(summ), acc[t]);
         }
     }
     for (int t = 0; t < nt; t++)

@@ -85,10 +85,11 @@ static float block_q8_0(const uint8_t *blk, const ActRow *x, size_t b, float acc
 
 /* Q4_K: float16 d and dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles (64
  * elements a 32 bytes: the first 32 low, the next 32 high); value d * scale * q - dmin * min for the
- * 32 elements of each sub-block. sumi = sum of scale x (q . x), summ = sum of min x (the sub-block's
+ * 32 elements of each sub-block. Q5_K: qh[32] before the nibbles, bit j of qh[l] the fifth bit of
+ * element l of sub-block j. sumi = sum of scale x (q . x), summ = sum of min x (the sub-block's
  * activation sum); acc = fma(d dx, sumi, acc), then fma(-(dmin dx), summ, acc). */
-static float block_q4_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
-    const uint8_t *sc = blk + 4, *qs = blk + 16;
+static float affine_k(const uint8_t *blk, const uint8_t *qs, const uint8_t *qh, const ActRow *x, size_t b, float acc) {
+    const uint8_t *sc = blk + 4;
     const int8_t *xq = x->qs + b * QK_K;
     const int32_t *bsums = x->sums + b * (QK_K / 16);
     int32_t sumi = 0, summ = 0;
@@ -98,13 +99,21 @@ static float block_q4_k(const uint8_t *blk, const ActRow *x, size_t b, float acc
         const uint8_t *q = qs + (j / 2) * 32;
         int32_t dot = 0;
         for (int l = 0; l < 32; l++)
-            dot += (j % 2 ? q[l] >> 4 : q[l] & 0x0f) * xq[j * 32 + l];
+            dot += ((j % 2 ? q[l] >> 4 : q[l] & 0x0f) | (qh ? ((qh[l] >> j) & 1) << 4 : 0)) * xq[j * 32 + l];
         sumi += scale * dot;
         summ += min * (bsums[2 * j] + bsums[2 * j + 1]);
     }
     const float dx = x->d[b];
     acc = fmaf(read_fp16(blk) * dx, (float)sumi, acc);
     return fmaf(-(read_fp16(blk + 2) * dx), (float)summ, acc);
+}
+
+static float block_q4_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    return affine_k(blk, blk + 16, NULL, x, b, acc);
+}
+
+static float block_q5_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
+    return affine_k(blk, blk + 48, blk + 16, x, b, acc);
 }
 
 /* Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, float16 d; value
@@ -128,28 +137,6 @@ static float block_q6_k(const uint8_t *blk, const ActRow *x, size_t b, float acc
     for (int s = 0; s < 16; s++)
         sumi += sc[s] * (dots[s] - 32 * bsums[s]);
     return fmaf(read_fp16(blk + 208) * x->d[b], (float)sumi, acc);
-}
-
-/* Q5_K: Q4_K with a fifth bit a code, qh[32] before the nibbles: bit j of qh[l] is the top bit of
- * element l of sub-block j (l < 32) */
-static float block_q5_k(const uint8_t *blk, const ActRow *x, size_t b, float acc) {
-    const uint8_t *sc = blk + 4, *qh = blk + 16, *qs = blk + 48;
-    const int8_t *xq = x->qs + b * QK_K;
-    const int32_t *bsums = x->sums + b * (QK_K / 16);
-    int32_t sumi = 0, summ = 0;
-    for (int j = 0; j < 8; j++) {
-        int scale, min;
-        q4_k_scale_min(sc, j, &scale, &min);
-        const uint8_t *q = qs + (j / 2) * 32;
-        int32_t dot = 0;
-        for (int l = 0; l < 32; l++)
-            dot += ((j % 2 ? q[l] >> 4 : q[l] & 0x0f) | (((qh[l] >> j) & 1) << 4)) * xq[j * 32 + l];
-        sumi += scale * dot;
-        summ += min * (bsums[2 * j] + bsums[2 * j + 1]);
-    }
-    const float dx = x->d[b];
-    acc = fmaf(read_fp16(blk) * dx, (float)sumi, acc);
-    return fmaf(-(read_fp16(blk + 2) * dx), (float)summ, acc);
 }
 
 /* IQ4_NL: float16 d, 16 bytes of nibbles as Q4_0's, each an index into iq4_values; value d * it */

@@ -52,25 +52,30 @@ def completion(base: str, prompt, max_tokens: int, stream: bool = False, **extra
     return {"text": text, "streamed": chunks > 0}
 
 
-def test_concurrent_clients_each_get_the_answer_alone(server):
-    """Four clients at once, prompts of different lengths, streamed and not: each answer is the
-    one the same request gets alone, and the model's steps were shared (fewer steps than tokens)."""
-    prompts = ["a", "the other one and then some more words to make it longer", [5, 9, 30, 31, 2, 8], "hello there"]
-    expected = [completion(server.base, p, 24)["text"] for p in prompts]
-    before = _metric(server, "n_decode_total")
+def answers_together(base: str, prompts: list, max_tokens: int, stream: bool = True) -> list:
+    """The answers of one client a prompt, all asking at once (every other one streamed)."""
     got: list = [None] * len(prompts)
     start = threading.Barrier(len(prompts))
 
     def ask(i: int) -> None:
         start.wait()
-        got[i] = completion(server.base, prompts[i], 24, stream=i % 2 == 1)["text"]
+        got[i] = completion(base, prompts[i], max_tokens, stream=stream and i % 2 == 1)["text"]
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert got == expected
+    return got
+
+
+def test_concurrent_clients_each_get_the_answer_alone(server):
+    """Four clients at once, prompts of different lengths, streamed and not: each answer is the
+    one the same request gets alone, and the model's steps were shared (fewer steps than tokens)."""
+    prompts = ["a", "the other one and then some more words to make it longer", [5, 9, 30, 31, 2, 8], "hello there"]
+    expected = [completion(server.base, p, 24)["text"] for p in prompts]
+    before = _metric(server, "n_decode_total")
+    assert answers_together(server.base, prompts, 24) == expected
     steps = _metric(server, "n_decode_total") - before
     assert steps < 4 * 24  # four answers of up to 24 tokens, in shared steps
 
@@ -88,19 +93,7 @@ def test_native_slots_answer_as_alone_with_int8_activations(converted, tmp_path)
     try:
         prompts = ["a", "the other one and then some more words to make it longer", [5, 9, 30, 31, 2, 8], "hello"]
         expected = [completion(native.base, p, 24)["text"] for p in prompts]
-        got: list = [None] * len(prompts)
-        start = threading.Barrier(len(prompts))
-
-        def ask(i: int) -> None:
-            start.wait()
-            got[i] = completion(native.base, prompts[i], 24)["text"]
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert got == expected
+        assert answers_together(native.base, prompts, 24, stream=False) == expected
     finally:
         assert native.stop() == 0, native.log.read_text()
 
