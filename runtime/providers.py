@@ -146,16 +146,19 @@ def _choose_provider(ort, device: str, plugin_library: str | None) -> tuple[str,
     return provider, plugin_devices
 
 
-def native_library(model: ir.Model) -> str | None:
+def native_library(model: ir.Model, strict: bool = True) -> str | None:
     """The path of moepass's kernel library (moepass.cpu_ops, as this install built it) where the model
     has nodes of its domain (--expert-format native), None where it has none; where the kernels
-    cannot run here, one line saying why."""
+    cannot run here, one line saying why (`strict`: a session needs them) or None (a genai_config
+    written for another machine)."""
     native = [node for node in model.graph if node.domain == NATIVE_DOMAIN]
     if not native:
         return None
     import moepass.cpu_ops as cpu_ops
 
     why = cpu_ops.unavailable()
+    if why is not None and not strict:
+        return None
     if why is not None:
         node = native[0]
         raise MoepassError(

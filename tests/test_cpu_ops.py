@@ -537,10 +537,17 @@ def test_partition_keeps_cpu_layers_native_and_hands_the_gpus_the_files_own_bloc
     assert np.abs(logits(offload.output_dir) - reference).max() <= 1.5 * converted_error + 1e-6
 
 
-def test_a_native_model_where_the_kernels_cannot_run_is_refused_in_one_line(converted, monkeypatch):
-    """The library did not build or load, or its self-test failed: loading says so, naming a node."""
+def test_a_native_model_where_the_kernels_cannot_run_is_refused_in_one_line(make_gguf, converted, monkeypatch,
+                                                                           tmp_path):
+    """The library did not build or load, or its self-test failed: loading says so, naming a node;
+    converting still works (for another machine), its genai_config naming no library."""
+    import json
+
     model = converted("q4_0", expert_format="native")
     monkeypatch.setattr(cpu_ops, "unavailable", lambda: "the kernel library was not built at install")
+    elsewhere = moepass.convert(make_gguf("q4_0"), tmp_path / "elsewhere", expert_format="native").output_dir
+    session = json.loads((elsewhere / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert "custom_ops_library" not in session
     with pytest.raises(moepass.MoepassError) as raised:
         load(model)
     message = str(raised.value)

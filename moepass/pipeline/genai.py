@@ -6,7 +6,7 @@ shared between past and present (the model's GroupQueryAttention concatenates), 
 config entries (partition's expert offload options, when present) go into session_options, where
 onnxruntime-genai passes every key it does not know to ONNX Runtime as a session config entry; a
 native model's session options name moepass's kernel library (`custom_ops_library`, the path this
-install built: a model moved to another machine needs its path there).
+install built, where it built: a model moved to another machine needs its path there).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def genai_config(
     cache = next(v for v in model.graph.inputs if v.name == "past_key_values.0.key").shape
     where = "the model's KV cache input past_key_values.0.key"
     session: dict[str, Any] = {"log_id": "moepass", "provider_options": []}
-    library = native_library(model)
+    library = native_library(model, strict=False)
     if library is not None:  # onnxruntime-genai registers it for the decoder's session
         session["custom_ops_library"] = library
     return with_session_entries(
