@@ -476,13 +476,14 @@ ALWAYS_INLINE void q5_1_group(const uint8_t *group, size_t n_blocks, const ActRo
     legacy_group(group, n_blocks, x, nt, out, first, 24, 1, 1, 0);
 }
 
-/* IQ4_XS (quant_avx512.c's layout): signed codes, each sub-block's scale - 32 by madd */
+/* IQ4_XS (quant_avx512.c's layout): signed codes, each sub-block's scale - 32 by madd; 16 elements at a
+ * time in registers for every token */
 ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                                 size_t first) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), table = iq4_table();
     for (int half = 0; half < 2; half++) {
         __m256 acc[TILE_TOKENS];
-        __m256i w[64], mag[64], ls[8]; /* w[8 ib + 4 h + i]: sub-block ib, half h (low, high nibbles), chunk i */
+        __m256i sumi[TILE_TOKENS], ls[8];
         for (int t = 0; t < nt; t++)
             acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
@@ -497,24 +498,24 @@ ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const Act
                 const __m256i v = _mm256_sub_epi32(six, _mm256_set1_epi32(32));
                 ls[ib] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
             }
-            for (int c = 0; c < 32; c++) {
-                const __m256i raw = load_chunk(qs, c);
-                const int ib = c / 4, i = c % 4;
-                w[8 * ib + i] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
-                w[8 * ib + 4 + i] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+            for (int t = 0; t < nt; t++)
+                sumi[t] = _mm256_setzero_si256();
+            for (int run = 0; run < 16; run++) { /* sub-block run / 2, its low (even) or high nibbles */
+                const int ib = run / 2, shift = 4 * (run % 2);
+                __m256i w[4], mag[4];
+                for (int i = 0; i < 4; i++) {
+                    const __m256i raw = load_chunk(qs, 4 * ib + i);
+                    w[i] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, shift), m4));
+                    mag[i] = _mm256_abs_epi8(w[i]);
+                }
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *xq = x[t].qs + b * QK_K + 32 * ib + 4 * shift; /* elements 32 ib (+ 16).. */
+                    for (int i = 0; i < 4; i++)
+                        sumi[t] = _mm256_add_epi32(sumi[t], signed_dot(mag[i], w[i], xq + 4 * i, ls[ib]));
+                }
             }
-            for (int c = 0; c < 64; c++)
-                mag[c] = _mm256_abs_epi8(w[c]);
-            for (int t = 0; t < nt; t++) {
-                const int8_t *xq = x[t].qs + b * QK_K;
-                __m256i sumi = _mm256_setzero_si256();
-                for (int ib = 0; ib < 8; ib++)
-                    for (int c = 0; c < 8; c++) {
-                        const int element = 32 * ib + (c < 4 ? 4 * c : 16 + 4 * (c - 4));
-                        sumi = _mm256_add_epi32(sumi, signed_dot(mag[8 * ib + c], w[8 * ib + c], xq + element, ls[ib]));
-                    }
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), _mm256_cvtepi32_ps(sumi), acc[t]);
-            }
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
         for (int t = 0; t < nt; t++)
             _mm256_storeu_ps(out[t] + first + half * 8, acc[t]);
