@@ -522,20 +522,31 @@ ALWAYS_INLINE void iq4_xs_group(const uint8_t *group, size_t n_blocks, const Act
     }
 }
 
-/* Q2_K and Q3_K (quant_avx512.c's layouts), a half of 8 rows: codes[e / 4] of 2 and 3 bits, a 16-element
- * sub-block's four chunks summed in 16 bits (4 x 2 x 7 x 127 at most) and scaled by madd; `high`:
- * Q3_K's high-bit chunks (NULL for Q2_K) */
-ALWAYS_INLINE void low_bit_codes(const uint8_t *qs, const uint8_t *hmask, __m256i *codes) {
+/* Q2_K and Q3_K (quant_avx512.c's layouts), a half of 8 rows: each token's sum over the super-block's
+ * 16 sub-blocks of scale x (codes . x), the codes of 2 bits (and Q3_K's third from `hmask`; NULL for
+ * Q2_K) made 32 elements at a time in registers; a sub-block's four chunks summed in 16 bits
+ * (4 x 2 x 7 x 127 at most) and scaled by madd */
+ALWAYS_INLINE void low_bit_sums(const uint8_t *qs, const uint8_t *hmask, const ActRow *x, size_t b, int nt,
+                                const __m256i *sc, __m256i *sumi) {
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int t = 0; t < nt; t++)
+        sumi[t] = _mm256_setzero_si256();
+#pragma GCC unroll 2
     for (int n = 0; n < 2; n++)
-        for (int i = 0; i < 8; i++) {
-            const __m256i raw = load_chunk(qs, 8 * n + i);
-            const __m256i high = hmask ? load_chunk(hmask, i) : _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                __m256i u = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * j), m3);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* elements 128 n + 32 j + 4i..: sub-blocks 8 n + 2 j and the next */
+            __m256i codes[8];
+            for (int i = 0; i < 8; i++) {
+                codes[i] = _mm256_and_si256(_mm256_srli_epi16(load_chunk(qs, 8 * n + i), 2 * j), m3);
                 if (hmask)
-                    u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4 * n + j), one), 2));
-                codes[32 * n + 8 * j + i] = u;
+                    codes[i] = _mm256_or_si256(
+                        codes[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load_chunk(hmask, i), 4 * n + j), one), 2));
+            }
+            const int sub = 8 * n + 2 * j;
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].qs + b * QK_K + 128 * n + 32 * j;
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(chunk_dots16(codes, xq, 0, 4), sc[sub]));
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(chunk_dots16(codes, xq, 4, 4), sc[sub + 1]));
             }
         }
 }
@@ -544,7 +555,7 @@ ALWAYS_INLINE void q2_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                               size_t first) {
     for (int half = 0; half < 2; half++) {
         __m256 acc[TILE_TOKENS];
-        __m256i codes[64], sc[16], mp[8];
+        __m256i sumi[TILE_TOKENS], sc[16], mp[8];
         for (int t = 0; t < nt; t++)
             acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
@@ -558,18 +569,15 @@ ALWAYS_INLINE void q2_k_group(const uint8_t *group, size_t n_blocks, const ActRo
             }
             for (int i = 0; i < 8; i++)
                 mp[i] = pair16(mn[2 * i], mn[2 * i + 1]);
-            low_bit_codes(blk + 320 + 32 * half, NULL, codes);
+            low_bit_sums(blk + 320 + 32 * half, NULL, x, b, nt, sc, sumi);
             for (int t = 0; t < nt; t++) {
-                const int8_t *xq = x[t].qs + b * QK_K;
                 const int32_t *bs = x[t].sums + b * (QK_K / 16);
-                __m256i sumi = _mm256_setzero_si256(), summ = _mm256_setzero_si256();
-                for (int s = 0; s < 16; s++)
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 4 * s, 4), sc[s]));
+                __m256i summ = _mm256_setzero_si256();
                 for (int i = 0; i < 8; i++)
                     summ = _mm256_add_epi32(
                         summ, _mm256_madd_epi16(mp[i], _mm256_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1]))));
                 const __m256 dx = _mm256_set1_ps(x[t].d[b]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
                 acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ), acc[t]);
             }
         }
@@ -582,7 +590,7 @@ ALWAYS_INLINE void q3_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                               size_t first) {
     for (int half = 0; half < 2; half++) {
         __m256 acc[TILE_TOKENS];
-        __m256i codes[64], sc[16], sp[8];
+        __m256i sumi[TILE_TOKENS], sc[16], sp[8];
         for (int t = 0; t < nt; t++)
             acc[t] = _mm256_setzero_ps();
         for (size_t b = 0; b < n_blocks; b++) {
@@ -599,18 +607,15 @@ ALWAYS_INLINE void q3_k_group(const uint8_t *group, size_t n_blocks, const ActRo
             }
             for (int i = 0; i < 8; i++)
                 sp[i] = pair16(v[2 * i], v[2 * i + 1]);
-            low_bit_codes(blk + 736 + 32 * half, blk + 224 + 32 * half, codes);
+            low_bit_sums(blk + 736 + 32 * half, blk + 224 + 32 * half, x, b, nt, sc, sumi);
             for (int t = 0; t < nt; t++) {
-                const int8_t *xq = x[t].qs + b * QK_K;
                 const int32_t *bs = x[t].sums + b * (QK_K / 16);
-                __m256i sumi = _mm256_setzero_si256(), bias = _mm256_setzero_si256();
-                for (int s = 0; s < 16; s++)
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(chunk_dots16(codes, xq, 4 * s, 4), sc[s]));
+                __m256i bias = _mm256_setzero_si256();
                 for (int i = 0; i < 8; i++)
                     bias = _mm256_add_epi32(
                         bias, _mm256_madd_epi16(sp[i], _mm256_set1_epi32(pair_of(bs[2 * i], bs[2 * i + 1]))));
-                sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(bias, 2));
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), _mm256_cvtepi32_ps(sumi), acc[t]);
+                const __m256i sum = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(bias, 2));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), _mm256_cvtepi32_ps(sum), acc[t]);
             }
         }
         for (int t = 0; t < nt; t++)
