@@ -49,7 +49,8 @@ Cases (--cases, comma-separated; default all):
             MatMulInteger u8 x s8 (int8 dot products: VNNI where the CPU has it) and float32 MatMul,
             GMAC/s; the ceiling against which the block-quantized kernels above are read.
   native    moepass::MoEPacked, moepass's own kernels (moepass.cpu_ops, --expert-format native) over
-            GGUF blocks in row groups, one type for gate, up and down (Q4_0, Q8_0, Q4_K, Q6_K), T=1
+            GGUF blocks in row groups, one type for gate, up and down (Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q6_K,
+            IQ4_XS), T=1
             and T=128, beside QMoE int4/b32 at accuracy_level 4 in the same run: GB/s of the
             experts read and GMAC/s (their exactness is tests/test_cpu_ops.py's).
 
@@ -890,7 +891,7 @@ def case_peak(args) -> None:
 
 # ---------------------------------------------------------------- case 9: moepass's own kernels
 
-NATIVE_CASE_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+NATIVE_CASE_TYPES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS")
 
 
 def native_blobs(name: str, rows: int, k: int, seed: int) -> np.ndarray:
