@@ -8,7 +8,6 @@ where llama-cpp-python is installed, against llama.cpp's own llama_vocab_is_eog 
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 from click.testing import CliRunner
@@ -41,17 +40,18 @@ def _llama_cpp_eog(path) -> list[int]:
         llm.close()
 
 
-HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_end_of_generation_tokens_are_the_familys_own(family, tmp_path):
+    path = _family_gguf(tmp_path, family)
+    tokens = GGUFModel(path).get("tokenizer.ggml.tokens")
+    assert {tokens[i] for i in _ours(path)} == FAMILIES[family][2]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_end_of_generation_tokens_are_llama_cpps(family, tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
     path = _family_gguf(tmp_path, family)
-    tokens = GGUFModel(path).get("tokenizer.ggml.tokens")
-    ours = _ours(path)
-    assert {tokens[i] for i in ours} == FAMILIES[family][2]
-    if HAVE_LLAMA_CPP:
-        assert ours == _llama_cpp_eog(path)
+    assert _ours(path) == _llama_cpp_eog(path)
 
 
 def test_without_an_eos_key_the_tokenizer_models_default_counts(tmp_path):
@@ -60,8 +60,12 @@ def test_without_an_eos_key_the_tokenizer_models_default_counts(tmp_path):
     tokens = GGUFModel(path).get("tokenizer.ggml.tokens")
     ours = _ours(path)
     assert 11 in ours and {tokens[i] for i in ours} == {"<|endoftext|>", "<|im_end|>", tokens[11]}
-    if HAVE_LLAMA_CPP:
-        assert ours == _llama_cpp_eog(path)
+
+
+def test_without_an_eos_key_the_tokens_are_llama_cpps(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
+    path = write_moe_gguf(tmp_path / "no-eos.gguf", eos_token=None)
+    assert _ours(path) == _llama_cpp_eog(path)
 
 
 def test_generation_stops_at_endoftext_as_in_llama_cpp(tmp_path):
@@ -74,13 +78,16 @@ def test_generation_stops_at_endoftext_as_in_llama_cpp(tmp_path):
     assert list(decoder.generate(prompt, 16)) == [end]  # the stop token is the last one given
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", "the other one", "-n", "16"])
     assert result.exit_code == 0 and "ended by the stop token" in result.stderr, result.output
-    if HAVE_LLAMA_CPP:
-        import llama_cpp
 
-        llm = llama_cpp.Llama(str(ends), n_ctx=64, n_threads=2, verbose=False)
-        try:
-            completion = llm.create_completion(prompt, max_tokens=16, temperature=0.0)
-        finally:
-            llm.close()
-        assert completion["choices"][0]["finish_reason"] == "stop"
-        assert completion["usage"]["completion_tokens"] == 0
+
+def test_llama_cpp_stops_at_once_at_the_preferred_endoftext(tmp_path):
+    """The oracle of the test above: llama.cpp on the same file ends the same prompt at once."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
+    ends, _, prompt, _ = preferring(tmp_path, "<|endoftext|>")
+    llm = llama_cpp.Llama(str(ends), n_ctx=64, n_threads=2, verbose=False)
+    try:
+        completion = llm.create_completion(prompt, max_tokens=16, temperature=0.0)
+    finally:
+        llm.close()
+    assert completion["choices"][0]["finish_reason"] == "stop"
+    assert completion["usage"]["completion_tokens"] == 0

@@ -338,7 +338,7 @@ def _served(groups, masses, chosen):
     return sum(float(m[c].sum()) for m, c in zip(masses, chosen))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)  # the same examples every run
 @given(placement_problems(), st.sampled_from(["global", "balanced"]))
 def test_never_over_budget_and_deterministic(problem, policy):
     groups, masses, budget = problem
@@ -348,7 +348,7 @@ def test_never_over_budget_and_deterministic(problem, policy):
     assert chosen == choose_resident(groups, [m.copy() for m in masses], budget, policy)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)  # the same examples every run
 @given(placement_problems(), st.integers(1, 200), st.sampled_from(["global", "balanced"]))
 def test_more_budget_never_serves_less(problem, extra, policy):
     groups, masses, budget = problem
@@ -463,7 +463,8 @@ def test_a_model_whose_sizes_the_gpu_kernel_does_not_divide_partitions(hidden, e
     dims = dataclasses.replace(make_fixtures.TEST_DIMS, hidden=hidden, head_dim=32, n_heads=4, n_kv_heads=2,
                                expert_ff=expert_ff)
     gguf = make_fixtures.write_moe_gguf(tmp_path / "odd.gguf", preset, dims=dims)
-    assert CliRunner().invoke(main, ["convert", str(gguf), "-o", str(tmp_path / "conv"), "-q"]).exit_code == 0
+    assert CliRunner().invoke(main, ["convert", str(gguf), "-o", str(tmp_path / "conv"), "-q", "--expert-format",
+                                     "qmoe"]).exit_code == 0
     result = CliRunner().invoke(main, ["partition", str(tmp_path / "conv"), "--vram", "2G", "--target", "layers",
                                        "--no-calibrate", "-o", str(tmp_path / "placed")])
     assert result.exit_code == 0, result.output
