@@ -72,7 +72,6 @@ from moepass.core.version import __version__
 from moepass.passes.annotate_layers import AnnotateLayersPass
 from moepass.passes.gpu_form import ExpertRows, GgufExperts, GpuFormPass, StoredExperts
 from moepass.passes.kv_cache import KvCachePass
-from moepass.passes.lower import LowerOptions
 from moepass.passes.reorder_experts import ReorderExpertsPass
 from moepass.passes.weights.report import WeightReport, merged_records
 from moepass.pipeline import conversion as gguf_conversion
@@ -283,10 +282,6 @@ class PartitionSource:
         return self.report.context_length
 
 
-# GGUF input is lowered with convert's defaults before the GPU form is made
-DEFAULT_LOWERING = LowerOptions()
-
-
 @dataclasses.dataclass
 class GgufSource:
     """The GGUF file a model was converted from, as moepass.json records it (its path and
@@ -349,7 +344,8 @@ def read_source(model: str | os.PathLike, gguf: str | os.PathLike | None = None)
     lowered here with convert's defaults (nothing written until the placed model is)."""
     label = Path(model)
     if label.is_file() and is_gguf(label):
-        conversion = gguf_conversion.lower_gguf_file(label, DEFAULT_LOWERING, echo=lambda line: None)
+        lowering = gguf_conversion.ConvertOptions().lowering()  # convert's defaults
+        conversion = gguf_conversion.lower_gguf_file(label, lowering, echo=lambda line: None)
         hparams = {"context_length": conversion.lowered.hparams.context_length}
         report = ModelReport({"input": "gguf"}, input="gguf", hparams=hparams)
         recorded = {"path": str(label.resolve()), "fingerprint": conversion.gguf.fingerprint()}

@@ -95,13 +95,27 @@ def expert_words(qt: QuantType) -> str:
     return text
 
 
+def native_words(qt: QuantType) -> str:
+    """What the default (`--expert-format auto`) does with this type's matrices on the CPU."""
+    if qt.cpu_kernel:
+        return "the file's own blocks (moepass's kernels)"
+    return "as `qmoe`"
+
+
 def quant_types_table() -> str:
-    """One row per distinct pair of forms, the types that share it listed together."""
-    groups: dict[tuple[str, str], list[str]] = {}
+    """One row per distinct triple of forms, the types that share it listed together."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
     for qt in QUANT_TYPES.values():
-        groups.setdefault((expert_words(qt), _form_words(matrix_form(qt, MATRIX_K), qt)), []).append(qt.name)
-    rows = ["| GGUF types | experts (QMoE) | other matrices (MatMulNBits) |", "|---|---|---|"]
-    rows += [f"| {', '.join(names)} | {experts} | {other} |" for (experts, other), names in groups.items()]
+        key = (native_words(qt), expert_words(qt), _form_words(matrix_form(qt, MATRIX_K), qt))
+        groups.setdefault(key, []).append(qt.name)
+    rows = [
+        "| GGUF types | default: `auto` (experts and matrices) | `qmoe`: experts (QMoE) | `qmoe`: other matrices "
+        "(MatMulNBits) |",
+        "|---|---|---|---|",
+    ]
+    rows += [
+        f"| {', '.join(names)} | {auto} | {experts} | {other} |" for (auto, experts, other), names in groups.items()
+    ]
     return "\n".join(rows)
 
 

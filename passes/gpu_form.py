@@ -7,7 +7,9 @@ execution provider takes (docs/gpu.md, moepass/core/capabilities.py).
 - `--target layers` (whole MoE layers on the in-tree CUDA EP): the MoE nodes of GPU layers in a form
   ONNX Runtime's CUDA QMoE kernel takes (capabilities.cuda_refusal: 4 or 8 bits, blocks of 32-128,
   row-major codes with weights_prepacked=0), the MoE nodes of CPU layers as they were, in their
-  fast CPU form and float32.
+  fast CPU form and float32. A moepass::MoEPacked node (moepass's own CPU kernels) on the GPU takes
+  the CUDA QMoE form packed from its blobs (gpt-oss's biases and SwiGLU with it): what a qmoe
+  conversion's layer gets, and what the CPU EP runs too where CUDA turns out missing.
 
 Everything on the GPU computes in float16 (passes/float16.py): attention, norms, router, matrices,
 the LM head and the KV cache, with a Cast where a value crosses to or from a CPU layer's node.
@@ -62,13 +64,13 @@ from moepass.core.quants import (
     quant_type,
     scales_in_float16,
 )
+from moepass.passes.activations import QuantizeActivationsPass
 from moepass.passes.float16 import FLOAT, HALF, Float16Pass
 from moepass.passes.lower.block_sums import measured_levels, narrow, widen
 from moepass.passes.lower.experts import expert_tensors
 from moepass.passes.weights.packing import PackedGroup, PackOptions
 from moepass.passes.weights.report import WeightReport
 from moepass.passes.weights.sources import GgufRows, RowSource, StoredRows
-from moepass.passes.weights.streaming import CHUNK_BYTES, StreamedTensor
 
 TARGETS = ("layers", "offload")
 
@@ -189,16 +191,6 @@ class BlobTensor:
         first = start * row_groups.ROW_GROUP
         return read_rows(self.tensor, first, min(stop * row_groups.ROW_GROUP, rows) - first)
 
-    def streamed(self) -> StreamedTensor:
-        """The blob as GGUF rows, [E, rows, row bytes], read a few experts at a time."""
-        e, rows, row_bytes = tensor_dims(self.tensor)
-        step = max(1, CHUNK_BYTES // (rows * row_bytes))
-
-        def chunks():
-            return (self.read_rows(first * rows, min(step, e - first) * rows) for first in range(0, e, step))
-
-        return StreamedTensor(chunks, ir.DataType.UINT8, (e, rows, row_bytes), f"{self.name}.gguf_rows")
-
 
 def packed_rows(moe: MoeNode) -> ExpertRows:
     """A MoEPacked node's gate, up and down as RowSources over its own blobs (the GGUF's blocks)."""
@@ -222,33 +214,36 @@ def packed_rows(moe: MoeNode) -> ExpertRows:
     )
 
 
-def _check_native_on_gpu(moe: MoeNode) -> None:
-    """Refuse, in one line, a native node the GPU forms would change the meaning of: expert biases and
-    a clamped SwiGLU (gpt-oss), which neither the CUDA MoEPacked nor the forms packed from the blobs
-    carry yet."""
-    node = moe.node
-    extras = [a for a in ("activation_alpha", "activation_beta", "swiglu_limit") if a in node.attributes]
-    if is_native(node) and (extras or len(node.inputs) > PACKED_ROUTER_WEIGHTS + 1):
+def _check_native_routing(moe: MoeNode) -> None:
+    """Refuse, in one line, a native node routed by MoEGroupRouter (deepseek2's group-limited routing)
+    on the GPU: its QMoE form packed from the blobs computed other logits (1.4 on a real
+    DeepSeek-V3-shaped Q4_K_M, where the offload conversion's differ by 0.23), not yet understood."""
+    router = input_at(moe.node, 1)
+    producer = router.producer() if router is not None else None
+    if is_native(moe.node) and producer is not None and producer.op_type == "MoEGroupRouter":
         raise MoepassError(
-            f"{moe.name}: a moepass::MoEPacked node with expert biases or a clamped SwiGLU (gpt-oss) has no GPU "
-            f"form yet; convert with {wording().option('--expert-format', 'auto')} to place it on a GPU"
+            f"{moe.name}: a moepass::MoEPacked node routed by MoEGroupRouter (deepseek2) has no GPU form "
+            f"yet; convert with {wording().option('--expert-format', 'qmoe')} to place it on a GPU"
         )
 
 
-def _to_cuda_packed(graph: ir.Graph, moe: MoeNode) -> None:
-    """A moepass::MoEPacked node as ONNX Runtime's com.microsoft::MoEPacked (its CUDA kernel): the
-    same contract, its blobs' rows out of row groups into the GGUF's own order."""
+def _native_biases(graph: ir.Graph, moe: MoeNode) -> list[ir.Value | None]:
+    """A native node's gate, up and down biases (inputs 6-8) as QMoE's fc1 bias (gate and up
+    interleaved, as fc1's rows are) and fc2 bias, new initializers; None where it has none."""
     node = moe.node
-    for role in ("gate", "up", "down"):
-        value = input_at(node, PACKED_SLOTS[role])
-        if value is None:
-            raise MoepassError(f"{moe.name}: MoEPacked without {role} weights")
-        ggml_type = GGMLQuantizationType(node.attributes.get_int(f"{role}_type", node.attributes.get_int("gate_type")))
-        tensor = tensor_of(value)
-        blob = BlobTensor(value.name or role, tensor, ggml_type, tuple(tensor_dims(tensor)), grouped=True)
-        node.replace_input_with(PACKED_SLOTS[role], _initializer(graph, blob.streamed()))
-    node.attributes.pop("row_group", None)
-    node.domain = "com.microsoft"
+    slots = [input_at(node, PACKED_ROUTER_WEIGHTS + 1 + i) for i in range(3)]
+    if any(value is None for value in slots):
+        return [None, None]
+    gate, up, down = (read_rows(tensor_of(value)).astype(np.float32) for value in slots if value is not None)
+    fc1 = np.stack([gate, up], axis=-1).reshape(len(gate), -1)
+    biases: list[ir.Value | None] = []
+    for role, values in (("fc1", fc1), ("fc2", down)):
+        name = f"{moe.name.removesuffix('.moe')}.ffn_experts.{role}_bias"
+        value = ir.Value(name=name, shape=ir.Shape(values.shape), const_value=ir.Tensor(values, name=name))
+        value.type = ir.TensorType(ir.DataType.FLOAT)
+        graph.register_initializer(value)
+        biases.append(value)
+    return biases
 
 
 def stored_form(moe: MoeNode) -> BlockForm:
@@ -274,6 +269,8 @@ def gpu_forms(moe: MoeNode, target: str, types: list[QuantType] | None) -> Exper
     and weights_prepacked aside)."""
     if moe.node.op_type == "MoE":
         return None  # float experts: the MoE node computes them in float16 as they are
+    if is_native(moe.node) and types:  # moepass's CPU op: QMoE's GPU form, packed from its blobs
+        return expert_form(types, [moe.hidden, moe.ffn], "offload" if target == "offload" else "cuda")
     if moe.node.op_type == "MoEPacked":  # the GGUF's own blocks: as they are for CUDA, else the offload form
         return expert_form(types, [moe.hidden, moe.ffn], "offload") if target == "offload" and types else None
     current = stored_form(moe)
@@ -337,12 +334,10 @@ class GpuFormPass(InPlacePass):
             raise MoepassError(f"the plan names MoE node(s) the model does not have: {', '.join(unknown)}")
         for moe in nodes:
             if self.on_gpu(moe):
-                _check_native_on_gpu(moe)
+                _check_native_routing(moe)
                 forms = gpu_forms(moe, self.target, _types_of(moe))
                 if forms is not None:
                     self._reform(graph, moe, forms)
-                elif is_native(moe.node):  # the same blocks and contract as ONNX Runtime's CUDA MoEPacked
-                    _to_cuda_packed(graph, moe)
             elif is_native(moe.node):
                 continue  # moepass's own CPU kernels run it as it is
             elif moe.node.op_type == "MoEPacked":  # no CPU kernel: a CPU layer takes the conversion's CPU form
@@ -361,6 +356,9 @@ class GpuFormPass(InPlacePass):
         for moe in moe_nodes(graph):  # row-major codes said so: the CUDA EP reads -1 as its own layout
             if moe.node.op_type == "QMoE" and "weights_prepacked" not in moe.node.attributes:
                 moe.node.attributes["weights_prepacked"] = ir.AttrInt64("weights_prepacked", 0)
+        mode = model.metadata_props.get(keys.ACTIVATIONS)
+        if mode is not None:  # the nodes made anew multiply as the conversion's did (accuracy_level)
+            QuantizeActivationsPass(mode)(model)
         RemoveUnusedNodesPass()(model)
         return PassResult(model, modified=True)
 
@@ -381,7 +379,10 @@ class GpuFormPass(InPlacePass):
             raise MoepassError(f"{moe.name}: no router logits")
         weights_slot = PACKED_ROUTER_WEIGHTS if node.op_type == "MoEPacked" else ROUTER_WEIGHTS
         router_weights = input_at(node, weights_slot)
-        biases = [input_at(node, QMOE_SLOTS[p][2]) if node.op_type == "QMoE" else None for p in ("fc1", "fc2")]
+        if node.op_type == "QMoE":
+            biases = [input_at(node, QMOE_SLOTS[p][2]) for p in ("fc1", "fc2")]
+        else:  # a native node's own (gpt-oss), read before its old experts go
+            biases = _native_biases(graph, moe) if is_native(node) else [None, None]
         activation = _activation_of(node)
         _drop_old_experts(graph, moe)
         packing = PackOptions(
@@ -480,14 +481,20 @@ class GpuFormPass(InPlacePass):
         blob = BlobTensor(name, tensor, ggml_type, (n, k), grouped=True)
         packing = PackOptions(blob_layout=True, scale_dtype=HALF, workers=self.workers)
         group = PackedGroup([GgufRows(blob, qt)], form, name, self.report, packing)  # type: ignore[arg-type]
-        inputs = [x, _initializer(graph, group.codes), _initializer(graph, group.scales)]
+        inputs: list[ir.Value | None] = [x, _initializer(graph, group.codes), _initializer(graph, group.scales)]
+        old = node.outputs[0]
+        bias_add = _bias_add(old, n)
+        if bias_add is not None:  # the matrix's bias taken into the product, as convert's MatMulNBits has it
+            inputs += [None, None, bias_add.inputs[1]]
+            old = bias_add.outputs[0]
         attributes = {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size}
         nbits = ir.node("MatMulNBits", inputs, attributes=attributes, domain="com.microsoft", name=node.name)
-        old = node.outputs[0]
         nbits.outputs[0].name, old.name = old.name, f"{old.name}.replaced"
         nbits.outputs[0].type, nbits.outputs[0].shape = old.type, old.shape
         graph.insert_before(node, nbits)
         old.replace_all_uses_with(nbits.outputs[0], replace_graph_outputs=True)
+        if bias_add is not None:
+            graph.remove(bias_add, safe=True)
         graph.remove(node, safe=True)
 
     @staticmethod
@@ -504,6 +511,19 @@ class GpuFormPass(InPlacePass):
         )
         graph.register_initializer(value)
         return value
+
+
+def _bias_add(y: ir.Value, n: int) -> ir.Node | None:
+    """The Add of a constant bias [n] that alone reads a matrix product's output y (the lowering's
+    `linear` adds a native matrix's bias so), None where there is none."""
+    uses = list(y.uses())
+    if len(uses) != 1 or y.is_graph_output():
+        return None
+    add = uses[0].node
+    bias = add.inputs[1] if len(add.inputs) == 2 and add.inputs[0] is y else None
+    if add.op_type != "Add" or add.domain != "" or bias is None or not bias.is_initializer():
+        return None
+    return add if bias.shape is not None and tuple(bias.shape) == (n,) else None
 
 
 def _initializer(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moepass.core import keys
 from moepass.core.capabilities import activation_dtype
@@ -31,6 +32,7 @@ from moepass.core.ir_values import dims, required_input, stored_constant, tensor
 from moepass.core.model_io import load_model, model_file
 from moepass.core.moe_nodes import MoeNode, moe_nodes, tensor_bytes
 from moepass.core.onnx_format import OPSETS, stamp
+from moepass.runtime.providers import register_native_kernels
 
 FORMAT = "moepass-cpu-costs"
 STEPS = 24  # timed one-token steps per piece (after warm-up); the median counts
@@ -82,7 +84,7 @@ def _single_node_model(node: ir.Node, inputs: list[ir.Value | None], outputs: in
         [copy.outputs[0]],
         nodes=[copy],
         initializers=initializers,
-        opset_imports=dict(OPSETS),
+        opset_imports={**OPSETS, node.domain: 1} if node.domain not in OPSETS else dict(OPSETS),
     )
     return stamp(ir.Model(graph, ir_version=0))
 
@@ -98,6 +100,7 @@ def _time(model: ir.Model, folder: Path, feeds: list[dict[str, np.ndarray]], thr
         options.intra_op_num_threads = threads
     options.log_severity_level = 3
     options.add_session_config_entry(keys.EXTERNAL_DATA_FOLDER_KEY, str(folder))
+    register_native_kernels(options, model)  # a moepass::MoEPacked node: moepass's own kernels
     session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
     for i in range(3):
         session.run(None, feeds[i % len(feeds)])
@@ -134,9 +137,11 @@ def _moe_seconds(m: MoeNode, dtype: ir.DataType, folder: Path, threads: int | No
 def _largest_dense(model: ir.Model) -> tuple[ir.Node, int] | None:
     best = None
     for node in model.graph:
-        if node.op_type not in ("MatMulNBits", "MatMul"):
+        if node.op_type not in ("MatMulNBits", "MatMul", "MatMulPacked"):
             continue
         weights = [w for w in map(stored_constant, node.inputs[1:]) if w is not None]
+        if node.op_type == "MatMul" and any(len(dims(w.shape, node.name or "MatMul")) != 2 for w in weights):
+            continue  # a batched product (deepseek2's per-head latent matrices), not a matrix a token reads
         size = sum(tensor_bytes(v) for v in weights)
         if weights and (best is None or size > best[1]):
             best = (node, size)
@@ -145,11 +150,14 @@ def _largest_dense(model: ir.Model) -> tuple[ir.Node, int] | None:
 
 def _dense_rate(node: ir.Node, size: int, dtype: ir.DataType, folder: Path, threads: int | None) -> float:
     """Bytes per second a one-token step of `node` reads its `size` bytes of weights at."""
-    k = (
-        node.attributes.get_int("K", 0)
-        if node.op_type == "MatMulNBits"
-        else dims(required_input(node, 1).shape, f"{node.name}'s weight")[0]
-    )
+    weight = dims(required_input(node, 1).shape, f"{node.name}'s weight")
+    if node.op_type == "MatMulNBits":
+        k = node.attributes.get_int("K", 0)
+    elif node.op_type == "MatMulPacked":  # moepass's: [N, row bytes] of its GGML type's blocks
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(node.attributes.get_int("packed_type", 0))]
+        k = weight[-1] // type_size * block
+    else:
+        k = weight[0]
     np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
     a = ir.Value(name="a", shape=ir.Shape([1, k]), type=ir.TensorType(dtype))
     inputs = [a] + [_weight(v) for v in node.inputs[1:]]

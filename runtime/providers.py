@@ -163,9 +163,16 @@ def native_library(model: ir.Model, strict: bool = True) -> str | None:
         node = native[0]
         raise MoepassError(
             f"node {node.name} is a moepass::{node.op_type} node, run by moepass's own CPU kernels, which cannot "
-            f"run here: {why}; convert without {wording().option('--expert-format', 'native')} to run it"
+            f"run here: {why}; convert with {wording().option('--expert-format', 'qmoe')} to run it"
         )
     return str(cpu_ops.library_path())
+
+
+def native_kernels_unavailable() -> str | None:
+    """Why moepass's own CPU kernels (moepass.cpu_ops) cannot run in ONNX Runtime here; None where they can."""
+    import moepass.cpu_ops as cpu_ops
+
+    return cpu_ops.unavailable()
 
 
 def register_native_kernels(options, model: ir.Model) -> None:

@@ -24,7 +24,7 @@ from moepass.core.ir_values import folded
 
 def test_legacy_per_expert_mixtral_converts_like_stacked(make_gguf, converted, tmp_path):
     legacy = make_gguf("q4_0", arch="llama", legacy_experts=True)
-    out = moepass.convert(legacy, tmp_path / "legacy")
+    out = moepass.convert(legacy, tmp_path / "legacy", expert_format="qmoe")
     stacked = converted("q4_0", arch="llama")
     assert filecmp.cmp(out.output_dir / "model.onnx.data", stacked / "model.onnx.data", shallow=False)
     graphs = [onnx.load(d / "model.onnx", load_external_data=False).graph for d in (out.output_dir, stacked)]

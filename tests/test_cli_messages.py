@@ -38,7 +38,9 @@ def _fails(args: list[str]) -> str:
 
 
 def test_convert_summary_reads_as_words(make_gguf, tmp_path):
-    out = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out")]).stdout
+    native = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "native")]).stdout
+    assert "native Q4_0/Q4_0/Q4_0 in 2 layers" in native and "native Q4_0 " in native
+    out = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out"), "--expert-format", "qmoe"]).stdout
     assert "int4/b32 in 2 layers (the fastest expert form on the CPU)" in out
     assert " x2 " not in out and "the time of int4/b32)" not in out
     # a 2 MB file converts in hundredths of a second: its rate in megabytes below 0.1 GB/s, never 0.00 GB/s

@@ -35,7 +35,10 @@ def test_convert_twice_gives_identical_files(tmp_path, make_gguf):
 
 
 def test_result_and_report(tmp_path, make_gguf):
-    result = moepass.convert(make_gguf("q4_k"), tmp_path / "out")
+    native = moepass.convert(make_gguf("q4_k"), tmp_path / "native")  # the default: the file's own blocks
+    assert [m["form"] for m in native.moe_layers] == ["native Q4_K/Q4_K/Q6_K"] * 2
+    assert native.output_bytes < 1.1 * native.source_bytes
+    result = moepass.convert(make_gguf("q4_k"), tmp_path / "out", expert_format="qmoe")
     assert result.architecture == "qwen3moe" and result.n_layers == 2
     # a Q4_K_M layer is requantized anyway: 8 bits at the largest block dividing its rows
     assert [m["form"] for m in result.moe_layers] == ["int8/b128", "int8/b128"]
@@ -48,7 +51,7 @@ def test_result_and_report(tmp_path, make_gguf):
     assert weights["output.weight"]["target"] == "int8/b128" and weights["output.weight"]["exact"] == [False]
     attn_q = weights["blk.0.attn_q.weight"]                                # Q4_K matrix: its own codes, exact
     assert attn_q["target"] == "int4/b32+offsets" and attn_q["exact"] == [True]
-    exact = moepass.convert(make_gguf("q4_k"), tmp_path / "exact", exact=True)
+    exact = moepass.convert(make_gguf("q4_k"), tmp_path / "exact", exact=True, expert_format="qmoe")
     # gate and up: Q4_K's codes with block-sum features (float32 scales); down: Q6_K exact at block 16
     assert {m["form"] for m in exact.moe_layers} == {"int8/b16+sums x2"}  # levels to float16's precision
     exact_fc = {w["onnx_name"]: w for w in exact.weights}
@@ -67,7 +70,7 @@ def test_a_model_larger_than_the_machines_memory_is_said(tmp_path, make_gguf, mo
     """A 48-layer Q4_K_M model with 8-bit experts (31 GB) on a 24 GiB machine: the summary says
     that decoding there reads from the disk, and which form would fit."""
     convert_module = importlib.import_module("moepass.pipeline.conversion")
-    result = moepass.convert(make_gguf("q4_k"), tmp_path / "out")
+    result = moepass.convert(make_gguf("q4_k"), tmp_path / "out", expert_format="qmoe")
     monkeypatch.setattr(convert_module, "physical_memory", lambda: result.output_bytes - 1)
     lines = [line for line in result.summary_lines() if "memory" in line]
     assert len(lines) == 1 and "reads experts from the disk" in lines[0] and "expert_format='int4'" in lines[0]
@@ -169,7 +172,7 @@ def test_cli_demo_flow(tmp_path, make_gguf):
     out = tmp_path / "demo"
     result = runner.invoke(main, ["convert", str(make_gguf("q4_0")), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert "2 MoE, 8 experts, top-2" in result.stdout and "int4/b32 in 2 layers" in result.stdout
+    assert "2 MoE, 8 experts, top-2" in result.stdout and "native Q4_0/Q4_0/Q4_0 in 2 layers" in result.stdout
     result = runner.invoke(main, ["inspect", str(out)])
     assert result.exit_code == 0 and "blk.0.moe" in result.stdout
     result = runner.invoke(main, ["inspect", str(make_gguf("q4_0")), "--json"])
@@ -202,7 +205,7 @@ def test_chunked_conversion_gives_the_same_bytes(preset, tmp_path, make_gguf, co
 
     monkeypatch.setattr(streaming, "CHUNK_BYTES", 3000)
     monkeypatch.setattr(quants, "REQUANTIZE_SLICE", 1000)
-    moepass.convert(make_gguf(preset), tmp_path / "chunked")
+    moepass.convert(make_gguf(preset), tmp_path / "chunked", expert_format="qmoe")
     assert filecmp.cmp(tmp_path / "chunked" / "model.onnx.data", converted(preset) / "model.onnx.data", shallow=False)
     chunked = json.loads((tmp_path / "chunked" / "moepass.json").read_text())["weights"]
     whole = json.loads((converted(preset) / "moepass.json").read_text())["weights"]
@@ -219,11 +222,12 @@ def test_shipped_fixture_is_what_the_generator_writes(tmp_path):
     assert make_fixtures.DEMO_FIXTURE.stat().st_size < 2 << 20
 
 
-@pytest.mark.parametrize("preset,fmt,form,errors", [("q4_0", "auto", "int4/b32", (0, 0)), ("q8_0", "auto", "int8/b32", (0, 0)),
+@pytest.mark.parametrize("preset,fmt,form,errors", [("q4_0", "qmoe", "int4/b32", (0, 0)), ("q8_0", "qmoe", "int8/b32", (0, 0)),
+                                                    ("q4_k", "auto", "native Q4_K/Q4_K/Q6_K", (0, 0)),
                                                     ("q4_0", "int8", "int8/b32", (0, 0)),
                                                     ("q8_0", "int4", "int4/b32", (0.03, 0.1)),
                                                     ("q4_k", "int4", "int4/b32+sums x3", (0.03, 0.1)),
-                                                    ("q4_k", "auto", "int8/b128", (0.001, 0.02))])
+                                                    ("q4_k", "qmoe", "int8/b128", (0.001, 0.02))])
 def test_expert_format(preset, fmt, form, errors, tmp_path, make_gguf):
     result = moepass.convert(make_gguf(preset), tmp_path / "out", expert_format=fmt)
     assert [m["form"] for m in result.moe_layers] == [form, form]
@@ -236,14 +240,14 @@ def test_expert_format(preset, fmt, form, errors, tmp_path, make_gguf):
 
 
 def test_expert_format_option_errors(tmp_path, make_gguf):
-    with pytest.raises(moepass.MoepassError, match="expert_format must be one of auto, int4, int8"):
+    with pytest.raises(moepass.MoepassError, match="expert_format must be one of auto, qmoe, int4, int8"):
         moepass.convert(make_gguf("q4_0"), tmp_path / "out", expert_format="int3")
     result = CliRunner().invoke(main, ["convert", str(make_gguf("q8_0")), "-o", str(tmp_path / "cli"), "-q",
                                        "--expert-format", "int4"])
     assert result.exit_code == 0 and "int4/b32 in 2 layers" in result.stdout
 
 
-@pytest.mark.parametrize("fmt", ["auto", "int4"])
+@pytest.mark.parametrize("fmt", ["qmoe", "int4"])
 def test_requantized_weights_stored_as_reported(fmt, tmp_path, make_gguf):
     """Requantized experts and matrices, unpacked from the saved model (float16 expert scales
     included), give exactly the error the report states."""

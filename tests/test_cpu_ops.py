@@ -492,12 +492,13 @@ def test_native_is_refused_in_one_line_for_types_the_kernels_lack(make_gguf, tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_partition_keeps_cpu_layers_native_and_hands_the_gpus_the_files_own_blocks(make_gguf, converted, tmp_path):
+def test_partition_keeps_cpu_layers_native_and_gives_the_gpu_qmoes_form(make_gguf, converted, tmp_path):
     """--target layers at a budget for one of two layers: the CPU layer's node stays moepass's, its
-    blobs in row groups; the GPU layer's node is ONNX Runtime's CUDA MoEPacked over the GGUF's own
-    bytes (row groups undone), passing the CUDA kernel table. --target offload packs every expert
-    from the row groups into the offload form, which computes what the native model does within
-    convert's own offload form's distance."""
+    blobs in row groups, the file's own bytes; the GPU layer's is the CUDA QMoE form packed from the
+    blobs, passing the CUDA kernel table. With every layer on the GPU the placed model is, bit for
+    bit in its logits, what the same file's qmoe conversion placed alike is. --target offload packs
+    every expert from the row groups into the offload form, which computes what the native model
+    does within convert's own offload form's distance."""
     from gguf import GGUFReader
     from support.gpu_form import gpu_nodes_are_taken
 
@@ -511,12 +512,9 @@ def test_partition_keeps_cpu_layers_native_and_hands_the_gpus_the_files_own_bloc
     assert [n.device for n in placed.plan.nodes] == ["cpu", "gpu"]
     first, second = moe_nodes(load_model(placed.output_dir).graph)
     assert is_native(first.node) and first.node.attributes.get_int("row_group") == ROW_GROUP
-    assert second.node.domain == "com.microsoft" and "row_group" not in second.node.attributes
+    assert (second.node.domain, second.node.op_type) == ("com.microsoft", "QMoE")
     tensors = {t.name: t for t in GGUFReader(gguf).tensors}
     for slot, role in zip((2, 3, 4), ("gate", "up", "down")):
-        ours = second.node.inputs[slot].const_value.numpy()
-        theirs = np.asarray(tensors[f"blk.1.ffn_{role}_exps.weight"].data).reshape(ours.shape)
-        np.testing.assert_array_equal(ours, theirs, err_msg=role)
         grouped = first.node.inputs[slot].const_value.numpy()
         qt = QUANT_TYPES[GT(first.node.attributes.get_int(f"{role}_type"))]
         theirs = np.asarray(tensors[f"blk.0.ffn_{role}_exps.weight"].data).reshape(grouped.shape)
@@ -530,6 +528,9 @@ def test_partition_keeps_cpu_layers_native_and_hands_the_gpus_the_files_own_bloc
         decoder = load(model_dir)
         return decoder.forward(np.array([[5, 77, 200, 13]]), decoder.empty_cache())[0][0].astype(np.float64)
 
+    qmoe_full = moepass.partition(converted("q4_0", expert_format="qmoe"), tmp_path / "qmoe", "8G", target="layers",
+                                  calibrate=False)
+    np.testing.assert_array_equal(logits(full.output_dir), logits(qmoe_full.output_dir))
     if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 32):
         return  # the offload form's SM80-prepacked experts run from ONNX Runtime 1.32 ([gpu]'s is 1.31.1)
     reference = logits(source)
@@ -554,7 +555,27 @@ def test_a_native_model_where_the_kernels_cannot_run_is_refused_in_one_line(make
         load(model)
     message = str(raised.value)
     assert "\n" not in message and "moepass::" in message and "the kernel library was not built" in message
-    assert "convert without expert_format='native'" in message
+    assert "convert with expert_format='qmoe'" in message
+
+
+def test_the_default_is_native_where_the_kernels_run_and_qmoe_elsewhere(make_gguf, monkeypatch, tmp_path):
+    """convert's default (auto): moepass's own kernels for every type they take; where they cannot run
+    here, ONNX Runtime's QMoE forms and one line saying why; with float activations (which the
+    kernels do not compute) the QMoE forms too."""
+    native = moepass.convert(make_gguf("q4_k_m"), tmp_path / "native", echo=lambda line: None)
+    assert len(native.moe_layers) == 2 and all(m["form"].startswith("native Q4_K/Q4_K/") for m in native.moe_layers)
+    graph = load_model(native.output_dir).graph
+    assert any(n.domain == cpu_ops.DOMAIN and n.op_type == "MatMulPacked" for n in graph)
+    exact = moepass.convert(make_gguf("q4_k_m"), tmp_path / "float", activations="float", echo=lambda line: None)
+    assert not any(m["form"].startswith("native") for m in exact.moe_layers)
+    monkeypatch.setattr(cpu_ops, "unavailable", lambda: "the kernel library was not built at install")
+    said: list[str] = []
+    elsewhere = moepass.convert(make_gguf("q4_k_m"), tmp_path / "elsewhere", echo=said.append)
+    assert [m["form"] for m in elsewhere.moe_layers] == [m["form"] for m in exact.moe_layers]
+    why = [line for line in said if "kernels cannot run here" in line]
+    assert len(why) == 1 and "not built at install" in why[0] and "QMoE forms instead" in why[0], said
+    assert not any(n.domain == cpu_ops.DOMAIN for n in load_model(elsewhere.output_dir).graph)
+    load(elsewhere.output_dir)  # runs without the library
 
 
 # ---- rows that do not depend on the batch, through the whole model --------------------------------------
@@ -631,12 +652,29 @@ def test_onnxruntime_genai_runs_a_native_conversion(converted):
     assert theirs == ours[: len(theirs)] and (len(theirs) == 20 or theirs[-1] in stop), (theirs, ours)
 
 
-def test_partition_refuses_a_native_gpt_oss_layer_on_the_gpu_in_one_line(converted, tmp_path):
-    """Expert biases and the clamped SwiGLU have no GPU form from the native node yet: one line naming
-    the node and the way, nothing written."""
-    model = converted("q4_0", arch="gpt-oss", expert_format="native")
-    with pytest.raises(moepass.MoepassError) as raised:
-        moepass.partition(model, tmp_path / "placed", "8G", target="layers", calibrate=False)
-    message = str(raised.value)
-    assert "\n" not in message and message.startswith("blk.") and "no GPU form yet" in message
-    assert "expert_format='auto'" in message and not (tmp_path / "placed").exists()
+def test_partition_gives_a_native_gpt_oss_layer_on_the_gpu_qmoe_with_its_biases(converted, tmp_path):
+    """The CUDA MoEPacked carries no expert biases or clamped SwiGLU: a native gpt-oss layer placed on
+    the GPU becomes the CUDA QMoE form packed from its blobs, its gate and up biases interleaved as
+    fc1's rows are, the SwiGLU's attributes kept, int8 activations as converted; the dense matrices'
+    biases go into their MatMulNBits. It computes what the same file's qmoe conversion, placed alike
+    (the same blocks, the same form, biases from the GGUF), does, bit for bit (on the CPU EP here)."""
+    native = converted("q4_0", arch="gpt-oss", expert_format="native")
+    qmoe = converted("q4_0", arch="gpt-oss", expert_format="qmoe")
+    placed = {
+        name: moepass.partition(model, tmp_path / name, "8G", target="layers", calibrate=False).output_dir
+        for name, model in (("native", native), ("qmoe", qmoe))
+    }
+    from support.gpu_form import gpu_nodes_are_taken
+
+    gpu_nodes_are_taken(placed["native"], "layers")
+    for moe in moe_nodes(load_model(placed["native"]).graph):
+        node = moe.node
+        assert (node.domain, node.op_type) == ("com.microsoft", "QMoE"), moe.name
+        assert node.attributes.get_float("swiglu_limit") == 7.0 and node.inputs[4] is not None
+    prompt = [5, 77, 200, 13]
+    decoders = {name: load(folder, threads=1) for name, folder in placed.items()}
+    logits = {name: d.forward(np.array([prompt]), d.empty_cache())[0][0].astype(np.float64)
+              for name, d in decoders.items()}
+    np.testing.assert_array_equal(logits["native"], logits["qmoe"])
+    tokens = {name: list(d.generate(prompt, 8, stop_ids=())) for name, d in decoders.items()}
+    assert tokens["native"] == tokens["qmoe"]

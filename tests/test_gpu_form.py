@@ -110,7 +110,8 @@ def test_a_gguf_is_converted_and_placed_in_one_step(make_gguf, converted, tmp_pa
     the same model as converting first and placing the conversion."""
     gguf = make_gguf("q4_k_m")
     direct = moepass.partition(gguf, tmp_path / "direct", "8G", target="offload", calibrate=False)
-    twice = moepass.partition(converted("q4_k_m"), tmp_path / "twice", "8G", target="offload", calibrate=False)
+    twice = moepass.partition(converted("q4_k_m", expert_format="auto"), tmp_path / "twice", "8G", target="offload",
+                              calibrate=False)
     assert direct.plan.active and read_plan(direct.output_dir).lowering.weights.startswith("model.onnx.data written")
     assert json.loads((direct.output_dir / "moepass.json").read_text())["source"]["file"] == gguf.name
     assert (direct.output_dir / "tokenizer.json").is_file() and (direct.output_dir / "genai_config.json").is_file()
@@ -128,7 +129,8 @@ def test_a_gguf_is_lowered_once_whatever_the_plan(make_gguf, converted, tmp_path
     lower = converting.lower_gguf_file
     monkeypatch.setattr(converting, "lower_gguf_file", lambda *a, **k: lowerings.append(a[0]) or lower(*a, **k))
     gguf = make_gguf("q4_k_m")
-    full = moepass.partition(converted("q4_k_m"), tmp_path / "full", "8G", target="layers", calibrate=False)
+    full = moepass.partition(converted("q4_k_m", expert_format="auto"), tmp_path / "full", "8G", target="layers",
+                             calibrate=False)
     memory, last = full.plan.memory, full.plan.nodes[-1]
     one_layer = memory.non_expert_bytes + memory.kv_cache_bytes + memory.work_bytes + memory.reserve_bytes + \
         last.experts * last.bytes_per_expert + 1024
@@ -136,7 +138,8 @@ def test_a_gguf_is_lowered_once_whatever_the_plan(make_gguf, converted, tmp_path
     direct = moepass.partition(gguf, tmp_path / "direct", one_layer, target="layers", calibrate=False)
     assert lowerings == [gguf]
     assert [n.device for n in direct.plan.nodes] == ["cpu", "gpu"]
-    twice = moepass.partition(converted("q4_k_m"), tmp_path / "twice", one_layer, target="layers", calibrate=False)
+    twice = moepass.partition(converted("q4_k_m", expert_format="auto"), tmp_path / "twice", one_layer,
+                              target="layers", calibrate=False)
     np.testing.assert_array_equal(_logits(direct.output_dir), _logits(twice.output_dir))
 
 
@@ -146,7 +149,7 @@ def test_a_gguf_that_moved_or_changed_is_refused_naming_it(make_gguf, tmp_path):
     refuses naming the file and the way out (--gguf)."""
     gguf = tmp_path / "q3.gguf"
     gguf.write_bytes(make_gguf("q8_0", types={"gate_up": GT.Q3_K, "down": GT.Q3_K}).read_bytes())
-    model = moepass.convert(gguf, tmp_path / "onnx").output_dir
+    model = moepass.convert(gguf, tmp_path / "onnx", expert_format="qmoe").output_dir
     placed = moepass.partition(model, tmp_path / "ok", "8G", target="layers", calibrate=False)
     assert all("q3.gguf's own blocks" in how for how in placed.plan.lowering.reformed.values())
     gguf.rename(tmp_path / "moved.gguf")

@@ -554,6 +554,7 @@ for _what, _data in [("empty", b""), ("negative-count", _dat(-5, [1.0])), ("huge
                      ("nan", _dat(2, [1.0, math.nan])), ("negative", _dat(2, [1.0, -1.0])),
                      ("name-length-huge", b"\x01\x00\x00\x00\xff\xff\xff\x7f"), ("wrong-size", _dat(3, [1.0] * 3))]:
     case(f"imatrix-{_what}", lambda env, d=_data: ["convert", str(env.gguf), "-o", str(env.tmp / "out"), "-q",
+                                                   "--expert-format", "qmoe",  # native requantizes nothing
                                                    "--imatrix", str(env.write("m.dat", d))],
          "m.dat" if _what != "wrong-size" else "importance matrix", out="out")
 case("profile-prompts-missing", lambda env: ["profile", str(env.model), "--prompts", str(env.tmp / "none.txt"),

@@ -73,5 +73,5 @@ def test_bad_importance_files(tmp_path, make_gguf):
     write_dat(tmp_path / "wrong.dat", wrong)
     with pytest.raises(moepass.MoepassError, match="importance matrix entry 'blk.0.ffn_gate_exps.weight' has 1024 "
                                                    "values, not 256 columns for one matrix or 8"):
-        moepass.convert(make_gguf("q4_k"), tmp_path / "out", imatrix=tmp_path / "wrong.dat")
+        moepass.convert(make_gguf("q4_k"), tmp_path / "out", imatrix=tmp_path / "wrong.dat", expert_format="qmoe")
     assert not (tmp_path / "out").exists()

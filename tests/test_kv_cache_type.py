@@ -32,7 +32,7 @@ def _attention(model_dir):
 
 @pytest.mark.parametrize("kind, dtype", [("float16", ir.DataType.FLOAT16), ("int8", ir.DataType.INT8)])
 def test_the_cache_type_and_scales_are_written(converted, make_gguf, tmp_path, kind, dtype):
-    out = moepass.convert(make_gguf("q4_0"), tmp_path / kind, kv_cache=kind).output_dir
+    out = moepass.convert(make_gguf("q4_0"), tmp_path / kind, kv_cache=kind, expert_format="qmoe").output_dir
     plain = load_model(converted("q4_0"))
     nodes = _attention(out)
     assert nodes and all(v.dtype == dtype for n in nodes for v in (n.inputs[3], n.inputs[4], n.outputs[1], n.outputs[2]))

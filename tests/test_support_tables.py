@@ -29,9 +29,12 @@ def test_every_architecture_and_type_is_one_row():
 
 def test_a_changed_form_policy_changes_the_table(monkeypatch):
     q6_k = QUANT_TYPES[GT.Q6_K]
-    assert "| Q6_K | int8/b128, requantized" in support_tables.quant_types_table()
+    kernels = "| Q6_K | the file's own blocks (moepass's kernels) |"
+    assert f"{kernels} int8/b128, requantized" in support_tables.quant_types_table()
     monkeypatch.setitem(QUANT_TYPES, GT.Q6_K, dataclasses.replace(q6_k, int8_block=32))
-    assert "| Q6_K | int8/b32, requantized" in support_tables.quant_types_table()
+    assert f"{kernels} int8/b32, requantized" in support_tables.quant_types_table()
+    monkeypatch.setitem(QUANT_TYPES, GT.Q6_K, dataclasses.replace(q6_k, cpu_segments=()))
+    assert "| Q6_K | as `qmoe` | int8/b128, requantized" in support_tables.quant_types_table()
 
 
 def test_a_file_without_the_sections_is_refused():

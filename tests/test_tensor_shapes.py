@@ -59,7 +59,7 @@ def test_two_dimensional_shared_expert_gate_converts_as_the_one_dimensional(make
     assert gates
     two_d = _copy_with_shapes(source, tmp_path / "2d.gguf", {name: (1, n) for name, n in gates.items()})
     assert all(t.shape.tolist() == [gates[t.name], 1] for t in GGUFReader(str(two_d)).tensors if t.name in gates)
-    out = moepass.convert(two_d, tmp_path / "out").output_dir
+    out = moepass.convert(two_d, tmp_path / "out", expert_format="qmoe").output_dir
     one_d = converted("q4_0", arch="qwen2moe")
     assert filecmp.cmp(out / "model.onnx.data", one_d / "model.onnx.data", shallow=False)
     graphs = [onnx.load(d / "model.onnx", load_external_data=False).graph for d in (out, one_d)]

@@ -100,9 +100,11 @@ def format_rate(bytes_per_second: float) -> str:
 
 # convert
 FLOAT_EXPERT_CHOICES = ("keep", "int8", "int4")  # F32/F16/BF16 experts: kept float (MoE) or quantized (QMoE)
-# quantized experts (moepass.core.quants.expert_form); packed: the GGUF's own blocks in MoEPacked (CUDA only);
-# native: the GGUF's own blocks in moepass::MoEPacked, run on the CPU by moepass.cpu_ops
-EXPERT_FORMATS = ("auto", "int4", "int8", "offload", "packed", "native")
+# auto: native where moepass.cpu_ops takes the types and runs here, else qmoe; qmoe: the QMoE forms any
+# ONNX Runtime runs (moepass.core.quants.expert_form), int4 / int8 among them; packed: the GGUF's own
+# blocks in MoEPacked (CUDA only); native: the GGUF's own blocks in moepass::MoEPacked, run on the CPU by
+# moepass.cpu_ops, every layer (refused where a type has no kernel)
+EXPERT_FORMATS = ("auto", "qmoe", "int4", "int8", "offload", "packed", "native")
 # activations mode -> accuracy_level of every quantized matrix product (None: the attribute is absent,
 # ONNX Runtime's float default; 4: int8 activations inside the product, as llama.cpp)
 ACTIVATION_MODES: dict[str, int | None] = {"int8": 4, "float": None}

@@ -64,12 +64,15 @@ CONVERT_OPTIONS = option_table(
         Option(
             "expert_format",
             ("--expert-format",),
-            "auto: the exact form when the experts move bit-exactly (Q4_0, Q8_0, IQ4_XS, MXFP4, ...), else 8 "
-            "bits at the largest block (keeps llama.cpp's fidelity); int4: 4 bits (half the bytes, more error), "
-            "int8: 8 bits; offload: what ONNX Runtime's expert offload takes (int4 block 32 prepacked, float16 "
-            "graph); packed: the GGUF's own blocks as they are, in MoEPacked nodes (CUDA only: no CPU kernel "
-            "runs them); native: the GGUF's own blocks as they are, run on the CPU by moepass's own kernels "
-            "(moepass::MoEPacked; Q4_0 and Q8_0 experts so far).",
+            "auto: on the CPU, moepass's own kernels over the GGUF's own blocks (moepass::MoEPacked and "
+            "MatMulPacked) for every type they take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, "
+            "MXFP4), the rest as qmoe; qmoe where the kernels cannot run here or with --activations float. "
+            "qmoe: ONNX Runtime's own QMoE and MatMulNBits, which any ONNX Runtime runs: the exact form when "
+            "the blocks move bit-exactly (Q4_0, Q8_0, IQ4_XS, MXFP4, ...), else 8 bits at the largest block "
+            "(keeps llama.cpp's fidelity); int4: 4 bits (half the bytes, more error), int8: 8 bits; offload: "
+            "what ONNX Runtime's expert offload takes (int4 block 32 prepacked, float16 graph); packed: the "
+            "GGUF's own blocks in MoEPacked nodes (CUDA only: no CPU kernel of ONNX Runtime's runs them); "
+            "native: moepass's own kernels for every layer, refused where a type has none.",
             "auto",
             choices=EXPERT_FORMATS,
         ),

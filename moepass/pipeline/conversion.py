@@ -57,6 +57,7 @@ from moepass.pipeline.atomic import atomic_directory, check_destination
 from moepass.pipeline.genai import check_speculation, genai_config, with_speculation
 from moepass.pipeline.kv_precision import cache_type_of, describe_cache, kv_bytes_per_position, set_kv_cache
 from moepass.pipeline.tokenizer import TokenizerFiles, tokenizer_from_gguf
+from moepass.runtime.providers import native_kernels_unavailable
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
 # positions from which the summary points a float32 KV cache to int8 (docs/benchmarks.md: at 8,192
@@ -220,8 +221,11 @@ class ConvertOptions:
 
     float_experts: "keep" (F32/F16/BF16 experts stay float, com.microsoft::MoE), "int8" or "int4"
         (quantized into QMoE).
-    expert_format: "auto", "int4" or "int8" for quantized experts (see moepass.core.quants.expert_form),
-        or "offload": what ONNX Runtime's expert offload requires (int4 block 32 prepacked, float16).
+    expert_format: "auto" (moepass's own CPU kernels over the GGUF's own blocks for every type they
+        take, the rest as "qmoe": see expert_format_here), "qmoe", "int4" or "int8" for ONNX Runtime's
+        QMoE forms (see moepass.core.quants.expert_form), "native" (the kernels for every layer),
+        "offload" (what ONNX Runtime's expert offload requires: int4 block 32 prepacked, float16) or
+        "packed" (com.microsoft::MoEPacked, CUDA only).
     activations: "int8" (default): activations quantized to 8 bits inside every quantized matrix
         product, as llama.cpp does (ONNX Runtime's accuracy_level 4, several times faster on the
         CPU); "float": exact float arithmetic (see moepass.passes.activations).
@@ -270,15 +274,28 @@ class ConvertOptions:
         return with_settings(cls, options, settings, "convert")
 
     def lowering(self) -> LowerOptions:
-        """The lowering's options (the importance matrix read here)."""
+        """The lowering's options (the importance matrix read here; "auto" as expert_format_here says)."""
         return LowerOptions(
             float_experts=self.float_experts,
-            expert_format=self.expert_format,
+            expert_format=expert_format_here(self.expert_format, self.activations)[0],
             imatrix=load_imatrix(self.imatrix) if self.imatrix else None,
             context=self.context,
             exact=self.exact,
             threads=self.threads,
         )
+
+
+def expert_format_here(choice: str, activations: str = "int8") -> tuple[str, str | None]:
+    """The expert format a GGUF is lowered with for `choice`, and why it is not the one asked for (None
+    where it is): "auto" stays auto (moepass's own kernels where they take the types) where
+    moepass.cpu_ops runs here, else becomes "qmoe", and so it does with float activations, which the
+    kernels do not compute (they quantize activations as llama.cpp does)."""
+    if choice != "auto" or activations != "int8":
+        return ("qmoe" if choice == "auto" else choice), None
+    why = native_kernels_unavailable()
+    if why is None:
+        return choice, None
+    return "qmoe", f"moepass's own CPU kernels cannot run here ({why}): ONNX Runtime's QMoE forms instead"
 
 
 @dataclasses.dataclass
@@ -445,6 +462,9 @@ def convert_gguf(
     if options.genai_speculative:  # its draft model and numbers checked before the work too
         check_speculation(options.genai_speculative, options.draft_tokens)
     calibration_text = read_text(Path(options.kv_calibration)) if options.kv_calibration is not None else None
+    why = expert_format_here(options.expert_format, options.activations)[1]
+    if why is not None:
+        echo(why)
     conversion = lower_gguf_file(
         source,
         options.lowering(),

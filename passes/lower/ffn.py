@@ -83,9 +83,10 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
         return _expert_bias(builder, f"{prefix}.fc2_bias", ("down",), layer, pad)
 
     pad = 0
-    if builder.options.expert_format in ("packed", "native") and not any(floats):
+    choice = builder.options.expert_format
+    if not any(floats) and (choice == "packed" or builder.native(types)):
         out = _packed(builder, name, x2d, router, (gate, up, down), types, renormalizes(feats), layer)
-        form_name = f"{builder.options.expert_format} " + "/".join(qt.name for qt in types)
+        form_name = f"{'packed' if choice == 'packed' else 'native'} " + "/".join(qt.name for qt in types)
     elif all(floats) and builder.options.float_experts == "keep":
         fc1 = builder.float_experts(f"{prefix}.fc1", [gate, up])
         fc2 = builder.float_experts(f"{prefix}.fc2", [down])
@@ -102,7 +103,8 @@ def moe(builder: GraphBuilder, x2d: ir.Value, layer: int, hidden_out: int) -> ir
         if all(floats):
             forms = ExpertForms(requantize_form(8 if builder.options.float_experts == "int8" else 4, ks))
         else:
-            forms = expert_form(types, ks, builder.options.expert_format, builder.options.exact)
+            qmoe = "auto" if choice in ("auto", "qmoe", "native") else choice  # expert_form's own "auto"
+            forms = expert_form(types, ks, qmoe, builder.options.exact)
         node_form = forms.node
         # scales of the activation type but where float16 holds no more in memory (blocks of 128:
         # quants.scales_in_float16); block-sum features round theirs to float16 (--exact: float32)
@@ -186,7 +188,7 @@ def _packed(
     feats = builder.arch.features
     activation = ACTIVATIONS[feats.activation]
     expert_format = builder.options.expert_format
-    native = expert_format == "native"
+    native = expert_format != "packed"
     plain = not feats.expert_biases and (activation.alpha, activation.beta, activation.limit) == (1.0, 0.0, None)
     if not native and not plain:
         raise MoepassError(
@@ -199,7 +201,7 @@ def _packed(
         raise MoepassError(
             f"{name}: {wording().option('--expert-format', 'native')}: moepass's CPU kernels take "
             f"{', '.join(NATIVE_TYPES)} experts, not {', '.join(dict.fromkeys(untaken))} (convert with "
-            f"{wording().option('--expert-format', 'auto')})"
+            f"{wording().option('--expert-format', 'auto')}, which gives those layers the qmoe form)"
         )
     prefix = f"{name.removesuffix('.moe')}.ffn_experts"
     gate, up, down = (

@@ -10,7 +10,7 @@ modules (attention, routing, ffn) are functions of a GraphBuilder.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from moepass.core.architectures import Architecture
 from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel, SourceTensor
 from moepass.core.moe_nodes import NATIVE_DOMAIN
-from moepass.core.quants import BlockForm, dequantize, matrix_form, quant_type, scales_in_float16
+from moepass.core.quants import BlockForm, QuantType, dequantize, matrix_form, quant_type, scales_in_float16
 from moepass.passes.weights.packing import PackedGroup, PackOptions, float_expert_stack, float_tensor
 from moepass.passes.weights.report import WeightRecord, WeightReport
 from moepass.passes.weights.sources import GgufRows
@@ -32,13 +32,17 @@ from moepass.passes.weights.streaming import StreamedTensor, row_chunks
 @dataclasses.dataclass(frozen=True)
 class LowerOptions:
     """What the user chose. `float_experts`: keep F32/F16/BF16 experts as float (com.microsoft::MoE)
-    or quantize them into QMoE int8 / int4. `expert_format`: "auto" (see moepass.core.quants.expert_form),
-    or force "int4" / "int8" for quantized experts. "offload": what ONNX Runtime's expert offload
-    requires: int4 block 32 experts prepacked in the SM80 layout (weights_prepacked=1) and a float16
-    graph. "packed": the GGUF's own expert blocks in com.microsoft::MoEPacked nodes (ONNX Runtime 1.32
-    runs them on CUDA only) and a float16 graph. `exact`: keep every tensor whose blocks move
-    bit-exactly in its exact form, even where a requantized one is faster (Q6_K's int8 block 16; see
-    quants.EXACT_MIN_BLOCK)."""
+    or quantize them into QMoE int8 / int4. `expert_format`: "auto": every matrix of a type
+    moepass.cpu_ops has a kernel for over its own blocks (moepass::MoEPacked, MatMulPacked: a layer
+    whose gate, up and down all have one), the rest as "qmoe" (the caller has checked that the kernels
+    run here: moepass.pipeline.conversion.expert_format_here); "qmoe": ONNX Runtime's QMoE and
+    MatMulNBits (see moepass.core.quants.expert_form), or forced "int4" / "int8" for quantized
+    experts; "native": moepass's kernels for every layer, refused where a type has none. "offload":
+    what ONNX Runtime's expert offload requires: int4 block 32 experts prepacked in the SM80 layout
+    (weights_prepacked=1) and a float16 graph. "packed": the GGUF's own expert blocks in
+    com.microsoft::MoEPacked nodes (ONNX Runtime 1.32 runs them on CUDA only) and a float16 graph.
+    `exact`: keep every tensor whose blocks move bit-exactly in its exact form, even where a
+    requantized one is faster (Q6_K's int8 block 16; see quants.EXACT_MIN_BLOCK)."""
 
     float_experts: str = "keep"
     expert_format: str = "auto"
@@ -269,11 +273,18 @@ class GraphBuilder:
             self._block_sums[key] = self.tape.op("MatMul", [x, self.const(name_const, ones)], name=name)
         return self._block_sums[key]
 
+    def native(self, types: Sequence[QuantType]) -> bool:
+        """Whether matrices of these types are moepass's own ops over their blocks: --expert-format
+        native, or auto where moepass.cpu_ops has a kernel for every one of them (a float32 graph)."""
+        choice = self.options.expert_format
+        every = all(qt.cpu_kernel for qt in types)
+        return self.act == ir.DataType.FLOAT and (choice == "native" or (choice == "auto" and every))
+
     def native_matrix(self, src: SourceTensor) -> bool:
-        """Whether a matrix is moepass::MatMulPacked over its own blocks (--expert-format native: every
-        matrix of a type moepass's CPU kernels take, in a float32 graph)."""
+        """Whether a matrix is moepass::MatMulPacked over its own blocks (self.native: a type
+        moepass's CPU kernels take)."""
         qt = quant_type(src.ggml_type, src.name, src.path)
-        return self.options.expert_format == "native" and qt.cpu_kernel and self.act == ir.DataType.FLOAT
+        return qt.cpu_kernel and self.native([qt])
 
     def matrix_form(self, src: SourceTensor, offsets: bool = True) -> BlockForm | None:
         """The block form of a non-expert matrix (quants.matrix_form); None for float."""
