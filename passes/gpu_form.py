@@ -34,7 +34,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from moepass.core import keys, row_groups
 from moepass.core.architectures import Architecture, HParams
 from moepass.core.capabilities import CUDA_KERNELS, cuda_form_refusal, cuda_refusal
-from moepass.core.errors import MoepassError, wording
+from moepass.core.errors import MoepassError
 from moepass.core.gguf_reader import GGUFModel
 from moepass.core.ir_values import input_at, read_rows, tensor_dims, tensor_of
 from moepass.core.moe_nodes import (
@@ -214,19 +214,6 @@ def packed_rows(moe: MoeNode) -> ExpertRows:
     )
 
 
-def _check_native_routing(moe: MoeNode) -> None:
-    """Refuse, in one line, a native node routed by MoEGroupRouter (deepseek2's group-limited routing)
-    on the GPU: its QMoE form packed from the blobs computed other logits (1.4 on a real
-    DeepSeek-V3-shaped Q4_K_M, where the offload conversion's differ by 0.23), not yet understood."""
-    router = input_at(moe.node, 1)
-    producer = router.producer() if router is not None else None
-    if is_native(moe.node) and producer is not None and producer.op_type == "MoEGroupRouter":
-        raise MoepassError(
-            f"{moe.name}: a moepass::MoEPacked node routed by MoEGroupRouter (deepseek2) has no GPU form "
-            f"yet; convert with {wording().option('--expert-format', 'qmoe')} to place it on a GPU"
-        )
-
-
 def _native_biases(graph: ir.Graph, moe: MoeNode) -> list[ir.Value | None]:
     """A native node's gate, up and down biases (inputs 6-8) as QMoE's fc1 bias (gate and up
     interleaved, as fc1's rows are) and fc2 bias, new initializers; None where it has none."""
@@ -334,7 +321,6 @@ class GpuFormPass(InPlacePass):
             raise MoepassError(f"the plan names MoE node(s) the model does not have: {', '.join(unknown)}")
         for moe in nodes:
             if self.on_gpu(moe):
-                _check_native_routing(moe)
                 forms = gpu_forms(moe, self.target, _types_of(moe))
                 if forms is not None:
                     self._reform(graph, moe, forms)
@@ -465,8 +451,9 @@ class GpuFormPass(InPlacePass):
 
     def _dense_to_nbits(self, graph: ir.Graph, node: ir.Node) -> None:
         """A moepass::MatMulPacked node (a matrix of a native conversion, which only the CPU runs) as
-        com.microsoft::MatMulNBits over its blocks: the type's exact form where it has one, else 8 bits
-        (quants.matrix_form without block offsets), packed from the blob's rows out of their groups."""
+        the com.microsoft::MatMulNBits convert writes for its type (quants.matrix_form: the exact form
+        where it has one, with the product of the input's block sums and the block offsets added for
+        an affine type's, else 8 bits), packed from the blob's rows out of their groups."""
         x, value = input_at(node, 0), input_at(node, 1)
         if x is None or value is None:
             raise MoepassError(f"{node.name}: MatMulPacked without its input or blocks")
@@ -476,7 +463,7 @@ class GpuFormPass(InPlacePass):
         tensor = tensor_of(value)
         n, row_bytes = tensor_dims(tensor)
         k = row_bytes // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
-        form = matrix_form(qt, k, offsets=False)
+        form = matrix_form(qt, k)
         assert form is not None  # a type the kernels take is a block type
         blob = BlobTensor(name, tensor, ggml_type, (n, k), grouped=True)
         packing = PackOptions(blob_layout=True, scale_dtype=HALF, workers=self.workers)
@@ -489,10 +476,18 @@ class GpuFormPass(InPlacePass):
             old = bias_add.outputs[0]
         attributes = {"K": k, "N": n, "bits": form.bits, "block_size": form.block_size}
         nbits = ir.node("MatMulNBits", inputs, attributes=attributes, domain="com.microsoft", name=node.name)
-        nbits.outputs[0].name, old.name = old.name, f"{old.name}.replaced"
-        nbits.outputs[0].type, nbits.outputs[0].shape = old.type, old.shape
-        graph.insert_before(node, nbits)
-        old.replace_all_uses_with(nbits.outputs[0], replace_graph_outputs=True)
+        made, result = [nbits], nbits.outputs[0]
+        if group.offsets is not None:  # y + block_sums(x) @ offsets, as convert's linear computes it
+            block = form.block_size
+            ones = np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))
+            sums = ir.node("MatMul", [x, _constant(graph, f"const.block_sums.{k}.{block}", ones)], name=f"{name}.sums")
+            shifts = ir.node("MatMul", [sums.outputs[0], _initializer(graph, group.offsets)], name=f"{name}.offsets")
+            add = ir.node("Add", [result, shifts.outputs[0]], name=f"{name}.with_offsets")
+            made, result = [nbits, sums, shifts, add], add.outputs[0]
+        result.name, old.name = old.name, f"{old.name}.replaced"
+        result.type, result.shape = old.type, old.shape
+        graph.insert_before(node, made)
+        old.replace_all_uses_with(result, replace_graph_outputs=True)
         if bias_add is not None:
             graph.remove(bias_add, safe=True)
         graph.remove(node, safe=True)
@@ -524,6 +519,13 @@ def _bias_add(y: ir.Value, n: int) -> ir.Node | None:
     if add.op_type != "Add" or add.domain != "" or bias is None or not bias.is_initializer():
         return None
     return add if bias.shape is not None and tuple(bias.shape) == (n,) else None
+
+
+def _constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """An initializer holding `array`, shared by every node that asks for the same name."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    return _initializer(graph, ir.Tensor(array, name=name))
 
 
 def _initializer(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:

@@ -133,10 +133,12 @@ def _next_token_kld(reference: np.ndarray, ours: np.ndarray) -> float:
     return float(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
 
 
+@pytest.mark.parametrize("expert_format", ["auto", "qmoe"])
 @pytest.mark.parametrize("target", ["layers", "offload"])
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "deepseek-v3"])
-def test_real_q4_k_m_files_are_placed_on_the_gpu(name, target, hf_gguf, tmp_path):
-    """The headline on files llama.cpp's converter and quantizer made: `convert`, then `partition
+def test_real_q4_k_m_files_are_placed_on_the_gpu(name, target, expert_format, hf_gguf, tmp_path):
+    """The headline on files llama.cpp's converter and quantizer made: `convert` (its default, moepass's
+    own CPU kernels, and qmoe, ONNX Runtime's forms), then `partition
     --vram 8G` places every MoE layer (--target layers) or expert (--target offload) on the GPU, in
     a form the kernel table and the offload rules take (deepseek2's sigmoid router, which no CUDA
     kernel takes, on the CPU, said in plan.json), and the placed model, run on the CPU EP, computes
@@ -146,13 +148,7 @@ def test_real_q4_k_m_files_are_placed_on_the_gpu(name, target, hf_gguf, tmp_path
     import moepass
 
     gguf = hf_gguf(name, QUANTIZED)
-    if name.startswith("deepseek"):  # a native deepseek2 layer has no GPU form yet: refused in one line
-        native = convert(gguf, tmp_path / "native", echo=lambda line: None).output_dir
-        with pytest.raises(moepass.MoepassError, match="routed by MoEGroupRouter .* has no GPU form yet"):
-            moepass.partition(native, tmp_path / "refused", "8G", target=target, calibrate=False)
-    # qmoe for deepseek2 (above), the default (native) for the others
-    fmt = "qmoe" if name.startswith("deepseek") else "auto"
-    model = convert(gguf, tmp_path / "onnx", expert_format=fmt, echo=lambda line: None).output_dir
+    model = convert(gguf, tmp_path / "onnx", expert_format=expert_format, echo=lambda line: None).output_dir
     half = convert(gguf, tmp_path / "half", expert_format="offload", echo=lambda line: None).output_dir
     placed = moepass.partition(model, tmp_path / "placed", "8G", target=target, calibrate=False)
     assert placed.plan.active and placed.warnings == [], placed.warnings
@@ -163,7 +159,12 @@ def test_real_q4_k_m_files_are_placed_on_the_gpu(name, target, hf_gguf, tmp_path
     if name.startswith("deepseek"):
         assert any("MoEGroupRouter" in why for why in placed.plan.lowering.cpu_nodes.values())
     reference, ours, theirs = (three_ways(load(m))["prefill"] for m in (model, placed.output_dir, half))
-    error, their_error = float(np.abs(ours - reference).max()), float(np.abs(theirs - reference).max())
+    # positions where a router nearly ties left out (float16 rounding may pick the other expert there:
+    # DeepSeek-V3's file differs by 1.7 at one such position, by 0.14 at most elsewhere), as
+    # check_against_exact leaves them out
+    kept = ~routing_near_ties(model, PROMPT)
+    assert kept.sum() >= (len(kept) + 1) // 2, f"{name}: too few positions without a router near-tie"
+    error, their_error = (float(np.abs(logits - reference)[kept].max()) for logits in (ours, theirs))
     assert error <= 1.5 * their_error + 1e-6, (error, their_error)
-    print(f"{name} {target}: max |logit diff| {error:.2e} (offload conversion {their_error:.2e}), "
+    print(f"{name} {target} {expert_format}: max |logit diff| {error:.2e} (offload conversion {their_error:.2e}), "
           f"mean KLD from the unplaced model {_next_token_kld(reference, ours):.2e}")
