@@ -295,3 +295,19 @@ def test_partition_says_whose_gpu_figures_and_the_step_floor(converted, tmp_path
     # the tiny model's step is its launches: at least a launch per node and a synchronisation
     assert floor >= 0.03 and plan["prediction"]["decode_ms_per_token"]["cold_experts_on_cpu"] >= floor
     assert plan["inputs"]["bandwidths_from"] in line
+
+
+def test_a_seed_of_minus_one_is_a_random_seed_said_on_stderr(converted):
+    """llama.cpp's `-s -1`: a random seed, said, and `-s` with it repeats the run token for token."""
+    args = ["run", str(converted("q4_0")), "--prompt-ids", "1,2,3", "-n", "8", "--temp", "1.5", "--top-k", "0"]
+    first = _ok([*args, "-s", "-1"])
+    said = re.search(r"random seed (\d+) \(-s \1 repeats this run\)", first.stderr)
+    assert said, first.stderr
+    assert _ok([*args, "-s", said.group(1)]).stdout == first.stdout
+    assert "-2 is not in the range" in _fails([*args, "-s", "-2"])
+
+
+def test_a_quiet_convert_says_one_line(make_gguf, tmp_path):
+    """`convert -q`: no bar and one line, what was written and in which form, not the summary."""
+    out = _ok(["convert", str(make_gguf("q4_0")), "-o", str(tmp_path / "out"), "-q"]).stdout
+    assert out.count("\n") == 1 and out.startswith("converted ") and "native Q4_0/Q4_0/Q4_0 in 2 layers" in out, out

@@ -155,6 +155,11 @@ def test_the_prompt_cache_computes_only_what_is_new(server, model):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400,
      "'max_tokens' must be a positive integer"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400, "only n = 1"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": True}).encode(), 400, "only n = 1"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream_options": "x"}).encode(), 400,
+     "'stream_options' must be an object"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "x"}).encode(), 400,
+     "'parallel_tool_calls' must be true or false"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": [1]}).encode(), 400, "'stop' must be"),
     # any model name is taken (one model served: tests/test_serve_llama_server.py), but it must be a name
     (json.dumps({"model": 7, "messages": [{"role": "user", "content": "x"}]}).encode(), 400,

@@ -224,6 +224,31 @@ def test_markup_in_an_answer_is_text_and_runs_nothing(page):
     assert page.evaluate("window.pwned") is None
 
 
+RENDERED = """(text) => {
+  const root = renderMarkdown(text);
+  const all = (selector) => [...root.querySelectorAll(selector)].map((node) => node.textContent);
+  return {code: all("pre code"), languages: all(".code-language"), copies: root.querySelectorAll("button.code-copy").length,
+          paragraphs: all("p"), elements: root.querySelectorAll("pre b, pre script").length};
+}"""
+
+
+@pytest.mark.parametrize("text,code,languages,paragraphs", [
+    ("```\nline one\nline two\n```", ["line one\nline two"], [], []),
+    ("before\n\n```python\nx = `a` + '``'\n    y = 1\n```\nafter", ["x = `a` + '``'\n    y = 1"], ["python"],
+     ["before", "after"]),
+    ("```js\nlet a = 1\nlet b", ["let a = 1\nlet b"], ["js"], []),  # unclosed while streaming: code to the end
+    ("```\n<b>x</b>\n<script>window.pwned = 5</script>\n```", ["<b>x</b>\n<script>window.pwned = 5</script>"], [], []),
+    ("```\none\n```\n\n```sh\ntwo\nthree\n```", ["one", "two\nthree"], ["sh"], []),
+])
+def test_a_fenced_block_is_one_block_with_its_language_and_a_copy_button(page, text, code, languages, paragraphs):
+    """Every line of a fenced block is the block's, as text (the fence used to close at the first line's
+    end, leaving the rest and the closing fence as a paragraph); its language a label, a copy button."""
+    rendered = page.evaluate(RENDERED, text)
+    assert rendered["code"] == code and rendered["languages"] == languages, rendered
+    assert rendered["copies"] == len(code) and rendered["elements"] == 0, rendered
+    assert rendered["paragraphs"] == paragraphs, rendered
+
+
 def test_the_page_asks_for_the_api_key(browser, demo, tmp_path):
     guarded = ServeProcess(demo, tmp_path / "server.log", "--api-key", "sesame")
     try:

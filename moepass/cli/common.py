@@ -328,10 +328,10 @@ def sampling_options(greedy: bool):
         f = click.option(
             "-s",
             "--seed",
-            type=click.IntRange(0, 2**64 - 1),
+            type=click.IntRange(-1, 2**64 - 1),
             default=None,
             show_default="random",
-            help="Seed for sampled decoding.",
+            help="Seed for sampled decoding; -1: a random one, said on stderr (llama.cpp's spelling).",
         )(f)
         for flag, kind, text in reversed(SAMPLING_OPTIONS):  # the last applied is shown first
             finite = kind is float or isinstance(kind, click.FloatRange)
@@ -380,7 +380,13 @@ def _field(flag: str) -> str:
 
 def sampling_of(options: dict) -> Sampling:
     names = [_field(flag) for flag, _, _ in SAMPLING_OPTIONS] + ["seed"]
-    return Sampling(**{n: options.pop(n) for n in names})
+    settings = {n: options.pop(n) for n in names}
+    if settings["seed"] == -1:  # llama.cpp's "random seed": drawn here and said, so a run can be repeated
+        import secrets
+
+        settings["seed"] = secrets.randbits(32)
+        click.echo(f"random seed {settings['seed']} (-s {settings['seed']} repeats this run)", err=True)
+    return Sampling(**settings)
 
 
 def require(extra: str, what: str, *modules: str) -> None:

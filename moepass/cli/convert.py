@@ -25,7 +25,7 @@ from moepass.core.options import CONVERT_OPTIONS
 @click.option(
     "--force", is_flag=True, help="Replace the output directory if moepass wrote it (never a folder of yours)."
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, and the summary in one line.")
 def convert(model: str, output: str, force: bool, quiet: bool, **settings: Any) -> None:
     """Convert a GGUF MoE model (first file of a split model) into an ONNX decoder, or fuse the MoE
     subgraphs of an ONNX model (MODEL.onnx or a model directory) into QMoE nodes."""
@@ -36,5 +36,9 @@ def convert(model: str, output: str, force: bool, quiet: bool, **settings: Any) 
         result = run_convert(model, output, overwrite=force, progress=progress, echo=click.echo, **settings)
     finally:
         progress.close()
-    for line in result.summary_lines():
+    lines = result.summary_lines()
+    if quiet:  # the first line and the expert forms: what was written, and in which form
+        form = next((line.split(maxsplit=2)[2] for line in lines if line.startswith("  expert form ")), None)
+        lines = [lines[0] + (f": {form}" if form else "")]
+    for line in lines:
         click.echo(line)

@@ -450,8 +450,15 @@ class ModelServer:
 
     def task_of(self, body: dict, prompt_ids: list[int]) -> "Task":
         """A request's generation settings, checked (a bad field is a RequestError naming it)."""
-        if body.get("n", 1) != 1:
+        n = body.get("n", 1)
+        if n is not None and (isinstance(n, bool) or n != 1):  # true == 1 in Python, not in JSON
             raise RequestError(400, "only n = 1 is supported", "n")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise RequestError(400, "'stream_options' must be an object", "stream_options")
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise RequestError(400, "'parallel_tool_calls' must be true or false", "parallel_tool_calls")
         top = logprobs_wanted(body, chat="messages" in body)
         sampling = sampling_of(body, self.defaults)
         stops = stop_strings(body)

@@ -191,21 +191,45 @@ function splitReasoning(reasoning, content) {
 
 function renderMarkdown(text) {
   const root = el("div", { class: "markdown" });
-  const fence = /^```([^\n`]*)\n([\s\S]*?)(?:\n```|$)/m;
+  const opening = /^[ \t]*```([^\n`]*)\n/m; // a fence opens at a line's start
   let rest = text;
   while (rest) {
-    const found = fence.exec(rest);
+    const found = opening.exec(rest);
     if (!found) {
       blocks(root, rest);
       break;
     }
     blocks(root, rest.slice(0, found.index));
-    const code = el("code", { text: found[2] });
-    if (found[1].trim()) code.dataset.language = found[1].trim().slice(0, 40);
-    root.append(el("pre", {}, code));
-    rest = rest.slice(found.index + found[0].length);
+    const body = rest.slice(found.index + found[0].length);
+    // it closes at the next line that is only a fence (``` and spaces), else at the end (still streaming)
+    const closing = /^[ \t]*```[ \t]*$/m.exec(body);
+    const code = closing ? body.slice(0, Math.max(0, closing.index - 1)) : body;
+    root.append(codeBlock(code, found[1].trim()));
+    rest = closing ? body.slice(closing.index + closing[0].length).replace(/^\n/, "") : "";
   }
   return root;
+}
+
+// a fenced block: its language as a label, a copy button, the code set as text
+function codeBlock(code, language) {
+  const text = el("code", { text: code });
+  const bar = el("div", { class: "code-bar" });
+  if (language) {
+    text.dataset.language = language.slice(0, 40);
+    bar.append(el("span", { class: "code-language", text: language.slice(0, 40) }));
+  }
+  const copy = el("button", { type: "button", class: "code-copy", text: "copy" });
+  copy.addEventListener("click", async () => {
+    try {
+      await navigator.clipboard.writeText(code);
+      copy.textContent = "copied";
+    } catch {
+      copy.textContent = "copy failed";
+    }
+    setTimeout(() => (copy.textContent = "copy"), 1500);
+  });
+  bar.append(copy);
+  return el("div", { class: "code-block" }, bar, el("pre", {}, text));
 }
 
 function blocks(root, text) {
