@@ -116,6 +116,8 @@ extern const KernelTable kernels_scalar, kernels_avx2, kernels_avx512;
 /* the rows of a tile past its whole row groups, on the scalar kernels (the SIMD files' remainder) */
 void dot_rows_left(int type_index, const uint8_t *rows, size_t row_bytes, size_t n_rows, size_t first,
                    size_t n_blocks, const ActRow *x, size_t n_x, float *const *out);
+/* a row of k elements of quant_types[type_index] in the GGUF's own order, as ggml dequantizes it */
+void dequantize_row(int type_index, const uint8_t *row, size_t k, float *y);
 /* every AVX-512 CPU has AVX2: its table takes these quantizers */
 void quantize_q8_0_avx2(const float *x, size_t k, ActRow *y);
 void quantize_q8_k_avx2(const float *x, size_t k, ActRow *y);

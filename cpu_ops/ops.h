@@ -44,5 +44,7 @@ OrtStatus *moe_create(const OrtKernelInfo *info, const KernelTable *kernels, voi
 OrtStatus *moe_compute(void *kernel, OrtKernelContext *context);
 OrtStatus *matmul_create(const OrtKernelInfo *info, const KernelTable *kernels, void **kernel);
 OrtStatus *matmul_compute(void *kernel, OrtKernelContext *context);
+OrtStatus *gather_create(const OrtKernelInfo *info, const KernelTable *kernels, void **kernel);
+OrtStatus *gather_compute(void *kernel, OrtKernelContext *context);
 
 #endif

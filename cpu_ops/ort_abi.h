@@ -22,7 +22,7 @@ typedef struct OrtApiBase {
     const char *(*GetVersionString)(void);
 } OrtApiBase;
 
-enum { ORT_ELEMENT_UNDEFINED = 0, ORT_ELEMENT_FLOAT = 1, ORT_ELEMENT_UINT8 = 2 };
+enum { ORT_ELEMENT_UNDEFINED = 0, ORT_ELEMENT_FLOAT = 1, ORT_ELEMENT_UINT8 = 2, ORT_ELEMENT_INT64 = 7 };
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
 enum { ORT_IO_REQUIRED = 0, ORT_IO_OPTIONAL = 1 };
 

@@ -311,3 +311,151 @@ const KernelTable kernels_scalar = {
     {dot_q4_0, dot_q8_0, dot_q4_k, dot_q6_k, dot_q5_k, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_mxfp4,
      dot_q5_0, dot_q4_1, dot_q5_1},
     {quantize_q8_0, quantize_q8_k}};
+
+/* ---- a block's values, as ggml's dequantize_row_* computes them (GatherPacked's rows) -------------------
+ * Each value in ggml's float order, no operation contracted (the library is built -ffp-contract=off):
+ * the values gguf-py's dequantize gives too, bit for bit (tests/test_cpu_ops.py). */
+static void dequantize_block(int ggml_type, const uint8_t *b, float *y) {
+    switch (ggml_type) {
+    case GGML_Q4_0: {
+        const float d = read_fp16(b);
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)((b[2 + j] & 0x0f) - 8) * d;
+            y[j + 16] = (float)((b[2 + j] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case GGML_Q4_1: {
+        const float d = read_fp16(b), m = read_fp16(b + 2);
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)(b[4 + j] & 0x0f) * d + m;
+            y[j + 16] = (float)(b[4 + j] >> 4) * d + m;
+        }
+        break;
+    }
+    case GGML_Q5_0:
+    case GGML_Q5_1: {
+        const int affine = ggml_type == GGML_Q5_1, at = affine ? 4 : 2;
+        const float d = read_fp16(b), m = affine ? read_fp16(b + 2) : 0.0f;
+        uint32_t qh;
+        memcpy(&qh, b + at, 4);
+        const uint8_t *qs = b + at + 4;
+        for (int j = 0; j < 16; j++) {
+            const int x0 = (qs[j] & 0x0f) | (((qh >> j) << 4) & 0x10), x1 = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+            if (affine) {
+                y[j] = (float)x0 * d + m;
+                y[j + 16] = (float)x1 * d + m;
+            } else {
+                y[j] = (float)(x0 - 16) * d;
+                y[j + 16] = (float)(x1 - 16) * d;
+            }
+        }
+        break;
+    }
+    case GGML_Q8_0: {
+        const float d = read_fp16(b);
+        for (int j = 0; j < 32; j++)
+            y[j] = (float)(int8_t)b[2 + j] * d;
+        break;
+    }
+    case GGML_IQ4_NL: {
+        const float d = read_fp16(b);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)iq4_values[b[2 + j] & 0x0f];
+            y[j + 16] = d * (float)iq4_values[b[2 + j] >> 4];
+        }
+        break;
+    }
+    case GGML_MXFP4: {
+        const float d = e8m0_half(b[0]);
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)mxfp4_values[b[1 + j] & 0x0f] * d;
+            y[j + 16] = (float)mxfp4_values[b[1 + j] >> 4] * d;
+        }
+        break;
+    }
+    case GGML_Q2_K: { /* scales[16], qs[64], d, dmin */
+        const float d = read_fp16(b + 80), min = read_fp16(b + 82);
+        const uint8_t *sc = b, *q = b + 16;
+        int is = 0;
+        for (int n = 0; n < QK_K; n += 128, q += 32)
+            for (int shift = 0; shift < 8; shift += 2)
+                for (int half = 0; half < 2; half++, is++) {
+                    const float dl = d * (float)(sc[is] & 0x0f), ml = min * (float)(sc[is] >> 4);
+                    for (int l = 0; l < 16; l++)
+                        *y++ = dl * (float)((q[l + 16 * half] >> shift) & 3) - ml;
+                }
+        break;
+    }
+    case GGML_Q3_K: { /* hmask[32], qs[64], scales[12], d */
+        const float d = read_fp16(b + 108);
+        const uint8_t *hm = b, *q = b + 32;
+        int is = 0, m = 1;
+        for (int n = 0; n < QK_K; n += 128, q += 32)
+            for (int shift = 0; shift < 8; shift += 2, m <<= 1)
+                for (int half = 0; half < 2; half++, is++) {
+                    const float dl = d * (float)q3_k_scale(b + 96, is);
+                    for (int l = 16 * half; l < 16 * half + 16; l++)
+                        *y++ = dl * (float)(((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+                }
+        break;
+    }
+    case GGML_Q4_K:
+    case GGML_Q5_K: { /* d, dmin, scales[12], (Q5_K: qh[32]), qs[128] */
+        const int five = ggml_type == GGML_Q5_K;
+        const float d = read_fp16(b), min = read_fp16(b + 2);
+        const uint8_t *scales = b + 4, *qh = b + 16, *q = b + (five ? 48 : 16);
+        for (int j = 0, is = 0; j < QK_K; j += 64, q += 32, is += 2) {
+            int sc, mn;
+            q4_k_scale_min(scales, is, &sc, &mn);
+            const float d1 = d * (float)sc, m1 = min * (float)mn;
+            q4_k_scale_min(scales, is + 1, &sc, &mn);
+            const float d2 = d * (float)sc, m2 = min * (float)mn;
+            const int u1 = 1 << (j / 32), u2 = 2 << (j / 32);
+            for (int l = 0; l < 32; l++)
+                *y++ = d1 * (float)((q[l] & 0x0f) + (five && (qh[l] & u1) ? 16 : 0)) - m1;
+            for (int l = 0; l < 32; l++)
+                *y++ = d2 * (float)((q[l] >> 4) + (five && (qh[l] & u2) ? 16 : 0)) - m2;
+        }
+        break;
+    }
+    case GGML_Q6_K: { /* ql[128], qh[64], scales[16], d */
+        const float d = read_fp16(b + 208);
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8)
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[l] = d * (float)sc[is] * (float)q1;
+                y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+        break;
+    }
+    case GGML_IQ4_XS: { /* d, scales_h (2 bytes), scales_l[4], qs[128] */
+        const float d = read_fp16(b);
+        const unsigned scales_h = (unsigned)(b[2] | (b[3] << 8));
+        const uint8_t *qs = b + 8;
+        for (int ib = 0; ib < QK_K / 32; ib++, y += 32, qs += 16) {
+            const int ls = ((b[4 + ib / 2] >> 4 * (ib % 2)) & 0x0f) | (((scales_h >> 2 * ib) & 3) << 4);
+            const float dl = d * (float)(ls - 32);
+            for (int j = 0; j < 16; j++) {
+                y[j] = dl * (float)iq4_values[qs[j] & 0x0f];
+                y[j + 16] = dl * (float)iq4_values[qs[j] >> 4];
+            }
+        }
+        break;
+    }
+    }
+}
+
+void dequantize_row(int type_index, const uint8_t *row, size_t k, float *y) {
+    const QuantType *q = &quant_types[type_index];
+    for (size_t b = 0; b < k / (size_t)q->block; b++)
+        dequantize_block(q->ggml_type, row + b * (size_t)q->block_size, y + b * (size_t)q->block);
+}

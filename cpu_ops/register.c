@@ -175,13 +175,14 @@ static void op_destroy(void *kernel) {
       op_one, op_one, op_one, op_create, op_compute},                                                             \
      NAME, INPUTS, REQUIRED, TYPES, CREATE, COMPUTE}
 
-enum { F = ORT_ELEMENT_FLOAT, U8 = ORT_ELEMENT_UINT8 };
+enum { F = ORT_ELEMENT_FLOAT, U8 = ORT_ELEMENT_UINT8, I64 = ORT_ELEMENT_INT64 };
 /* moepass::MoEPacked: hidden [.., H], router logits [T, E], gate, up, down blobs [E, rows, row bytes],
  * then optional router_weights [T, E], gate and up biases [E, ffn], down bias [E, H]; moepass::MatMulPacked:
- * A [.., K], B blocks [N, row bytes] */
+ * A [.., K], B blocks [N, row bytes]; moepass::GatherPacked: a table of blocks [N, row bytes], indices [..] */
 static Op ops[] = {
     OP_RECORD("MoEPacked", 9, 5, ((int[12]){F, F, U8, U8, U8, F, F, F, F}), moe_create, moe_compute),
     OP_RECORD("MatMulPacked", 2, 2, ((int[12]){F, U8}), matmul_create, matmul_compute),
+    OP_RECORD("GatherPacked", 2, 2, ((int[12]){U8, I64}), gather_create, gather_compute),
 };
 
 static OrtCustomOpDomain *domain;

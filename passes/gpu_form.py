@@ -332,6 +332,8 @@ class GpuFormPass(InPlacePass):
                 self._reform(graph, moe, expert_form(types, [moe.hidden, moe.ffn]), cpu=True)
         for node in [n for n in graph if n.domain == NATIVE_DOMAIN and n.op_type == "MatMulPacked"]:
             self._dense_to_nbits(graph, node)  # every non-MoE node runs on the GPU
+        for node in [n for n in graph if n.domain == NATIVE_DOMAIN and n.op_type == "GatherPacked"]:
+            self._table_to_block_quantized(graph, node)
         cpu = {m.node for m in moe_nodes(graph) if not self.on_gpu(m)}
         # what no CUDA kernel takes stays on the CPU (and float32): MoEGroupRouter, say
         refused = {n for n in graph if n not in cpu and _no_kernel(n)}
@@ -490,6 +492,35 @@ class GpuFormPass(InPlacePass):
         old.replace_all_uses_with(result, replace_graph_outputs=True)
         if bias_add is not None:
             graph.remove(bias_add, safe=True)
+        graph.remove(node, safe=True)
+
+    def _table_to_block_quantized(self, graph: ir.Graph, node: ir.Node) -> None:
+        """A moepass::GatherPacked node (a native conversion's token embedding) as the
+        com.microsoft::GatherBlockQuantized convert writes for its type (quants.matrix_form without
+        block offsets), packed from the table's blocks."""
+        table, ids = input_at(node, 0), input_at(node, 1)
+        if table is None or ids is None:
+            raise MoepassError(f"{node.name}: GatherPacked without its table or indices")
+        ggml_type = GGMLQuantizationType(node.attributes.get_int("packed_type"))
+        name = (table.name or node.name or "GatherPacked").removesuffix(".blocks")
+        qt = quant_type(ggml_type, name)
+        tensor = tensor_of(table)
+        n, row_bytes = tensor_dims(tensor)
+        k = row_bytes // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
+        form = matrix_form(qt, k, offsets=False)
+        assert form is not None  # a type the kernels take is a block type
+        narrow = qt.keeps_codes(form) and scales_in_float16([qt], form)  # as convert stores a table's scales
+        packing = PackOptions(scale_dtype=HALF if narrow else FLOAT, workers=self.workers)
+        blob = BlobTensor(name, tensor, ggml_type, (n, k), grouped=False)
+        group = PackedGroup([GgufRows(blob, qt)], form, name, self.report, packing)  # type: ignore[arg-type]
+        attributes = {"gather_axis": 0, "quantize_axis": 1, "block_size": form.block_size, "bits": form.bits}
+        inputs = [_initializer(graph, group.codes), ids, _initializer(graph, group.scales)]
+        gather = ir.node("GatherBlockQuantized", inputs, attributes=attributes, domain="com.microsoft", name=node.name)
+        old = node.outputs[0]
+        gather.outputs[0].name, old.name = old.name, f"{old.name}.replaced"
+        gather.outputs[0].type, gather.outputs[0].shape = old.type, old.shape
+        graph.insert_before(node, gather)
+        old.replace_all_uses_with(gather.outputs[0], replace_graph_outputs=True)
         graph.remove(node, safe=True)
 
     @staticmethod

@@ -152,6 +152,8 @@ class Decoder:
         self.stop_ids = self.report.stop_token_ids
         # positions the model has RoPE tables for (GGUF conversions; None where unknown)
         self.context_length = self.report.context_length
+        # what set context_length below the model's (the CLI's "-c 4"), said where it limits a request
+        self.context_limit: str | None = None
         # llama.cpp's -n -1: each request runs until the stop token or a full context, cut to the room
         # its prompt leaves without the warning a cut request gets
         self.until_full = False
@@ -400,15 +402,20 @@ class Decoder:
             return max_new_tokens
         room = self.context_length - prompt_tokens
         if room <= 0:
+            more = (
+                f"{self.context_limit} limits this run; give more, up to the {self.report.context_length} the "
+                "model was converted for"
+                if self.context_limit
+                else f"{wording().call('convert', wording().option('--context', 'N'))} builds it for more"
+            )
+            whose = "this run's" if self.context_limit else "the model's"
             raise ContextOverflow(
-                f"the prompt has {prompt_tokens} tokens; the model's context holds "
-                f"{self.context_length} ({wording().call('convert', wording().option('--context', 'N'))} builds it "
-                "for more)"
+                f"the prompt has {prompt_tokens} tokens; {whose} context holds {self.context_length} ({more})"
             )
         if max_new_tokens > room and not self.until_full:
-            log.warning(
-                f"generation stops after {room} new tokens, at the model's context length ({self.context_length})"
-            )
+            n = self.context_length
+            whose = f"this run's context of {n} ({self.context_limit})" if self.context_limit else f"the model's ({n})"
+            log.warning(f"generation stops after {room} new tokens, at {whose}")
         return min(max_new_tokens, room)
 
     @property

@@ -216,6 +216,41 @@ def random_blocks(rng, ggml_type: GT, n: int, k: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+def gather_model(table: np.ndarray, ggml_type: GT) -> bytes:
+    """A moepass::GatherPacked node over a table of blocks [rows, row bytes] (the GGUF's own order)."""
+    node = helper.make_node("GatherPacked", ["table", "ids"], ["y"], domain=cpu_ops.DOMAIN, packed_type=int(ggml_type))
+    graph = helper.make_graph([node], "gather", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "T"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "T", None])],
+                              [onnx.numpy_helper.from_array(table, "table")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8).SerializeToString()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_gathered_rows_are_the_blocks_values_bit_for_bit(ggml_type):
+    """GatherPacked's rows (the token embedding of a native conversion) are gguf-py's dequantization
+    of the same blocks, bit for bit, on hostile bytes too (every scale and code byte random), for any
+    shape of indices; an index outside the table is an error naming it, not a read past the end."""
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(int(ggml_type))
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    rows, k = 37, block * (3 if block == 256 else 5)
+    table = random_blocks(rng, ggml_type, rows, k)
+    hostile = rng.integers(0, 256, table.shape, dtype=np.uint8)  # any bytes, float16 NaNs and infinities too
+    options = ort.SessionOptions()
+    cpu_ops.register(options)
+    for blocks in (table, hostile):
+        session = ort.InferenceSession(gather_model(blocks, ggml_type), options, providers=["CPUExecutionProvider"])
+        ids = np.array([[0, 36, 5, 5], [17, 1, 0, 36]], np.int64)
+        ours = session.run(None, {"ids": ids})[0]
+        with np.errstate(invalid="ignore", over="ignore"):  # gguf-py's arithmetic on the hostile bytes' NaNs
+            theirs = dequantize(blocks, ggml_type).reshape(rows, k)[ids]
+        np.testing.assert_array_equal(ours.view(np.uint32), theirs.astype(np.float32).view(np.uint32))
+    with pytest.raises(Exception, match="index 37 is outside the table's 37 rows"):
+        session.run(None, {"ids": np.array([[3, 37]], np.int64)})
+
+
 def test_the_kernels_take_the_types_the_quant_table_says():
     """cpu_ops/dispatch.c's table and QuantType.cpu_kernel name the same types."""
     for ggml_type, qt in QUANT_TYPES.items():

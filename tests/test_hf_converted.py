@@ -20,6 +20,8 @@ checkpoints, 55 cases) runs in about a minute.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGUFReader
@@ -92,6 +94,62 @@ def test_text_prompts_are_llama_cpps_tokens(name, add_bos, hf_gguf, tmp_path):
             assert decoder.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), (name, text)
     finally:
         llm.close()
+
+
+def _corpus() -> list[str]:
+    """Real text: the paragraphs of the project's README and usage guide (prose, numbers, code,
+    tables, flags), and what those lack: emoji with joiners and modifiers, whitespace runs, scripts
+    other than Latin, long numbers, control tokens among text."""
+    paragraphs = []
+    for doc in ("README.md", "docs/usage.md"):
+        text = (Path(__file__).resolve().parents[1] / doc).read_text()
+        paragraphs += [p for p in text.split("\n\n") if p.strip()][:40]
+    return paragraphs + [
+        "👩‍💻 🏳️‍🌈 👍🏽 🇯🇵 ❤️‍🔥 ✨✨✨",
+        "a  b   c\t\td \n\n\n   e\r\nf \u00a0g",
+        "   leading and trailing   ",
+        "3.14159 1,000,000 12345678901234567890 0x1F -42 1e-5 2026-12-07",
+        "日本語のテキストと中文文本, 한국어 텍스트, русский текст, العربية, ελληνικά",
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+        "def f(x):\n\tif x:\n\t\treturn {'a': [1, 2]}  # comment\n    else: pass\n",
+        "don't I'll we've THEY'RE it's O'Neil's",
+    ]
+
+
+CORPUS = _corpus()
+
+
+@pytest.mark.parametrize("pre", ["as-converted", "llama-bpe", "gpt2"])
+def test_a_corpus_is_tokenized_as_llama_cpp_does(pre, hf_gguf, tmp_path):
+    """Every tokenizer family the converter writes for byte-level BPE, by its pre-tokenizer: the
+    converter's own file (qwen2), and the same vocabulary under Llama-3's (llama-bpe) and GPT-2's
+    pre-tokenizers, each against llama.cpp on the same file, text by text of a real corpus
+    (SentencePiece: test_a_corpus_is_tokenized_as_llama_cpp_does_by_sentencepiece)."""
+    from gguf import GGUFValueType as V
+    from support.hostile import remake
+
+    gguf = hf_gguf("qwen3moe", "f32")
+    if pre != "as-converted":
+        gguf = remake(gguf, tmp_path / f"{pre}.gguf", set_kv={"tokenizer.ggml.pre": (pre, V.STRING)})
+    _same_tokens(gguf, tmp_path)
+
+
+def test_a_corpus_is_tokenized_as_llama_cpp_does_by_sentencepiece(tmp_path):
+    """SentencePiece with byte fallback (the fixture writer's llama vocabulary), against llama.cpp."""
+    from make_fixtures import write_moe_gguf
+
+    _same_tokens(write_moe_gguf(tmp_path / "spm.gguf", "f32", tokenizer="llama"), tmp_path)
+
+
+def _same_tokens(gguf, tmp_path) -> None:
+    decoder = load(convert(gguf, tmp_path / "onnx", echo=lambda line: None).output_dir)
+    llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    try:
+        differ = [text for text in CORPUS
+                  if decoder.encode(text) != llm.tokenize(text.encode(), add_bos=True, special=True)]
+    finally:
+        llm.close()
+    assert not differ, f"{len(differ)} of {len(CORPUS)} texts tokenized otherwise than llama.cpp does: {differ[:3]}"
 
 
 @pytest.mark.parametrize("name,file_type", CASES)

@@ -136,11 +136,13 @@ def test_ctx_size_bounds_prompt_and_generation(model):
     bounded = _invoke("run", model, *IDS, "-n", "16", "-c", "8")
     assert bounded.exit_code == 0, bounded.output
     assert bounded.stdout == _ok("run", model, *IDS, "-n", "5").stdout and len(_tokens(bounded)) <= 5
-    assert "context length (8)" in bounded.stderr  # the runtime's warning that 16 were asked
+    assert "at this run's context of 8 (-c 8)" in bounded.stderr  # the runtime's warning that 16 were asked
     assert _ok("run", model, *IDS, "-n", "5", "--ctx-size", "8").stdout == bounded.stdout
     assert _ok("run", model, *IDS, "-n", "5", "-c", "0").stdout == bounded.stdout  # 0: the model's own
     refused = _refused("run", model, "--prompt-ids", ",".join(["1"] * 8), "-c", "8")
-    assert "context holds 8" in refused
+    # the user's own -c limits: said, not "convert --context N"
+    assert "this run's context holds 8 (-c 8 limits this run; give more, up to the 512" in refused
+    assert "convert" not in refused
 
 
 def test_ctx_size_in_chat(model):
@@ -148,7 +150,7 @@ def test_ctx_size_in_chat(model):
     result = _invoke("chat", model, "-c", "20", "--temp", "0", "-n", "64", stdin="hi\n/exit\n")
     assert result.exit_code == 0, result.output
     new, prompt, _ = turn_counts(result.stderr)
-    assert new + prompt <= 20 and "context length (20)" in result.stderr  # the runtime's: 64 were asked
+    assert new + prompt <= 20 and "context of 20 (-c 20)" in result.stderr  # the runtime's: 64 were asked
 
 
 def test_ctx_size_in_bench(model):

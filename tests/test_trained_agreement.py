@@ -1,5 +1,6 @@
-"""Trained models, quantized by llama.cpp's own quantizer and converted into ONNX Runtime's own forms
-(`--expert-format qmoe`, int8 activations: the forms the table below measured), keep llama.cpp's fidelity to the unquantized model, by the measure llama.cpp users
+"""Trained models, quantized by llama.cpp's own quantizer and converted with the default (moepass's own
+CPU kernels over the GGUF's blocks) and into ONNX Runtime's own forms (`--expert-format qmoe`; int8
+activations both), keep llama.cpp's fidelity to the unquantized model, by the measure llama.cpp users
 judge quantizations with (`llama-perplexity --kl-divergence`): on held-out token windows, the mean
 KL divergence of the next-token distribution from the F32 model's is at most RATIO_BOUND times
 llama.cpp's on the same file, the whole 90 % bootstrap interval of the ratio (over windows) at or
@@ -28,6 +29,11 @@ tests/cpu_family.py):
     Q2_K        1.003 / 1.003   1.001 / 1.002   int8/b128
     IQ2_XXS     1.021 / 1.021   1.028 / 1.028   int4/b32
     IQ1_S       0.985 / 0.985   1.003 / 1.003   int4/b32
+
+The default (2026-12-07, an EPYC Zen 4, AVX-512): 0.999-1.001x on both models for Q4_K_M, Q5_K_M,
+Q6_K, Q4_0, Q8_0, IQ4_XS, MXFP4_MOE and Q2_K (every interval within [0.997, 1.003]): it computes
+what llama.cpp does, the embedding's rows too (moepass::GatherPacked), so NATIVE_BOUND is 1.02; IQ2_XXS
+and IQ1_S, whose experts it gives the qmoe forms, 1.015-1.018x.
 
 The kernel families move no ratio by more than 0.002 (an earlier run of the same kind saw up to
 0.031); the largest, 1.046, leaves RATIO_BOUND 1.1 room for that and
@@ -73,6 +79,10 @@ pytestmark = pytest.mark.llama
 
 FILE_TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0", "IQ4_XS", "MXFP4_MOE", "Q2_K", "IQ2_XXS", "IQ1_S"]
 RATIO_BOUND, TOP_MARGIN = 1.1, 0.005
+# the default on the CPU (auto: moepass's own kernels, the GGUF's own blocks, the embedding's rows as ggml
+# dequantizes them) computes what llama.cpp does: issue 67's bound, where every tensor has a kernel
+NATIVE_BOUND = 1.02
+QMOE_IN_THE_DEFAULT = ("IQ2_XXS", "IQ1_S")  # no kernel for their experts: the qmoe forms, RATIO_BOUND
 MAX_WINDOWS = {"markov": 64, "text": 64}  # where an undecided interval stops growing (and fails)
 # sha256 of the trained fixtures (the markov one at train_fixture.STEPS); the text one is of this
 # Python's documentation topics, so it is held only on the version it was measured with
@@ -114,18 +124,19 @@ def windows(trained_models):
     return {name: Windows(name, source, first) for name, (source, _, first) in trained_models.items()}
 
 
+@pytest.mark.parametrize("expert_format", ["qmoe", "auto"])
 @pytest.mark.parametrize("model", ["markov", "text"])
 @pytest.mark.parametrize("file_type", FILE_TYPES)
-def test_trained_model_keeps_llama_cpps_fidelity(file_type, model, trained_models, windows, tmp_path):
-    """The mean KLD ratio's 90 % interval lies at or below RATIO_BOUND: where the first windows
-    leave it undecided (its high end above, its low end not), twice the windows, up to
-    MAX_WINDOWS; above it fails, and still undecided there the ratio over all of them decides."""
+def test_trained_model_keeps_llama_cpps_fidelity(file_type, model, expert_format, trained_models, windows, tmp_path):
+    """The mean KLD ratio's 90 % interval lies at or below the bound (RATIO_BOUND; NATIVE_BOUND for
+    the default's own kernels, where every tensor of the file has one): where the first windows leave
+    it undecided (its high end above, its low end not), twice the windows, up to MAX_WINDOWS; above it
+    fails, and still undecided there the ratio over all of them decides."""
+    bound = NATIVE_BOUND if expert_format == "auto" and file_type not in QMOE_IN_THE_DEFAULT else RATIO_BOUND
     source, imatrix, first = trained_models[model]
     path = tmp_path / f"{file_type}.gguf"
     assert llama_quantize(source, path, file_type, imatrix), f"llama.cpp refused {file_type}"
-    # qmoe: the forms this bound was measured on; the native default's (the GGUF's own blocks, llama.cpp's
-    # arithmetic) on the markov Q5_K_M, 1.327x [0.877, 2.369] at 64 windows, is issue 67's to decide
-    onnx = convert(path, tmp_path / "onnx", expert_format="qmoe", echo=lambda line: None).output_dir
+    onnx = convert(path, tmp_path / "onnx", expert_format=expert_format, echo=lambda line: None).output_dir
     held_out = windows[model]
     ids, theirs, ours = [], [], []
     count = len(first)
@@ -136,13 +147,15 @@ def test_trained_model_keeps_llama_cpps_fidelity(file_type, model, trained_model
         ids += new
         reference = held_out.reference[: len(ids)]
         ratio, low, high = kld_ratio(reference, ours, theirs)
-        if high <= RATIO_BOUND or low > RATIO_BOUND or count >= MAX_WINDOWS[model]:
+        if high <= bound or low > bound or count >= MAX_WINDOWS[model]:
             break
         count = min(2 * count, MAX_WINDOWS[model])
     our_quality, their_quality = (next_token_quality(reference, logits, ids) for logits in (ours, theirs))
+    print(f"{model} {file_type} {expert_format}: mean KLD {ratio:.3f}x llama.cpp's [90 %: {low:.3f}, {high:.3f}] "
+          f"over {len(ids)} windows")
     # decided: the interval at or below the bound; undecided at MAX_WINDOWS: the point estimate over
     # all of them (8,128 positions) against it
-    decided = high <= RATIO_BOUND or (low <= RATIO_BOUND and count >= MAX_WINDOWS[model] and ratio <= RATIO_BOUND)
+    decided = high <= bound or (low <= bound and count >= MAX_WINDOWS[model] and ratio <= bound)
     assert decided, (
         f"{model} {file_type}: mean KLD {ratio:.3f}x llama.cpp's [90 %: {low:.3f}, {high:.3f}] over {len(ids)} "
         f"windows; ours {our_quality}, llama.cpp's {their_quality}")

@@ -481,6 +481,7 @@ def run_within(decoder, context: int | None) -> None:
     and no further."""
     if context:
         decoder.context_length = context
+        decoder.context_limit = f"-c {context}"
 
 
 def max_new_tokens_option(default: int, least: int, text: str) -> Callable:

@@ -161,10 +161,11 @@ class GraphBuilder:
         importance = self.options.imatrix or {}
         return [GgufRows(s, t, importance.get(s.name)) for s, t in zip(sources, types)]
 
-    def gguf_blob(self, name: str, src: SourceTensor, grouped: bool = False) -> ir.Value:
+    def gguf_blob(self, name: str, src: SourceTensor, grouped: bool = False, native: bool = False) -> ir.Value:
         """A GGUF tensor's own blocks as a uint8 initializer [..., rows, row bytes] (MoEPacked's
         blob), streamed as read: exact, the file's size. `grouped`: each matrix's rows in the row
-        groups moepass's CPU kernels take (moepass.core.row_groups), the same bytes reordered."""
+        groups moepass's CPU kernels take (moepass.core.row_groups), the same bytes reordered;
+        `native`: read by moepass's kernels in the GGUF's order (GatherPacked's table)."""
         shape = (*src.shape[:-1], src.row_bytes)
         qt = quant_type(src.ggml_type, src.name, src.path)
         self.report.add(
@@ -172,7 +173,7 @@ class GraphBuilder:
                 name,
                 [src.name],
                 [qt.name],
-                f"{'native' if grouped else 'packed'} {qt.name}",
+                f"{'native' if grouped or native else 'packed'} {qt.name}",
                 src.nbytes,
                 qt.bits_per_weight,
                 [True],
@@ -316,9 +317,22 @@ class GraphBuilder:
         dequantizes only the rows it gathers, codes laid out as QMoE's rows): a float32 copy of a
         151,936-token table would take 1.2 GB where llama.cpp keeps its blocks. Measured on both
         trained models: a Q4_K table at 8 bits keeps llama.cpp's fidelity, at 4 bits it does not (1.8x
-        its KLD)."""
+        its KLD). Beside moepass's own kernels (self.native) the table is the GGUF's own blocks in
+        moepass::GatherPacked, which dequantizes the rows it gathers as ggml does: the rest of such a
+        model computes what llama.cpp does, and a requantized table was then its largest difference
+        (the trained models' Q6_K: KLD 1.045x and 1.049x llama.cpp's with int8/b128, 1.000x exact; a
+        Q5_K table's int8/b32 moved the markov model's routing at a few positions). A table the LM
+        head shares (tied) keeps one copy, the head's row groups: there it takes its exact form where
+        the type has one, as --exact does."""
         src = self.tensor("token_embd")
-        form = self.matrix_form(src, offsets=False)  # GatherBlockQuantized has no block offsets
+        qt = quant_type(src.ggml_type, src.name, src.path)
+        native = qt.cpu_kernel and self.native([qt])
+        if native and self.arch.has_tensor(self.gguf, "output"):
+            table = self.gguf_blob(f"{src.name}.blocks", src, native=True)
+            attributes = {"packed_type": int(src.ggml_type)}
+            op = self.tape.op
+            return op("GatherPacked", [table, input_ids], attributes, domain=NATIVE_DOMAIN, name="embed_tokens")
+        form = matrix_form(qt, src.shape[-1], self.options.exact or native, offsets=False)  # no block offsets
         if form is None:
             table = self.float_weight(self.arch.tensor_name("token_embd"), src)
             return self.tape.op("Gather", [table, input_ids], {"axis": 0}, name="embed_tokens")
