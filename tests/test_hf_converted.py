@@ -119,7 +119,7 @@ def _corpus() -> list[str]:
 CORPUS = _corpus()
 
 
-@pytest.mark.parametrize("pre", ["as-converted", "llama-bpe", "gpt2"])
+@pytest.mark.parametrize("pre", ["as-converted", "llama-bpe", "gpt-2"])
 def test_a_corpus_is_tokenized_as_llama_cpp_does(pre, hf_gguf, tmp_path):
     """Every tokenizer family the converter writes for byte-level BPE, by its pre-tokenizer: the
     converter's own file (qwen2), and the same vocabulary under Llama-3's (llama-bpe) and GPT-2's

@@ -500,7 +500,7 @@ def _run(*extra: str, model: Callable[[Env], Path] | None = None):
 
 
 for _option, _value in [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-1"),
-                        ("--top-p", "nan"), ("--top-p", "1.5"), ("--top-k", "-1"), ("--seed", "-1"),
+                        ("--top-p", "nan"), ("--top-p", "1.5"), ("--top-k", "-1"), ("--seed", "-2"),
                         ("--seed", str(1 << 70)), ("--max-new-tokens", "-2"), ("--threads", "0"),
                         ("--threads", "-4"), ("--device", "tpu")]:
     case(f"run{_option}-{_value}", _run(_option, _value), _option)
@@ -653,8 +653,9 @@ def _convert_process(gguf: Path, out: Path):
     # cwd: `-m` puts the working directory first on sys.path (tests/conftest.py says why not the repository);
     # SIGINT as a terminal gives it: a suite started in the background by a shell inherits SIGINT ignored,
     # and Python keeps an ignored SIGINT ignored
+    # qmoe: the requantizing conversion slow_gguf is sized for (the default keeps Q4_K's blocks, faster)
     return subprocess.Popen([sys.executable, "-m", "moepass.cli", "convert", str(gguf), "-o", str(out), "-q",
-                             "--threads", "1"],
+                             "--threads", "1", "--expert-format", "qmoe"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=gguf.parent,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 

@@ -142,7 +142,7 @@ def test_ctx_size_bounds_prompt_and_generation(model):
     refused = _refused("run", model, "--prompt-ids", ",".join(["1"] * 8), "-c", "8")
     # the user's own -c limits: said, not "convert --context N"
     assert "this run's context holds 8 (-c 8 limits this run; give more, up to the 512" in refused
-    assert "convert" not in refused
+    assert "--context" not in refused
 
 
 def test_ctx_size_in_chat(model):
