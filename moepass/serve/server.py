@@ -267,10 +267,7 @@ def _tools(body: dict) -> list | None:
                 or not isinstance(function.get("name"), str):  # fmt: skip
             raise RequestError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                                f"tools[{i}]")  # fmt: skip
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise RequestError(400, "'parallel_tool_calls' must be true or false", "parallel_tool_calls")
-    return tools
+    return tools  # parallel_tool_calls: checked with the other fields (ModelServer.task_of)
 
 
 def _call_for_template(call: Any) -> Any:
