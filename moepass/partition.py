@@ -155,6 +155,9 @@ class PartitionResult:
                 f"this CPU ({pred.cpu.threads or 'default'} threads; MoE layers and the LM head's "
                 "rate timed on this model)"
             )
+            slower = _slower_than_the_cpu(plan.target, decode, pred.gpu_step_floor_ms)
+            if slower:
+                lines.append(f"  slower           {slower}")
         lines.append(f"  weights          {self.weights}")
         if self.report is not None:
             lines.append(f"  picture          {self.report} (the plan: popularity, residency and the budget)")
@@ -167,6 +170,24 @@ class PartitionResult:
                 "which runs on onnxruntime 1.32 with that EP only; onnxruntime-gpu 1.31.1 refuses its form)"
             )
         return lines
+
+
+def _slower_than_the_cpu(target: str, decode: Any, floor_ms: float | None) -> str | None:
+    """Where the plan is predicted slower than every layer on this CPU: the two figures and why, in
+    one line (None where it is not)."""
+    gpu = decode.cold_experts_on_cpu
+    if target != "layers":  # expert offload: the better of the two ways a cold expert is served
+        gpu = min(gpu, decode.cold_experts_over_pcie)
+    if decode.cpu_only is None or gpu <= decode.cpu_only:
+        return None
+    why = (
+        f"a GPU step's launches and synchronisation alone take {floor_ms:.3g} ms (assumed), more than this CPU's "
+        "whole step on a model this small"
+        if floor_ms and floor_ms >= decode.cpu_only
+        else "the layers and experts left in host memory cost more than the GPU saves"
+    )
+    figures = f"{gpu:.3g} against {decode.cpu_only:.3g} ms/token"
+    return f"the GPU plan is predicted slower than this CPU alone ({figures}): {why}"
 
 
 def _decode_estimate(target: str, decode: Any, timed: bool) -> str:

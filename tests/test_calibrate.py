@@ -42,6 +42,11 @@ def test_partition_predicts_every_layer_on_this_cpu_and_keeps_the_costs(converte
     step = calibrate.cpu_step_ms(placed.plan.cpu_costs)
     assert prediction.decode_ms_per_token.cpu_only == pytest.approx(step["moe"] + step["dense"])
     assert prediction.cpu is not None and prediction.cpu.threads == 1 and any(line.startswith("  CPU only ") for line in placed.summary_lines())
+    # the tiny fixture: a GPU step's assumed launches outweigh this CPU's whole step, said in one line
+    slower = [line for line in placed.summary_lines() if line.startswith("  slower ")]
+    decode = prediction.decode_ms_per_token
+    assert bool(slower) == (decode.cold_experts_on_cpu > decode.cpu_only), (slower, decode)
+    assert not slower or "predicted slower than this CPU alone" in slower[0]
     # an earlier plan's costs are taken instead of timing again; another model's are refused
     monkeypatch.setattr(calibrate, "measure_cpu_costs", lambda *a, **k: pytest.fail("measured again"))
     again = moepass.partition(source, tmp_path / "b", "8G", target="layers", cpu_profile=tmp_path / "a" / "plan.json")
