@@ -64,9 +64,10 @@ CONVERT_OPTIONS = option_table(
         Option(
             "expert_format",
             ("--expert-format",),
-            "auto: on the CPU, moepass's own kernels over the GGUF's own blocks (moepass::MoEPacked and "
-            "MatMulPacked) for every type they take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, "
-            "MXFP4), the rest as qmoe; qmoe where the kernels cannot run here or with --activations float. "
+            "auto: on the CPU, moepass's own kernels over the GGUF's own blocks (moepass::MoEPacked, "
+            "MatMulPacked, GatherPacked: llama.cpp's arithmetic, the file's size) for every type they take "
+            "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, MXFP4), the rest as qmoe; qmoe where the "
+            "kernels cannot run here or with --activations float. "
             "qmoe: ONNX Runtime's own QMoE and MatMulNBits, which any ONNX Runtime runs: the exact form when "
             "the blocks move bit-exactly (Q4_0, Q8_0, IQ4_XS, MXFP4, ...), else 8 bits at the largest block "
             "(keeps llama.cpp's fidelity); int4: 4 bits (half the bytes, more error), int8: 8 bits; offload: "
