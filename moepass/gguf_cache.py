@@ -298,6 +298,11 @@ class Entry:
     def stale(self) -> bool:
         return self.state not in ("current", "another user's")
 
+    @property
+    def foreign(self) -> bool:
+        """Another user's entry (never used or removed here)."""
+        return self.state == "another user's"
+
 
 def entries(cache_dir: str | os.PathLike | None = None) -> tuple[Path, list[Entry]]:
     """The cache folder and each entry in it (a folder, a record or both), with its state."""

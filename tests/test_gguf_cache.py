@@ -306,7 +306,8 @@ def test_an_entry_of_another_user_is_neither_used_nor_removed(gguf, cache):
     result = CliRunner().invoke(main, ["run", str(gguf), "--prompt-ids", "1", "-n", "1"])
     assert result.exit_code != 0 and "not this user's" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and _entries(cache) == [entry]
-    assert "another user's" in CliRunner().invoke(main, ["cache", "list"]).stdout
+    listed = CliRunner().invoke(main, ["cache", "list"]).stdout
+    assert "another user's" in listed and " 0 B " not in listed, listed
     assert CliRunner().invoke(main, ["cache", "clear"]).exit_code == 0 and _entries(cache) == [entry]
 
 
@@ -367,6 +368,8 @@ def test_cache_list_prune_clear(gguf, cache, tmp_path):
     assert states == {str(gguf.resolve()): "current", str(gone.resolve()): "source gone"}
     text = CliRunner().invoke(main, ["cache", "list"]).stdout
     assert "2 entries" in text and "source gone" in text and str(gone.resolve()) in text
+    rows = text.splitlines()[1:]  # columns aligned: each entry's state starts where the others' do
+    assert len(rows) == 2 and len({row.index("current" if "current" in row else "source gone") for row in rows}) == 1, text
     pruned = CliRunner().invoke(main, ["cache", "prune"])
     assert pruned.exit_code == 0 and "removed 1 stale entry" in pruned.stdout, pruned.output
     assert len(_entries(cache)) == 1 and not (cache / ".left-by-a-killed-run.json.0123.tmp").exists()

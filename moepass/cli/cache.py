@@ -38,8 +38,13 @@ def cache_list(cache_dir: str | None, as_json: bool) -> None:
         return
     total = sum(e.bytes for e in found)
     click.echo(f"{root}: {len(found)} entr{'y' if len(found) == 1 else 'ies'}, {format_bytes(total)}")
-    for e in found:
-        click.echo(f"  {e.name}  {format_bytes(e.bytes):>10}  {e.state:<22}  {e.source or '-'}")
+    # another user's folder may not be readable: its size unknown, not 0 B
+    rows = [
+        (e.name, "?" if e.foreign and not e.bytes else format_bytes(e.bytes), e.state, e.source or "-") for e in found
+    ]
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(3)]
+    for name, size, state, source in rows:
+        click.echo(f"  {name:<{widths[0]}}  {size:>{widths[1]}}  {state:<{widths[2]}}  {source}")
 
 
 @cache.command()
