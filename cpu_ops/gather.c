@@ -14,13 +14,9 @@ typedef struct {
 OrtStatus *gather_create(const OrtKernelInfo *info, const KernelTable *kernels, void **kernel) {
     (void)kernels;
     Gather g;
-    OrtStatus *status = ort.KernelInfoGetAttribute_int64(info, "packed_type", &g.type);
-    if (status) {
-        ort.ReleaseStatus(status);
-        return op_error(OP, "attribute packed_type is required");
-    }
-    if (quant_type_index(g.type) < 0)
-        return op_error(OP, "packed_type %lld: a GGML type these kernels do not take", (long long)g.type);
+    OrtStatus *status = packed_type_attribute(info, OP, &g.type);
+    if (status)
+        return status;
     Gather *copy = malloc(sizeof g);
     if (!copy)
         return op_error(OP, "out of memory");

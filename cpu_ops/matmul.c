@@ -17,16 +17,10 @@ typedef struct {
 
 OrtStatus *matmul_create(const OrtKernelInfo *info, const KernelTable *kernels, void **kernel) {
     MatMul m = {.kernels = kernels};
-    OrtStatus *status = ort.KernelInfoGetAttribute_int64(info, "packed_type", &m.type);
-    if (status) {
-        ort.ReleaseStatus(status);
-        return op_error(OP, "attribute packed_type is required");
-    }
     int64_t row_group;
-    if ((status = row_group_attribute(info, OP, &row_group)))
+    OrtStatus *status;
+    if ((status = packed_type_attribute(info, OP, &m.type)) || (status = row_group_attribute(info, OP, &row_group)))
         return status;
-    if (quant_type_index(m.type) < 0)
-        return op_error(OP, "packed_type %lld: a GGML type these kernels do not take", (long long)m.type);
     MatMul *copy = malloc(sizeof m);
     if (!copy)
         return op_error(OP, "out of memory");

@@ -37,6 +37,9 @@ typedef struct {
 OrtStatus *block_matrix(const char *op, const char *what, const Tensor *t, int64_t type, size_t k,
                         const KernelTable *kernels, BlockMatrix *m);
 
+/* the packed_type attribute: required, a GGML type the kernels take */
+OrtStatus *packed_type_attribute(const OrtKernelInfo *info, const char *op, int64_t *out);
+
 /* the row_group attribute: required, and the kernels' ROW_GROUP (a model of other rows is refused) */
 OrtStatus *row_group_attribute(const OrtKernelInfo *info, const char *op, int64_t *out);
 

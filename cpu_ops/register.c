@@ -84,6 +84,17 @@ OrtStatus *block_matrix(const char *op, const char *what, const Tensor *t, int64
     return NULL;
 }
 
+OrtStatus *packed_type_attribute(const OrtKernelInfo *info, const char *op, int64_t *out) {
+    OrtStatus *status = ort.KernelInfoGetAttribute_int64(info, "packed_type", out);
+    if (status) {
+        ort.ReleaseStatus(status);
+        return op_error(op, "attribute packed_type is required");
+    }
+    if (quant_type_index(*out) < 0)
+        return op_error(op, "packed_type %lld: a GGML type these kernels do not take", (long long)*out);
+    return NULL;
+}
+
 OrtStatus *row_group_attribute(const OrtKernelInfo *info, const char *op, int64_t *out) {
     OrtStatus *status = ort.KernelInfoGetAttribute_int64(info, "row_group", out);
     if (status) {

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 import onnx_ir as ir
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -205,7 +205,7 @@ def packed_rows(moe: MoeNode) -> ExpertRows:
         qt = quant_type(ggml_type, value.name or role)
         tensor = tensor_of(value)
         e, n, _ = tensor_dims(tensor)
-        k = tensor_dims(tensor)[-1] // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
+        k = qt.row_elements(tensor_dims(tensor)[-1])
         blob = BlobTensor(value.name or role, tensor, ggml_type, (e, n, k), grouped=is_native(node))
         rows.append(GgufRows(blob, qt))  # type: ignore[arg-type]
         types.append(qt)
@@ -456,18 +456,13 @@ class GpuFormPass(InPlacePass):
         the com.microsoft::MatMulNBits convert writes for its type (quants.matrix_form: the exact form
         where it has one, with the product of the input's block sums and the block offsets added for
         an affine type's, else 8 bits), packed from the blob's rows out of their groups."""
-        x, value = input_at(node, 0), input_at(node, 1)
-        if x is None or value is None:
-            raise MoepassError(f"{node.name}: MatMulPacked without its input or blocks")
-        ggml_type = GGMLQuantizationType(node.attributes.get_int("packed_type"))
-        name = (value.name or node.name or "MatMulPacked").removesuffix(".blocks")
-        qt = quant_type(ggml_type, name)
-        tensor = tensor_of(value)
-        n, row_bytes = tensor_dims(tensor)
-        k = row_bytes // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
+        x = input_at(node, 0)
+        if x is None:
+            raise MoepassError(f"{node.name}: MatMulPacked without its input")
+        qt, blob = _blob_matrix(node, input_at(node, 1), grouped=True)
+        (n, k), name = blob.shape, blob.name
         form = matrix_form(qt, k)
         assert form is not None  # a type the kernels take is a block type
-        blob = BlobTensor(name, tensor, ggml_type, (n, k), grouped=True)
         packing = PackOptions(blob_layout=True, scale_dtype=HALF, workers=self.workers)
         group = PackedGroup([GgufRows(blob, qt)], form, name, self.report, packing)  # type: ignore[arg-type]
         inputs: list[ir.Value | None] = [x, _initializer(graph, group.codes), _initializer(graph, group.scales)]
@@ -486,42 +481,25 @@ class GpuFormPass(InPlacePass):
             shifts = ir.node("MatMul", [sums.outputs[0], _initializer(graph, group.offsets)], name=f"{name}.offsets")
             add = ir.node("Add", [result, shifts.outputs[0]], name=f"{name}.with_offsets")
             made, result = [nbits, sums, shifts, add], add.outputs[0]
-        result.name, old.name = old.name, f"{old.name}.replaced"
-        result.type, result.shape = old.type, old.shape
-        graph.insert_before(node, made)
-        old.replace_all_uses_with(result, replace_graph_outputs=True)
-        if bias_add is not None:
-            graph.remove(bias_add, safe=True)
-        graph.remove(node, safe=True)
+        _replace(graph, [node] if bias_add is None else [node, bias_add], made, old, result)
 
     def _table_to_block_quantized(self, graph: ir.Graph, node: ir.Node) -> None:
         """A moepass::GatherPacked node (a native conversion's token embedding) as the
         com.microsoft::GatherBlockQuantized convert writes for its type (quants.matrix_form without
         block offsets), packed from the table's blocks."""
-        table, ids = input_at(node, 0), input_at(node, 1)
-        if table is None or ids is None:
-            raise MoepassError(f"{node.name}: GatherPacked without its table or indices")
-        ggml_type = GGMLQuantizationType(node.attributes.get_int("packed_type"))
-        name = (table.name or node.name or "GatherPacked").removesuffix(".blocks")
-        qt = quant_type(ggml_type, name)
-        tensor = tensor_of(table)
-        n, row_bytes = tensor_dims(tensor)
-        k = row_bytes // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
-        form = matrix_form(qt, k, offsets=False)
+        ids = input_at(node, 1)
+        if ids is None:
+            raise MoepassError(f"{node.name}: GatherPacked without its indices")
+        qt, blob = _blob_matrix(node, input_at(node, 0), grouped=False)
+        form = matrix_form(qt, blob.shape[1], offsets=False)
         assert form is not None  # a type the kernels take is a block type
         narrow = qt.keeps_codes(form) and scales_in_float16([qt], form)  # as convert stores a table's scales
         packing = PackOptions(scale_dtype=HALF if narrow else FLOAT, workers=self.workers)
-        blob = BlobTensor(name, tensor, ggml_type, (n, k), grouped=False)
-        group = PackedGroup([GgufRows(blob, qt)], form, name, self.report, packing)  # type: ignore[arg-type]
+        group = PackedGroup([GgufRows(blob, qt)], form, blob.name, self.report, packing)  # type: ignore[arg-type]
         attributes = {"gather_axis": 0, "quantize_axis": 1, "block_size": form.block_size, "bits": form.bits}
         inputs = [_initializer(graph, group.codes), ids, _initializer(graph, group.scales)]
         gather = ir.node("GatherBlockQuantized", inputs, attributes=attributes, domain="com.microsoft", name=node.name)
-        old = node.outputs[0]
-        gather.outputs[0].name, old.name = old.name, f"{old.name}.replaced"
-        gather.outputs[0].type, gather.outputs[0].shape = old.type, old.shape
-        graph.insert_before(node, gather)
-        old.replace_all_uses_with(gather.outputs[0], replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        _replace(graph, [node], [gather], node.outputs[0], gather.outputs[0])
 
     @staticmethod
     def _padded_bias(graph: ir.Graph, bias: ir.Value, hidden: int, pad: int) -> ir.Value:
@@ -537,6 +515,30 @@ class GpuFormPass(InPlacePass):
         )
         graph.register_initializer(value)
         return value
+
+
+def _blob_matrix(node: ir.Node, value: ir.Value | None, grouped: bool) -> tuple[QuantType, BlobTensor]:
+    """The blocks [N, row bytes] of `packed_type` a moepass::MatMulPacked or GatherPacked node reads
+    (`grouped`: in row groups), as the GGUF matrix [N, K] they hold, and its type."""
+    if value is None:
+        raise MoepassError(f"{node.name}: {node.op_type} without its blocks")
+    ggml_type = GGMLQuantizationType(node.attributes.get_int("packed_type"))
+    name = (value.name or node.name or node.op_type).removesuffix(".blocks")
+    qt = quant_type(ggml_type, name)
+    tensor = tensor_of(value)
+    n, row_bytes = tensor_dims(tensor)
+    return qt, BlobTensor(name, tensor, ggml_type, (n, qt.row_elements(row_bytes)), grouped=grouped)
+
+
+def _replace(graph: ir.Graph, nodes: list[ir.Node], made: list[ir.Node], old: ir.Value, result: ir.Value) -> None:
+    """`made` (ending in `result`) in place of `nodes` (the first the op; after it, the bias Add whose
+    output is `old`): `result` takes over `old`'s name, type, shape and every use."""
+    result.name, old.name = old.name, f"{old.name}.replaced"
+    result.type, result.shape = old.type, old.shape
+    graph.insert_before(nodes[0], made)
+    old.replace_all_uses_with(result, replace_graph_outputs=True)
+    for gone in reversed(nodes):  # the readers first: a node is removed once nothing reads it
+        graph.remove(gone, safe=True)
 
 
 def _bias_add(y: ir.Value, n: int) -> ir.Node | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from moepass.core import keys
 from moepass.core.capabilities import activation_dtype
@@ -32,6 +32,7 @@ from moepass.core.ir_values import dims, required_input, stored_constant, tensor
 from moepass.core.model_io import load_model, model_file
 from moepass.core.moe_nodes import MoeNode, moe_nodes, tensor_bytes
 from moepass.core.onnx_format import OPSETS, stamp
+from moepass.core.quants import quant_type
 from moepass.runtime.providers import register_native_kernels
 
 FORMAT = "moepass-cpu-costs"
@@ -154,8 +155,8 @@ def _dense_rate(node: ir.Node, size: int, dtype: ir.DataType, folder: Path, thre
     if node.op_type == "MatMulNBits":
         k = node.attributes.get_int("K", 0)
     elif node.op_type == "MatMulPacked":  # moepass's: [N, row bytes] of its GGML type's blocks
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(node.attributes.get_int("packed_type", 0))]
-        k = weight[-1] // type_size * block
+        qt = quant_type(GGMLQuantizationType(node.attributes.get_int("packed_type", 0)), node.name or "MatMulPacked")
+        k = qt.row_elements(weight[-1])
     else:
         k = weight[0]
     np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32

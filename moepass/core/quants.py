@@ -397,6 +397,11 @@ class QuantType:
         block, type_size = GGML_QUANT_SIZES[self.ggml_type]
         return type_size * 8 / block
 
+    def row_elements(self, row_bytes: int) -> int:
+        """The elements a row of `row_bytes` bytes of this type's blocks holds."""
+        block, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        return row_bytes // type_size * block
+
     def exact_forms(self) -> tuple[BlockForm, ...]:
         """Forms that hold this type's values bit-exactly."""
         if self.storage != "blocks":
@@ -886,7 +891,7 @@ def _without_features(
     """A source without codes of its own beside affine ones in a tensor of block-sum features (a
     Q4_0 gate beside a Q4_K up, say): its values in the plain form (exact where they are), its
     correction columns zero."""
-    k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
+    k = qt.row_elements(raw.shape[-1])
     plain = form.plain
     main = pack(raw, qt, plain, importance=importance, half_scales=half_scales)
     codes[..., : plain.packed_bytes(k)] = main.weights
@@ -916,7 +921,7 @@ def pack(
     given; they may be strided views); `importance` weighs a requantization's error per input column
     (see quantize_values); `half_scales`: a requantization's scales are chosen among float16 values.
     """
-    k = raw.shape[-1] // GGML_QUANT_SIZES[qt.ggml_type][1] * GGML_QUANT_SIZES[qt.ggml_type][0]
+    k = qt.row_elements(raw.shape[-1])
     k_blocks = form.width(k) // (form.block_size or k)
     if codes is None:
         codes = np.empty(raw.shape[:-1] + (form.packed_bytes(form.width(k)),), dtype=np.uint8)

@@ -325,13 +325,13 @@ class GraphBuilder:
         head shares (tied) keeps one copy, the head's row groups: there it takes its exact form where
         the type has one, as --exact does."""
         src = self.tensor("token_embd")
-        qt = quant_type(src.ggml_type, src.name, src.path)
-        native = qt.cpu_kernel and self.native([qt])
+        native = self.native_matrix(src)
         if native and self.arch.has_tensor(self.gguf, "output"):
             table = self.gguf_blob(f"{src.name}.blocks", src, native=True)
             attributes = {"packed_type": int(src.ggml_type)}
             op = self.tape.op
             return op("GatherPacked", [table, input_ids], attributes, domain=NATIVE_DOMAIN, name="embed_tokens")
+        qt = quant_type(src.ggml_type, src.name, src.path)
         form = matrix_form(qt, src.shape[-1], self.options.exact or native, offsets=False)  # no block offsets
         if form is None:
             table = self.float_weight(self.arch.tensor_name("token_embd"), src)
