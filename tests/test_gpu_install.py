@@ -57,7 +57,8 @@ def gpu_route(tmp_path_factory):
     done = _run(". .venv/bin/activate && " + route_commands()["replace"], repo)
     if done.returncode:
         pytest.skip(f"the GPU wheels could not be installed here: {done.stderr.strip().splitlines()[-1:]}")
-    return repo, repo / ".venv" / "bin" / "python"
+    yield repo, repo / ".venv" / "bin" / "python"
+    shutil.rmtree(work, ignore_errors=True)  # 3 GB of wheels: not kept to the session's end
 
 
 def test_the_route_leaves_one_onnxruntime_with_its_cuda_libraries(gpu_route, converted, tmp_path):

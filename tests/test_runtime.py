@@ -318,6 +318,7 @@ def gpu_wheel_python(tmp_path_factory):
     module, without its CUDA libraries; no GPU here) and moepass: the path by which ONNX Runtime
     fails to create its CUDA EP on a machine that lacks them. Skipped, saying so, where the wheel
     cannot be installed (no package index)."""
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
@@ -333,7 +334,8 @@ def gpu_wheel_python(tmp_path_factory):
         done = subprocess.run(step, capture_output=True, text=True, timeout=900)
         if done.returncode:
             pytest.skip(f"onnxruntime-gpu could not be installed here: {done.stderr.strip().splitlines()[-1:]}")
-    return python
+    yield python
+    shutil.rmtree(venv, ignore_errors=True)  # 0.8 GB: not kept to the session's end
 
 
 def test_a_cuda_ep_that_fails_to_load_is_refused_or_reported(gpu_wheel_python, converted, tmp_path):
