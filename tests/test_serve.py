@@ -189,6 +189,21 @@ def test_the_real_client_sees_the_errors(server, model):
     assert client.completions.create(model=model.name, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_max_tokens_past_the_context_is_the_room_left_and_said(server, model):
+    """max_tokens of 100,000 on the 512-token context: at most the tokens the context has left, one
+    line in the log saying so, and finish_reason "length" (llama-server's truncated) if it gets there."""
+    before = server.log.read_text()
+    answer = httpx.post(f"{server.base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 100_000,
+                                                                "temperature": 0},
+                        timeout=300).json()
+    said = server.log.read_text()[len(before):]
+    assert "max_tokens 100000 is more than the 509 tokens the context has left: 509 at most" in said, said
+    made = answer["usage"]["completion_tokens"]
+    assert made <= 509 and (made < 509 or answer["choices"][0]["finish_reason"] == "length"), answer
+    body = {"prompt": [5, 6, 7], "max_tokens": 100_000, "n_predict": 7, "temperature": 0}
+    assert httpx.post(f"{server.base}/completion", json=body, timeout=300).json()["tokens_predicted"] <= 7
+
+
 ANSWER = 1500  # tokens: seconds to write on make_fixtures.LONG_DIMS
 
 

@@ -384,6 +384,10 @@ class ModelServer:
             )
         if value is None:
             return (context - prompt_tokens) if context else 256
+        if context and value > context - prompt_tokens:  # llama-server's n_predict past the context
+            room = context - prompt_tokens
+            self.echo(f"max_tokens {value} is more than the {room} tokens the context has left: {room} at most")
+            return room
         return value
 
     def check_length(self, text: str, field: str) -> None:
