@@ -222,6 +222,27 @@ def test_shipped_fixture_is_what_the_generator_writes(tmp_path):
     assert make_fixtures.DEMO_FIXTURE.stat().st_size < 2 << 20
 
 
+def test_the_fixture_writer_writes_a_larger_model_as_docs_usage_says(tmp_path):
+    """docs/usage.md's way to a larger model to try: --dims and --layers, checked before writing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = str(root / "fixtures" / "make_fixtures.py")
+    assert "make_fixtures.py --preset q4_k_m --dims qwen3-30b --layers 2" in (root / "docs" / "usage.md").read_text()
+    out = tmp_path / "big.gguf"
+    done = subprocess.run([sys.executable, script, "--preset", "q4_k", "--dims", "long", "--layers", "3", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "3 layers of 512 wide" in done.stdout, done.stderr
+    reader = GGUFReader(out)
+    assert int(reader.fields["qwen3moe.block_count"].parts[-1][0]) == 3
+    assert int(reader.fields["qwen3moe.context_length"].parts[-1][0]) == 2048
+    refused = subprocess.run([sys.executable, script, "--preset", "q4_0", "--layers", "0"], capture_output=True,
+                             text=True, timeout=300, cwd=tmp_path)
+    assert refused.returncode == 2 and "--layers 0: at least 1" in refused.stderr and not list(tmp_path.glob("*-test-*"))
+
+
 @pytest.mark.parametrize("preset,fmt,form,errors", [("q4_0", "qmoe", "int4/b32", (0, 0)), ("q8_0", "qmoe", "int8/b32", (0, 0)),
                                                     ("q4_k", "auto", "native Q4_K/Q4_K/Q6_K", (0, 0)),
                                                     ("q4_0", "int8", "int8/b32", (0, 0)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -98,7 +99,7 @@ def stored(page) -> list[dict]:
 def test_a_message_gets_the_apis_answer_and_a_reload_keeps_it(page, server):
     settle(page, GREEDY)
     assert page.text_content("#model-name") == "out"
-    assert "context 512 tokens" in page.text_content("#model-context")
+    assert "context 4,096 tokens" in page.text_content("#model-context")
     ask(page, "the other one")
     wait_answered(page)
     expected = httpx.post(f"{server.base}/v1/chat/completions", timeout=60, json={
@@ -170,10 +171,35 @@ def test_stop_cancels_and_the_server_takes_the_next_request(page, server, demo):
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "hello there"
 
 
-def test_a_full_context_says_so(page):
-    ask(page, "one two three " * 300)  # well past the demo's 512 positions
+def test_a_refused_prompt_gets_its_count_and_what_would_help(page):
+    """A first message past the context: the server's token count, the context's, and what helps (not a
+    new chat); a later turn: the conversation's count, and a new chat or an edit besides."""
+    ask(page, "one two three " * 1500)  # past the demo's 4,096 positions (15,015 tokens)
     wait_answered(page)
-    assert "no longer fits the model's context (512 tokens)" in page.text_content(".message.assistant .error")
+    said = page.text_content(".message.assistant .error")
+    assert re.fullmatch(r"This message is [\d,]+ tokens; the model's context holds 4,096\. Send a shorter message, "
+                        r"or convert the model with a longer context \(moepass convert --context N\)\.", said), said
+    page.click("#new-chat")
+    settle(page, GREEDY)
+    ask(page, "one two three " * 200)  # 2,000 tokens, and a 2,100-token message that would fit alone
+    wait_answered(page, 1)
+    ask(page, "one two three " * 210)
+    wait_answered(page, 2)
+    said = page.locator(".message.assistant .error").last.text_content()
+    assert re.match(r"The conversation is [\d,]+ tokens; the model's context holds 4,096\. Start a new chat", said), said
+
+
+def test_twenty_turns_of_chat_on_the_demo_fit_its_context(page):
+    """The page's answer length left to it (a 32nd of the context): twenty turns on the demo model, whose
+    random weights seldom stop an answer, without a refusal."""
+    settle(page, {"temperature": "0"})
+    assert page.get_attribute("#max-tokens", "placeholder") == "auto: 128"
+    for turn in range(20):
+        ask(page, f"turn {turn}: tell me more")
+        wait_answered(page, turn + 1)
+    assert page.locator(".message.assistant .error").count() == 0
+    messages = stored(page)[0]["messages"]
+    assert len(messages) == 40 and all(m["content"] for m in messages[1::2])
 
 
 def test_a_phones_width_and_the_keys(browser, server):
@@ -186,6 +212,12 @@ def test_a_phones_width_and_the_keys(browser, server):
     assert page.is_visible("#new-chat")
     page.click("#new-chat")  # a new conversation folds the list away again
     assert not page.is_visible("#sidebar")
+    page.click("#toggle-sidebar")
+    page.click("#close-sidebar")  # its close button
+    assert not page.is_visible("#sidebar")
+    page.click("#toggle-sidebar")
+    page.mouse.click(370, 400)  # a tap outside it, on the conversation's side
+    assert not page.is_visible("#sidebar") and page.locator("#conversations li").count() == 2
     page.fill("#input", "first line")
     page.press("#input", "Shift+Enter")
     page.type("#input", "second line")

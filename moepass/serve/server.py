@@ -117,12 +117,16 @@ class RequestError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        **counts: int,
     ):
         super().__init__(message)
-        self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.status, self.param, self.code, self.kind, self.counts = status, param, code, kind, counts
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+        """OpenAI's error object, and llama-server's counts where it gives them (`n_prompt_tokens`, `n_ctx`)."""
+        return {
+            "error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code, **self.counts}
+        }
 
 
 def _number(body: dict, name: str, integer: bool = False) -> float | int | None:
@@ -381,6 +385,8 @@ class ModelServer:
                 f"the prompt has {prompt_tokens} tokens; the model's context holds {context}",
                 "messages" if "messages" in body else "prompt",
                 "context_length_exceeded",
+                n_prompt_tokens=prompt_tokens,
+                n_ctx=context,
             )
         if value is None:
             return (context - prompt_tokens) if context else 256
@@ -405,6 +411,7 @@ class ModelServer:
                 "can hold",
                 field,
                 "context_length_exceeded",
+                n_ctx=context,
             )
 
     def chat_prompt(self, body: dict) -> list[int]:

@@ -77,6 +77,13 @@ async function loadModel() {
   document.title = `${name} · moepass chat`;
   state.contextSize = Number(props.n_ctx) || 0;
   $("model-context").textContent = state.contextSize ? `context ${state.contextSize.toLocaleString()} tokens` : "";
+  $("max-tokens").placeholder = `auto: ${autoAnswerLength()}`;
+}
+
+// the answer length when Max tokens is left empty: a 32nd of the context (64 to 1,024 tokens), so that
+// a conversation runs for a score of turns before it fills the context (128 on the demo's 4,096)
+function autoAnswerLength() {
+  return Math.min(1024, Math.max(64, Math.floor(state.contextSize / 32))) || 512;
 }
 
 // ---- conversations -------------------------------------------------------------------------------
@@ -294,10 +301,12 @@ function safeLink(url) {
 
 function settings() {
   const number = (id) => Number($(id).value);
-  const body = { temperature: number("temperature"), top_p: number("top-p"), max_tokens: Math.round(number("max-tokens")) };
+  const length = $("max-tokens").value.trim() ? Math.round(number("max-tokens")) : null;
+  const body = { temperature: number("temperature"), top_p: number("top-p"), max_tokens: length };
+  localStorage.setItem(SETTINGS_STORE, JSON.stringify({ ...body, stops: $("stops").value }));
+  body.max_tokens = length || autoAnswerLength();
   const stops = $("stops").value.split("\n").filter((s) => s.length > 0);
   if (stops.length) body.stop = stops.slice(0, 4);
-  localStorage.setItem(SETTINGS_STORE, JSON.stringify({ ...body, stops: $("stops").value }));
   return body;
 }
 
@@ -306,7 +315,7 @@ function restoreSettings() {
     const saved = JSON.parse(localStorage.getItem(SETTINGS_STORE) || "{}");
     if (typeof saved.temperature === "number") $("temperature").value = saved.temperature;
     if (typeof saved.top_p === "number") $("top-p").value = saved.top_p;
-    if (typeof saved.max_tokens === "number") $("max-tokens").value = saved.max_tokens;
+    if (typeof saved.max_tokens === "number" && saved.max_tokens > 0) $("max-tokens").value = saved.max_tokens;
     if (typeof saved.stops === "string") $("stops").value = saved.stops;
   } catch {
     /* settings as the page has them */
@@ -347,7 +356,7 @@ async function answer(conversation) {
       await askForKey("The server refused this API key. Give the right one:");
     }
     if (!response.ok) {
-      message.error = await refusal(response);
+      message.error = await refusal(response, history.length === 1);
     } else {
       const reader = response.body.getReader();
       const decoder = new TextDecoder();
@@ -388,14 +397,11 @@ async function answer(conversation) {
   if (state.current === conversation) renderMessages();
 }
 
-async function refusal(response) {
+async function refusal(response, first) {
   let text = `The server answered ${response.status}.`;
   try {
     const error = (await response.json()).error || {};
-    if (error.code === "context_length_exceeded") {
-      return `The conversation no longer fits the model's context (${state.contextSize.toLocaleString()} tokens): `
-        + "start a new chat, or edit an earlier turn to continue from there.";
-    }
+    if (error.code === "context_length_exceeded") return tooLong(error, first);
     if (error.message) text = `The server refused the request: ${error.message}`;
   } catch {
     /* not JSON: the status says it */
@@ -403,11 +409,28 @@ async function refusal(response) {
   return text;
 }
 
+// the server's counts (llama-server's n_prompt_tokens and n_ctx), and what would help
+function tooLong(error, first) {
+  const limit = (Number(error.n_ctx) || state.contextSize).toLocaleString();
+  const count = Number(error.n_prompt_tokens);
+  const what = first ? "This message" : "The conversation";
+  const size = count ? ` is ${count.toLocaleString()} tokens; the model's context holds ${limit}.`
+    : ` is longer than the model's context of ${limit} tokens can hold.`;
+  const help = first
+    ? "Send a shorter message, or convert the model with a longer context (moepass convert --context N)."
+    : "Start a new chat, edit an earlier turn to continue from there, or convert the model with a longer "
+      + "context (moepass convert --context N).";
+  return `${what}${size} ${help}`;
+}
+
 function statsLine(usage, timings, stopped) {
   const parts = [];
   if (usage) parts.push(`${usage.prompt_tokens} prompt tokens`, `${usage.completion_tokens} generated`);
   if (timings && timings.predicted_per_second) parts.push(`${timings.predicted_per_second.toFixed(1)} tokens/s`);
   if (stopped) parts.push("stopped");
+  else if (usage && state.contextSize && usage.prompt_tokens + usage.completion_tokens >= state.contextSize) {
+    parts.push(`the context is full (${state.contextSize.toLocaleString()} tokens): start a new chat to go on`);
+  }
   return parts.join(" · ");
 }
 
@@ -474,7 +497,16 @@ function wire() {
   });
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", newConversation);
-  $("toggle-sidebar").addEventListener("click", () => $("sidebar").classList.toggle("open"));
+  $("toggle-sidebar").addEventListener("click", (e) => {
+    e.stopPropagation();
+    $("sidebar").classList.toggle("open");
+  });
+  $("close-sidebar").addEventListener("click", () => $("sidebar").classList.remove("open"));
+  document.addEventListener("click", (e) => {  // a tap outside the open list closes it
+    if ($("sidebar").classList.contains("open") && !$("sidebar").contains(e.target)) {
+      $("sidebar").classList.remove("open");
+    }
+  });
   $("toggle-settings").addEventListener("click", () => {
     const panel = $("settings");
     panel.hidden = !panel.hidden;
