@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import markdown_answers
 from support.serving import ServeProcess
 
 pytest.importorskip("fastapi")
@@ -279,6 +280,44 @@ def test_a_fenced_block_is_one_block_with_its_language_and_a_copy_button(page, t
     assert rendered["code"] == code and rendered["languages"] == languages, rendered
     assert rendered["copies"] == len(code) and rendered["elements"] == 0, rendered
     assert rendered["paragraphs"] == paragraphs, rendered
+
+
+OUTLINE = """(text) => {
+  const own = (node) => [...node.childNodes].filter((c) => !["UL", "OL"].includes(c.nodeName))
+    .map((c) => c.textContent).join("");
+  const outline = (node) => {
+    const tag = node.tagName.toLowerCase();
+    if (node.classList.contains("code-block")) {
+      const label = node.querySelector(".code-language");
+      return ["code", label ? label.textContent : null, node.querySelector("pre code").textContent];
+    }
+    if (node.classList.contains("table-wrap")) {
+      const cells = (row) => [...row.children].map((cell) => cell.textContent);
+      return ["table", cells(node.querySelector("thead tr")), [...node.querySelectorAll("tbody tr")].map(cells),
+              [...node.querySelector("thead tr").children].map((cell) => cell.style.textAlign)];
+    }
+    if (tag === "ul" || tag === "ol") {
+      return [tag, node.getAttribute("start"), [...node.children].map((li) =>
+        [own(li), ...[...li.children].filter((c) => ["UL", "OL"].includes(c.nodeName)).map(outline)])];
+    }
+    return [tag, node.textContent];
+  };
+  return [...renderMarkdown(text).children].map(outline);
+}"""
+
+
+def _lists(value):
+    """The corpus' outline with tuples as the lists JSON gives back."""
+    return [_lists(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+@pytest.mark.parametrize("index", range(len(markdown_answers.CORPUS)))
+def test_answers_with_code_lists_and_tables_render_as_written(page, index):
+    """tests/support/markdown_answers.py: numbered steps with code between them keep their numbers,
+    nested lists nest, tables have their cells and alignments (an escaped pipe is a pipe), quotes,
+    rules, headings and links come out as the blocks they are, every text as text."""
+    text, expected = markdown_answers.CORPUS[index]
+    assert page.evaluate(OUTLINE, text) == _lists(expected)
 
 
 def test_the_page_asks_for_the_api_key(browser, demo, tmp_path):

@@ -239,37 +239,93 @@ function codeBlock(code, language) {
   return el("div", { class: "code-block" }, bar, el("pre", {}, text));
 }
 
+const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/; // ---, ***, ___
+const TABLE_RULE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/; // |---|:--:|--:|, under a table's header
+
+// paragraphs, headings, lists (ordered from their first number, one level of nesting), tables (a
+// header row, a |---| row with its alignments), rules and quotes
 function blocks(root, text) {
   let list = null;
   for (const paragraph of text.split(/\n{2,}/)) {
     if (!paragraph.trim()) continue;
-    for (const line of paragraph.split("\n")) {
+    const lines = paragraph.split("\n").filter((line) => line.trim());
+    if (lines.length >= 2 && lines[0].includes("|") && TABLE_RULE.test(lines[1])) {
+      root.append(table(lines));
+      list = null;
+      continue;
+    }
+    for (const line of lines) {
       const heading = /^(#{1,6})\s+(.*)$/.exec(line);
-      const item = /^\s*(?:[-*+]|(\d+)[.)])\s+(.*)$/.exec(line);
-      if (item) {
-        const kind = item[1] ? "ol" : "ul";
-        if (!list || list.tagName.toLowerCase() !== kind) root.append((list = el(kind)));
-        list.append(inline(el("li"), item[2]));
+      const item = /^(\s*)(?:[-*+]|(\d{1,9})[.)])\s+(.*)$/.exec(line);
+      if (item && !RULE.test(line)) {
+        const kind = item[2] ? "OL" : "UL";
+        const nested = item[1].length >= 2 && list !== null;  // under the list's last item
+        const parent = nested ? list.lastElementChild : root;
+        let target = nested ? parent.lastElementChild : list;
+        if (!target || target.tagName !== kind) {
+          target = el(kind.toLowerCase());
+          if (item[2] && Number(item[2]) !== 1) target.setAttribute("start", String(Number(item[2])));
+          parent.append(target);
+          if (!nested) list = target;
+        }
+        target.append(inline(el("li"), item[3]));
+        continue;
+      }
+      if (list && /^\s{2,}\S/.test(line)) {  // an item's next line
+        list.lastElementChild.append("\n");
+        inline(list.lastElementChild, line.trim());
         continue;
       }
       list = null;
+      const last = root.lastElementChild;
+      const open = (tag) => last && last.tagName === tag && last.dataset.open === "1";
       if (heading) root.append(inline(el(`h${Math.min(heading[1].length + 2, 6)}`), heading[2]));
-      else {
-        const last = root.lastElementChild;
-        if (last && last.tagName === "P" && last.dataset.open === "1") {
+      else if (RULE.test(line)) root.append(el("hr"));
+      else if (/^\s*>/.test(line)) {
+        const text = line.replace(/^\s*>\s?/, "");
+        if (open("BLOCKQUOTE")) {
           last.append("\n");
-          inline(last, line);
+          inline(last, text);
         } else {
-          const p = inline(el("p"), line);
-          p.dataset.open = "1";
-          root.append(p);
+          const quote = inline(el("blockquote"), text);
+          quote.dataset.open = "1";
+          root.append(quote);
         }
+      } else if (open("P")) {
+        last.append("\n");
+        inline(last, line);
+      } else {
+        const p = inline(el("p"), line);
+        p.dataset.open = "1";
+        root.append(p);
       }
     }
     const last = root.lastElementChild;
     if (last) delete last.dataset.open;
-    list = null;
+    // a list goes on across a blank line (a loose list: "1. ...", a paragraph, "2. ..." numbers on)
+    if (!(list && root.lastElementChild === list)) list = null;
   }
+}
+
+// a row's cells: the pipes between them, not the outer ones, and not an escaped \|
+function splitRow(line) {
+  let body = line.trim();
+  if (body.startsWith("|")) body = body.slice(1);
+  if (body.endsWith("|") && !body.endsWith("\\|")) body = body.slice(0, -1);
+  return body.split(/(?<!\\)\|/).map((cell) => cell.trim().replace(/\\\|/g, "|"));
+}
+
+function table(lines) {
+  const aligns = splitRow(lines[1]).map((cell) =>
+    cell.startsWith(":") && cell.endsWith(":") ? "center" : cell.endsWith(":") ? "right" : cell.startsWith(":") ? "left" : "");
+  const header = splitRow(lines[0]);
+  const row = (cells, tag) => el("tr", {}, ...header.map((_, i) => {
+    const cell = inline(el(tag), cells[i] || "");
+    if (aligns[i]) cell.style.textAlign = aligns[i];
+    return cell;
+  }));
+  const body = el("tbody", {}, ...lines.slice(2).filter((line) => line.trim()).map((line) => row(splitRow(line), "td")));
+  return el("div", { class: "table-wrap" }, el("table", {}, el("thead", {}, row(header, "th")), body));
 }
 
 // `code`, **bold**, *italic*, [text](http(s) or mailto URL); anything else stays text
