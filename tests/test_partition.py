@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import re
 
 import numpy as np
 import onnx
@@ -450,6 +451,38 @@ def test_the_summary_names_the_picture_and_the_estimate_that_applies(tmp_path, c
     assert placed.plan.memory.kv_cache_bytes < 0.01 * placed.plan.memory.vram_bytes
     assert kv.get_width() >= 0.01 * placed.plan.memory.vram_bytes / 2**30 * 0.99  # GiB units at an 8 GiB budget
     assert "1 = average" in figure.axes[1].get_ylabel()
+
+
+@pytest.mark.parametrize("vram", ["8G", "600M"])
+def test_the_plan_picture_is_readable_at_a_small_models_sizes(tmp_path, converted, popularity, vram):
+    """The test model's megabytes against gigabytes and megabytes of budget: each part in its own unit
+    (no "0.00 GiB"), the bar within its axis and ending where the parts' sum does, the colour bar's
+    label no longer than its bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from moepass.pipeline.plan_report import bar_widths, plan_figure
+
+    placed = partition(converted("q4_0"), tmp_path / "placed", vram, profile=popularity, target="layers",
+                       calibrate=False)
+    figure = plan_figure(placed.plan, popularity)
+    bar = figure.axes[-1]
+    labels = [t.get_text() for t in bar.get_legend().get_texts()]
+    assert len(labels) == 6 and not any(re.search(r" 0\.00 [KMGT]iB$", label) for label in labels), labels
+    mem = placed.plan.memory
+    parts = [mem.non_expert_bytes, mem.kv_cache_bytes, mem.work_bytes, mem.reserve_bytes, mem.resident_expert_bytes,
+             mem.free_bytes]
+    end = max(p.get_x() + p.get_width() for p in bar.patches)
+    budget = bar.lines[0].get_xdata()[0]
+    assert end == pytest.approx(budget * sum(parts) / mem.vram_bytes, rel=1e-9) and end <= bar.get_xlim()[1]
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    colour = figure.axes[1]
+    assert colour.yaxis.label.get_window_extent(renderer).height <= colour.get_window_extent(renderer).height
+    # the widths: a part under 1 % drawn at 1 %, taken from free, the sum kept
+    assert bar_widths([50, 1, 0, 9, 20, 20], 100) == [50, 1, 0, 9, 20, 20]
+    assert bar_widths([90, 0.1, 0, 0.2, 5, 4.7], 100) == pytest.approx([90, 1, 0, 1, 5, 3])
+    assert bar_widths([97, 0.5, 0.5, 1, 1, 0], 100) == pytest.approx([96, 1, 1, 1, 1, 0])
 
 
 @pytest.mark.parametrize("hidden,expert_ff,preset", [(96, 64, "q4_0"), (160, 96, "q8_0"), (200, 136, "f32"),

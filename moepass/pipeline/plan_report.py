@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moepass.core.choices import byte_unit
+from moepass.core.choices import byte_unit, format_bytes
 from moepass.core.errors import MoepassError, wording
 from moepass.core.formats import PlanReport
 from moepass.pipeline.popularity import Popularity
@@ -101,13 +101,7 @@ def plan_figure(plan: PlanReport, popularity: Popularity | None):
     ax.legend(
         handles=[marker], loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, frameon=False, borderaxespad=0.2
     )
-    fig.colorbar(
-        image,
-        ax=ax,
-        fraction=0.03,
-        pad=0.01,
-        label="popularity: share of the layer's routing mass x its experts (1 = average; log scale)",
-    )
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01).set_label("popularity (1 = average; log scale)", fontsize=8)
 
     bar = fig.add_subplot(grid[1])
     mem = plan.memory
@@ -120,19 +114,33 @@ def plan_figure(plan: PlanReport, popularity: Popularity | None):
         ("resident experts", mem.resident_expert_bytes, "#ccb974"),
         ("free", mem.free_bytes, "#dddddd"),
     ]
-    # a segment under 1 % of the budget drawn at 1 %, so that a small KV cache or reserve is seen
-    # (its legend keeps its size); the rest keep their own widths, the budget line its place
-    least = 0.01 * mem.vram_bytes / scale
+    widths = bar_widths([size for _, size, _ in parts], mem.vram_bytes)
     left = 0.0
-    for label, size, color in parts:
-        width = max(size / scale, least) if size else 0.0
-        bar.barh(0, width, left=left, color=color, label=f"{label} {size / scale:.2f} {unit}", edgecolor="white")
-        left += width
+    for (label, size, color), width in zip(parts, widths):  # each size in its own unit: no "0.00 GiB"
+        bar.barh(0, width / scale, left=left, color=color, label=f"{label} {format_bytes(size)}", edgecolor="white")
+        left += width / scale
     bar.axvline(mem.vram_bytes / scale, color="black", linestyle="--", linewidth=1)
+    bar.set_xlim(0, max(left, mem.vram_bytes / scale) * 1.01)
     bar.set_yticks([])
     bar.set_xlabel(
-        f"{unit} of the {mem.vram_bytes / scale:.2f} {unit} budget (dashed); "
-        f"{mem.host_expert_bytes / scale:.2f} {unit} of experts stay in host memory"
+        f"{unit} of the {format_bytes(mem.vram_bytes)} budget (dashed); "
+        f"{format_bytes(mem.host_expert_bytes)} of experts stay in host memory"
     )
     bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=3, fontsize=8, frameon=False)
     return fig
+
+
+def bar_widths(sizes: list[int], budget: int) -> list[float]:
+    """The memory bar's segment widths: each part of under 1 % of the budget drawn at 1 %, so that a
+    small KV cache or reserve is seen, the room taken from the last part (free) and then from the
+    widest, so that the bar ends where the parts' sum does (at the budget line when they fill it)."""
+    least = 0.01 * budget
+    widths = [max(float(size), least) if size else 0.0 for size in sizes]
+    excess = sum(widths) - sum(sizes)
+    for i in [len(widths) - 1, *sorted(range(len(widths)), key=lambda j: -widths[j])]:
+        if excess <= 0:
+            break
+        take = min(excess, max(widths[i] - least, 0.0))
+        widths[i] -= take
+        excess -= take
+    return widths
