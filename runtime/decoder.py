@@ -117,6 +117,9 @@ class Decoder:
         for key, value in self.plan.config_entries.items():
             options.add_session_config_entry(key, value)
         register_native_kernels(options, structure)
+        # the data files as ONNX Runtime maps them now: one rewritten in place changes (or, cut short,
+        # faults) the running model under it (data_changed)
+        self._data_stamps = {path: _stamp(path) for path in data_files(structure)}
         source: str | bytes = str(model_path)
         if graph is not None:
             source = onnx_ir.to_proto(stamp(graph, str(model_path))).SerializeToString()
@@ -165,6 +168,19 @@ class Decoder:
         self.model_runs = 0  # steps of the model so far (a server's n_decode_total)
         # drafts checked K at a time (moepass.runtime.speculative); None: one token per step
         self.speculator: Speculator | None = None
+
+    def data_changed(self) -> str | None:
+        """What changed in place in a data file this session reads since it was loaded (None: none).
+        A file replaced by another (a new file renamed over it, as moepass writes its own) or removed
+        leaves the loaded one in use, whole: not a change."""
+        for path, loaded in self._data_stamps.items():
+            now = _stamp(path)
+            if now is None or loaded is None or now[:2] != loaded[:2]:
+                continue
+            if now[2:] != loaded[2:]:
+                size = f"{loaded[2]:,} bytes, now {now[2]:,}" if now[2] != loaded[2] else f"{now[2]:,} bytes, modified"
+                return f"{path} was rewritten in place since the model was loaded ({size})"
+        return None
 
     def speculate(self, speculator: Speculator | None) -> None:
         """Generate with speculative decoding from now on (None: plain decoding again)."""
@@ -587,6 +603,25 @@ def _token_bytes_table(tokenizer):
 
 
 FED_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def data_files(model: onnx_ir.Model) -> list[Path]:
+    """The external data files the model's initializers lie in."""
+    import onnx_ir
+
+    return sorted({
+        Path(t.path) for v in model.graph.initializers.values()
+        if isinstance(t := v.const_value, onnx_ir.ExternalTensor)
+    })  # fmt: skip
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    """A file's device, inode, size and modification time (None: not there)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _check_inputs(model_path: Path, inputs: dict, past_names: list[str]) -> None:

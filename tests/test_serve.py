@@ -656,3 +656,41 @@ def test_fuzzed_requests_are_answered_4xx_or_200_never_500(model):
                 assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
         answered()
+
+
+def test_a_data_file_rewritten_in_place_stops_the_model_being_served(converted, tmp_path):
+    """The source's data file of a placed model (its shared.onnx.data, a hard link to it) rewritten in
+    place while the server runs: the next request and /health are 503 naming the file, one line in the
+    log, never an answer from the changed weights. A file renamed over the old one (as moepass writes)
+    leaves the loaded one in use: served as before."""
+    import shutil
+
+    import httpx
+
+    source = tmp_path / "source"
+    shutil.copytree(converted("q4_0"), source)
+    placed = tmp_path / "placed"
+    assert CliRunner().invoke(main, ["partition", str(source), "--vram", "8G", "--target", "layers", "--no-calibrate",
+                                     "-o", str(placed)]).exit_code == 0
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    server = ServeProcess(placed, tmp_path / "server.log")
+    try:
+        first = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        shutil.copy(placed / "model.onnx.data", placed / "model.onnx.data.new")  # renamed over the old: no change
+        (placed / "model.onnx.data.new").replace(placed / "model.onnx.data")
+        again = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == first
+        with open(source / "model.onnx.data", "r+b") as data:  # in place: the placed model's shared file
+            data.seek(4096)
+            data.write(bytes(64))
+        refused = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60)
+        error = refused.json()["error"]
+        assert refused.status_code == 503 and error["code"] == "model_data_changed", refused.text
+        assert "shared.onnx.data was rewritten in place since the model was loaded" in error["message"]
+        assert "restart the server" in error["message"]
+        assert httpx.get(f"{server.base}/health", timeout=60).status_code == 503
+        assert httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).status_code == 503
+    finally:
+        assert server.stop() == 0
+    said = [line for line in server.log.read_text().splitlines() if line.startswith("model data changed: ")]
+    assert len(said) == 1 and "shared.onnx.data" in said[0], server.log.read_text()

@@ -335,6 +335,7 @@ class ModelServer:
         self.created = int(time.time())
         self.queue_size = queue_size
         self.echo = echo
+        self.data_changed: str | None = None  # why the model is served no more (check_data)
         if parallel < 1:
             raise MoepassError(f"{parallel} slots: at least 1")
         if parallel > 1 and not decoder.batchable:
@@ -505,6 +506,16 @@ class ModelServer:
         finally:
             self._waiting -= 1
 
+    def check_data(self) -> None:
+        """A 503 from now on, said once in the log, where a data file of the model changed in place
+        since it was loaded: its answers would be those of neither model (a file cut short faults the
+        server), and a restart loads what is there now."""
+        if self.data_changed is None and (why := self.decoder.data_changed()) is not None:
+            self.data_changed = f"{why}: the model is served no more; restart the server to load it as it is now"
+            self.echo(f"model data changed: {self.data_changed}")
+        if self.data_changed is not None:
+            raise RequestError(503, self.data_changed, kind="server_error", code="model_data_changed")
+
     async def answer(
         self, prompt_ids: list[int], body: dict, disconnected: Callable, request_line: str = ""
     ) -> AsyncGenerator[tuple, None]:
@@ -520,6 +531,7 @@ class ModelServer:
         finished = started = False
         cache = None
         try:
+            self.check_data()  # after the wait: a change while it waited counts
             cache = self._cache_for(task, prompt_ids)
             task.slot = cache.slot.id if self.batch is not None else 0
             self.tasks[task.slot] = task
@@ -830,6 +842,10 @@ def create_app(
     # no docstrings here: FastAPI would put them in /openapi.json
     @app.get("/health")
     async def health():
+        try:
+            server.check_data()
+        except RequestError as e:  # llama-server's 503 for a model it cannot serve
+            return _error_response(e)
         return {"status": "ok"}
 
     @app.get("/v1/models")
