@@ -330,7 +330,9 @@ function table(lines) {
 
 // `code`, **bold**, *italic*, [text](http(s) or mailto URL); anything else stays text
 function inline(parent, text) {
-  const pattern = /`([^`]+)`|\*\*([^*]+)\*\*|\*([^*\s][^*]*)\*|\[([^\]]+)\]\(([^)\s]+)\)/g;
+  // each part stops at the next character that could start another, so that a line of 40,000 "[" is
+  // read in one pass, not once from each; a link's URL may hold balanced parentheses (Foo_(bar))
+  const pattern = /`([^`]+)`|\*\*([^*]+)\*\*|\*([^*\s][^*]*)\*|\[([^[\]]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/g;
   let at = 0;
   for (const m of text.matchAll(pattern)) {
     parent.append(text.slice(at, m.index));
