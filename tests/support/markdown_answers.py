@@ -1,6 +1,6 @@
 """Chat answers in the shapes models write them (a how-to with numbered steps and code between them, a
 comparison table, nested pros and cons, a quoted note and a rule, a shell session, a loose list with
-explanations): the chat page's markdown corpus (tests/test_webui.py), each with the outline its
+explanations, a table inside a paragraph): the chat page's markdown corpus (tests/test_webui.py), each with the outline its
 rendering must have: top-level blocks in order; ("code", language, text), ("table", header, rows,
 alignments), (list tag, start, items as (text, nested lists...)), (tag, text)."""
 
@@ -76,6 +76,15 @@ LOOSE = """1. First, convert the model.
    Greedy decoding is the default at temperature 0.
 3. Finally, serve it."""
 
+TIGHT = """The flags:
+| flag | meaning |
+|------|---------|
+| `-c` | context |
+| `-n` | tokens  |
+That is all.
+a | b
+---"""
+
 CORPUS = [
     (HOW_TO, [
         ("h5", "Reading a GGUF file's metadata"),
@@ -111,6 +120,12 @@ CORPUS = [
         ("ol", None, [("build",), ("quantize",)]),
         ("code", "sh", "$ cmake -B build && cmake --build build -j\n$ ./build/bin/llama-quantize in.gguf out.gguf Q4_K_M"),
         ("table", ["a", "b"], [["1", "2"]], ["", ""]),
+    ]),
+    (TIGHT, [
+        ("p", "The flags:"),
+        ("table", ["flag", "meaning"], [["-c", "context"], ["-n", "tokens"]], ["", ""]),
+        ("p", "That is all.\na | b"),
+        ("hr", ""),
     ]),
     (LOOSE, [
         ("ol", None, [("First, convert the model.\nThis writes an ONNX folder.",),

@@ -249,8 +249,13 @@ function blocks(root, text) {
   for (const paragraph of text.split(/\n{2,}/)) {
     if (!paragraph.trim()) continue;
     const lines = paragraph.split("\n").filter((line) => line.trim());
-    if (lines.length >= 2 && lines[0].includes("|") && TABLE_RULE.test(lines[1])) {
-      root.append(table(lines));
+    const at = lines.findIndex((line, i) => i + 1 < lines.length && isTableHead(line, lines[i + 1]));
+    if (at !== -1) { // the lines before it, the table's rows (lines with a pipe), the lines after it
+      let end = at + 2;
+      while (end < lines.length && lines[end].includes("|")) end++;
+      if (at > 0) blocks(root, lines.slice(0, at).join("\n"));
+      root.append(table(lines.slice(at, end)));
+      if (end < lines.length) blocks(root, lines.slice(end).join("\n"));
       list = null;
       continue;
     }
@@ -305,6 +310,11 @@ function blocks(root, text) {
     // a list goes on across a blank line (a loose list: "1. ...", a paragraph, "2. ..." numbers on)
     if (!(list && root.lastElementChild === list)) list = null;
   }
+}
+
+// a table's header row and its |---| row, with as many cells
+function isTableHead(line, next) {
+  return line.includes("|") && TABLE_RULE.test(next) && splitRow(line).length === splitRow(next).length;
 }
 
 // a row's cells: the pipes between them, not the outer ones, and not an escaped \|
