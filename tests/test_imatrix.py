@@ -75,3 +75,64 @@ def test_bad_importance_files(tmp_path, make_gguf):
                                                    "values, not 256 columns for one matrix or 8"):
         moepass.convert(make_gguf("q4_k"), tmp_path / "out", imatrix=tmp_path / "wrong.dat", expert_format="qmoe")
     assert not (tmp_path / "out").exists()
+
+
+CHUNK, CHUNKS = 64, 4  # llama-imatrix's -c and --chunks: 256 tokens of held-out text
+
+
+@pytest.mark.llama
+def test_llama_imatrix_files_are_read_as_the_activations_they_hold(trained_models, tmp_path):
+    """llama.cpp's own llama-imatrix (built from the oracle's source distribution, support.oracle.
+    llama_tool) over held-out text on the text model: moepass reads its GGUF file as the mean squared
+    input of each column of every matrix, per expert, which an independent float64 forward pass
+    (support.reference_forward) over the same tokens gives too (llama.cpp in float32, its KV cache
+    too and no flash attention: within 1e-4 relative, 2.2e-6 measured; with its default F16 cache
+    1e-2; a token whose router nearly ties may take another expert there), an expert no token reached
+    as 1, and its legacy .dat file as the same matrices (llama-quantize's reading of both: moepass read
+    a reached expert's row as 0 and the .dat file scaled by its call count before this test)."""
+    import subprocess
+
+    import hf_fixture
+    from support.oracle import llama_cpp_module, llama_tool
+    from support.reference_forward import Qwen3MoeReference
+
+    source, _, _ = trained_models["text"]
+    text = "\n\n".join(hf_fixture.texts()[1])
+    (tmp_path / "text.txt").write_text(text)
+    tool = llama_tool("llama-imatrix")
+    for fmt in ("gguf", "dat"):
+        done = subprocess.run([str(tool), "-m", str(source), "-f", str(tmp_path / "text.txt"), "-o",
+                               str(tmp_path / f"m.{fmt}"), "--output-format", fmt, "-c", str(CHUNK), "-b", str(CHUNK),
+                               "--chunks", str(CHUNKS), "--no-ppl", "-t", "2", "-ctk", "f32", "-ctv", "f32", "-fa",
+                               "off"],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+    ours, legacy = load_imatrix(tmp_path / "m.gguf"), load_imatrix(tmp_path / "m.dat")
+    # the tokens llama-imatrix ran: the text tokenized as it tokenizes it, in chunks from empty caches
+    llama = llama_cpp_module().Llama(str(source), vocab_only=True, verbose=False)
+    tokens = llama.tokenize(text.encode(), add_bos=True, special=False)
+    add_bos = llama_cpp_module().llama_vocab_get_add_bos(llama_cpp_module().llama_model_get_vocab(llama.model))
+    reference, squares, ties = Qwen3MoeReference(source), {}, 0
+    for c in range(CHUNKS):
+        chunk = list(tokens[c * CHUNK:(c + 1) * CHUNK])
+        if add_bos:
+            chunk[0] = llama.token_bos()
+        reference.forward(chunk, squares)
+        ties += reference.router_near_ties
+    llama.close()
+    assert set(ours) == set(squares) == set(legacy), (sorted(set(ours) ^ set(squares)), sorted(set(legacy) ^ set(ours)))
+    for name, (sums, counts) in squares.items():
+        expected = sums / np.where(counts > 0, counts, 1)[:, None]
+        got = ours[name].reshape(expected.shape)
+        if len(counts) > 1:  # experts: the routed tokens counted alike but for near ties
+            reader = GGUFReader(tmp_path / "m.gguf")
+            theirs = next(t for t in reader.tensors if t.name == f"{name}.counts").data.reshape(-1)
+            moved = np.abs(theirs - counts)
+            assert moved.sum() <= 2 * ties, (name, theirs, counts, ties)
+            same = moved == 0
+        else:
+            same = np.ones(1, bool)
+        same &= counts > 0
+        np.testing.assert_allclose(got[same], expected[same], rtol=1e-4, atol=1e-6 * expected.max(), err_msg=name)
+        assert (got[counts == 0] == 1).all(), name  # never reached: 1, as llama-quantize takes it
+        np.testing.assert_allclose(legacy[name].reshape(got.shape), got, rtol=1e-6, err_msg=f"{name}: the .dat file")

@@ -3,11 +3,13 @@
 Two file formats, as llama.cpp's imatrix tool writes them:
 - GGUF (`general.type` = "imatrix"): for each weight, `<name>.in_sum2` (F32 [n_mat, K]: summed
   squared activations per input column, one row per expert) and `<name>.counts` ([n_mat]);
-  importance = in_sum2 / counts.
+  importance = in_sum2 / counts, and 1 for an expert no token reached (counts 0).
 - legacy `.dat`: int32 entry count, then per entry int32 name length, name, int32 ncall, int32 nval,
-  float32[nval] (already averaged and scaled by ncall); a trailer follows that moepass ignores.
-`load_imatrix` returns {weight name: float32 [n_mat, K]}; requantization weighs each column's error
-by it (only the ratios inside a block matter, so the two formats' scalings need no reconciling).
+  float32[nval] (each expert's mean scaled by ncall, 1 x ncall for an expert never reached); a
+  trailer follows that moepass ignores. importance = values / ncall.
+`load_imatrix` returns {weight name: float32 [n_mat, K]}, the same from either file of one run, as
+llama-quantize reads them (tests/test_imatrix.py holds both to a file llama.cpp's llama-imatrix
+wrote); requantization weighs each column's error by it.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def _from_gguf(path: Path) -> dict[str, np.ndarray]:
             raise MoepassError(f"{path}: '{counts_name}' has {len(counts)} entries for {len(sums)} matrices")
         if (counts < 0).any() or (sums < 0).any():
             raise MoepassError(f"{path}: tensor '{name}' or '{counts_name}' holds negative values")
-        result[weight] = (sums / np.where(counts > 0, counts, 1)[:, None]).astype(np.float32)
+        reached = counts[:, None] > 0
+        result[weight] = np.where(reached, sums / np.where(reached, counts[:, None], 1), 1.0).astype(np.float32)
     return result
 
 
@@ -79,7 +82,7 @@ def _from_dat(path: Path) -> dict[str, np.ndarray]:
         if not 0 < length < 4096:
             raise MoepassError(f"{path}: malformed entry name length {length} at byte {position - 4}")
         name = bytes(take(f"<{length}s")[0]).decode("utf-8", errors="replace")
-        _ncall, nval = take("<ii")
+        ncall, nval = take("<ii")
         if not 0 < nval <= (len(data) - position) // 4:
             raise MoepassError(
                 f"{path}: truncated importance matrix: entry '{name}' announces {nval} values, more than the file holds"
@@ -87,7 +90,7 @@ def _from_dat(path: Path) -> dict[str, np.ndarray]:
         values = np.array(take(f"<{nval}f"), dtype=np.float32)
         if not np.isfinite(values).all() or (values < 0).any():
             raise MoepassError(f"{path}: entry '{name}' holds negative or non-finite importances")
-        result[name] = values.reshape(1, -1)
+        result[name] = (values / ncall if ncall > 0 else values).reshape(1, -1)
     return result
 
 

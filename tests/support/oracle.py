@@ -292,3 +292,47 @@ def llama_quantize(source: Path, destination: Path, file_type: str, imatrix: dic
             entry.size = values.size
         params.imatrix = ctypes.cast(entries, type(params.imatrix))
     return llama_cpp.llama_model_quantize(str(source).encode(), str(destination).encode(), ctypes.byref(params)) == 0
+
+
+def llama_tool(target: str = "llama-imatrix") -> Path:
+    """llama.cpp's tool `target`, built from the installed llama-cpp-python's own source distribution
+    (the oracle's source, fetched with pip download as fixtures/hf_fixture.py fetches its converter),
+    with the flags the README builds llama-cpp-python with, once per version: kept in the temporary
+    directory, so that CI's later passes reuse it (3 minutes on 2 cores)."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+    from importlib import metadata
+
+    llama_cpp_module()
+    version = metadata.version("llama_cpp_python")
+    root = Path(tempfile.gettempdir()) / f"moepass-llama.cpp-tools-{version}"
+    binary = root / "build" / "bin" / target
+    if binary.exists():
+        return binary
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={version}", "-d", scratch], check=True, timeout=600)
+        prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+        with tarfile.open(next(Path(scratch).glob("llama_cpp_python-*.tar.gz"))) as archive:
+            members = [m for m in archive.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+            for m in members:
+                m.name = "source/" + m.name[len(prefix):]
+            archive.extractall(scratch, members=members, filter="data")
+        build = Path(scratch) / "build"
+        # -O1: the tool runs a second on a test model, and builds in 3 minutes where -O3 takes twice that
+        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_C_FLAGS_RELEASE=-O1", "-DCMAKE_CXX_FLAGS_RELEASE=-O1",
+                 "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                 "-DLLAMA_BUILD_TOOLS=ON", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                 "-DGGML_BMI2=ON"]
+        subprocess.run(["cmake", "-S", str(Path(scratch) / "source"), "-B", str(build), *flags], check=True,
+                       capture_output=True, timeout=600)
+        subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", "2"], check=True,
+                       capture_output=True, timeout=2400)
+        (root / "build" / "bin").mkdir(parents=True, exist_ok=True)
+        os.replace(build / "bin" / target, binary)  # the tool alone: its libraries are linked in
+    return binary

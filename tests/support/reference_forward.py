@@ -45,9 +45,23 @@ class Qwen3MoeReference:
         """Logits [S, vocab] for a whole sequence (causal attention over it)."""
         return self.forward(ids)[0]
 
-    def forward(self, ids):
-        """(logits [S, vocab], per layer the experts chosen for each token [S, top_k])."""
+    def forward(self, ids, squares: dict | None = None):
+        """(logits [S, vocab], per layer the experts chosen for each token [S, top_k]). `squares`: where
+        given, each matrix's inputs' squares are added to it, as llama.cpp's imatrix collects them:
+        name -> [sums of squares per column ([experts, columns] for an expert tensor), rows counted]."""
         w, S = self.w, len(ids)
+        self.router_near_ties = 0
+
+        def seen(name, rows, expert=None):
+            """rows [n, columns] went into matrix `name` (its expert `expert`)."""
+            if squares is None:
+                return
+            columns = rows.shape[-1]
+            experts = w[name].shape[0] if expert is not None else 1
+            sums, counts = squares.setdefault(name, [np.zeros((experts, columns)), np.zeros(experts)])
+            sums[expert or 0] += (rows * rows).sum(axis=0)
+            counts[expert or 0] += rows.shape[0]
+
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
         positions = np.arange(S, dtype=np.float64)
         x = w["token_embd.weight"][np.asarray(ids)]
@@ -56,6 +70,8 @@ class Qwen3MoeReference:
         for i in range(self.n_layers):
             p = f"blk.{i}."
             h = self._rms(x, w[p + "attn_norm.weight"])
+            for name in ("attn_q", "attn_k", "attn_v"):
+                seen(p + name + ".weight", h)
             q = (h @ w[p + "attn_q.weight"].T).reshape(S, nh, d)
             k = (h @ w[p + "attn_k.weight"].T).reshape(S, nkv, d)
             v = (h @ w[p + "attn_v.weight"].T).reshape(S, nkv, d)
@@ -68,13 +84,17 @@ class Qwen3MoeReference:
                 probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
                 probs /= probs.sum(axis=-1, keepdims=True)
                 out[:, head] = probs @ v[:, kv]
+            seen(p + "attn_output.weight", out.reshape(S, nh * d))
             x = x + out.reshape(S, nh * d) @ w[p + "attn_output.weight"].T
             h = self._rms(x, w[p + "ffn_norm.weight"])
+            seen(p + "ffn_gate_inp.weight", h)
             router = h @ w[p + "ffn_gate_inp.weight"].T
             probs = np.exp(router - router.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)
             moe = np.zeros_like(x)
             routing.append(np.argsort(-probs, axis=-1, kind="stable")[:, : self.top_k])
+            ranked = -np.sort(-probs, axis=-1)  # a k-th and (k+1)-th within 1e-4: either may be taken
+            self.router_near_ties += int((ranked[:, self.top_k - 1] - ranked[:, self.top_k] < 1e-4).sum())
             for t in range(S):
                 chosen = routing[-1][t]
                 weights = probs[t, chosen] / probs[t, chosen].sum()
@@ -82,6 +102,9 @@ class Qwen3MoeReference:
                     gate = w[p + "ffn_gate_exps.weight"][e] @ h[t]
                     up = w[p + "ffn_up_exps.weight"][e] @ h[t]
                     act = gate / (1.0 + np.exp(-gate)) * up
+                    seen(p + "ffn_gate_exps.weight", h[t][None], e)
+                    seen(p + "ffn_up_exps.weight", h[t][None], e)
+                    seen(p + "ffn_down_exps.weight", act[None], e)
                     moe[t] += weight * (w[p + "ffn_down_exps.weight"][e] @ act)
             x = x + moe
         h = self._rms(x, w["output_norm.weight"])
