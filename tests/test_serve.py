@@ -665,8 +665,6 @@ def test_a_data_file_rewritten_in_place_stops_the_model_being_served(converted, 
     leaves the loaded one in use: served as before."""
     import shutil
 
-    import httpx
-
     source = tmp_path / "source"
     shutil.copytree(converted("q4_0"), source)
     placed = tmp_path / "placed"

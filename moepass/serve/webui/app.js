@@ -282,33 +282,29 @@ function blocks(root, text) {
         continue;
       }
       list = null;
-      const last = root.lastElementChild;
-      const open = (tag) => last && last.tagName === tag && last.dataset.open === "1";
       if (heading) root.append(inline(el(`h${Math.min(heading[1].length + 2, 6)}`), heading[2]));
       else if (RULE.test(line)) root.append(el("hr"));
-      else if (/^\s*>/.test(line)) {
-        const text = line.replace(/^\s*>\s?/, "");
-        if (open("BLOCKQUOTE")) {
-          last.append("\n");
-          inline(last, text);
-        } else {
-          const quote = inline(el("blockquote"), text);
-          quote.dataset.open = "1";
-          root.append(quote);
-        }
-      } else if (open("P")) {
-        last.append("\n");
-        inline(last, line);
-      } else {
-        const p = inline(el("p"), line);
-        p.dataset.open = "1";
-        root.append(p);
-      }
+      else if (/^\s*>/.test(line)) lineOf(root, "blockquote", line.replace(/^\s*>\s?/, ""));
+      else lineOf(root, "p", line);
     }
     const last = root.lastElementChild;
     if (last) delete last.dataset.open;
     // a list goes on across a blank line (a loose list: "1. ...", a paragraph, "2. ..." numbers on)
     if (!(list && root.lastElementChild === list)) list = null;
+  }
+}
+
+// a line of a paragraph or a quote: the next line of the one this paragraph of text has open, else the
+// first of a new one
+function lineOf(root, tag, text) {
+  const last = root.lastElementChild;
+  if (last && last.tagName === tag.toUpperCase() && last.dataset.open === "1") {
+    last.append("\n");
+    inline(last, text);
+  } else {
+    const block = inline(el(tag), text);
+    block.dataset.open = "1";
+    root.append(block);
   }
 }
 
