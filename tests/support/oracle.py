@@ -296,15 +296,16 @@ def llama_quantize(source: Path, destination: Path, file_type: str, imatrix: dic
 
 def llama_tool(target: str = "llama-imatrix") -> Path:
     """llama.cpp's tool `target`, built from the installed llama-cpp-python's own source distribution
-    (the oracle's source, fetched with pip download as fixtures/hf_fixture.py fetches its converter),
+    (the oracle's source, hf_fixture.llama_cpp_sdist, which fetches the converter too),
     with the flags the README builds llama-cpp-python with, once per version: kept in the temporary
     directory, so that CI's later passes reuse it (3 minutes on 2 cores)."""
     import os
     import subprocess
-    import sys
     import tarfile
     import tempfile
     from importlib import metadata
+
+    import hf_fixture
 
     llama_cpp_module()
     version = metadata.version("llama_cpp_python")
@@ -314,10 +315,8 @@ def llama_tool(target: str = "llama-imatrix") -> Path:
         return binary
     root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={version}", "-d", scratch], check=True, timeout=600)
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-        with tarfile.open(next(Path(scratch).glob("llama_cpp_python-*.tar.gz"))) as archive:
+        with tarfile.open(hf_fixture.llama_cpp_sdist(Path(scratch))) as archive:
             members = [m for m in archive.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
             for m in members:
                 m.name = "source/" + m.name[len(prefix):]
