@@ -185,6 +185,9 @@ ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRo
     affine_k_group(group, n_blocks, x, nt, out, first, 176, 1);
 }
 
+/* a's bits where mask is clear, b's where it is set (one vpternlogd) */
+ALWAYS_INLINE __m512i take_bits(__m512i a, __m512i b, __m512i mask) { return _mm512_ternarylogic_epi32(a, b, mask, 0xd8); }
+
 /* Q6_K in a row group: d (32 bytes), the 16 scale bytes (16 each), then four passes of 768 bytes (half
  * h, part p: 4 chunks of low nibbles of ql bytes 64 h + 16 p.., 4 of ql bytes 64 h + 32 + 16 p.., 4 of
  * high pairs of qh bytes 32 h + 16 p..; dispatch.c). A pass holds the 16-element sub-blocks
@@ -192,16 +195,15 @@ ALWAYS_INLINE void q5_k_group(const uint8_t *group, size_t n_blocks, const ActRo
 ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                               size_t first) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    /* 16-bit lane 2 r of a pair's registers takes row r's first scale, 2 r + 1 its second */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 acc[TILE_TOKENS];
-    __m512i sumi[TILE_TOKENS], sc[16], sp[8];
+    __m512i sumi[TILE_TOKENS];
     for (int t = 0; t < nt; t++)
         acc[t] = _mm512_setzero_ps();
     for (size_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = group + b * ROW_GROUP * 210, *scales = blk + 32;
-        for (int s = 0; s < 16; s++)
-            sc[s] = signed_byte_lanes(scales, s);
-        for (int i = 0; i < 8; i++)
-            sp[i] = pair16(sc[2 * i], sc[2 * i + 1]);
         for (int t = 0; t < nt; t++)
             sumi[t] = _mm512_setzero_si512();
         for (int half = 0; half < 2; half++)
@@ -210,22 +212,30 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                 const uint8_t *pass = blk + 288 + 768 * (2 * half + part);
                 for (int i = 0; i < 4; i++) {
                     const __m512i lo = load_chunk(pass, i), hi = load_chunk(pass, 4 + i), h = load_chunk(pass, 8 + i);
-                    codes[i] = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
-                    codes[4 + i] =
-                        _mm512_or_si512(_mm512_and_si512(hi, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
-                    codes[8 + i] =
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(h, m30));
-                    codes[12 + i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hi, 4), m4),
-                                                    _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+                    /* a code's low nibble (bits 6 and 7 clear) beside its pair of h moved to bits 4 and 5 */
+                    codes[i] = take_bits(_mm512_and_si512(lo, m4), _mm512_slli_epi16(h, 4), m30);
+                    codes[4 + i] = take_bits(_mm512_and_si512(hi, m4), _mm512_slli_epi16(h, 2), m30);
+                    codes[8 + i] = take_bits(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), h, m30);
+                    codes[12 + i] = take_bits(_mm512_and_si512(_mm512_srli_epi16(hi, 4), m4), _mm512_srli_epi16(h, 2), m30);
                 }
+                __m512i sc[4];
+                for (int k = 0; k < 4; k++)
+                    sc[k] = signed_byte_lanes(scales, 8 * half + 2 * k + part);
                 for (int t = 0; t < nt; t++) {
                     const int8_t *xq = x[t].qs + b * QK_K + 128 * half + 16 * part;
                     for (int k = 0; k < 4; k++) {
-                        const __m512i dot = chunk_dots(codes, xq + 32 * k, 4 * k, 4);
-                        sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dot, sc[8 * half + 2 * k + part]));
+                        __m512i dot = _mm512_setzero_si512();
+                        for (int i = 0; i < 4; i++)
+                            dot = _mm512_dpbusd_epi32(dot, codes[4 * k + i], bcast(xq + 32 * k + 4 * i));
+                        sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dot, sc[k]));
                     }
                 }
             }
+        /* less 32 x the activations' sums times the scales, a pair of sub-blocks a vpdpwssd */
+        __m512i sp[8];
+        for (int i = 0; i < 8; i++)
+            sp[i] = _mm512_permutexvar_epi16(
+                pairs, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(scales + 2 * ROW_GROUP * i))));
         const __m512 d = scales16(blk);
         for (int t = 0; t < nt; t++) {
             const int32_t *bs = x[t].sums + b * (QK_K / 16);
@@ -490,7 +500,7 @@ ALWAYS_INLINE void q2_k_group(const uint8_t *group, size_t n_blocks, const ActRo
  * 4i.., bit 4n + j of element 128 n + 32 j + 4i..), 16 code chunks as Q2_K's */
 ALWAYS_INLINE void q3_k_group(const uint8_t *group, size_t n_blocks, const ActRow *x, int nt, float *const *out,
                               size_t first) {
-    const __m512i m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
     __m512 acc[TILE_TOKENS];
     __m512i sumi[TILE_TOKENS], sc[16], sp[8];
     for (int t = 0; t < nt; t++)
@@ -517,10 +527,11 @@ ALWAYS_INLINE void q3_k_group(const uint8_t *group, size_t n_blocks, const ActRo
                 raw[i] = load_chunk(qs, 8 * n + i);
             for (int j = 0; j < 4; j++) {
                 __m512i codes[8];
-                for (int i = 0; i < 8; i++)
-                    codes[i] = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16(raw[i], 2 * j), m3),
-                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hm[i], 4 * n + j), one), 2));
+                const int bit = 4 * n + j; /* hmask's bit for these codes, moved to bit 2 */
+                for (int i = 0; i < 8; i++) {
+                    const __m512i high = bit >= 2 ? _mm512_srli_epi16(hm[i], bit - 2) : _mm512_slli_epi16(hm[i], 2 - bit);
+                    codes[i] = take_bits(_mm512_and_si512(high, four), _mm512_srli_epi16(raw[i], 2 * j), m3);
+                }
                 const int sub = 8 * n + 2 * j;
                 for (int t = 0; t < nt; t++) {
                     const int8_t *xq = x[t].qs + b * QK_K + 128 * n + 32 * j;
