@@ -212,15 +212,11 @@ ALWAYS_INLINE void q6_k_group(const uint8_t *group, size_t n_blocks, const ActRo
             for (int part = 0; part < 2; part++) {
                 __m512i codes[16]; /* codes[4 k + i]: elements 128 half + 32 k + 16 part + 4 i.. */
                 const uint8_t *pass = blk + 288 + 768 * (2 * half + part);
-                /* this pass of the next block asked for into L1 and of the eighth next into L2 (a prefetch
-                 * past the rows' end is harmless): with the hardware's prefetcher alone the loads did not
-                 * overlap the unpacking, and a 65,536 x 2,048 matrix at one token ran at 21 GMAC/s on one
-                 * thread and 40 on two, under the memory's bandwidth (28 and 51 with these; the same
-                 * prefetches at a block's start, all at once: 19 and 36) */
-                for (int l = 0; l < 768; l += 64) {
+                /* the next block's pass asked for ahead of its use: a pass reads its 12 lines out of order,
+                 * and with the hardware's prefetcher alone a 65,536 x 2,048 matrix at one token on two
+                 * threads ran at 31 GMAC/s, half the memory's bandwidth (36 with this) */
+                for (int l = 0; l < 768; l += 64)
                     _mm_prefetch((const char *)(pass + ROW_GROUP * 210 + l), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(pass + 8 * ROW_GROUP * 210 + l), _MM_HINT_T1);
-                }
                 for (int i = 0; i < 4; i++) {
                     const __m512i lo = load_chunk(pass, i), hi = load_chunk(pass, 4 + i), h = load_chunk(pass, 8 + i);
                     /* a code's low nibble (bits 6 and 7 clear) beside its pair of h moved to bits 4 and 5 */
