@@ -19,7 +19,10 @@
 
 #define OP "MoEPacked"
 #define ROW_CHUNK 32   /* weight rows a task: whole row groups */
-#define TOKEN_CHUNK 64 /* tokens computed together: bounds the scratch memory */
+/* tokens computed together: bounds the scratch memory (31 MiB at Qwen3-30B-A3B's sizes). Each chunk reads
+ * every expert its tokens reach, mostly all of them: from 64 to 256 the 6-layer Q4_K_M file's 128-token
+ * prefill went from 426 to 497 tokens/s and its 512-token one from 416 to 515; 512 was no faster */
+#define TOKEN_CHUNK 256
 
 typedef struct {
     int64_t k, normalize, types[3];

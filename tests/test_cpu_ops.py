@@ -441,14 +441,14 @@ def test_gpt_oss_biases_and_clamped_swiglu_on_every_path(types, monkeypatch):
 
 @pytest.mark.parametrize("types", [MOE_TYPES[1], MOE_TYPES[3]], ids=lambda t: "/".join(x.name for x in t))
 def test_a_token_gives_the_same_bits_alone_as_in_any_batch(types, monkeypatch):
-    """A row's result does not depend on the call: one token, a prefill of 70 (more than one token
-    chunk), one thread or two."""
+    """A row's result does not depend on the call: one token, a prefill of 300 (more than one token
+    chunk: cpu_ops/moe.c's TOKEN_CHUNK), one thread or two."""
     rng = np.random.default_rng(12)
     model, _ = moe_model(rng, types)
-    x = rng.standard_normal((70, dims_of(types)[0])).astype(np.float32)
-    logits = rng.standard_normal((70, E)).astype(np.float32)
+    x = rng.standard_normal((300, dims_of(types)[0])).astype(np.float32)
+    logits = rng.standard_normal((300, E)).astype(np.float32)
     batch = run_moe(model, x, logits, threads=2, monkeypatch=monkeypatch)
-    for t in (0, 33, 69):
+    for t in (0, 33, 255, 256, 299):
         alone = run_moe(model, x[t : t + 1], logits[t : t + 1], threads=1, monkeypatch=monkeypatch)
         np.testing.assert_array_equal(alone[0], batch[t])
 
