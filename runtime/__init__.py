@@ -1,6 +1,6 @@
 """moepass.runtime: load a converted (or partitioned) model with ONNX Runtime and generate.
 
-`load(model_dir, device="auto"|"cpu"|"cuda", cuda_plugin=None, mode=None)` picks the execution
+`load(model_dir, device="auto"|"cpu"|"cuda"|"webgpu", cuda_plugin=None, mode=None)` picks the execution
 provider and the expert-offload options that match the model's annotations (see
 `moepass.runtime.providers`), checks what it can before creating the session, and returns a
 `Decoder`: the KV cache kept between steps and between calls (`kv_cache`), decoding as llama.cpp's
@@ -35,7 +35,8 @@ def load(
 ) -> Decoder:
     """Load a converted model directory (or its model.onnx) for inference.
 
-    device: "auto" (best available), "cpu" or "cuda" (a CUDA EP is required). cuda_plugin: path of
+    device: "auto" (best available), "cpu", "cuda" (a CUDA EP is required) or "webgpu" (the WebGPU
+    plugin EP, moepass[webgpu], and an adapter are required: docs/webgpu.md). cuda_plugin: path of
     the ONNX Runtime CUDA plugin EP library (default: $MOEPASS_CUDA_PLUGIN). mode: expert offload
     "disabled", "auto" (fall back with one warning) or "required" (fail, naming the node and rule);
     default: what partition wrote into onnxruntime_options.json, else "disabled". speculative:

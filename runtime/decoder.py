@@ -29,6 +29,7 @@ from moepass.runtime.providers import (
     SessionPlan,
     check_layer_placement,
     log,
+    node_placement,
     plan_session,
     provider_in_effect,
     register_native_kernels,
@@ -102,41 +103,50 @@ class Decoder:
         self.plan: SessionPlan = plan_session(ort, structure, option_entries, device, cuda_plugin, mode, placement_mode)
         if self.plan.provider == CPU_EP:  # every MoE node's experts are packed in host memory
             check_fits(structure, model_path)
-        options = ort.SessionOptions()
         self.threads = usable_threads(threads)
-        if self.threads:
-            options.intra_op_num_threads = self.threads
         # ONNX Runtime's own start-up lines (a CUDA EP it could not create, a layering rule with no
         # EP) only at FATAL: moepass says what happened in one line (provider_in_effect), and a
         # failure raises with ONNX Runtime's message
         ort.set_default_logger_severity(4)
-        options.log_severity_level = 4
-        if profile_prefix:
-            options.enable_profiling = True
-            options.profile_file_prefix = profile_prefix
-        for key, value in self.plan.config_entries.items():
-            options.add_session_config_entry(key, value)
-        register_native_kernels(options, structure)
         # the data files as ONNX Runtime maps them now: one rewritten in place changes (or, cut short,
         # faults) the running model under it (data_changed)
         self._data_stamps = {path: _stamp(path) for path in data_files(structure)}
         source: str | bytes = str(model_path)
         if graph is not None:
             source = onnx_ir.to_proto(stamp(graph, str(model_path))).SerializeToString()
-            options.add_session_config_entry(keys.EXTERNAL_DATA_FOLDER_KEY, str(folder))
-        try:
-            if self.plan.plugin_devices:
-                options.add_provider_for_devices(self.plan.plugin_devices, {})
-                self.session = ort.InferenceSession(source, options)
-            else:
-                self.session = ort.InferenceSession(source, options, providers=self.plan.providers)
-        except Exception as e:  # ORT raises its own exception types; keep its message, one line
-            raise MoepassError(
-                f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: {first_line(e)}"
-            ) from None
+
+        def new_session(ep_options: dict[str, str]):
+            options = ort.SessionOptions()
+            if self.threads:
+                options.intra_op_num_threads = self.threads
+            options.log_severity_level = 4
+            if profile_prefix:
+                options.enable_profiling = True
+                options.profile_file_prefix = profile_prefix
+            for key, value in self.plan.config_entries.items():
+                options.add_session_config_entry(key, value)
+            register_native_kernels(options, structure)
+            if graph is not None:
+                options.add_session_config_entry(keys.EXTERNAL_DATA_FOLDER_KEY, str(folder))
+            try:
+                if self.plan.plugin_devices:
+                    options.add_provider_for_devices(self.plan.plugin_devices, ep_options)
+                    return ort.InferenceSession(source, options)
+                return ort.InferenceSession(source, options, providers=self.plan.providers)
+            except Exception as e:  # ORT raises its own exception types; keep its message, one line
+                raise MoepassError(
+                    f"{model_path}: ONNX Runtime {ort.__version__} cannot load it: {first_line(e)}"
+                ) from None
+
+        self.session = new_session(self.plan.ep_options)
         self.plan = provider_in_effect(self.session, self.plan, ort)  # ONNX Runtime may have fallen back to the CPU
+        # calls of several tokens, where the device's own path for them is not trusted (WebGPU's
+        # QMoE): the same model with its MoE layers on the CPU (session_for)
+        self.prompt_session = new_session(self.plan.prompt_ep_options) if self.plan.prompt_ep_options else None
         # MoE node -> EP, where a per-layer plan is in force (checked against the plan)
         self.moe_placement = check_layer_placement(self.session, structure, self.plan)
+        # node -> (operator, EP) where the EP takes only some nodes (WebGPU)
+        self.node_placement = node_placement(self.session, self.plan)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_layer_key)
         _check_inputs(model_path, inputs, self.past_names)
@@ -275,6 +285,11 @@ class Decoder:
             for n, shape in self._cache_shapes.items()
         }
 
+    def session_for(self, tokens: int):
+        """The session that runs a call of `tokens` tokens (all rows): the prompt session where there
+        is one and the call has several, else the model's session."""
+        return self.prompt_session if tokens > 1 and self.prompt_session is not None else self.session
+
     def forward(self, input_ids: np.ndarray, cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Run new tokens `[B, S]` after the cached ones; returns logits `[B, S, V]` and the new cache."""
         logits, cache, _ = self.forward_with(input_ids, cache, [])
@@ -291,7 +306,7 @@ class Decoder:
         past_len = next(iter(cache.values())).shape[2] if cache else 0
         feeds = {**self.feeds(input_ids, past_len), **cache}
         names = ["logits", *self.present_names, *extra_outputs]
-        outputs = self.session.run(names, feeds)
+        outputs = self.session_for(input_ids.size).run(names, feeds)
         n_cache = len(self.present_names)
         new_cache = dict(zip(self.past_names, outputs[1 : 1 + n_cache]))
         return outputs[0], new_cache, dict(zip(extra_outputs, outputs[1 + n_cache :]))

@@ -99,6 +99,8 @@ class KVCache(Cache):
         self._ort = ort
         self._decoder = decoder
         self._binding = decoder.session.io_binding()
+        # the prompt session's (Decoder.session_for), made at its first step; never in place
+        self._prompt_binding = None
         # In place on the CPU EP, where the buffers are the kernel's own memory. On a GPU EP host
         # buffers would be copied to the device and back each step, so the pointers differ there:
         # it keeps the growing cache (present.N.* bound as the next step's past) until device-side
@@ -153,10 +155,10 @@ class KVCache(Cache):
         self._binding.clear_binding_outputs()
         self._bind_cache()
 
-    def _bind_cache(self) -> None:
+    def _bind_cache(self, binding=None) -> None:
         """Bind what stays the same from step to step: the logits output and the KV cache (in
         place: each buffer as both past and present, once for the whole request)."""
-        d, binding = self._decoder, self._binding
+        d, binding = self._decoder, binding or self._binding
         binding.kept = None  # a new or cleared binding: the step binds logits_to_keep (KeptLogits)
         binding.bind_output("logits", "cpu")  # the first output bound: get_outputs()[0]
         for past, present in zip(d.past_names, d.present_names):
@@ -175,7 +177,7 @@ class KVCache(Cache):
             feeds = d.feeds(ids, 0)
             if d.keeps_logits:
                 feeds[LOGITS_TO_KEEP] = np.array([keep], dtype=np.int64)
-            logits = d.session.run(["logits"], feeds)[0]
+            logits = d.session_for(ids.size).run(["logits"], feeds)[0]
             d.model_runs += 1
             self.tokens.extend(int(t) for t in token_ids)
             return logits[0, -keep:]
@@ -183,15 +185,20 @@ class KVCache(Cache):
         length = len(self.tokens) + ids.shape[1]
         if self._in_place and length > self.capacity:
             self._grow(length)
+        session = d.session_for(ids.size)
+        if session is not d.session:
+            if self._prompt_binding is None:
+                self._prompt_binding = session.io_binding()
+            binding = self._prompt_binding
         if not self._in_place:  # the cache values change every step: bind them anew
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
-            self._bind_cache()
+            self._bind_cache(binding)
         if d.keeps_logits:
             self._kept_logits.bind(binding, keep)
         for name, value in d.feeds(ids, length - ids.shape[1]).items():  # replaces the previous step's binding
             binding.bind_cpu_input(name, value)
-        d.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         d.model_runs += 1
         self.tokens.extend(int(t) for t in token_ids)
         outputs = binding.get_outputs()

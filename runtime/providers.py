@@ -1,11 +1,14 @@
 """Which execution provider runs the model, which offload options go with it, and what cannot be had.
 
-Order of preference for device="auto" (and what device="cuda" requires):
+Order of preference for device="auto" (and what device="cuda" or "webgpu" requires):
 1. the ONNX Runtime CUDA plugin EP (`CudaPluginExecutionProvider`, the library that implements
    CPU/GPU expert offload), from `cuda_plugin=` or the MOEPASS_CUDA_PLUGIN environment variable,
    registered with `onnxruntime.register_execution_provider_library` and added for its devices;
 2. the in-tree CUDA EP of onnxruntime-gpu (`CUDAExecutionProvider`; no expert offload options);
-3. the CPU EP.
+3. the WebGPU plugin EP (`WebGpuExecutionProvider`, the onnxruntime-ep-webgpu package that
+   `moepass[webgpu]` installs: AMD, Intel, Apple and NVIDIA GPUs through Vulkan, Metal or D3D12),
+   where it finds a GPU, or a software adapter where ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1 asks;
+4. the CPU EP.
 
 Expert offload is asked for with `mode` ("auto" or "required"; else the mode partition wrote into
 onnxruntime_options.json; else "disabled"). Before a session is created, `plan_session` checks what
@@ -16,6 +19,7 @@ and the rule; in "auto" mode it falls back and says, in one warning, exactly wha
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -26,16 +30,19 @@ import onnx_ir as ir
 
 from moepass.core import keys
 from moepass.core.capabilities import layout_problems, offload_violations, release_refusal
-from moepass.core.choices import DEVICES, PLUGIN_ENV, one_of
+from moepass.core.choices import DEVICES, PLUGIN_ENV, WEBGPU_SOFTWARE_ENV, one_of
 from moepass.core.errors import MoepassError, first_line, no_such_path, wording
+from moepass.core.ir_values import input_at
 from moepass.core.keys import LAYER_ANNOTATION, LAYER_SETTINGS_KEY, OFFLOAD_PREFIX, RECORD_ASSIGNMENT_KEY
-from moepass.core.moe_nodes import NATIVE_DOMAIN, is_cuda_packed, moe_nodes
+from moepass.core.moe_nodes import NATIVE_DOMAIN, QMOE_SLOTS, ROUTER_WEIGHTS, MoeNode, is_cuda_packed, moe_nodes
 
 log = logging.getLogger("moepass")
 
 PLUGIN_EP = "CudaPluginExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
 CPU_EP = "CPUExecutionProvider"
+WEBGPU_EP = "WebGpuExecutionProvider"
+PLUGIN_PROVIDERS = (PLUGIN_EP, WEBGPU_EP)  # added for their devices, with the CPU EP behind them
 OFFLOAD_MIN_ORT = (1, 32)
 # the first release that parses session.layer_assignment_settings (docs/gpu.md: probed per release)
 LAYERING_MIN_ORT = (1, 25)
@@ -53,6 +60,10 @@ class SessionPlan:
     offload_mode: str
     warnings: list[str]
     layer_mode: str = "disabled"  # per-layer placement (layer_ann annotations) applied: auto or required
+    ep_options: dict[str, str] = dataclasses.field(default_factory=dict)  # a plugin EP's options
+    # the options of a second session for calls of several tokens (None: none): WebGPU's with the MoE
+    # layers on the CPU, where the device's multi-token MoE path computes wrong rows at times
+    prompt_ep_options: dict[str, str] | None = None
 
 
 def _ort_version(ort) -> tuple[int, int]:
@@ -75,6 +86,105 @@ def _register_plugin(ort, library: str) -> list[Any]:
     if not devices:
         raise MoepassError(f"{path}: registered as {PLUGIN_EP}, but it reports no device")
     return devices
+
+
+def _webgpu_devices(ort, required: bool) -> list[Any]:
+    """The WebGPU plugin EP's device (the plugin registered once a process): [] where the plugin is not
+    installed or finds no adapter, or where `required`, one line saying which. A software adapter
+    only where ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1 asked for one (the plugin reads it) and the
+    device was named (`required`): never for device="auto", where the CPU EP is faster; said once."""
+    try:
+        import onnxruntime_ep_webgpu as webgpu
+    except ImportError:
+        if required:
+            raise MoepassError(
+                "device='webgpu' but the WebGPU plugin EP (onnxruntime-ep-webgpu) is not installed: "
+                "pip install 'moepass[webgpu]'"
+            ) from None
+        return []
+    if not hasattr(ort, "register_execution_provider_library"):  # plugin EPs came in ONNX Runtime 1.22
+        if required:
+            raise MoepassError(f"device='webgpu' but ONNX Runtime {ort.__version__} cannot load plugin EPs (1.22 can)")
+        return []
+    if not any(d.ep_name == WEBGPU_EP for d in ort.get_ep_devices()):
+        library = webgpu.get_library_path()
+        try:
+            ort.register_execution_provider_library(WEBGPU_EP, library)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own types; keep its words
+            if "already registered" not in str(e).lower():
+                raise MoepassError(
+                    f"{library}: ONNX Runtime cannot register it as {WEBGPU_EP}: {first_line(e)}"
+                ) from None
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == WEBGPU_EP]
+    if not required:
+        devices = [d for d in devices if d.device.type == ort.OrtHardwareDeviceType.GPU]
+    if not devices:
+        if required:
+            software = os.environ.get(WEBGPU_SOFTWARE_ENV) == "1"
+            raise MoepassError(
+                "device='webgpu' but the WebGPU plugin EP finds no adapter"
+                + (
+                    " (not even a software one: its Vulkan driver is missing or refused; docs/webgpu.md)"
+                    if software
+                    else f": no GPU with a Vulkan, Metal or D3D12 driver; {WEBGPU_SOFTWARE_ENV}=1 accepts a "
+                    "software adapter (lavapipe, SwiftShader: slow, for tests)"
+                )
+            )
+        return []
+    if devices[0].device.type == ort.OrtHardwareDeviceType.CPU:
+        log.warning(f"WebGPU on a software adapter ({WEBGPU_SOFTWARE_ENV}=1): the CPU emulates the GPU, slowly")
+    return devices[:1]  # the plugin takes one device and picks the adapter itself
+
+
+def webgpu_refusal(moe: MoeNode, activations: ir.DataType | None) -> str | None:
+    """Why the WebGPU plugin EP (0.4.0) cannot run this MoE node in its form; None where it can. Both
+    fail inside it at run time (measured on lavapipe): separate router_weights ("not yet implemented
+    on WebGPU"), and scales of another type than the activations' (a float32 graph's QMoE with
+    float16 scales, moepass's 8-bit and block-sum forms: `raw_hash_map::at`)."""
+    node = moe.node
+    if node.op_type != "QMoE" or activations is None:
+        return None
+    if input_at(node, ROUTER_WEIGHTS) is not None:  # its words: "not yet implemented on WebGPU"
+        return "it takes separate router_weights (mixing weights computed outside the node)"
+    for projection, slots in QMOE_SLOTS.items():
+        scales = input_at(node, slots[1])
+        if scales is not None and scales.dtype is not None and scales.dtype != activations:
+            return f"its {projection} scales are {_type_name(scales.dtype)} in a {_type_name(activations)} graph"
+    return None
+
+
+def _type_name(dtype: ir.DataType) -> str:
+    return {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16"}.get(dtype, dtype.name.lower())
+
+
+def _webgpu_options(model: ir.Model, device, warnings: list[str]) -> tuple[dict[str, str], dict[str, str] | None]:
+    """The WebGPU EP's options, and those of the session for calls of several tokens (None: the same
+    session): MoE nodes whose form it cannot run kept on the CPU (forceCpuNodeNames); and, where it
+    runs some, a second session for prompts with every MoE node on the CPU. The plugin's QMoE computes
+    wrong rows at times in calls of several tokens (0.4.0: 1 call in 200 at 8 and 33 tokens on lavapipe,
+    68 in 120 on SwiftShader; one token always right: docs/webgpu.md); a prompt's MoE layers on the
+    CPU give right rows, and single-token decoding keeps them on the device. Each said in one warning."""
+    activations = model.graph.outputs[0].dtype if model.graph.outputs else None
+    nodes = moe_nodes(model.graph)
+    refused = {m.name: why for m in nodes if (why := webgpu_refusal(m, activations))}
+    on_device = [m.name for m in nodes if m.name not in refused and m.node.op_type == "QMoE"]
+    options: dict[str, str] = {}
+    prompt_options: dict[str, str] | None = None
+    if refused:
+        first = next(iter(refused.items()))
+        warnings.append(
+            f"{len(refused)} of {len(nodes)} MoE layers run on the CPU: the WebGPU EP's QMoE cannot run {first[0]} "
+            f"({first[1]})"
+        )
+        options["forceCpuNodeNames"] = "\n".join(refused)
+    if on_device:
+        version = device.ep_metadata.get("version", "?")
+        warnings.append(
+            f"the WebGPU EP's QMoE ({version}) computes wrong rows at times in calls of several tokens: prompts run "
+            f"their {len(on_device)} device MoE layers on the CPU (a second session), single tokens on WebGPU"
+        )
+        prompt_options = {"forceCpuNodeNames": "\n".join(m.name for m in nodes)}
+    return options, prompt_options
 
 
 def plan_session(
@@ -106,10 +216,26 @@ def plan_session(
         entries = {k: v for k, v in entries.items() if not k.startswith(OFFLOAD_PREFIX)}
     if layered:
         layer_mode = _plan_layers(ort, model, provider, layer_mode, entries, warnings)
-    providers = [provider, CPU_EP] if provider not in (CPU_EP, PLUGIN_EP) else [CPU_EP]
+    ep_options: dict[str, str] = {}
+    prompt_ep_options: dict[str, str] | None = None
+    if provider == WEBGPU_EP:  # which nodes it takes, said after the session is made (node_placement)
+        entries[RECORD_ASSIGNMENT_KEY] = "1"
+        ep_options, prompt_ep_options = _webgpu_options(model, plugin_devices[0], warnings)
+    providers = [provider, CPU_EP] if provider not in (CPU_EP, *PLUGIN_PROVIDERS) else [CPU_EP]
     for message in warnings:
         log.warning(message)
-    return SessionPlan(device, provider, providers, plugin_devices, entries, offload_mode, warnings, layer_mode)
+    return SessionPlan(
+        device,
+        provider,
+        providers,
+        plugin_devices,
+        entries,
+        offload_mode,
+        warnings,
+        layer_mode,
+        ep_options,
+        prompt_ep_options,
+    )
 
 
 def _check_model(ort, model: ir.Model) -> None:
@@ -125,25 +251,26 @@ def _check_model(ort, model: ir.Model) -> None:
 
 
 def _choose_provider(ort, device: str, plugin_library: str | None) -> tuple[str, list[Any]]:
-    """The EP that runs the model, by the order of preference (the module's docstring), and the CUDA
-    plugin EP's devices where it is that one."""
-    plugin_devices: list[Any] = []
-    if device != "cpu" and plugin_library:
-        plugin_devices = _register_plugin(ort, plugin_library)
-        provider = PLUGIN_EP
-    elif device != "cpu" and CUDA_EP in ort.get_available_providers():
-        provider = CUDA_EP
+    """The EP that runs the model, by the order of preference (the module's docstring), and the plugin
+    EP's devices where it is one of those."""
+    cuda = device in ("auto", "cuda")
+    if cuda and plugin_library:
+        return PLUGIN_EP, _register_plugin(ort, plugin_library)
+    if cuda and CUDA_EP in ort.get_available_providers():
         _load_cuda_libraries(ort)
-    elif device == "cuda":
+        return CUDA_EP, []
+    if device == "cuda":
         raise MoepassError(
             f"device='cuda' but no CUDA EP is available: ONNX Runtime {ort.__version__} has "
             f"{', '.join(ort.get_available_providers())}; give the CUDA plugin EP library "
             f"({wording().option('--cuda-plugin', 'LIB')} or ${PLUGIN_ENV}), or install moepass[gpu] in place of "
             "moepass[cpu] (onnxruntime and onnxruntime-gpu cannot be installed together)"
         )
-    else:
-        provider = CPU_EP
-    return provider, plugin_devices
+    if device in ("auto", "webgpu"):
+        webgpu = _webgpu_devices(ort, required=device == "webgpu")
+        if webgpu:
+            return WEBGPU_EP, webgpu
+    return CPU_EP, []
 
 
 def native_library(model: ir.Model, strict: bool = True) -> str | None:
@@ -186,10 +313,11 @@ def register_native_kernels(options, model: ir.Model) -> None:
 def _check_packed(ort, model: ir.Model, device: str, provider: str) -> None:
     """Refuse MoEPacked nodes (the GGUF's own blocks) on the CPU EP: ONNX Runtime runs them on CUDA only."""
     packed = [m.name for m in moe_nodes(model.graph) if is_cuda_packed(m.node)]
-    if packed and provider == CPU_EP:
+    if packed and provider in (CPU_EP, WEBGPU_EP):
+        where = f"the device is {device}" if device != "auto" else "this ONNX Runtime has no CUDA EP"
         raise MoepassError(
             f"MoE node {packed[0]} is a com.microsoft::MoEPacked node (the GGUF's own blocks), which ONNX Runtime "
-            f"runs on CUDA only, and {'the device is cpu' if device == 'cpu' else 'this ONNX Runtime has no CUDA EP'} "
+            f"runs on CUDA only, and {where} "
             f"({', '.join(ort.get_available_providers())}): convert without "
             f"{wording().option('--expert-format', 'packed')} to run here"
         )
@@ -260,6 +388,8 @@ def _plan_layers(
         )
     elif provider == CPU_EP:
         reason = "no CUDA EP"
+    elif provider == WEBGPU_EP:
+        reason = "the plan places layers for CUDA, not for WebGPU"
     if layer_mode == "disabled" or reason:
         del entries[LAYER_SETTINGS_KEY]
         if reason and layer_mode == "required":
@@ -306,18 +436,46 @@ def _cuda_failure(ort) -> str:
     return "a CUDA device it could not use (ONNX Runtime's log above says why)"
 
 
+def node_placement(session, plan: SessionPlan) -> dict[str, tuple[str, str]]:
+    """node name -> (operator, the EP ONNX Runtime gave it), where the session recorded its graph
+    assignment (the WebGPU EP's sessions: it takes what it has kernels for, the CPU the rest); {}
+    elsewhere."""
+    if RECORD_ASSIGNMENT_KEY not in plan.config_entries or not hasattr(session, "get_provider_graph_assignment_info"):
+        return {}
+    return {
+        node.name: (f"{node.domain + '::' if node.domain else ''}{node.op_type}", subgraph.ep_name)
+        for subgraph in session.get_provider_graph_assignment_info()
+        for node in subgraph.get_nodes()
+    }
+
+
+def placement_summary(placement: dict[str, tuple[str, str]]) -> str:
+    """One line: each EP's node count and its operators (most nodes first)."""
+    by_ep: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for op, ep in placement.values():
+        by_ep[ep][op] += 1
+    parts = []
+    for ep, ops in sorted(by_ep.items(), key=lambda item: -item[1].total()):
+        listed = ", ".join(f"{op} {n}" if n > 1 else op for op, n in ops.most_common())
+        parts.append(f"{ops.total()} on {ep} ({listed})")
+    return "nodes: " + "; ".join(parts)
+
+
 def provider_in_effect(session, plan: SessionPlan, ort=None) -> SessionPlan:
     """The plan as the session carries it out. ONNX Runtime creates a session on the CPU when it
     cannot create the CUDA EP it was given (CUDA or cuDNN libraries or the driver missing, no
     device): it logs an error and goes on. device='cuda' and a required per-layer plan refuse
     that, naming what the loader could not find; auto says so once and the plan names the CPU, so
     nothing reports CUDA for a CPU run."""
-    if plan.provider != CUDA_EP or CUDA_EP in session.get_providers():
+    if plan.provider not in (CUDA_EP, WEBGPU_EP) or plan.provider in session.get_providers():
         return plan
-    cause = _cuda_failure(ort) if ort is not None else "docs/gpu.md"
-    problem = f"ONNX Runtime could not create {CUDA_EP} ({cause}) and made the session on the CPU"
-    if plan.device == "cuda":
-        raise MoepassError(f"device='cuda' but {problem}")
+    if plan.provider == CUDA_EP:
+        cause = _cuda_failure(ort) if ort is not None else "docs/gpu.md"
+    else:
+        cause = "the plugin gave no EP for its device"
+    problem = f"ONNX Runtime could not create {plan.provider} ({cause}) and made the session on the CPU"
+    if plan.device in ("cuda", "webgpu"):
+        raise MoepassError(f"device='{plan.device}' but {problem}")
     if plan.layer_mode == "required":
         raise MoepassError(f"per-layer placement required, but {problem}")
     log.warning(f"{problem}: running on the CPU")

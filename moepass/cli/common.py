@@ -218,7 +218,8 @@ def runtime_options(f):
                 type=click.Choice(DEVICES),
                 default="auto",
                 show_default=True,
-                help="auto: the best EP available; cuda: fail unless a CUDA EP is there.",
+                help="auto: the best EP available (CUDA, else WebGPU, else the CPU); cuda, webgpu: fail unless "
+                "that EP and a device are there (webgpu: pip install 'moepass[webgpu]').",
             ),
             click.option(
                 "--cuda-plugin",
@@ -313,10 +314,15 @@ def load_settings(options: dict) -> dict:
 
 
 def echo_placement(decoder) -> None:
-    """Where ONNX Runtime put the MoE layers of a per-layer plan (its graph assignment record)."""
+    """Where ONNX Runtime put the MoE layers of a per-layer plan, and the nodes of a session on an EP
+    that takes only some (WebGPU): its graph assignment record."""
     if decoder.moe_placement:
         counts = collections.Counter(decoder.moe_placement.values())
         click.echo("MoE layers: " + ", ".join(f"{n} on {ep}" for ep, n in sorted(counts.items())), err=True)
+    if decoder.node_placement:
+        from moepass.runtime.providers import placement_summary
+
+        click.echo(placement_summary(decoder.node_placement), err=True)
 
 
 def sampling_options(greedy: bool):

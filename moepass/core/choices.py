@@ -131,8 +131,11 @@ PLAN_MODES = keys.OFFLOAD_MODES[1:]  # what a plan asks of ONNX Runtime: auto or
 # eligible and a CUDA plugin EP is named, else layers
 TARGETS = ("auto", "offload", "layers")
 # run / bench
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "webgpu")
 PLUGIN_ENV = "MOEPASS_CUDA_PLUGIN"  # path of the CUDA plugin EP library, when not given as an option
+# the WebGPU plugin EP's own switch: set, it offers a software adapter (lavapipe, SwiftShader) as a
+# device where no GPU is found; read when the plugin is registered
+WEBGPU_SOFTWARE_ENV = "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER"
 
 
 # run, chat, serve, bench: speculative decoding (moepass.runtime.speculative): --speculative ngram | draft:PATH
