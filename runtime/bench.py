@@ -135,22 +135,39 @@ def profile_phases(
     with tempfile.TemporaryDirectory(prefix="moepass-profile-") as tmp:
         decoder = Decoder(model_dir, profile_prefix=str(Path(tmp) / "run"), **load_options)
         rng = np.random.default_rng(1)
+        # the runs of the session that runs prompts (a second one on WebGPU: Decoder.session_for)
+        prompts = decoder.prompt_session is not None
+
+        def prompt_runs() -> int:
+            return decoder.prompt_runs if prompts else decoder.model_runs
+
         list(decoder.generate(_prompt(decoder, 8), 2, stop_ids=()))  # warm-up: the first runs pay for allocation
-        first_prefill = decoder.model_runs
+        first_prefill = prompt_runs()
         for _ in range(repeats):
             list(decoder.generate(rng.integers(0, decoder.vocab_size, size=prompt_tokens).tolist(), 1, stop_ids=()))
-        last_prefill = decoder.model_runs
+        last_prefill = prompt_runs()
         list(decoder.generate(_prompt(decoder, depth), new_tokens + 1, stop_ids=()))  # a prefill, then the steps
-        events = json.loads(Path(decoder.session.end_profiling()).read_text())
-        end = decoder.model_runs
-    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    if len(runs) < end:
-        raise MoepassError(f"ONNX Runtime's profile holds {len(runs)} runs of the {end} made: it dropped events")
-    runs = runs[len(runs) - end :]  # the profiler counts the same runs as model_runs, from the session's start
+        events, runs = _session_runs(decoder.session, decoder.model_runs - decoder.prompt_runs)
+        prompt_events, prompt_run_events = (
+            _session_runs(decoder.prompt_session, decoder.prompt_runs) if prompts else (events, runs)
+        )
     return {
-        "prefill": {**_where(events, runs[first_prefill:last_prefill], repeats), "prompt_tokens": prompt_tokens},
-        "decode": {**_where(events, runs[end - new_tokens : end], new_tokens), "steps": new_tokens, "depth": depth},
+        "prefill": {
+            **_where(prompt_events, prompt_run_events[first_prefill:last_prefill], repeats),
+            "prompt_tokens": prompt_tokens,
+        },
+        "decode": {**_where(events, runs[len(runs) - new_tokens :], new_tokens), "steps": new_tokens, "depth": depth},
     }
+
+
+def _session_runs(session, made: int) -> tuple[list[dict], list[dict]]:
+    """A session's profile events and its last `made` runs (the profiler counts the same runs as
+    the decoder, from the session's start)."""
+    events = json.loads(Path(session.end_profiling()).read_text())
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    if len(runs) < made:
+        raise MoepassError(f"ONNX Runtime's profile holds {len(runs)} runs of the {made} made: it dropped events")
+    return events, runs[len(runs) - made :]
 
 
 def _where(events: list[dict], runs: list[dict], units: int) -> dict[str, Any]:

@@ -115,14 +115,14 @@ class Decoder:
         if graph is not None:
             source = onnx_ir.to_proto(stamp(graph, str(model_path))).SerializeToString()
 
-        def new_session(ep_options: dict[str, str]):
+        def new_session(ep_options: dict[str, str], profile_name: str = ""):
             options = ort.SessionOptions()
             if self.threads:
                 options.intra_op_num_threads = self.threads
             options.log_severity_level = 4
             if profile_prefix:
                 options.enable_profiling = True
-                options.profile_file_prefix = profile_prefix
+                options.profile_file_prefix = profile_prefix + profile_name
             for key, value in self.plan.config_entries.items():
                 options.add_session_config_entry(key, value)
             register_native_kernels(options, structure)
@@ -142,7 +142,9 @@ class Decoder:
         self.plan = provider_in_effect(self.session, self.plan, ort)  # ONNX Runtime may have fallen back to the CPU
         # calls of several tokens, where the device's own path for them is not trusted (WebGPU's
         # QMoE): the same model with its MoE layers on the CPU (session_for)
-        self.prompt_session = new_session(self.plan.prompt_ep_options) if self.plan.prompt_ep_options else None
+        self.prompt_session = (
+            new_session(self.plan.prompt_ep_options, "-prompts") if self.plan.prompt_ep_options else None
+        )
         # MoE node -> EP, where a per-layer plan is in force (checked against the plan)
         self.moe_placement = check_layer_placement(self.session, structure, self.plan)
         # node -> (operator, EP) where the EP takes only some nodes (WebGPU)
@@ -176,6 +178,7 @@ class Decoder:
         self._added_tokens: tuple[list[int], list[int]] | None = None
         self._tokenizer_path = folder / TOKENIZER_FILE
         self.model_runs = 0  # steps of the model so far (a server's n_decode_total)
+        self.prompt_runs = 0  # of which the prompt session's (session_for)
         # drafts checked K at a time (moepass.runtime.speculative); None: one token per step
         self.speculator: Speculator | None = None
 
@@ -287,8 +290,11 @@ class Decoder:
 
     def session_for(self, tokens: int):
         """The session that runs a call of `tokens` tokens (all rows): the prompt session where there
-        is one and the call has several, else the model's session."""
-        return self.prompt_session if tokens > 1 and self.prompt_session is not None else self.session
+        is one and the call has several (counted in prompt_runs), else the model's session."""
+        if tokens > 1 and self.prompt_session is not None:
+            self.prompt_runs += 1
+            return self.prompt_session
+        return self.session
 
     def forward(self, input_ids: np.ndarray, cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Run new tokens `[B, S]` after the cached ones; returns logits `[B, S, V]` and the new cache."""

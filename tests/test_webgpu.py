@@ -244,3 +244,15 @@ def test_a_qmoe_node_on_webgpu_is_within_the_int8_activation_error_of_the_cpus(c
     exact = cpu(0)
     bound = 2 * np.abs(cpu(4) - exact).max()
     assert 0 < np.abs(webgpu - exact).max() <= bound, (np.abs(webgpu - exact).max(), bound)
+
+
+@needs_plugin
+def test_bench_profiles_both_sessions(converted):
+    """bench --profile on WebGPU: the prefill's kernels from the prompt session's profile (its MoE on
+    the CPU), the decode step's from the model's session."""
+    code = "import sys; from moepass.cli import main; main(sys.argv[1:])"
+    done = run_python(code, "bench", str(converted("q4_0", activations="float")), "-p", "8", "-n", "4", "-r", "1",
+                      "--device", "webgpu", "--profile", check=False)
+    assert done.returncode == 0, done.stderr
+    assert "a prefill of 8 tokens under the profiler" in done.stdout + done.stderr
+    assert "a decode step under the profiler" in done.stdout + done.stderr
