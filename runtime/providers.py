@@ -99,7 +99,7 @@ def _webgpu_devices(ort, required: bool) -> list[Any]:
         if required:
             raise MoepassError(
                 "device='webgpu' but the WebGPU plugin EP (onnxruntime-ep-webgpu) is not installed: "
-                "pip install 'moepass[webgpu]'"
+                "pip install 'moepass[webgpu]' (beside onnxruntime-gpu: pip install onnxruntime-ep-webgpu==0.4.0)"
             ) from None
         return []
     if not hasattr(ort, "register_execution_provider_library"):  # plugin EPs came in ONNX Runtime 1.22
