@@ -77,15 +77,26 @@ def _register_plugin(ort, library: str) -> list[Any]:
         raise no_such_path(path, "the CUDA plugin EP library")
     if not path.is_file():
         raise MoepassError(f"{path}: not a CUDA plugin EP library (not a file)")
-    try:
-        ort.register_execution_provider_library(PLUGIN_EP, str(path))
-    except Exception as e:  # noqa: BLE001 - ORT raises its own types; keep its words
-        if "already registered" not in str(e).lower():
-            raise MoepassError(f"{path}: ONNX Runtime cannot register it as {PLUGIN_EP}: {first_line(e)}") from None
-    devices = [d for d in ort.get_ep_devices() if d.ep_name == PLUGIN_EP]
+    devices = _register_library(ort, PLUGIN_EP, str(path))
     if not devices:
         raise MoepassError(f"{path}: registered as {PLUGIN_EP}, but it reports no device")
     return devices
+
+
+def _register_library(ort, ep: str, library: str) -> list[Any]:
+    """A plugin EP's library registered as `ep`, once a process, and the devices it reports. Not
+    again where its devices are listed: registered again while sessions of it were alive (`bench
+    --profile`'s second decoder), the WebGPU plugin killed the process (SIGSEGV); ONNX Runtime
+    refuses other repeats as "already registered"."""
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == ep]
+    if devices:
+        return devices
+    try:
+        ort.register_execution_provider_library(ep, library)
+    except Exception as e:  # noqa: BLE001 - ORT raises its own types; keep its words
+        if "already registered" not in str(e).lower():
+            raise MoepassError(f"{library}: ONNX Runtime cannot register it as {ep}: {first_line(e)}") from None
+    return [d for d in ort.get_ep_devices() if d.ep_name == ep]
 
 
 def _webgpu_devices(ort, required: bool) -> list[Any]:
@@ -106,16 +117,7 @@ def _webgpu_devices(ort, required: bool) -> list[Any]:
         if required:
             raise MoepassError(f"device='webgpu' but ONNX Runtime {ort.__version__} cannot load plugin EPs (1.22 can)")
         return []
-    if not any(d.ep_name == WEBGPU_EP for d in ort.get_ep_devices()):
-        library = webgpu.get_library_path()
-        try:
-            ort.register_execution_provider_library(WEBGPU_EP, library)
-        except Exception as e:  # noqa: BLE001 - ORT raises its own types; keep its words
-            if "already registered" not in str(e).lower():
-                raise MoepassError(
-                    f"{library}: ONNX Runtime cannot register it as {WEBGPU_EP}: {first_line(e)}"
-                ) from None
-    devices = [d for d in ort.get_ep_devices() if d.ep_name == WEBGPU_EP]
+    devices = _register_library(ort, WEBGPU_EP, webgpu.get_library_path())
     if not required:
         devices = [d for d in devices if d.device.type == ort.OrtHardwareDeviceType.GPU]
     if not devices:

@@ -34,10 +34,10 @@ NEW_TOKENS = 6
 ARCHITECTURES = ["qwen3moe", "llama", "qwen2moe", "olmoe", "granitemoe", "phimoe", "deepseek2", "gpt-oss"]
 
 
-
-def greedy_steps(model: str, device: str, prompt: list[int], n: int) -> dict:
+def greedy_steps(model: str, device: str, prompt: list[int], n: int, forced: list[int] | None = None) -> dict:
     """Greedy decoding with each step's logits, on `device`: {"provider", "tokens", "logits"
-    [step][vocab], "prompt_session"}; run as it is in a subprocess for WebGPU (its source is sent)."""
+    [step][vocab], "prompt_session"}; `forced`: these tokens fed in place of the greedy ones. Run as
+    it is in a subprocess for WebGPU (its source is sent)."""
     import numpy as np
 
     from moepass.runtime import load
@@ -47,8 +47,8 @@ def greedy_steps(model: str, device: str, prompt: list[int], n: int) -> dict:
     cache = KVCache(d, len(prompt) + n)
     logits = [cache.run_rows(prompt, 1)[-1]]
     tokens: list[int] = []
-    for _ in range(n):
-        tokens.append(int(np.argmax(logits[-1])))
+    for step in range(n):
+        tokens.append(forced[step] if forced else int(np.argmax(logits[-1])))
         logits.append(cache.run_rows([tokens[-1]], 1)[-1])
     return {"provider": d.plan.provider, "tokens": tokens, "logits": [x.tolist() for x in logits[:-1]],
             "prompt_session": d.prompt_session is not None}
@@ -80,14 +80,9 @@ def int8_error(converted, arch: str, preset: str = "q4_0") -> float:
     """The CPU's own error of int8 activations on this fixture: its int8-activation form against its
     float form, the largest logit difference over the greedy steps of the float form's tokens."""
     exact = greedy(converted(preset, arch=arch, activations="float"), "cpu")
-    quantized = load(converted(preset, arch=arch, activations="int8"))
-    from moepass.runtime.kv_cache import KVCache
-
-    cache = KVCache(quantized, len(PROMPT) + NEW_TOKENS)
-    logits = [cache.run_rows(PROMPT, 1)[-1]]
-    for token in exact["tokens"][:-1]:
-        logits.append(cache.run_rows([token], 1)[-1])
-    return float(max(np.abs(np.asarray(exact["logits"]) - np.asarray(logits)).max(axis=1)))
+    quantized = greedy_steps(str(converted(preset, arch=arch, activations="int8")), "cpu", PROMPT, NEW_TOKENS,
+                             forced=exact["tokens"])
+    return float(np.abs(np.asarray(exact["logits"]) - np.asarray(quantized["logits"])).max())
 
 
 def test_webgpu_is_refused_in_one_line_without_the_plugin(converted, monkeypatch):
